@@ -1,0 +1,7 @@
+"""``python -m gpuop``: the same as the ``gpuop`` command."""
+
+import sys
+
+from gpuop.cli import main
+
+sys.exit(main())

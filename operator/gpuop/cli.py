@@ -1,0 +1,160 @@
+"""The ``gpuop`` command line: render, validate and print the CRD, without a cluster.
+
+Exit codes: 0 success, 2 bad input (each problem one line on stderr, naming the file, line,
+field and rule), 1 a check that found a difference (``crd --check``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from gpuop.crd import crd_yaml
+from gpuop.documents import Document, DocumentError, read_documents
+from gpuop.render import DEFAULT_TRAINER_IMAGE, render_pytorchjob
+from gpuop.schema import SpecError
+from gpuop.spec import GpuTraining, parse
+
+EXIT_OK = 0
+EXIT_DIFFERENT = 1
+EXIT_BAD_INPUT = 2
+
+
+class _BadInputError(Exception):
+    """Problems with the user's input, already formatted one per line."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+def _first(pair: tuple[int, str]) -> int:
+    return pair[0]
+
+
+def _load(files: Sequence[str]) -> list[tuple[Document, GpuTraining]]:
+    """Parse every document of every file; report all problems of all of them together."""
+    parsed: list[tuple[Document, GpuTraining]] = []
+    lines: list[str] = []
+    for path in files:
+        try:
+            documents = read_documents(path)
+        except DocumentError as exc:
+            lines.append(str(exc))
+            continue
+        for document in documents:
+            try:
+                parsed.append((document, parse(document.data)))
+            except SpecError as exc:
+                # In the order of the file, the way people read and fix it.
+                located = sorted(
+                    ((document.line_of(p.path), str(p)) for p in exc.problems), key=lambda x: x[0]
+                )
+                lines.extend(f"{document.source}:{line}: {problem}" for line, problem in located)
+    if lines:
+        raise _BadInputError(lines)
+    return parsed
+
+
+def _dump(objects: list[dict[str, Any]], output: str) -> str:
+    if output == "json":
+        if len(objects) == 1:
+            return json.dumps(objects[0], indent=2) + "\n"
+        return json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}, indent=2) + "\n"
+    return yaml.safe_dump_all(objects, sort_keys=False, explicit_start=len(objects) > 1)
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    jobs = [render_pytorchjob(training, default_image=args.image) for _, training in _load(args.filename)]
+    sys.stdout.write(_dump(jobs, args.output))
+    return EXIT_OK
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    for document, training in _load(args.filename):
+        print(f"{document.source}: gputraining/{training.name} is valid")
+    return EXIT_OK
+
+
+def _cmd_crd(args: argparse.Namespace) -> int:
+    expected = crd_yaml()
+    if args.check is None:
+        sys.stdout.write(expected)
+        return EXIT_OK
+    try:
+        with open(args.check, encoding="utf-8") as handle:
+            actual = handle.read()
+    except OSError as exc:
+        raise _BadInputError([f"{args.check}: cannot read: {exc.strerror}"]) from None
+    if actual == expected:
+        print(f"{args.check} is up to date")
+        return EXIT_OK
+    diff = difflib.unified_diff(
+        actual.splitlines(keepends=True), expected.splitlines(keepends=True), args.check, "generated"
+    )
+    sys.stdout.writelines(diff)
+    print(f"{args.check} is stale: run `make crds` and commit it", file=sys.stderr)
+    return EXIT_DIFFERENT
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpuop",
+        description="GPU training operator: render, validate and run GpuTraining resources.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add_files(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument(
+            "-f",
+            "--filename",
+            action="append",
+            required=True,
+            metavar="FILE",
+            help="GpuTraining manifest (YAML, several documents allowed; - for stdin); repeatable",
+        )
+
+    render = commands.add_parser("render", help="print the Kubeflow PyTorchJob for each GpuTraining")
+    add_files(render)
+    render.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml", help="output format")
+    render.add_argument(
+        "--image",
+        default=DEFAULT_TRAINER_IMAGE,
+        help="trainer image for specs without spec.image (default: %(default)s)",
+    )
+    render.set_defaults(handler=_cmd_render)
+
+    validate = commands.add_parser("validate", help="check GpuTraining manifests against the API rules")
+    add_files(validate)
+    validate.set_defaults(handler=_cmd_validate)
+
+    crd = commands.add_parser("crd", help="print the GpuTraining CRD generated from the spec model")
+    crd.add_argument("--check", metavar="FILE", help="instead, fail when FILE differs from it")
+    crd.set_defaults(handler=_cmd_crd)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.handler(args)
+    except _BadInputError as exc:
+        for line in exc.lines:
+            print(f"error: {line}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except BrokenPipeError:  # `gpuop render ... | head`
+        sys.stderr.close()
+        return EXIT_OK
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

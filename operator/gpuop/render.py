@@ -1,0 +1,431 @@
+"""GpuTraining -> Kubeflow PyTorchJob, as small pure functions.
+
+Nothing here talks to a cluster or reads the clock: the same GpuTraining always renders the
+same manifest, byte for byte, which is what makes golden-file tests and idempotent
+create-or-adopt possible. The env part (:func:`trainer_env`) is also what the local run
+mode gives torchrun on a laptop.
+
+What Kubeflow's training-operator (v1.9) adds to this manifest when it makes pods, and so
+must not be rendered here: MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, PET_NNODES,
+PET_NODE_RANK, PET_NPROC_PER_NODE (fixed jobs) and PET_RDZV_* (elastic jobs).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from gpuop.quantity import MI, format_bytes, parse_quantity
+from gpuop.spec import API_VERSION, KIND, GpuTraining, GpuTrainingSpec, Toleration, VolumeSource
+from gputrain.contract import (
+    METRICS_PORT,
+    METRICS_PORT_NAME,
+    RENDEZVOUS_PORT,
+    RENDEZVOUS_PORT_NAME,
+    TERMINATION_LOG,
+    TrainerSettings,
+)
+
+PYTORCHJOB_API_VERSION: Final = "kubeflow.org/v1"
+PYTORCHJOB_KIND: Final = "PyTorchJob"
+CONTAINER_NAME: Final = "pytorch"  # the training-operator finds its container by this name
+DEFAULT_TRAINER_IMAGE: Final = "ghcr.io/gpu-training-operator/trainer:0.1.0"
+GPU_RESOURCE: Final = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL: Final = "nvidia.com/gpu.product"
+EFA_RESOURCE: Final = "vpc.amazonaws.com/efa"
+QUEUE_LABEL: Final = "kueue.x-k8s.io/queue-name"
+TRAINING_LABEL: Final = "gpuop.io/gputraining"
+RUN_AS_USER: Final = 1000
+
+# NCCL environment per cloud network. Values a user sets in spec.nccl.env win.
+NCCL_PROFILES: Final[dict[str, dict[str, str]]] = {
+    "none": {},
+    # EFA through the aws-ofi-nccl plugin; RDMA reads on p4d/p5, fork-safe libfabric because
+    # DataLoader workers fork after NCCL initialised.
+    "eks-efa": {
+        "FI_PROVIDER": "efa",
+        "FI_EFA_USE_DEVICE_RDMA": "1",
+        "FI_EFA_FORK_SAFE": "1",
+        "NCCL_SOCKET_IFNAME": "^lo",
+    },
+    # Standard GKE pod networking: sockets over eth0, no InfiniBand to probe for.
+    "gke": {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "1"},
+    # AKS ND-series: InfiniBand for data, eth0 for bootstrap.
+    "aks-infiniband": {
+        "NCCL_IB_DISABLE": "0",
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "NCCL_IB_PCI_RELAXED_ORDERING": "1",
+    },
+}
+
+# Bytes of one float32 sample as DataLoader workers hand it over through /dev/shm; an upper
+# bound for synthetic data, whose shape follows the model.
+_SAMPLE_BYTES: Final = {
+    "mnist": 1 * 28 * 28 * 4,
+    "digits": 1 * 8 * 8 * 4,
+    "cifar10": 3 * 32 * 32 * 4,
+    "imagefolder": 3 * 224 * 224 * 4,
+    "synthetic": 3 * 224 * 224 * 4,
+}
+_PREFETCH_FACTOR: Final = 2  # PyTorch's DataLoader default
+_NCCL_SHM_PER_PROCESS: Final = 64 * MI  # ~33 MiB per communicator; DDP may hold two
+_SHM_FLOOR: Final = 512 * MI
+_SHM_STEP: Final = 256 * MI
+
+
+def shm_size_bytes(spec: GpuTrainingSpec) -> int:
+    """The /dev/shm size for one worker pod.
+
+    The user's ``shmSize`` when given. Otherwise: per training process, the batches its
+    DataLoader workers keep in flight (workers x prefetch x batch x sample size, doubled for
+    headroom) plus NCCL's buffers; rounded up to 256Mi, at least 512Mi, at most half the
+    memory limit. A tmpfs only takes memory as it is written, so a generous limit is cheap,
+    while one too small kills the job with a bus error.
+    """
+    if spec.shm_size is not None:
+        return int(parse_quantity(spec.shm_size))
+    sample = _SAMPLE_BYTES[spec.dataset.name] if spec.dataset is not None else _SAMPLE_BYTES["synthetic"]
+    loader_workers = spec.dataset.loader_workers if spec.dataset is not None else 0
+    in_flight = loader_workers * _PREFETCH_FACTOR * spec.training.batch_size * sample * 2
+    nccl = _NCCL_SHM_PER_PROCESS if spec.gpus_per_worker > 0 else 0
+    wanted = max(_SHM_FLOOR, spec.processes_per_worker * (in_flight + nccl))
+    size = -(-wanted // _SHM_STEP) * _SHM_STEP
+    if spec.resources.memory is not None:
+        half = int(parse_quantity(spec.resources.memory)) // 2 // MI * MI
+        size = min(size, max(half, 64 * MI))
+    return size
+
+
+def trainer_settings(name: str, spec: GpuTrainingSpec) -> TrainerSettings:
+    """The contract values the trainer reads, from the spec.
+
+    Checkpoints and outputs go to a directory named after the job, so several jobs can share
+    one volume, and a job re-created under the same name resumes from its checkpoints.
+    """
+    dataset = spec.dataset
+    return TrainerSettings(
+        job_name=name,
+        model=spec.model.name,
+        # A custom command may train without a built-in dataset; the setting is then moot.
+        dataset=dataset.name if dataset is not None else "synthetic",
+        data_dir=dataset.path if dataset is not None else "/data",
+        epochs=spec.training.epochs,
+        batch_size=spec.training.batch_size,
+        learning_rate=spec.training.learning_rate,
+        precision=spec.training.precision,
+        grad_accum_steps=spec.training.gradient_accumulation_steps,
+        seed=spec.training.seed,
+        max_grad_norm=spec.training.max_grad_norm,
+        channels_last=spec.training.channels_last,
+        compile=spec.training.compile,
+        loader_workers=dataset.loader_workers if dataset is not None else 0,
+        log_every_steps=spec.training.log_every_steps,
+        checkpoint_dir=f"{spec.checkpoint.path.rstrip('/')}/{name}",
+        checkpoint_every_steps=spec.checkpoint.every_steps,
+        checkpoint_keep=spec.checkpoint.keep,
+        output_dir=f"{spec.output.path.rstrip('/')}/{name}",
+        backend=spec.backend,
+        metrics_port=METRICS_PORT,
+    )
+
+
+def nccl_env(spec: GpuTrainingSpec) -> dict[str, str]:
+    """NCCL variables: the profile's, then NCCL_DEBUG, then the user's overrides. None on CPU."""
+    if spec.gpus_per_worker == 0:
+        return {}
+    env = dict(NCCL_PROFILES[spec.nccl.profile])
+    if spec.nccl.debug:
+        env["NCCL_DEBUG"] = spec.nccl.debug
+    env.update(spec.nccl.env)
+    return env
+
+
+def trainer_env(name: str, spec: GpuTrainingSpec) -> list[dict[str, Any]]:
+    """The container's environment, in a fixed order: contract, NCCL, runtime, user."""
+    env: dict[str, str] = dict(trainer_settings(name, spec).to_env())
+    env.update(nccl_env(spec))
+    user_names = {e.name for e in spec.env}
+    if spec.gpus_per_worker == 0 and spec.resources.cpu is not None and "OMP_NUM_THREADS" not in user_names:
+        # torchrun sets OMP_NUM_THREADS=1 when unset, which starves a CPU (gloo) trainer.
+        env["OMP_NUM_THREADS"] = str(max(1, int(parse_quantity(spec.resources.cpu))))
+    if spec.elastic is not None:
+        # After a restart the agent's shared TCPStore still holds the previous attempt's
+        # keys and the new group fails to connect (pytorch/pytorch#135712).
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    rendered: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
+    for var in spec.env:
+        if var.value_from is not None:
+            source = var.value_from
+            ref = source.secret_key_ref or source.config_map_key_ref
+            assert ref is not None  # the spec model admits exactly one
+            kind = "secretKeyRef" if source.secret_key_ref is not None else "configMapKeyRef"
+            entry: dict[str, Any] = {"name": ref.name, "key": ref.key}
+            if ref.optional:
+                entry["optional"] = True
+            rendered.append({"name": var.name, "valueFrom": {kind: entry}})
+        else:
+            rendered.append({"name": var.name, "value": var.value})
+    return rendered
+
+
+def labels(name: str) -> dict[str, str]:
+    """Labels on the PyTorchJob and its pods; the operator selects training pods by them."""
+    return {
+        "app.kubernetes.io/name": "gputraining",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/managed-by": "gpu-training-operator",
+        TRAINING_LABEL: name,
+    }
+
+
+def _launch(spec: GpuTrainingSpec) -> tuple[list[str], list[str] | None]:
+    """Command and args of the training container."""
+    if spec.command is not None:
+        return list(spec.command), list(spec.args) if spec.args is not None else None
+    args = [f"--nproc-per-node={spec.processes_per_worker}"]
+    if spec.elastic is None:
+        # The training-operator sets PET_NNODES and PET_NODE_RANK, which torchrun reads, but
+        # only MASTER_ADDR/MASTER_PORT for the address; Kubernetes expands $(VAR) from the
+        # container's environment.
+        args += ["--master-addr=$(MASTER_ADDR)", "--master-port=$(MASTER_PORT)"]
+    args += ["-m", "gputrain"]
+    return ["torchrun"], args
+
+
+def _resources(spec: GpuTrainingSpec) -> dict[str, Any]:
+    requests: dict[str, str] = {}
+    limits: dict[str, str | int] = {}
+    if spec.resources.cpu is not None:
+        requests["cpu"] = str(spec.resources.cpu)
+    if spec.resources.memory is not None:
+        requests["memory"] = limits["memory"] = str(spec.resources.memory)
+    if spec.gpus_per_worker > 0:
+        limits[GPU_RESOURCE] = spec.gpus_per_worker
+    if spec.nccl.efa_devices > 0:
+        limits[EFA_RESOURCE] = spec.nccl.efa_devices
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _claim(claim: VolumeSource, read_only: bool) -> dict[str, Any]:
+    source: dict[str, Any] = {"claimName": claim.claim_name}
+    if read_only:
+        source["readOnly"] = True
+    return {"persistentVolumeClaim": source}
+
+
+def _mount(name: str, path: str, claim: VolumeSource | None, read_only: bool = False) -> dict[str, Any]:
+    mount: dict[str, Any] = {"name": name, "mountPath": path}
+    if claim is not None and claim.sub_path:
+        mount["subPath"] = claim.sub_path
+    if read_only:
+        mount["readOnly"] = True
+    return mount
+
+
+def _volumes(spec: GpuTrainingSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Volumes and the container's mounts: shm, checkpoints, output, and the dataset."""
+    shm = format_bytes(shm_size_bytes(spec))
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    for name, claim, path in (
+        ("checkpoints", spec.checkpoint.volume, spec.checkpoint.path),
+        ("output", spec.output.volume, spec.output.path),
+    ):
+        volumes.append({"name": name, **(_claim(claim, False) if claim else {"emptyDir": {}})})
+        mounts.append(_mount(name, path, claim))
+    if spec.dataset is not None and spec.dataset.volume is not None:
+        volumes.append({"name": "data", **_claim(spec.dataset.volume, True)})
+        mounts.append(_mount("data", spec.dataset.path, spec.dataset.volume, read_only=True))
+    return volumes, mounts
+
+
+def _toleration(t: Toleration) -> dict[str, Any]:
+    out: dict[str, Any] = {"operator": t.operator}
+    if t.key is not None:
+        out["key"] = t.key
+    if t.value is not None:
+        out["value"] = t.value
+    if t.effect is not None:
+        out["effect"] = t.effect
+    if t.toleration_seconds is not None:
+        out["tolerationSeconds"] = t.toleration_seconds
+    return out
+
+
+def _container(name: str, spec: GpuTrainingSpec, image: str, mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    command, args = _launch(spec)
+    capabilities: dict[str, Any] = {"drop": ["ALL"]}
+    if spec.nccl.profile == "aks-infiniband" and spec.gpus_per_worker > 0:
+        # RDMA pins (locks) buffer memory; without IPC_LOCK, ibv_reg_mr fails.
+        capabilities["add"] = ["IPC_LOCK"]
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": command,
+    }
+    if args is not None:
+        container["args"] = args
+    container.update(
+        {
+            "env": trainer_env(name, spec),
+            "ports": [
+                {"name": RENDEZVOUS_PORT_NAME, "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"},
+                {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"},
+            ],
+            "resources": _resources(spec),
+            "volumeMounts": mounts,
+            "securityContext": {
+                "allowPrivilegeEscalation": False,
+                "capabilities": capabilities,
+                "runAsNonRoot": True,
+            },
+            "terminationMessagePath": TERMINATION_LOG,
+            # A trainer that dies before writing its result still leaves its last log lines.
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+        }
+    )
+    return container
+
+
+def pod_template(name: str, spec: GpuTrainingSpec, image: str) -> dict[str, Any]:
+    """The pod template shared by Master and Worker."""
+    volumes, mounts = _volumes(spec)
+    node_selector = dict(spec.scheduling.node_selector)
+    tolerations = [_toleration(t) for t in spec.scheduling.tolerations]
+    if spec.gpus_per_worker > 0:
+        if spec.gpu_type is not None:
+            node_selector[GPU_PRODUCT_LABEL] = spec.gpu_type
+        # GPU node pools on EKS, GKE and AKS taint their nodes with nvidia.com/gpu.
+        tolerations.insert(0, {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    pod: dict[str, Any] = {
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,  # so the checkpoint and output volumes are writable
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        # The trainer never calls the Kubernetes API.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
+    }
+    if spec.service_account_name is not None:
+        pod["serviceAccountName"] = spec.service_account_name
+    if spec.scheduling.priority_class_name is not None:
+        pod["priorityClassName"] = spec.scheduling.priority_class_name
+    if node_selector:
+        pod["nodeSelector"] = node_selector
+    if tolerations:
+        pod["tolerations"] = tolerations
+    if spec.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
+    pod["containers"] = [_container(name, spec, image, mounts)]
+    pod["volumes"] = volumes
+
+    metadata: dict[str, Any] = {"labels": {**spec.pod_metadata.labels, **labels(name)}}
+    if spec.pod_metadata.annotations:
+        metadata["annotations"] = dict(spec.pod_metadata.annotations)
+    return {"metadata": metadata, "spec": pod}
+
+
+def _replica_specs(name: str, spec: GpuTrainingSpec, image: str) -> dict[str, Any]:
+    # OnFailure restarts the container inside the same pod, so a checkpoint on the default
+    # emptyDir survives the restart. (ExitCode would re-create the pod and lose it; and under
+    # torchrun the pod's exit code is the agent's, not the trainer's.)
+    restart = "OnFailure"
+    if spec.elastic is not None:
+        # Elastic jobs are Worker-only, as in Kubeflow's elastic examples: every pod joins
+        # the c10d rendezvous on worker-0 and the Worker count may scale.
+        return {
+            "Worker": {
+                "replicas": spec.workers,
+                "restartPolicy": restart,
+                "template": pod_template(name, spec, image),
+            }
+        }
+    replicas = {
+        "Master": {"replicas": 1, "restartPolicy": restart, "template": pod_template(name, spec, image)}
+    }
+    if spec.workers > 1:
+        replicas["Worker"] = {
+            "replicas": spec.workers - 1,
+            "restartPolicy": restart,
+            "template": pod_template(name, spec, image),
+        }
+    return replicas
+
+
+def _run_policy(spec: GpuTrainingSpec) -> dict[str, Any]:
+    rp = spec.run_policy
+    out: dict[str, Any] = {"cleanPodPolicy": rp.clean_pod_policy, "suspend": rp.suspend}
+    if rp.backoff_limit is not None:
+        out["backoffLimit"] = rp.backoff_limit
+    if rp.active_deadline_seconds is not None:
+        out["activeDeadlineSeconds"] = rp.active_deadline_seconds
+    if rp.ttl_seconds_after_finished is not None:
+        out["ttlSecondsAfterFinished"] = rp.ttl_seconds_after_finished
+    if spec.scheduling.gang:
+        policy: dict[str, Any] = {"minAvailable": spec.workers}
+        if spec.scheduling.queue_name is not None:
+            policy["queue"] = spec.scheduling.queue_name
+        if spec.scheduling.priority_class_name is not None:
+            policy["priorityClass"] = spec.scheduling.priority_class_name
+        out["schedulingPolicy"] = policy
+    return out
+
+
+def owner_reference(training: GpuTraining) -> dict[str, Any] | None:
+    """The PyTorchJob's owner reference, so deleting the GpuTraining garbage-collects it."""
+    if training.uid is None:
+        return None
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": training.name,
+        "uid": training.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def render_pytorchjob(training: GpuTraining, *, default_image: str = DEFAULT_TRAINER_IMAGE) -> dict[str, Any]:
+    """The PyTorchJob for a GpuTraining."""
+    spec = training.spec
+    name = training.name
+    image = spec.image or default_image
+    metadata: dict[str, Any] = {"name": name}
+    if training.namespace is not None:
+        metadata["namespace"] = training.namespace
+    job_labels = labels(name)
+    if spec.scheduling.queue_name is not None:
+        job_labels[QUEUE_LABEL] = spec.scheduling.queue_name
+    metadata["labels"] = job_labels
+    owner = owner_reference(training)
+    if owner is not None:
+        metadata["ownerReferences"] = [owner]
+
+    job_spec: dict[str, Any] = {
+        # The webhook forbids elasticPolicy.nProcPerNode beside this; we only set this one.
+        "nprocPerNode": str(spec.processes_per_worker),
+        "pytorchReplicaSpecs": _replica_specs(name, spec, image),
+        "runPolicy": _run_policy(spec),
+    }
+    if spec.elastic is not None:
+        job_spec["elasticPolicy"] = {
+            "minReplicas": spec.elastic.min_workers,
+            "maxReplicas": spec.elastic.max_workers,
+            "maxRestarts": spec.elastic.max_restarts,
+            "rdzvBackend": "c10d",
+        }
+    return {
+        "apiVersion": PYTORCHJOB_API_VERSION,
+        "kind": PYTORCHJOB_KIND,
+        "metadata": metadata,
+        "spec": job_spec,
+    }

@@ -1,0 +1,522 @@
+"""Typed API objects described once, read by two consumers.
+
+A GpuTraining spec is a tree of frozen dataclasses. Each field carries its documentation,
+bounds and default in :func:`api_field`; each class may carry cross-field :class:`Rule` s,
+each written twice side by side: as CEL for the API server and as a Python check for
+``parse``. From that one description:
+
+* :func:`decode` turns a JSON-like mapping into typed objects, collecting *every* problem as
+  a :class:`Problem` with the field path, the rule and the value it got;
+* :func:`openapi_schema` produces the structural openAPIV3Schema for the CRD.
+
+So the CRD and the spec model cannot drift apart: the CRD is generated from the model, and
+``tests/unit/test_crd_agreement.py`` proves that the generated CEL and the Python checks
+give the same verdicts.
+
+Why not pydantic: its messages and JSON schema are its own (``anyOf`` for optionals,
+``$defs`` references), and a structural Kubernetes schema needs neither.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import re
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, Final, Literal, NewType, TypeVar, Union, get_args, get_origin
+
+from gpuop.quantity import QUANTITY_PATTERN, is_quantity
+
+Quantity = NewType("Quantity", str)
+"""A Kubernetes resource quantity (``2Gi``, ``500m``), kept as the user wrote it."""
+
+_META_KEY: Final = "gpuop"
+_T = TypeVar("_T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One thing wrong with an object: where, and what the rule says."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class SpecError(ValueError):
+    """An object broke one or more rules; ``problems`` lists each, in document order."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        super().__init__("\n".join(str(p) for p in problems))
+        self.problems = tuple(problems)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A validation rule, as CEL for the API server and as Python for ``parse``.
+
+    ``cel`` sees ``self`` as the JSON of the object the rule is attached to (after
+    defaulting). ``check`` sees the same object typed, and returns ``None`` when the rule
+    holds or the message to show. ``field`` names the offending field relative to that
+    object, both for the CRD's ``fieldPath`` and for the path in the Python message.
+    """
+
+    cel: str
+    message: str
+    check: Callable[[Any], str | None]
+    field: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldDoc:
+    """What a field means and which values it takes; see :func:`api_field`."""
+
+    description: str
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False
+    min_length: int | None = None
+    max_length: int | None = None
+    pattern: str | None = None
+    pattern_hint: str = ""
+    max_items: int | None = None
+    max_properties: int | None = None
+    list_map_key: str | None = None
+    date_time: bool = False
+    rules: tuple[Rule, ...] = ()
+
+
+def api_field(
+    description: str,
+    *,
+    default: Any = dataclasses.MISSING,
+    default_factory: Any = dataclasses.MISSING,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_minimum: bool = False,
+    min_length: int | None = None,
+    max_length: int | None = None,
+    pattern: str | None = None,
+    pattern_hint: str = "",
+    max_items: int | None = None,
+    max_properties: int | None = None,
+    list_map_key: str | None = None,
+    date_time: bool = False,
+    rules: tuple[Rule, ...] = (),
+) -> Any:
+    """A dataclass field with its API documentation and constraints.
+
+    A field with neither default is required, unless its type admits ``None``.
+    """
+    doc = FieldDoc(
+        description=description,
+        minimum=minimum,
+        maximum=maximum,
+        exclusive_minimum=exclusive_minimum,
+        min_length=min_length,
+        max_length=max_length,
+        pattern=pattern,
+        pattern_hint=pattern_hint,
+        max_items=max_items,
+        max_properties=max_properties,
+        list_map_key=list_map_key,
+        date_time=date_time,
+        rules=rules,
+    )
+    metadata = {_META_KEY: doc}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def api_object(cls: type[_T]) -> type[_T]:
+    """Make ``cls`` a frozen, keyword-only dataclass whose optional fields default to None.
+
+    Keyword-only because required and defaulted fields interleave in API order; the None
+    default because an absent optional field is simply absent, and spelling that out on
+    every field would only add noise.
+    """
+    for name, annotation in inspect.get_annotations(cls).items():
+        spec = cls.__dict__.get(name)
+        optional = str(annotation).replace(" ", "").endswith("|None")
+        if (
+            optional
+            and isinstance(spec, dataclasses.Field)
+            and spec.default is dataclasses.MISSING
+            and spec.default_factory is dataclasses.MISSING
+        ):
+            spec.default = None
+    return dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+
+
+def json_name(field_name: str) -> str:
+    """The API's camelCase name of a Python field (``gpus_per_worker`` -> ``gpusPerWorker``)."""
+    head, *rest = field_name.split("_")
+    return head + "".join(part.capitalize() for part in rest)
+
+
+# --------------------------------------------------------------------------------------------
+# Type introspection shared by decode and openapi_schema.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    name: str
+    key: str
+    hint: Any
+    doc: FieldDoc
+    optional: bool
+    default: Any  # dataclasses.MISSING when required
+
+
+def _slots(cls: type) -> tuple[_Slot, ...]:
+    cached: tuple[_Slot, ...] | None = cls.__dict__.get("_gpuop_slots")
+    if cached is not None:
+        return cached
+    hints = typing.get_type_hints(cls)
+    slots = []
+    for f in dataclasses.fields(cls):
+        doc = f.metadata.get(_META_KEY)
+        if doc is None:
+            raise TypeError(f"{cls.__name__}.{f.name} is not declared with api_field()")
+        hint, optional = _unwrap_optional(hints[f.name])
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        slots.append(_Slot(f.name, json_name(f.name), hint, doc, optional, default))
+    result = tuple(slots)
+    setattr(cls, "_gpuop_slots", result)  # noqa: B010 - a cache on the class itself
+    return result
+
+
+def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
+    if get_origin(hint) in (Union, types.UnionType):
+        args = [a for a in get_args(hint) if a is not type(None)]
+        if len(args) == 1 and len(get_args(hint)) == 2:
+            return args[0], True
+        raise TypeError(f"unsupported union {hint!r}")
+    return hint, False
+
+
+def _class_rules(cls: type) -> tuple[Rule, ...]:
+    rules: tuple[Rule, ...] = getattr(cls, "RULES", ())
+    return rules
+
+
+def _is_tuple(hint: Any) -> bool:
+    return get_origin(hint) is tuple
+
+
+def _is_mapping(hint: Any) -> bool:
+    return get_origin(hint) in (Mapping, dict)
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding: JSON-like data -> typed objects, with every problem reported.
+
+
+def decode(cls: type[_T], data: Any, path: str) -> _T:
+    """Build ``cls`` from ``data``, applying defaults; raises :class:`SpecError`."""
+    problems: list[Problem] = []
+    result = _decode_object(cls, data, path, problems)
+    if problems or result is None:
+        raise SpecError(problems)
+    return result
+
+
+def _decode_object(cls: type[_T], data: Any, path: str, problems: list[Problem]) -> _T | None:
+    if not isinstance(data, Mapping):
+        problems.append(Problem(path, f"must be an object (got {_show(data)})"))
+        return None
+    slots = _slots(cls)
+    known = {s.key for s in slots}
+    before = len(problems)
+    for key in data:
+        if key not in known:
+            hint = difflib.get_close_matches(str(key), known, n=1)
+            suggestion = f'; did you mean "{hint[0]}"?' if hint else ""
+            problems.append(Problem(_join(path, str(key)), f"unknown field{suggestion}"))
+    values: dict[str, Any] = {}
+    for slot in slots:
+        raw = data.get(slot.key)
+        where = _join(path, slot.key)
+        if raw is None:  # absent, or an explicit null, which the API server prunes too
+            if slot.default is not dataclasses.MISSING:
+                values[slot.name] = slot.default
+            elif slot.optional:
+                values[slot.name] = None
+            else:
+                problems.append(Problem(where, "required"))
+            continue
+        value = _decode_value(slot.hint, slot.doc, raw, where, problems)
+        if value is not None:
+            for rule in slot.doc.rules:
+                message = rule.check(value)
+                if message is not None:
+                    problems.append(Problem(_join(where, rule.field.lstrip(".")), message))
+        values[slot.name] = value
+    if len(problems) > before:
+        return None
+    obj = cls(**values)
+    for rule in _class_rules(cls):
+        message = rule.check(obj)
+        if message is not None:
+            problems.append(Problem(_join(path, rule.field.lstrip(".")), message))
+    return None if len(problems) > before else obj
+
+
+def _decode_value(hint: Any, doc: FieldDoc, raw: Any, path: str, problems: list[Problem]) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _decode_object(typing.cast(type, hint), raw, path, problems)
+    if get_origin(hint) is Literal:
+        choices = get_args(hint)
+        if raw not in choices:
+            problems.append(Problem(path, f"must be one of {', '.join(choices)} (got {_show(raw)})"))
+            return None
+        return raw
+    if hint is Quantity:
+        return _decode_quantity(raw, path, problems)
+    if _is_tuple(hint):
+        return _decode_list(get_args(hint)[0], doc, raw, path, problems)
+    if _is_mapping(hint):
+        return _decode_mapping(doc, raw, path, problems)
+    if hint is bool:
+        if not isinstance(raw, bool):
+            problems.append(Problem(path, f"must be true or false (got {_show(raw)})"))
+            return None
+        return raw
+    if hint is int or hint is float:
+        return _decode_number(hint, doc, raw, path, problems)
+    if hint is str:
+        return _decode_string(doc, raw, path, problems)
+    raise TypeError(f"unsupported field type {hint!r} at {path}")
+
+
+def _decode_quantity(raw: Any, path: str, problems: list[Problem]) -> Quantity | None:
+    text = str(raw) if isinstance(raw, int) and not isinstance(raw, bool) else raw
+    if not isinstance(text, str) or not is_quantity(text):
+        problems.append(
+            Problem(path, f"must be a Kubernetes quantity such as 512Mi or 2Gi (got {_show(raw)})")
+        )
+        return None
+    return Quantity(text)
+
+
+def _decode_list(
+    item_hint: Any, doc: FieldDoc, raw: Any, path: str, problems: list[Problem]
+) -> tuple[Any, ...] | None:
+    if not isinstance(raw, list):
+        problems.append(Problem(path, f"must be a list (got {_show(raw)})"))
+        return None
+    if doc.max_items is not None and len(raw) > doc.max_items:
+        problems.append(Problem(path, f"must have at most {doc.max_items} items (got {len(raw)})"))
+        return None
+    before = len(problems)
+    items = []
+    for index, item in enumerate(raw):
+        items.append(_decode_value(item_hint, _ITEM_DOC, item, f"{path}[{index}]", problems))
+    if doc.list_map_key is not None and len(problems) == before:
+        seen: set[Any] = set()
+        for index, item in enumerate(raw):
+            key = item.get(doc.list_map_key)
+            if key in seen:
+                problems.append(Problem(f"{path}[{index}].{doc.list_map_key}", f"duplicate {_show(key)}"))
+            seen.add(key)
+    return None if len(problems) > before else tuple(items)
+
+
+_ITEM_DOC: Final = FieldDoc(description="")
+
+
+def _decode_mapping(doc: FieldDoc, raw: Any, path: str, problems: list[Problem]) -> Mapping[str, str] | None:
+    if not isinstance(raw, Mapping):
+        problems.append(Problem(path, f"must be a map of strings (got {_show(raw)})"))
+        return None
+    if doc.max_properties is not None and len(raw) > doc.max_properties:
+        problems.append(Problem(path, f"must have at most {doc.max_properties} entries (got {len(raw)})"))
+        return None
+    before = len(problems)
+    for key, value in raw.items():
+        if not isinstance(value, str):
+            problems.append(Problem(_join(path, str(key)), f"must be a string (got {_show(value)})"))
+    return None if len(problems) > before else types.MappingProxyType(dict(raw))
+
+
+def _decode_number(
+    hint: type, doc: FieldDoc, raw: Any, path: str, problems: list[Problem]
+) -> int | float | None:
+    # bool is an int in Python but not in JSON; a float field accepts integers as JSON does.
+    ok = isinstance(raw, int) if hint is int else isinstance(raw, (int, float))
+    if isinstance(raw, bool) or not ok:
+        kind = "an integer" if hint is int else "a number"
+        problems.append(Problem(path, f"must be {kind} (got {_show(raw)})"))
+        return None
+    if doc.minimum is not None:
+        if doc.exclusive_minimum and raw <= doc.minimum:
+            problems.append(Problem(path, f"must be > {_num(doc.minimum)} (got {_show(raw)})"))
+            return None
+        if raw < doc.minimum:
+            problems.append(Problem(path, f"must be >= {_num(doc.minimum)} (got {_show(raw)})"))
+            return None
+    if doc.maximum is not None and raw > doc.maximum:
+        problems.append(Problem(path, f"must be <= {_num(doc.maximum)} (got {_show(raw)})"))
+        return None
+    return float(raw) if hint is float else raw
+
+
+def _decode_string(doc: FieldDoc, raw: Any, path: str, problems: list[Problem]) -> str | None:
+    if not isinstance(raw, str):
+        problems.append(Problem(path, f"must be a string (got {_show(raw)})"))
+        return None
+    if doc.min_length is not None and len(raw) < doc.min_length:
+        problems.append(Problem(path, f"must not be empty (got {_show(raw)})"))
+        return None
+    if doc.max_length is not None and len(raw) > doc.max_length:
+        problems.append(Problem(path, f"must be at most {doc.max_length} characters long"))
+        return None
+    if doc.pattern is not None and not re.search(doc.pattern, raw):
+        what = doc.pattern_hint or f"match {doc.pattern}"
+        problems.append(Problem(path, f"must be {what} (got {_show(raw)})"))
+        return None
+    return raw
+
+
+def _join(path: str, key: str) -> str:
+    if not key:
+        return path
+    return f"{path}.{key}" if path else key
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str):
+        return f'"{value}"'
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, Mapping):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    return repr(value)
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+# --------------------------------------------------------------------------------------------
+# Encoding: typed objects -> the JSON the API server would hold after defaulting.
+
+
+def encode(obj: Any) -> Any:
+    """The JSON form of a decoded object: camelCase keys, absent optionals left out."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out: dict[str, Any] = {}
+        for slot in _slots(type(obj)):
+            value = getattr(obj, slot.name)
+            # An absent collection means an empty one, as in Kubernetes: leave both out.
+            if value is not None and not (isinstance(value, (tuple, Mapping)) and not value):
+                out[slot.key] = encode(value)
+        return out
+    if isinstance(obj, tuple):
+        return [encode(item) for item in obj]
+    if isinstance(obj, Mapping):
+        return {key: encode(value) for key, value in obj.items()}
+    return obj
+
+
+# --------------------------------------------------------------------------------------------
+# The structural openAPIV3Schema for the CRD.
+
+
+def openapi_schema(cls: type, description: str) -> dict[str, Any]:
+    """The structural schema of a dataclass, with descriptions, defaults, bounds and CEL."""
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    for slot in _slots(cls):
+        schema = _value_schema(slot.hint, slot.doc, slot.doc.description)
+        if slot.default is not dataclasses.MISSING and slot.default is not None:
+            default = encode(slot.default)
+            if default not in ([], {}) or dataclasses.is_dataclass(slot.hint):
+                # An object default of {} lets the API server default its fields; an empty
+                # list or map needs no default, absent already means empty.
+                schema["default"] = default
+        elif slot.default is dataclasses.MISSING and not slot.optional:
+            required.append(slot.key)
+        rules = [_cel(rule) for rule in slot.doc.rules]
+        if rules:
+            schema["x-kubernetes-validations"] = rules
+        properties[slot.key] = schema
+    schema = {"type": "object", "description": description, "properties": properties}
+    if required:
+        schema["required"] = required
+    rules = [_cel(rule) for rule in _class_rules(cls)]
+    if rules:
+        schema["x-kubernetes-validations"] = rules
+    return schema
+
+
+def _value_schema(hint: Any, doc: FieldDoc, description: str) -> dict[str, Any]:
+    if dataclasses.is_dataclass(hint):
+        return openapi_schema(typing.cast(type, hint), description)
+    schema: dict[str, Any] = {"description": description} if description else {}
+    if get_origin(hint) is Literal:
+        schema.update(type="string", enum=list(get_args(hint)))
+    elif hint is Quantity:
+        schema.update(
+            {
+                "anyOf": [{"type": "integer"}, {"type": "string"}],
+                "pattern": QUANTITY_PATTERN,
+                "x-kubernetes-int-or-string": True,
+            }
+        )
+    elif _is_tuple(hint):
+        schema.update(type="array", items=_value_schema(get_args(hint)[0], _ITEM_DOC, ""))
+        if doc.max_items is not None:
+            schema["maxItems"] = doc.max_items
+        if doc.list_map_key is not None:
+            schema["x-kubernetes-list-type"] = "map"
+            schema["x-kubernetes-list-map-keys"] = [doc.list_map_key]
+    elif _is_mapping(hint):
+        schema.update(type="object", additionalProperties={"type": "string"})
+        if doc.max_properties is not None:
+            schema["maxProperties"] = doc.max_properties
+    elif hint is bool:
+        schema["type"] = "boolean"
+    elif hint is int or hint is float:
+        schema["type"] = "integer" if hint is int else "number"
+        if doc.minimum is not None:
+            schema["minimum"] = doc.minimum
+            if doc.exclusive_minimum:
+                schema["exclusiveMinimum"] = True
+        if doc.maximum is not None:
+            schema["maximum"] = doc.maximum
+    elif hint is str:
+        schema["type"] = "string"
+        if doc.min_length is not None:
+            schema["minLength"] = doc.min_length
+        if doc.max_length is not None:
+            schema["maxLength"] = doc.max_length
+        if doc.pattern is not None:
+            schema["pattern"] = doc.pattern
+        if doc.date_time:
+            schema["format"] = "date-time"
+    else:
+        raise TypeError(f"unsupported field type {hint!r}")
+    return schema
+
+
+def _cel(rule: Rule) -> dict[str, str]:
+    out = {"rule": rule.cel, "message": rule.message}
+    if rule.field:
+        out["fieldPath"] = rule.field
+    return out

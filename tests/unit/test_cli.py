@@ -1,0 +1,212 @@
+"""The gpuop command line: output, and one clear line per problem for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from support.crdschema import ROOT
+
+from gpuop.cli import main
+
+GOOD = """\
+apiVersion: gpuop.io/v1alpha1
+kind: GpuTraining
+metadata:
+  name: {name}
+spec:
+  workers: 2
+  dataset:
+    name: digits
+"""
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def write(tmp_path: Path, text: str, name: str = "job.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_render_prints_a_pytorchjob(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, err = run(capsys, "render", "-f", write(tmp_path, GOOD.format(name="a")))
+    assert (code, err) == (0, "")
+    job = yaml.safe_load(out)
+    assert (job["kind"], job["metadata"]["name"]) == ("PyTorchJob", "a")
+
+
+def test_render_multi_document_yaml_and_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD.format(name="a") + "---\n" + GOOD.format(name="b") + "---\n")
+    code, out, _ = run(capsys, "render", "-f", path)
+    assert code == 0
+    assert [d["metadata"]["name"] for d in yaml.safe_load_all(out)] == ["a", "b"]
+    code, out, _ = run(capsys, "render", "-f", path, "-o", "json")
+    listing = json.loads(out)
+    assert (listing["kind"], [i["metadata"]["name"] for i in listing["items"]]) == ("List", ["a", "b"])
+    code, out, _ = run(capsys, "render", "-f", write(tmp_path, GOOD.format(name="c"), "c.yaml"), "-o", "json")
+    assert json.loads(out)["metadata"]["name"] == "c"
+
+
+def test_render_several_files_and_an_image(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    a = write(tmp_path, GOOD.format(name="a"), "a.yaml")
+    b = write(tmp_path, GOOD.format(name="b"), "b.yaml")
+    code, out, _ = run(capsys, "render", "-f", a, "-f", b, "--image", "reg.local/t:1")
+    jobs = list(yaml.safe_load_all(out))
+    assert code == 0
+    assert [j["metadata"]["name"] for j in jobs] == ["a", "b"]
+    assert jobs[0]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["image"] == (
+        "reg.local/t:1"
+    )
+
+
+def test_validate(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD.format(name="a"))
+    assert run(capsys, "validate", "-f", path) == (0, f"{path}: gputraining/a is valid\n", "")
+
+
+def test_crd_prints_and_checks(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, _ = run(capsys, "crd")
+    assert code == 0
+    assert out == (ROOT / "crds" / "gputraining.yaml").read_text()
+    stale = write(tmp_path, out.replace("Passes over the training set.", "Epochs."), "crd.yaml")
+    code, out, err = run(capsys, "crd", "--check", stale)
+    assert code == 1
+    assert "\n-" in out
+    assert "description: Epochs." in out
+    assert "is stale: run `make crds`" in err
+
+
+BAD_INPUT = [
+    (
+        "schema violations with lines",
+        """\
+apiVersion: gpuop.io/v1alpha1
+kind: GpuTraining
+metadata:
+  name: bad
+spec:
+  workers: 0
+  gpusPerWorker: 0
+  dataset: {name: digits}
+  training:
+    precision: fp16
+    epochs: ten
+  trainng: {}
+""",
+        [
+            "{f}:6: spec.workers: must be >= 1 (got 0)",
+            '{f}:11: spec.training.epochs: must be an integer (got "ten")',
+            '{f}:12: spec.trainng: unknown field; did you mean "training"?',
+        ],
+    ),
+    (
+        "rule across fields",
+        GOOD.format(name="x").replace(
+            "  workers: 2\n", "  gpusPerWorker: 0\n  training: {precision: fp16}\n"
+        ),
+        ["{f}:7: spec.training.precision: fp16 needs GPUs (gpusPerWorker >= 1); use bf16 or fp32 on CPU"],
+    ),
+    (
+        "second document",
+        GOOD.format(name="ok") + "---\n" + GOOD.format(name="x").replace("workers: 2", "workers: -1"),
+        ["{f}:15: spec.workers: must be >= 1 (got -1)"],
+    ),
+    (
+        "missing required nested field",
+        GOOD.format(name="x") + "  elastic:\n    minWorkers: 1\n",
+        ["{f}:9: spec.elastic.maxWorkers: required"],
+    ),
+    (
+        "wrong kind",
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n",
+        [
+            '{f}:1: apiVersion: must be gpuop.io/v1alpha1 (got "v1")',
+            '{f}:2: kind: must be GpuTraining (got "ConfigMap")',
+        ],
+    ),
+    (
+        "yaml syntax",
+        "spec:\n  workers: [1, 2\n",
+        ["{f}:3: YAML syntax error: expected ',' or ']', but got '<stream end>'"],
+    ),
+    (
+        "yaml tab",
+        "spec:\n\tworkers: 1\n",
+        ["{f}:2: YAML syntax error: found character '\\t' that cannot start any token"],
+    ),
+    ("empty file", "", ["{f}: no YAML documents in the file"]),
+    (
+        "a list, not an object",
+        "- a\n- b\n",
+        ["{f}:1: (document): must be a GpuTraining object (got a non-object)"],
+    ),
+    (
+        "bad name",
+        GOOD.format(name="My_Job"),
+        [
+            "{f}:4: metadata.name: must be a DNS-1035 label: lowercase letters, "
+            "digits and '-', starting with a letter (got \"My_Job\")"
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), [c[1:] for c in BAD_INPUT], ids=[c[0] for c in BAD_INPUT])
+@pytest.mark.parametrize("command", ["validate", "render"])
+def test_bad_input_exits_2_with_one_line_per_problem(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str, text: str, expected: list[str]
+) -> None:
+    path = write(tmp_path, text)
+    code, out, err = run(capsys, command, "-f", path)
+    assert code == 2
+    assert out == ""
+    assert err.splitlines() == ["error: " + line.format(f=path) for line in expected]
+
+
+def test_missing_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.yaml")
+    assert run(capsys, "render", "-f", missing) == (2, "", f"error: {missing}: no such file\n")
+
+
+def test_directory_instead_of_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run(capsys, "validate", "-f", str(tmp_path))
+    assert code == 2
+    assert err == f"error: {tmp_path}: is a directory; give a YAML file\n"
+
+
+def test_problems_of_all_files_are_reported_together(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    good = write(tmp_path, GOOD.format(name="a"), "good.yaml")
+    bad = write(tmp_path, GOOD.format(name="b").replace("workers: 2", "workers: 0"), "bad.yaml")
+    missing = str(tmp_path / "missing.yaml")
+    code, out, err = run(capsys, "render", "-f", bad, "-f", good, "-f", missing)
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        f"error: {bad}:6: spec.workers: must be >= 1 (got 0)",
+        f"error: {missing}: no such file",
+    ]
+
+
+def test_the_installed_command_reads_stdin_and_never_prints_a_traceback() -> None:
+    gpuop = Path(sys.executable).parent / "gpuop"
+    ok = subprocess.run(
+        [gpuop, "render", "-f", "-"], input=GOOD.format(name="s"), capture_output=True, text=True, check=False
+    )
+    assert ok.returncode == 0
+    assert yaml.safe_load(ok.stdout)["metadata"]["name"] == "s"
+    bad = subprocess.run(
+        [gpuop, "validate", "-f", "-"], input="kind: [", capture_output=True, text=True, check=False
+    )
+    assert bad.returncode == 2
+    assert "Traceback" not in bad.stderr
+    assert bad.stderr.startswith("error: <stdin>:1: YAML syntax error")

@@ -1,0 +1,54 @@
+"""The operator/trainer contract, and the import boundaries that keep the images small."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from support.specs import minimal
+
+from gpuop.render import trainer_settings
+from gpuop.spec import parse
+from gputrain.contract import ContractError, TrainerSettings, env_name
+
+
+def test_every_setting_round_trips_through_the_environment() -> None:
+    settings = trainer_settings("demo", parse(minimal(training={"channelsLast": True})).spec)
+    env = settings.to_env()
+    assert all(name.startswith("GPUTRAIN_") for name in env)
+    assert env[env_name("channels_last")] == "true"
+    assert TrainerSettings.from_env(env) == settings
+
+
+def test_every_problem_in_the_environment_is_reported() -> None:
+    env = trainer_settings("demo", parse(minimal()).spec).to_env()
+    env["GPUTRAIN_EPOCHS"] = "ten"
+    env["GPUTRAIN_PRECISION"] = "fp8"
+    env["GPUTRAIN_COMPILE"] = "yes"
+    del env["GPUTRAIN_SEED"]
+    with pytest.raises(ContractError) as caught:
+        TrainerSettings.from_env(env)
+    assert str(caught.value).splitlines() == [
+        "GPUTRAIN_EPOCHS: must be an integer (got 'ten')",
+        "GPUTRAIN_PRECISION: must be one of fp32, bf16, fp16 (got 'fp8')",
+        "GPUTRAIN_SEED: required but not set",
+        "GPUTRAIN_COMPILE: must be true or false (got 'yes')",
+    ]
+
+
+def _imported_after(statement: str) -> set[str]:
+    code = f"import sys; {statement}; print(' '.join(sorted(m.split('.')[0] for m in sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(result.stdout.split())
+
+
+def test_the_operator_never_imports_torch() -> None:
+    loaded = _imported_after("import gpuop.cli, gpuop.render, gpuop.crd")
+    assert "torch" not in loaded
+    assert "gpuop" in loaded
+
+
+def test_the_contract_imports_neither_torch_nor_kubernetes() -> None:
+    loaded = _imported_after("import gputrain.contract")
+    assert loaded.isdisjoint({"torch", "kopf", "kubernetes", "yaml", "gpuop"})

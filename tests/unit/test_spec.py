@@ -1,0 +1,357 @@
+"""The spec model: defaults, and the exact message for each kind of bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, get_args, get_type_hints
+
+import pytest
+from support.specs import minimal
+
+from gpuop.schema import SpecError
+from gpuop.spec import Dataset, GpuTrainingSpec, Model, Training, parse
+from gputrain.contract import DATASET_NAMES, MODEL_NAMES, PRECISIONS
+
+
+def problems(body: dict[str, Any]) -> list[str]:
+    with pytest.raises(SpecError) as caught:
+        parse(body)
+    return [str(p) for p in caught.value.problems]
+
+
+def test_minimal_spec_gets_the_documented_defaults() -> None:
+    training = parse(minimal())
+    spec = training.spec
+    assert (training.name, training.namespace, training.uid) == ("demo", "ml", None)
+    assert spec.workers == 1
+    assert spec.gpus_per_worker == 1
+    assert spec.backend == "nccl"
+    assert spec.model.name == "cnn"
+    assert spec.dataset == Dataset(name="mnist", path="/data", volume=None, loader_workers=4)
+    assert spec.training == Training(
+        epochs=10,
+        batch_size=64,
+        learning_rate=0.001,
+        precision="bf16",
+        gradient_accumulation_steps=1,
+        seed=0,
+        max_grad_norm=1.0,
+        channels_last=False,
+        compile=False,
+        log_every_steps=20,
+    )
+    assert (spec.checkpoint.path, spec.checkpoint.every_steps, spec.checkpoint.keep) == (
+        "/checkpoints",
+        500,
+        3,
+    )
+    assert spec.run_policy.clean_pod_policy == "None"
+    assert spec.run_policy.suspend is False
+    assert spec.nccl.profile == "none"
+    assert spec.stall_timeout_seconds == 900
+    assert spec.termination_grace_period_seconds == 120
+    assert spec.env == ()
+    assert dict(spec.scheduling.node_selector) == {}
+
+
+def test_parsed_spec_is_frozen() -> None:
+    spec = parse(minimal()).spec
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.workers = 3  # type: ignore[misc]
+
+
+def test_cpu_mode_uses_gloo_and_one_process_per_pod() -> None:
+    spec = parse(minimal(gpusPerWorker=0)).spec
+    assert (spec.backend, spec.processes_per_worker) == ("gloo", 1)
+    assert parse(minimal(gpusPerWorker=4)).spec.processes_per_worker == 4
+
+
+def test_enums_are_the_trainers_own_lists() -> None:
+    """The API offers exactly what the trainer can build: one list, in the contract."""
+    assert get_args(get_type_hints(Model)["name"]) == MODEL_NAMES
+    assert get_args(get_type_hints(Dataset)["name"]) == DATASET_NAMES
+    assert get_args(get_type_hints(Training)["precision"]) == PRECISIONS
+
+
+def test_explicit_null_means_absent_as_in_the_api_server() -> None:
+    spec = parse(minimal(shmSize=None, elastic=None)).spec
+    assert spec.shm_size is None
+    assert spec.elastic is None
+
+
+def test_integer_quantities_are_accepted() -> None:
+    assert parse(minimal(shmSize=1073741824)).spec.shm_size == "1073741824"
+
+
+def test_custom_command_needs_no_dataset() -> None:
+    spec = parse(minimal(dataset=None, command=["python", "train.py"])).spec
+    assert spec.dataset is None
+    assert spec.command == ("python", "train.py")
+
+
+# (case id, spec fields to set, the exact problems expected)
+BAD_SPECS: list[tuple[str, dict[str, Any], list[str]]] = [
+    ("workers zero", {"workers": 0}, ["spec.workers: must be >= 1 (got 0)"]),
+    ("workers too many", {"workers": 5000}, ["spec.workers: must be <= 1024 (got 5000)"]),
+    ("workers a string", {"workers": "two"}, ['spec.workers: must be an integer (got "two")']),
+    ("workers a bool", {"workers": True}, ["spec.workers: must be an integer (got true)"]),
+    ("workers a float", {"workers": 2.5}, ["spec.workers: must be an integer (got 2.5)"]),
+    ("negative gpus", {"gpusPerWorker": -1}, ["spec.gpusPerWorker: must be >= 0 (got -1)"]),
+    ("too many gpus", {"gpusPerWorker": 17}, ["spec.gpusPerWorker: must be <= 16 (got 17)"]),
+    (
+        "unknown model",
+        {"model": {"name": "vgg16"}},
+        ['spec.model.name: must be one of cnn, resnet18, resnet50 (got "vgg16")'],
+    ),
+    (
+        "unknown dataset",
+        {"dataset": {"name": "imagenet"}},
+        ['spec.dataset.name: must be one of mnist, cifar10, imagefolder, digits, synthetic (got "imagenet")'],
+    ),
+    ("dataset without name", {"dataset": {"path": "/data"}}, ["spec.dataset.name: required"]),
+    (
+        "relative dataset path",
+        {"dataset": {"name": "mnist", "path": "data"}},
+        ['spec.dataset.path: must be an absolute path (got "data")'],
+    ),
+    (
+        "no dataset and no command",
+        {"dataset": None},
+        ["spec.dataset: required unless spec.command runs your own training code"],
+    ),
+    (
+        "misspelled field",
+        {"trainng": {"epochs": 3}},
+        ['spec.trainng: unknown field; did you mean "training"?'],
+    ),
+    ("unknown field", {"colour": "blue"}, ["spec.colour: unknown field"]),
+    (
+        "zero learning rate",
+        {"training": {"learningRate": 0}},
+        ["spec.training.learningRate: must be > 0 (got 0)"],
+    ),
+    (
+        "bad precision",
+        {"training": {"precision": "fp8"}},
+        ['spec.training.precision: must be one of fp32, bf16, fp16 (got "fp8")'],
+    ),
+    (
+        "fp16 on CPU",
+        {"gpusPerWorker": 0, "training": {"precision": "fp16"}},
+        ["spec.training.precision: fp16 needs GPUs (gpusPerWorker >= 1); use bf16 or fp32 on CPU"],
+    ),
+    (
+        "shm not a quantity",
+        {"shmSize": "2GB"},
+        ['spec.shmSize: must be a Kubernetes quantity such as 512Mi or 2Gi (got "2GB")'],
+    ),
+    (
+        "shm larger than memory",
+        {"shmSize": "8Gi", "resources": {"memory": "4Gi"}},
+        [
+            "spec.shmSize: must be smaller than resources.memory (4Gi): /dev/shm is memory-backed "
+            "and counts against it (got 8Gi)"
+        ],
+    ),
+    (
+        "cpu not a quantity",
+        {"resources": {"cpu": "four"}},
+        ['spec.resources.cpu: must be a Kubernetes quantity such as 512Mi or 2Gi (got "four")'],
+    ),
+    (
+        "elastic min above max",
+        {"workers": 2, "elastic": {"minWorkers": 3, "maxWorkers": 2}},
+        ["spec.elastic.maxWorkers: must be >= minWorkers (3) (got 2)"],
+    ),
+    (
+        "workers outside elastic range",
+        {"workers": 5, "elastic": {"minWorkers": 1, "maxWorkers": 4}},
+        ["spec.workers: must be within elastic.minWorkers..maxWorkers (1..4) (got 5)"],
+    ),
+    ("elastic without max", {"elastic": {"minWorkers": 1}}, ["spec.elastic.maxWorkers: required"]),
+    (
+        "reserved env name",
+        {"env": [{"name": "MASTER_ADDR", "value": "x"}]},
+        ["spec.env[0].name: MASTER_ADDR is set by the operator and cannot be overridden; remove it"],
+    ),
+    (
+        "reserved env prefix",
+        {"env": [{"name": "GPUTRAIN_EPOCHS", "value": "1"}]},
+        ["spec.env[0].name: GPUTRAIN_EPOCHS is set by the operator and cannot be overridden; remove it"],
+    ),
+    (
+        "nccl var in env",
+        {"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]},
+        ["spec.env[0].name: NCCL_DEBUG is an NCCL setting: put it in spec.nccl.env"],
+    ),
+    (
+        "env name not an identifier",
+        {"env": [{"name": "MY-VAR", "value": "x"}]},
+        ['spec.env[0].name: must be a C identifier such as WANDB_PROJECT (got "MY-VAR")'],
+    ),
+    (
+        "duplicate env",
+        {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]},
+        ['spec.env[1].name: duplicate "A"'],
+    ),
+    (
+        "env with value and valueFrom",
+        {"env": [{"name": "A", "value": "1", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]},
+        ["spec.env[0]: set exactly one of value and valueFrom"],
+    ),
+    (
+        "env with neither",
+        {"env": [{"name": "A"}]},
+        ["spec.env[0]: set exactly one of value and valueFrom"],
+    ),
+    (
+        "env source with two refs",
+        {
+            "env": [
+                {
+                    "name": "A",
+                    "valueFrom": {
+                        "secretKeyRef": {"name": "s", "key": "k"},
+                        "configMapKeyRef": {"name": "c", "key": "k"},
+                    },
+                }
+            ]
+        },
+        ["spec.env[0].valueFrom: set exactly one of secretKeyRef and configMapKeyRef"],
+    ),
+    (
+        "non-nccl key in nccl.env",
+        {"nccl": {"env": {"HOME": "/tmp"}}},
+        ["spec.nccl.env: HOME is not an NCCL_*, TORCH_NCCL_*, FI_* or UCX_* variable; put it in spec.env"],
+    ),
+    (
+        "efa without the efa profile",
+        {"nccl": {"efaDevices": 4}},
+        ['spec.nccl.efaDevices: efaDevices needs profile eks-efa (got "none")'],
+    ),
+    (
+        "bad nccl profile",
+        {"nccl": {"profile": "azure"}},
+        ['spec.nccl.profile: must be one of none, eks-efa, gke, aks-infiniband (got "azure")'],
+    ),
+    (
+        "bad claim name",
+        {"checkpoint": {"volume": {"claimName": "My_Claim"}}},
+        ['spec.checkpoint.volume.claimName: must be a lowercase DNS name such as my-claim (got "My_Claim")'],
+    ),
+    (
+        "tolerations not a list",
+        {"scheduling": {"tolerations": {"key": "x"}}},
+        ["spec.scheduling.tolerations: must be a list (got an object)"],
+    ),
+    (
+        "bad toleration operator",
+        {"scheduling": {"tolerations": [{"key": "x", "operator": "In"}]}},
+        ['spec.scheduling.tolerations[0].operator: must be one of Exists, Equal (got "In")'],
+    ),
+    (
+        "node selector value not a string",
+        {"scheduling": {"nodeSelector": {"zone": 1}}},
+        ["spec.scheduling.nodeSelector.zone: must be a string (got 1)"],
+    ),
+    ("spec section not an object", {"training": "fast"}, ['spec.training: must be an object (got "fast")']),
+    (
+        "gang not a bool",
+        {"scheduling": {"gang": "yes"}},
+        ['spec.scheduling.gang: must be true or false (got "yes")'],
+    ),
+    (
+        "several problems at once",
+        {"workers": 0, "gpusPerWorker": 99, "training": {"epochs": 0}},
+        [
+            "spec.workers: must be >= 1 (got 0)",
+            "spec.gpusPerWorker: must be <= 16 (got 99)",
+            "spec.training.epochs: must be >= 1 (got 0)",
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(("fields", "expected"), [c[1:] for c in BAD_SPECS], ids=[c[0] for c in BAD_SPECS])
+def test_bad_spec_gets_exact_messages(fields: dict[str, Any], expected: list[str]) -> None:
+    assert problems(minimal(**fields)) == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (
+            {"kind": "GpuTraining", "metadata": {"name": "x"}, "spec": {}},
+            ["apiVersion: required: gpuop.io/v1alpha1"],
+        ),
+        (
+            {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"}},
+            [
+                'apiVersion: must be gpuop.io/v1alpha1 (got "apps/v1")',
+                'kind: must be GpuTraining (got "Deployment")',
+            ],
+        ),
+        (
+            {
+                "apiVersion": "gpuop.io/v1alpha1",
+                "kind": "GpuTraining",
+                "spec": {"dataset": {"name": "digits"}},
+            },
+            ["metadata.name: required"],
+        ),
+        (
+            {"apiVersion": "gpuop.io/v1alpha1", "kind": "GpuTraining", "metadata": {"name": "x"}},
+            ["spec: required"],
+        ),
+    ],
+    ids=["no apiVersion", "another kind", "no name", "no spec"],
+)
+def test_bad_object_gets_exact_messages(body: dict[str, Any], expected: list[str]) -> None:
+    assert problems(body) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        (
+            "Mnist",
+            "must be a DNS-1035 label: lowercase letters, digits and '-', starting with a letter (got \"Mnist\")",
+        ),
+        (
+            "1job",
+            "must be a DNS-1035 label: lowercase letters, digits and '-', starting with a letter (got \"1job\")",
+        ),
+        (
+            "my.job",
+            "must be a DNS-1035 label: lowercase letters, digits and '-', starting with a letter (got \"my.job\")",
+        ),
+        (
+            "j" * 49,
+            "must be at most 48 characters (got 49): it names the PyTorchJob and its per-pod Services",
+        ),
+    ],
+)
+def test_names_that_cannot_name_a_pytorchjob_are_refused(name: str, expected: str) -> None:
+    body = minimal()
+    body["metadata"]["name"] = name
+    assert problems(body) == [f"metadata.name: {expected}"]
+
+
+def test_every_spec_field_is_documented() -> None:
+    """kubectl explain must be useful: no field without a description."""
+    seen: set[type] = set()
+
+    def walk(cls: type) -> None:
+        if cls in seen:
+            return
+        seen.add(cls)
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            assert len(f.metadata["gpuop"].description) > 10, f"{cls.__name__}.{f.name}"
+            for candidate in (hints[f.name], *get_args(hints[f.name])):
+                for inner in (candidate, *get_args(candidate)):
+                    if dataclasses.is_dataclass(inner) and isinstance(inner, type):
+                        walk(inner)
+
+    walk(GpuTrainingSpec)
+    assert len(seen) > 10

@@ -1,0 +1,161 @@
+"""The contract between the operator and the trainer, defined once.
+
+The operator (``gpuop``) renders environment variables into every training pod and later
+scrapes the trainer's Prometheus endpoint; the trainer (``gputrain``) reads those variables
+and serves those metrics. Both sides import the names from here, so a rename is one edit
+and a mismatch is impossible.
+
+This module imports nothing outside the standard library: the operator image has no torch,
+and the trainer image has no kopf or kubernetes client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Final, Literal, get_args, get_type_hints
+
+# What the trainer knows how to build. The spec model's enums are these tuples.
+ModelName = Literal["cnn", "resnet18", "resnet50"]
+DatasetName = Literal["mnist", "cifar10", "imagefolder", "digits", "synthetic"]
+Precision = Literal["fp32", "bf16", "fp16"]
+Backend = Literal["nccl", "gloo"]
+
+MODEL_NAMES: Final[tuple[str, ...]] = get_args(ModelName)
+DATASET_NAMES: Final[tuple[str, ...]] = get_args(DatasetName)
+PRECISIONS: Final[tuple[str, ...]] = get_args(Precision)
+BACKENDS: Final[tuple[str, ...]] = get_args(Backend)
+
+# Ports on the `pytorch` container. The rendezvous port carries Kubeflow's default port name,
+# which the training-operator looks up to build MASTER_PORT and the elastic rendezvous endpoint.
+METRICS_PORT: Final = 9090
+METRICS_PORT_NAME: Final = "metrics"
+RENDEZVOUS_PORT: Final = 23456
+RENDEZVOUS_PORT_NAME: Final = "pytorchjob-port"
+
+# The kubelet copies this file into the container's termination message, which the operator
+# reads from pod status with no network path to the pod at all.
+TERMINATION_LOG: Final = "/dev/termination-log"
+
+# Exit codes. Kubeflow's `ExitCode` restart policy treats 1-127 as permanent and 128-255 as
+# retryable, so a preempted trainer exits like a SIGTERM'd process and is restarted.
+EXIT_OK: Final = 0
+EXIT_BAD_CONFIG: Final = 2
+EXIT_DATA_MISSING: Final = 3
+EXIT_PREEMPTED: Final = 143
+
+ENV_PREFIX: Final = "GPUTRAIN_"
+
+
+class Metric:
+    """Prometheus metric names the trainer exposes and the operator scrapes."""
+
+    EPOCH: Final = "gputrain_epoch"
+    TOTAL_EPOCHS: Final = "gputrain_total_epochs"
+    STEP: Final = "gputrain_step"
+    TOTAL_STEPS: Final = "gputrain_total_steps"
+    PROGRESS_PERCENT: Final = "gputrain_progress_percent"
+    LOSS: Final = "gputrain_loss"
+    ACCURACY: Final = "gputrain_accuracy"
+    SAMPLES_PER_SECOND: Final = "gputrain_samples_per_second"
+    ESTIMATED_REMAINING_SECONDS: Final = "gputrain_estimated_remaining_seconds"
+    # Per visible GPU, labelled with GPU_LABEL.
+    GPU_UTILIZATION_PERCENT: Final = "gputrain_gpu_utilization_percent"
+    GPU_MEMORY_USED_BYTES: Final = "gputrain_gpu_memory_used_bytes"
+    GPU_MEMORY_TOTAL_BYTES: Final = "gputrain_gpu_memory_total_bytes"
+    GPU_LABEL: Final = "gpu"
+
+
+class ContractError(ValueError):
+    """A trainer setting in the environment is missing or malformed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSettings:
+    """Everything the operator tells the trainer, as typed values.
+
+    Each field travels as the environment variable ``GPUTRAIN_<FIELD IN UPPER CASE>``. There
+    are deliberately no defaults here: the spec model is the one home of defaults, and a
+    setting the operator forgot to render must fail loudly in the trainer, not silently
+    fall back to a value nobody chose.
+    """
+
+    job_name: str
+    model: ModelName
+    dataset: DatasetName
+    data_dir: str
+    epochs: int
+    batch_size: int
+    learning_rate: float
+    precision: Precision
+    grad_accum_steps: int
+    seed: int
+    max_grad_norm: float
+    channels_last: bool
+    compile: bool
+    loader_workers: int
+    log_every_steps: int
+    checkpoint_dir: str
+    checkpoint_every_steps: int
+    checkpoint_keep: int
+    output_dir: str
+    backend: Backend
+    metrics_port: int
+
+    def to_env(self) -> dict[str, str]:
+        """The settings as environment variables, in field order."""
+        return {env_name(f.name): _encode(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> TrainerSettings:
+        """Read and check the settings; every problem is reported, one per line."""
+        hints = get_type_hints(cls)
+        values: dict[str, object] = {}
+        problems: list[str] = []
+        for f in dataclasses.fields(cls):
+            name = env_name(f.name)
+            raw = environ.get(name)
+            if raw is None:
+                problems.append(f"{name}: required but not set")
+                continue
+            try:
+                values[f.name] = _decode(raw, hints[f.name])
+            except ValueError as exc:
+                problems.append(f"{name}: {exc} (got {raw!r})")
+        if problems:
+            raise ContractError("\n".join(problems))
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def env_name(field_name: str) -> str:
+    """The environment variable that carries one TrainerSettings field."""
+    return ENV_PREFIX + field_name.upper()
+
+
+def _encode(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _decode(raw: str, hint: object) -> object:
+    choices = get_args(hint)
+    if choices:  # a Literal
+        if raw not in choices:
+            raise ValueError("must be one of " + ", ".join(choices))
+        return raw
+    if hint is bool:
+        if raw not in ("true", "false"):
+            raise ValueError("must be true or false")
+        return raw == "true"
+    if hint is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError("must be an integer") from None
+    if hint is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError("must be a number") from None
+    return raw

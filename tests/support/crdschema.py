@@ -25,7 +25,7 @@ import yaml
 from gpuop.quantity import parse_quantity
 
 ROOT = Path(__file__).resolve().parents[2]
-REFERENCE = ROOT.parent / "shared" / "reference"
+REFERENCE = ROOT / "tests" / "reference"
 
 
 def load_schema(crd_path: Path, version: str | None = None) -> dict[str, Any]:

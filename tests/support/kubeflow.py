@@ -1,7 +1,7 @@
 """Checks a rendered PyTorchJob the way a cluster would, without one.
 
 1. The openAPIV3Schema of the real Kubeflow training-operator v1.9.4 PyTorchJob CRD
-   (``shared/reference/kubeflow.org_pytorchjobs.yaml``), strict about unknown fields: the API
+   (``tests/reference/kubeflow.org_pytorchjobs.yaml``), strict about unknown fields: the API
    server would silently prune a misspelled field, so a test must not.
 2. The rules of the training-operator's validating webhook, which the CRD does not carry
    (pkg/webhooks/pytorch/pytorchjob_webhook.go at v1.9).

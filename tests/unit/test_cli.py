@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support.crdschema import ROOT
 
 from gpuop.cli import main
+from support.crdschema import ROOT
 
 GOOD = """\
 apiVersion: gpuop.io/v1alpha1

@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 import pytest
-from support.specs import minimal
 
 from gpuop.render import trainer_settings
 from gpuop.spec import parse
 from gputrain.contract import ContractError, TrainerSettings, env_name
+from support.specs import minimal
 
 
 def test_every_setting_round_trips_through_the_environment() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -9,11 +10,11 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from support.crdschema import ROOT, load_schema, validate
-from support.kubeflow import KUBERNETES_VERSIONS
-from support.specs import EXAMPLES, load_example
 
 from gpuop.crd import crd_yaml
+from support.crdschema import REFERENCE, ROOT, load_schema, validate
+from support.kubeflow import KUBERNETES_VERSIONS
+from support.specs import EXAMPLES, load_example
 
 CRD_FILE = ROOT / "crds" / "gputraining.yaml"
 
@@ -117,3 +118,13 @@ def test_names(crd: dict[str, Any]) -> None:
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_examples_are_valid_gputrainings(schema: dict[str, Any], example: Path) -> None:
     assert validate(schema, load_example(example)) == []
+
+
+def test_vendored_kubeflow_crd_is_the_reference_one() -> None:
+    """tests/reference holds a verbatim copy; where the shared reference is beside us, they agree."""
+    vendored = REFERENCE / "kubeflow.org_pytorchjobs.yaml"
+    digest = hashlib.sha256(vendored.read_bytes()).hexdigest()
+    assert digest == "8b8a8a719cc94173169290251e817f7ac2bb425c20b6c2fa813397bcf4e932ed"
+    shared = ROOT.parent / "shared" / "reference" / vendored.name
+    if shared.exists():
+        assert shared.read_bytes() == vendored.read_bytes()

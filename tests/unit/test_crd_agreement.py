@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.crdschema import ROOT, apply_defaults, load_schema, validate
-from support.specs import EXAMPLES, load_example, minimal
 
 from gpuop.schema import SpecError, encode
 from gpuop.spec import parse
+from support.crdschema import ROOT, apply_defaults, load_schema, validate
+from support.specs import EXAMPLES, load_example, minimal
 from unit.test_spec import BAD_SPECS
 
 SCHEMA = load_schema(ROOT / "crds" / "gputraining.yaml")

@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 import yaml
-from support.crdschema import ROOT
-from support.kubeflow import all_errors
-from support.specs import EXAMPLES, load_example, minimal
 
 from gpuop.quantity import GI, MI
 from gpuop.render import DEFAULT_TRAINER_IMAGE, render_pytorchjob, shm_size_bytes, trainer_settings
 from gpuop.spec import parse
 from gputrain.contract import METRICS_PORT, TrainerSettings
+from support.crdschema import ROOT
+from support.kubeflow import all_errors
+from support.specs import EXAMPLES, load_example, minimal
 
 GOLDEN = ROOT / "tests" / "golden"
 UID = "9b2f4c1e-0d7a-4a8e-9a51-3f0c6a2b7d10"

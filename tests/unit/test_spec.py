@@ -6,11 +6,11 @@ import dataclasses
 from typing import Any, get_args, get_type_hints
 
 import pytest
-from support.specs import minimal
 
 from gpuop.schema import SpecError
 from gpuop.spec import Dataset, GpuTrainingSpec, Model, Training, parse
 from gputrain.contract import DATASET_NAMES, MODEL_NAMES, PRECISIONS
+from support.specs import minimal
 
 
 def problems(body: dict[str, Any]) -> list[str]:

@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[operator,dev]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[operator,trainer,dev]'
 	touch $(STAMP)
 
 ## test: set up .venv and run every check (lint, strict types, the CRD is current, pytest)
@@ -30,9 +30,9 @@ crd: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest
 
-## run: set up and run the main job (until the local trainer lands: render the local demo)
+## run: set up and train examples/local-digits.yaml here (2 CPU workers, gloo) and print its status
 run: $(STAMP)
-	$(BIN)/gpuop render -f examples/local-digits.yaml
+	$(BIN)/gpuop run -f examples/local-digits.yaml
 
 ## crds: regenerate crds/gputraining.yaml from the spec model
 crds: $(STAMP)

@@ -1,7 +1,7 @@
 """The ``gpuop`` command line: render, validate and print the CRD, without a cluster.
 
 Exit codes: 0 success, 2 bad input (each problem one line on stderr, naming the file, line,
-field and rule), 1 a check that found a difference (``crd --check``).
+field and rule), 1 a check that found a difference (``crd --check``) or a failed local run.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import difflib
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -82,6 +83,61 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+class _Progress:
+    """Progress on stderr: redrawn in place on a terminal, a line per 10% otherwise (CI logs)."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.shown = -1
+
+    def __call__(self, line: str) -> None:
+        if self.tty:
+            sys.stderr.write("\r\033[K" + line)
+            sys.stderr.flush()
+            return
+        decile = int(float(line.split("]")[1].split("%")[0]) // 10)
+        if decile != self.shown:
+            self.shown = decile
+            print(line, file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.tty and self.shown != -2:
+            sys.stderr.write("\n")
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from gpuop import local
+
+    loaded = _load([args.filename])
+    if len(loaded) != 1:
+        raise _BadInputError([f"{args.filename}: run takes one GpuTraining; the file has {len(loaded)}"])
+    if args.workers is not None and args.workers < 1:
+        raise _BadInputError([f"--workers: must be >= 1 (got {args.workers})"])
+    _, training = loaded[0]
+    run = local.plan(training, args.workers, Path(args.workdir))
+    log_path = run.workdir / training.name / "trainer.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    print(
+        f"training {training.name}: {run.processes} process(es), backend {training.spec.backend}; "
+        f"trainer log: {log_path}",
+        file=sys.stderr,
+    )
+    progress = _Progress()
+    with log_path.open("w") as log:
+        status = local.execute(run, progress, log)
+    progress.done()
+    document = local.status_document(status)
+    if args.json:
+        sys.stdout.write(json.dumps(document, indent=2) + "\n")
+    else:
+        sys.stdout.write(yaml.safe_dump({"status": document}, sort_keys=False))
+    if status.phase != "Succeeded":
+        tail = log_path.read_text().splitlines()[-15:]
+        print("\n".join(["trainer log (last lines):", *tail]), file=sys.stderr)
+        return EXIT_DIFFERENT
+    return EXIT_OK
+
+
 def _cmd_crd(args: argparse.Namespace) -> int:
     expected = crd_yaml()
     if args.check is None:
@@ -133,6 +189,23 @@ def build_parser() -> argparse.ArgumentParser:
     validate = commands.add_parser("validate", help="check GpuTraining manifests against the API rules")
     add_files(validate)
     validate.set_defaults(handler=_cmd_validate)
+
+    run = commands.add_parser(
+        "run", help="train a GpuTraining on this machine (torchrun; gloo on CPU) and print its status"
+    )
+    run.add_argument(
+        "-f", "--filename", required=True, metavar="FILE", help="GpuTraining manifest (- for stdin)"
+    )
+    run.add_argument(
+        "--workers", type=int, help="processes to start instead of spec.workers (x GPUs per worker)"
+    )
+    run.add_argument("--json", action="store_true", help="print the final status as JSON")
+    run.add_argument(
+        "--workdir",
+        default=".gpuop-runs",
+        help="checkpoints, outputs and the trainer log go under WORKDIR/NAME (default: %(default)s)",
+    )
+    run.set_defaults(handler=_cmd_run)
 
     crd = commands.add_parser("crd", help="print the GpuTraining CRD generated from the spec model")
     crd.add_argument("--check", metavar="FILE", help="instead, fail when FILE differs from it")

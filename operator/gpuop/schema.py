@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
 import re
 import types
 import typing
@@ -134,23 +133,10 @@ def api_field(
     return dataclasses.field(default=default, metadata=metadata)
 
 
+@typing.dataclass_transform(frozen_default=True, kw_only_default=True, field_specifiers=(api_field,))
 def api_object(cls: type[_T]) -> type[_T]:
-    """Make ``cls`` a frozen, keyword-only dataclass whose optional fields default to None.
-
-    Keyword-only because required and defaulted fields interleave in API order; the None
-    default because an absent optional field is simply absent, and spelling that out on
-    every field would only add noise.
-    """
-    for name, annotation in inspect.get_annotations(cls).items():
-        spec = cls.__dict__.get(name)
-        optional = str(annotation).replace(" ", "").endswith("|None")
-        if (
-            optional
-            and isinstance(spec, dataclasses.Field)
-            and spec.default is dataclasses.MISSING
-            and spec.default_factory is dataclasses.MISSING
-        ):
-            spec.default = None
+    """Make ``cls`` a frozen, keyword-only dataclass (keyword-only because required and
+    defaulted fields interleave in API order)."""
     return dataclasses.dataclass(frozen=True, kw_only=True)(cls)
 
 

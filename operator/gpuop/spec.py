@@ -79,7 +79,9 @@ class VolumeSource:
         pattern=_K8S_NAME,
         pattern_hint=_K8S_NAME_HINT,
     )
-    sub_path: str | None = api_field("Path inside the volume to mount instead of its root.", max_length=1024)
+    sub_path: str | None = api_field(
+        "Path inside the volume to mount instead of its root.", default=None, max_length=1024
+    )
 
 
 @api_object
@@ -88,10 +90,12 @@ class Resources:
 
     cpu: Quantity | None = api_field(
         'CPU request per worker pod, e.g. "8". No CPU limit is set: throttling a training '
-        "process stalls every rank that waits for it in a collective."
+        "process stalls every rank that waits for it in a collective.",
+        default=None,
     )
     memory: Quantity | None = api_field(
-        "Memory request and limit per worker pod, e.g. 32Gi. The memory-backed /dev/shm counts against it."
+        "Memory request and limit per worker pod, e.g. 32Gi. The memory-backed /dev/shm counts against it.",
+        default=None,
     )
 
 
@@ -124,7 +128,7 @@ class Dataset:
         pattern_hint="an absolute path",
     )
     volume: VolumeSource | None = api_field(
-        "PersistentVolumeClaim holding the dataset, mounted read-only at path."
+        "PersistentVolumeClaim holding the dataset, mounted read-only at path.", default=None
     )
     loader_workers: int = api_field(
         "DataLoader worker processes per training process. Also sizes /dev/shm when shmSize is not given.",
@@ -191,7 +195,7 @@ class Checkpoint:
     restarts within a pod, not the pod's deletion."""
 
     volume: VolumeSource | None = api_field(
-        "PersistentVolumeClaim for checkpoints, mounted read-write at path."
+        "PersistentVolumeClaim for checkpoints, mounted read-write at path.", default=None
     )
     path: str = api_field(
         "Directory for checkpoints inside the container.",
@@ -216,7 +220,8 @@ class Output:
 
     volume: VolumeSource | None = api_field(
         "PersistentVolumeClaim for the final model and result JSON, mounted read-write at path. "
-        "Without one they go to an emptyDir and only the termination message outlives the pod."
+        "Without one they go to an emptyDir and only the termination message outlives the pod.",
+        default=None,
     )
     path: str = api_field(
         "Directory for outputs inside the container.",
@@ -261,13 +266,16 @@ class RunPolicy:
     """How the PyTorchJob runs and is cleaned up (Kubeflow's runPolicy)."""
 
     backoff_limit: int | None = api_field(
-        "Pod restarts allowed before the job is marked Failed.", minimum=0, maximum=1000
+        "Pod restarts allowed before the job is marked Failed.", default=None, minimum=0, maximum=1000
     )
     active_deadline_seconds: int | None = api_field(
-        "Seconds the job may run before it is terminated.", minimum=1, maximum=2**31 - 1
+        "Seconds the job may run before it is terminated.", default=None, minimum=1, maximum=2**31 - 1
     )
     ttl_seconds_after_finished: int | None = api_field(
-        "Seconds after the job finishes before its pods are deleted.", minimum=0, maximum=2**31 - 1
+        "Seconds after the job finishes before its pods are deleted.",
+        default=None,
+        minimum=0,
+        maximum=2**31 - 1,
     )
     suspend: bool = api_field(
         "Suspend the job: its pods are deleted and re-created on resume.", default=False
@@ -283,16 +291,18 @@ class RunPolicy:
 class Toleration:
     """A Kubernetes toleration."""
 
-    key: str | None = api_field("Taint key; empty with operator Exists matches every taint.", max_length=317)
+    key: str | None = api_field(
+        "Taint key; empty with operator Exists matches every taint.", default=None, max_length=317
+    )
     operator: Literal["Exists", "Equal"] = api_field(
         "Exists matches any value; Equal matches value.", default="Equal"
     )
-    value: str | None = api_field("Taint value, for operator Equal.", max_length=63)
+    value: str | None = api_field("Taint value, for operator Equal.", default=None, max_length=63)
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = api_field(
-        "Taint effect to tolerate; empty tolerates all effects."
+        "Taint effect to tolerate; empty tolerates all effects.", default=None
     )
     toleration_seconds: int | None = api_field(
-        "For NoExecute: seconds the pod stays bound after the taint appears.", minimum=0
+        "For NoExecute: seconds the pod stays bound after the taint appears.", default=None, minimum=0
     )
 
 
@@ -303,12 +313,17 @@ class Scheduling:
     queue_name: str | None = api_field(
         "Queue to submit to: the Kueue LocalQueue (label kueue.x-k8s.io/queue-name) and the "
         "gang scheduler's queue.",
+        default=None,
         max_length=253,
         pattern=_K8S_NAME,
         pattern_hint=_K8S_NAME_HINT,
     )
     priority_class_name: str | None = api_field(
-        "PriorityClass of the worker pods.", max_length=253, pattern=_K8S_NAME, pattern_hint=_K8S_NAME_HINT
+        "PriorityClass of the worker pods.",
+        default=None,
+        max_length=253,
+        pattern=_K8S_NAME,
+        pattern_hint=_K8S_NAME_HINT,
     )
     node_selector: Mapping[str, str] = api_field(
         "Extra node labels the worker pods must land on.",
@@ -384,8 +399,8 @@ class KeyRef:
 class EnvSource:
     """Where an environment variable's value comes from."""
 
-    secret_key_ref: KeyRef | None = api_field("A key of a Secret in the namespace.")
-    config_map_key_ref: KeyRef | None = api_field("A key of a ConfigMap in the namespace.")
+    secret_key_ref: KeyRef | None = api_field("A key of a Secret in the namespace.", default=None)
+    config_map_key_ref: KeyRef | None = api_field("A key of a ConfigMap in the namespace.", default=None)
 
     RULES: ClassVar[tuple[Rule, ...]] = (
         Rule(
@@ -419,8 +434,8 @@ class EnvVar:
             ),
         ),
     )
-    value: str | None = api_field("Literal value.", max_length=32768)
-    value_from: EnvSource | None = api_field("Take the value from a Secret or ConfigMap key.")
+    value: str | None = api_field("Literal value.", default=None, max_length=32768)
+    value_from: EnvSource | None = api_field("Take the value from a Secret or ConfigMap key.", default=None)
 
     RULES: ClassVar[tuple[Rule, ...]] = (
         Rule(
@@ -493,15 +508,17 @@ class GpuTrainingSpec:
 
     image: str | None = api_field(
         "Container image of the trainer. Defaults to the operator's configured trainer image.",
+        default=None,
         min_length=1,
         max_length=512,
     )
     command: tuple[str, ...] | None = api_field(
         "Command to run instead of the built-in trainer (torchrun -m gputrain), for your own "
         "training code in your own image. The GPUTRAIN_* settings are still in the environment.",
+        default=None,
         max_items=64,
     )
-    args: tuple[str, ...] | None = api_field("Arguments to command.", max_items=256)
+    args: tuple[str, ...] | None = api_field("Arguments to command.", default=None, max_items=256)
     workers: int = api_field(
         "Worker pods: one Master and workers-1 Worker pods (elastic jobs: workers Worker pods).",
         default=1,
@@ -518,6 +535,7 @@ class GpuTrainingSpec:
     gpu_type: str | None = api_field(
         "GPU product to require, matched against the node label nvidia.com/gpu.product set by "
         "NVIDIA's GPU feature discovery, e.g. NVIDIA-A100-SXM4-80GB.",
+        default=None,
         max_length=63,
         pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
         pattern_hint="a node label value such as NVIDIA-H100-80GB-HBM3",
@@ -525,15 +543,18 @@ class GpuTrainingSpec:
     resources: Resources = api_field("CPU and memory per worker pod.", default_factory=Resources)
     shm_size: Quantity | None = api_field(
         "Size of the memory-backed /dev/shm. Computed from DataLoader workers, batch size and "
-        "GPUs when absent (the container default of 64Mi breaks NCCL and DataLoader workers)."
+        "GPUs when absent (the container default of 64Mi breaks NCCL and DataLoader workers).",
+        default=None,
     )
     model: Model = api_field("Model for the built-in trainer.", default_factory=Model)
-    dataset: Dataset | None = api_field("Dataset for the built-in trainer. Required unless command is set.")
+    dataset: Dataset | None = api_field(
+        "Dataset for the built-in trainer. Required unless command is set.", default=None
+    )
     training: Training = api_field("Optimisation settings.", default_factory=Training)
     checkpoint: Checkpoint = api_field("Checkpointing.", default_factory=Checkpoint)
     output: Output = api_field("Final model and result.", default_factory=Output)
     elastic: Elastic | None = api_field(
-        "Elastic training between minWorkers and maxWorkers. Absent: a fixed-size job."
+        "Elastic training between minWorkers and maxWorkers. Absent: a fixed-size job.", default=None
     )
     run_policy: RunPolicy = api_field("Run and cleanup policy.", default_factory=RunPolicy)
     scheduling: Scheduling = api_field("Pod placement and queueing.", default_factory=Scheduling)
@@ -546,6 +567,7 @@ class GpuTrainingSpec:
     )
     service_account_name: str | None = api_field(
         "ServiceAccount of the worker pods, e.g. one bound to cloud storage (IRSA, Workload Identity).",
+        default=None,
         max_length=253,
         pattern=_K8S_NAME,
         pattern_hint=_K8S_NAME_HINT,

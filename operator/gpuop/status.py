@@ -8,9 +8,11 @@ Field names follow what Kubeflow users know from Trainer v2's ``trainerStatus``
 
 from __future__ import annotations
 
-from typing import Final, Literal, get_args
+from collections.abc import Mapping
+from typing import Any, Final, Literal, get_args
 
 from gpuop.schema import api_field, api_object
+from gpuop.scrape import TrainerMetrics
 
 Phase = Literal["Pending", "Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
 PHASES: Final[tuple[str, ...]] = get_args(Phase)
@@ -26,11 +28,13 @@ class Condition:
         max_length=64,
     )
     status: Literal["True", "False", "Unknown"] = api_field("Whether the condition holds.")
-    reason: str | None = api_field("A CamelCase word for the last transition.", max_length=128)
-    message: str | None = api_field("What happened, for people.", max_length=32768)
-    last_transition_time: str | None = api_field("When status last changed.", date_time=True, max_length=64)
+    reason: str | None = api_field("A CamelCase word for the last transition.", default=None, max_length=128)
+    message: str | None = api_field("What happened, for people.", default=None, max_length=32768)
+    last_transition_time: str | None = api_field(
+        "When status last changed.", default=None, date_time=True, max_length=64
+    )
     observed_generation: int | None = api_field(
-        "The metadata.generation this condition was set for.", minimum=0
+        "The metadata.generation this condition was set for.", default=None, minimum=0
     )
 
 
@@ -47,17 +51,29 @@ class Progress:
     """Training progress, scraped from the trainers' metrics while running and read from
     their termination messages when they finish."""
 
-    percent: float | None = api_field("Progress in percent of all optimizer steps.", minimum=0, maximum=100)
-    epoch: int | None = api_field("Current epoch, from 1.", minimum=0)
-    total_epochs: int | None = api_field("Epochs in the run.", minimum=0)
-    step: int | None = api_field("Optimizer steps done.", minimum=0)
-    total_steps: int | None = api_field("Optimizer steps in the run.", minimum=0)
-    loss: float | None = api_field("Training loss, mean over the last logging interval.")
-    accuracy: float | None = api_field("Accuracy on the evaluation split, 0..1.", minimum=0, maximum=1)
-    samples_per_second: float | None = api_field("Training throughput of the whole job.", minimum=0)
-    estimated_remaining_seconds: int | None = api_field("Estimated seconds to completion.", minimum=0)
-    eta: str | None = api_field("estimatedRemainingSeconds for people, e.g. 1h12m.", max_length=32)
-    updated_at: str | None = api_field("When these figures were read.", date_time=True, max_length=64)
+    percent: float | None = api_field(
+        "Progress in percent of all optimizer steps.", default=None, minimum=0, maximum=100
+    )
+    epoch: int | None = api_field("Current epoch, from 1.", default=None, minimum=0)
+    total_epochs: int | None = api_field("Epochs in the run.", default=None, minimum=0)
+    step: int | None = api_field("Optimizer steps done.", default=None, minimum=0)
+    total_steps: int | None = api_field("Optimizer steps in the run.", default=None, minimum=0)
+    loss: float | None = api_field("Training loss, mean over the last logging interval.", default=None)
+    accuracy: float | None = api_field(
+        "Accuracy on the evaluation split, 0..1.", default=None, minimum=0, maximum=1
+    )
+    samples_per_second: float | None = api_field(
+        "Training throughput of the whole job.", default=None, minimum=0
+    )
+    estimated_remaining_seconds: int | None = api_field(
+        "Estimated seconds to completion.", default=None, minimum=0
+    )
+    eta: str | None = api_field(
+        "estimatedRemainingSeconds for people, e.g. 1h12m.", default=None, max_length=32
+    )
+    updated_at: str | None = api_field(
+        "When these figures were read.", default=None, date_time=True, max_length=64
+    )
 
 
 @api_object
@@ -66,22 +82,26 @@ class WorkerGpu:
 
     pod: str = api_field("Worker pod name.", max_length=253)
     utilization_percent: float | None = api_field(
-        "Mean utilization of the pod's GPUs, percent.", minimum=0, maximum=100
+        "Mean utilization of the pod's GPUs, percent.", default=None, minimum=0, maximum=100
     )
-    memory_used_bytes: int | None = api_field("GPU memory in use, summed over its GPUs.", minimum=0)
-    memory_total_bytes: int | None = api_field("GPU memory in all, summed over its GPUs.", minimum=0)
+    memory_used_bytes: int | None = api_field(
+        "GPU memory in use, summed over its GPUs.", default=None, minimum=0
+    )
+    memory_total_bytes: int | None = api_field(
+        "GPU memory in all, summed over its GPUs.", default=None, minimum=0
+    )
 
 
 @api_object
 class GpuUsage:
     """GPU usage of the job, read from NVML inside the trainers."""
 
-    count: int | None = api_field("GPUs the job holds (workers x gpusPerWorker).", minimum=0)
+    count: int | None = api_field("GPUs the job holds (workers x gpusPerWorker).", default=None, minimum=0)
     utilization_percent: float | None = api_field(
-        "Mean GPU utilization over all workers, percent.", minimum=0, maximum=100
+        "Mean GPU utilization over all workers, percent.", default=None, minimum=0, maximum=100
     )
-    memory_used_bytes: int | None = api_field("GPU memory in use over all workers.", minimum=0)
-    memory_total_bytes: int | None = api_field("GPU memory in all over all workers.", minimum=0)
+    memory_used_bytes: int | None = api_field("GPU memory in use over all workers.", default=None, minimum=0)
+    memory_total_bytes: int | None = api_field("GPU memory in all over all workers.", default=None, minimum=0)
     per_worker: tuple[WorkerGpu, ...] = api_field(
         "Per worker pod.", default=(), max_items=1024, list_map_key="pod"
     )
@@ -92,17 +112,118 @@ class GpuTrainingStatus:
     """What the operator observed."""
 
     phase: Phase | None = api_field(
-        "Pending, Created (PyTorchJob made), Running, Restarting, Suspended, Succeeded or Failed."
+        "Pending, Created (PyTorchJob made), Running, Restarting, Suspended, Succeeded or Failed.",
+        default=None,
     )
     conditions: tuple[Condition, ...] = api_field(
         "Conditions, one per type.", default=(), max_items=32, list_map_key="type"
     )
-    observed_generation: int | None = api_field("The metadata.generation the status describes.", minimum=0)
-    pytorch_job: str | None = api_field("Name of the PyTorchJob that runs the training.", max_length=253)
-    workers: WorkerCounts | None = api_field("Worker pods ready and asked for.")
-    progress: Progress | None = api_field("Training progress.")
-    gpu: GpuUsage | None = api_field("GPU utilization and memory.")
-    start_time: str | None = api_field("When the job started running.", date_time=True, max_length=64)
-    completion_time: str | None = api_field("When the job finished.", date_time=True, max_length=64)
-    gpu_hours: float | None = api_field("GPU-hours consumed: GPUs held x hours running.", minimum=0)
-    message: str | None = api_field("The latest notable event, for people.", max_length=32768)
+    observed_generation: int | None = api_field(
+        "The metadata.generation the status describes.", default=None, minimum=0
+    )
+    pytorch_job: str | None = api_field(
+        "Name of the PyTorchJob that runs the training.", default=None, max_length=253
+    )
+    workers: WorkerCounts | None = api_field("Worker pods ready and asked for.", default=None)
+    progress: Progress | None = api_field("Training progress.", default=None)
+    gpu: GpuUsage | None = api_field("GPU utilization and memory.", default=None)
+    start_time: str | None = api_field(
+        "When the job started running.", default=None, date_time=True, max_length=64
+    )
+    completion_time: str | None = api_field(
+        "When the job finished.", default=None, date_time=True, max_length=64
+    )
+    gpu_hours: float | None = api_field(
+        "GPU-hours consumed: GPUs held x hours running.", default=None, minimum=0
+    )
+    message: str | None = api_field("The latest notable event, for people.", default=None, max_length=32768)
+
+
+# --------------------------------------------------------------------------------------------
+# Pure derivations from what the trainers report: shared by the operator and `gpuop run`.
+
+
+def format_eta(seconds: float | None) -> str | None:
+    """Seconds for people: ``1h12m``, ``3m05s``, ``42s``."""
+    if seconds is None:
+        return None
+    total = max(0, round(seconds))
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def progress_from_metrics(metrics: TrainerMetrics, now: str) -> Progress:
+    """Progress as scraped from a running trainer."""
+    eta = metrics.estimated_remaining_seconds
+    return Progress(
+        percent=_round(metrics.percent, 1),
+        epoch=metrics.epoch,
+        total_epochs=metrics.total_epochs,
+        step=metrics.step,
+        total_steps=metrics.total_steps,
+        loss=_round(metrics.loss, 6),
+        accuracy=_round(metrics.accuracy, 6),
+        samples_per_second=_round(metrics.samples_per_second, 1),
+        estimated_remaining_seconds=None if eta is None else round(eta),
+        eta=format_eta(eta),
+        updated_at=now,
+    )
+
+
+def progress_from_result(result: Mapping[str, Any], now: str) -> Progress:
+    """Progress of a finished run, from the trainer's final result."""
+    rate = result.get("samplesPerSecond")
+    return Progress(
+        percent=100.0,
+        epoch=result.get("epoch"),
+        total_epochs=result.get("totalEpochs"),
+        step=result.get("step"),
+        total_steps=result.get("totalSteps"),
+        loss=_round(result.get("loss"), 6),
+        accuracy=_round(result.get("accuracy"), 6),
+        samples_per_second=_round(rate, 1),
+        estimated_remaining_seconds=0,
+        eta=format_eta(0),
+        updated_at=now,
+    )
+
+
+def gpu_usage(per_pod: Mapping[str, TrainerMetrics], count: int) -> GpuUsage:
+    """GPU figures of the job: the mean utilization over every GPU, memory summed."""
+    workers = []
+    all_utilization: list[float] = []
+    for pod, metrics in sorted(per_pod.items()):
+        utilization = [g.utilization_percent for g in metrics.gpus if g.utilization_percent is not None]
+        used = [g.memory_used_bytes for g in metrics.gpus if g.memory_used_bytes is not None]
+        total = [g.memory_total_bytes for g in metrics.gpus if g.memory_total_bytes is not None]
+        all_utilization += utilization
+        workers.append(
+            WorkerGpu(
+                pod=pod,
+                utilization_percent=round(sum(utilization) / len(utilization), 1) if utilization else None,
+                memory_used_bytes=sum(used) if used else None,
+                memory_total_bytes=sum(total) if total else None,
+            )
+        )
+    used_all = [w.memory_used_bytes for w in workers if w.memory_used_bytes is not None]
+    total_all = [w.memory_total_bytes for w in workers if w.memory_total_bytes is not None]
+    return GpuUsage(
+        count=count,
+        utilization_percent=round(sum(all_utilization) / len(all_utilization), 1)
+        if all_utilization
+        else None,
+        memory_used_bytes=sum(used_all) if used_all else None,
+        memory_total_bytes=sum(total_all) if total_all else None,
+        per_worker=tuple(
+            w for w in workers if w.utilization_percent is not None or w.memory_total_bytes is not None
+        ),
+    )

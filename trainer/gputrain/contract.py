@@ -46,6 +46,35 @@ EXIT_PREEMPTED: Final = 143
 
 ENV_PREFIX: Final = "GPUTRAIN_"
 
+# The final result: rank 0 writes it as JSON to <output dir>/RESULT_FILE, beside the model's
+# state_dict in MODEL_FILE, and every pod's local rank 0 to its termination message. Its
+# keys are RESULT_KEYS, camelCase as in the GpuTraining status. A trainer that stops on a
+# known failure writes {"phase": "Failed", "reason": ..., "message": ...} there instead:
+# torchrun's own exit code does not carry the worker's.
+RESULT_FILE: Final = "result.json"
+MODEL_FILE: Final = "model.pt"
+RESULT_KEYS: Final = (
+    "phase",  # Succeeded
+    "epoch",
+    "totalEpochs",
+    "step",
+    "totalSteps",
+    "loss",  # training loss over the last logging interval
+    "accuracy",  # on the evaluation split, 0..1
+    "testLoss",
+    "samplesPerSecond",  # whole job, mean over the run
+    "durationSeconds",
+    "worldSize",
+    "reason",  # Failed only: InvalidSettings, DatasetMissing or Preempted
+    "message",
+)
+
+FAILURE_REASONS: Final = {
+    EXIT_BAD_CONFIG: "InvalidSettings",
+    EXIT_DATA_MISSING: "DatasetMissing",
+    EXIT_PREEMPTED: "Preempted",
+}
+
 
 class Metric:
     """Prometheus metric names the trainer exposes and the operator scrapes."""
@@ -102,6 +131,21 @@ class TrainerSettings:
     backend: Backend
     metrics_port: int
 
+    def __post_init__(self) -> None:
+        problems = [
+            f"{env_name(name)}: must be >= {low} (got {getattr(self, name)})"
+            for name, low in _MINIMUMS.items()
+            if getattr(self, name) < low
+        ]
+        if self.learning_rate <= 0:
+            problems.append(f"{env_name('learning_rate')}: must be > 0 (got {self.learning_rate})")
+        if self.precision == "fp16" and self.backend != "nccl":
+            problems.append(
+                f"{env_name('precision')}: fp16 needs GPUs (backend nccl); use bf16 or fp32 on CPU"
+            )
+        if problems:
+            raise ContractError("\n".join(problems))
+
     def to_env(self) -> dict[str, str]:
         """The settings as environment variables, in field order."""
         return {env_name(f.name): _encode(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -125,6 +169,24 @@ class TrainerSettings:
         if problems:
             raise ContractError("\n".join(problems))
         return cls(**values)  # type: ignore[arg-type]
+
+    def replace(self, **changes: object) -> TrainerSettings:
+        """A copy with some settings changed (and checked again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+_MINIMUMS: Final = {
+    "epochs": 1,
+    "batch_size": 1,
+    "grad_accum_steps": 1,
+    "seed": 0,
+    "max_grad_norm": 0,
+    "loader_workers": 0,
+    "log_every_steps": 1,
+    "checkpoint_every_steps": 1,
+    "checkpoint_keep": 1,
+    "metrics_port": 0,
+}
 
 
 def env_name(field_name: str) -> str:

@@ -1,0 +1,220 @@
+"""``gpuop run``: the same GpuTraining, trained on this machine instead of a cluster.
+
+It reuses every piece the operator uses except the cluster: the spec model, the trainer's
+environment from :func:`gpuop.render.trainer_env`, the metrics scrape and the status
+derivation. Only "create a PyTorchJob" becomes "start torchrun here".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+from gpuop.render import trainer_env
+from gpuop.scrape import TrainerMetrics, parse_metrics, parse_result
+from gpuop.spec import GpuTraining
+from gpuop.status import (
+    Condition,
+    GpuTrainingStatus,
+    Phase,
+    Progress,
+    WorkerCounts,
+    gpu_usage,
+    progress_from_metrics,
+    progress_from_result,
+)
+from gputrain.contract import env_name
+
+POLL_SECONDS = 0.5
+LOCAL_POD = "local-0"
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalRun:
+    """How to run one GpuTraining here."""
+
+    training: GpuTraining
+    processes: int
+    workdir: Path
+    metrics_port: int
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.workdir / self.training.name / "checkpoints"
+
+    @property
+    def output_dir(self) -> Path:
+        return self.workdir / self.training.name / "output"
+
+    @property
+    def termination_log(self) -> Path:
+        return self.workdir / self.training.name / "termination-log"
+
+    def environment(self) -> dict[str, str]:
+        """This machine's environment plus the trainer's, with local directories and port."""
+        env = dict(os.environ)
+        for var in trainer_env(self.training.name, self.training.spec):
+            if "value" in var:
+                env[var["name"]] = var["value"]
+        env[env_name("checkpoint_dir")] = str(self.checkpoint_dir)
+        env[env_name("output_dir")] = str(self.output_dir)
+        env[env_name("metrics_port")] = str(self.metrics_port)
+        # The trainer keys its rendezvous per restart too; this also protects custom code.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def command(
+        self, launcher_args: tuple[str, ...] = (), entry: tuple[str, ...] = ("-m", "gputrain")
+    ) -> list[str]:
+        """torchrun on this machine; ``launcher_args`` (e.g. --max-restarts) go to torchrun."""
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={self.processes}",
+            *launcher_args,
+            *entry,
+            f"--termination-log={self.termination_log}",
+        ]
+
+
+def plan(training: GpuTraining, workers: int | None, workdir: Path) -> LocalRun:
+    """A local run: one process per worker (times GPUs per worker), in ``workdir``."""
+    count = workers if workers is not None else training.spec.workers
+    return LocalRun(
+        training=training,
+        processes=count * training.spec.processes_per_worker,
+        workdir=workdir.resolve(),
+        metrics_port=_free_port(),
+    )
+
+
+def scrape(port: int, timeout: float = 1.0) -> TrainerMetrics | None:
+    """The trainer's current figures, or None while its endpoint is not up yet."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as response:
+            return parse_metrics(response.read().decode())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def progress_line(metrics: TrainerMetrics, width: int = 24) -> str:
+    """One line of progress for a terminal."""
+    percent = metrics.percent or 0.0
+    filled = int(width * percent / 100)
+    parts = [f"[{'#' * filled}{'-' * (width - filled)}] {percent:5.1f}%"]
+    if metrics.epoch is not None and metrics.total_epochs is not None:
+        parts.append(f"epoch {metrics.epoch}/{metrics.total_epochs}")
+    if metrics.step is not None and metrics.total_steps is not None:
+        parts.append(f"step {metrics.step}/{metrics.total_steps}")
+    if metrics.loss is not None:
+        parts.append(f"loss {metrics.loss:.4f}")
+    if metrics.accuracy is not None:
+        parts.append(f"acc {metrics.accuracy:.3f}")
+    if metrics.samples_per_second is not None:
+        parts.append(f"{metrics.samples_per_second:,.0f} samples/s")
+    eta = progress_from_metrics(metrics, "").eta
+    if eta is not None:
+        parts.append(f"eta {eta}")
+    return "  ".join(parts)
+
+
+def final_status(
+    run: LocalRun,
+    code: int,
+    last: TrainerMetrics | None,
+    started: str,
+    finished: str,
+    seconds: float,
+) -> GpuTrainingStatus:
+    """The status the operator would write for this run, from the same inputs it reads."""
+    record = None
+    if run.termination_log.is_file():
+        record = parse_result(run.termination_log.read_text())
+    gpus = run.processes if run.training.spec.gpus_per_worker > 0 else 0
+    phase: Phase
+    progress: Progress | None
+    if code == 0 and record is not None and record["phase"] == "Succeeded":
+        phase, reason, message = "Succeeded", "TrainingSucceeded", "training finished"
+        progress = progress_from_result(record, finished)
+    else:
+        phase = "Failed"
+        if record is not None and record["phase"] == "Failed":
+            reason, message = str(record["reason"]), str(record["message"])
+        else:
+            reason, message = "TrainerFailed", f"the trainer exited with code {code}; see its log"
+        progress = progress_from_metrics(last, finished) if last is not None else None
+    return GpuTrainingStatus(
+        phase=phase,
+        conditions=(
+            Condition(
+                type=phase,
+                status="True",
+                reason=reason,
+                message=message,
+                last_transition_time=finished,
+                observed_generation=run.training.generation,
+            ),
+        ),
+        observed_generation=run.training.generation,
+        workers=WorkerCounts(ready=0, total=run.processes),
+        progress=progress,
+        gpu=gpu_usage({LOCAL_POD: last} if last is not None else {}, gpus),
+        start_time=started,
+        completion_time=finished,
+        gpu_hours=round(gpus * seconds / 3600, 4),
+        message=message,
+    )
+
+
+def execute(run: LocalRun, show: Callable[[str], None] | None, log: TextIO | None) -> GpuTrainingStatus:
+    """Run torchrun to the end, showing progress; returns the final status."""
+    run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    run.output_dir.mkdir(parents=True, exist_ok=True)
+    run.termination_log.unlink(missing_ok=True)  # a stale record must not pass for this run's
+    started, clock = _now(), time.monotonic()
+    process = subprocess.Popen(run.command(), env=run.environment(), stdout=log, stderr=subprocess.STDOUT)
+    last: TrainerMetrics | None = None
+    try:
+        while process.poll() is None:
+            time.sleep(POLL_SECONDS)
+            metrics = scrape(run.metrics_port)
+            if metrics is not None and metrics.total_steps:  # 0 until the trainer has published
+                last = metrics
+                if show is not None:
+                    show(progress_line(metrics))
+    except KeyboardInterrupt:
+        # SIGTERM lets the trainer write a checkpoint, as a pod eviction would.
+        process.send_signal(signal.SIGTERM)
+        process.wait()
+    return final_status(run, process.returncode, last, started, _now(), time.monotonic() - clock)
+
+
+def status_document(status: GpuTrainingStatus) -> dict[str, Any]:
+    from gpuop.schema import encode
+
+    document: dict[str, Any] = encode(status)
+    return document

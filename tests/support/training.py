@@ -1,0 +1,129 @@
+"""Real training runs for tests: torchrun with 2 gloo processes, launched as `gpuop run` does."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpuop.local import LocalRun, plan, scrape
+from gpuop.scrape import TrainerMetrics
+from gpuop.spec import parse
+from support.crdschema import ROOT
+from support.specs import minimal
+
+RANK_DUMP = ROOT / "tests" / "trainer" / "rank_dump.py"
+
+
+def digits_run(tmp_path: Path, workers: int = 2, **training: Any) -> LocalRun:
+    """A CPU digits run in ``tmp_path``; ``training`` overrides spec.training fields."""
+    settings = {"epochs": 3, "batchSize": 32, "learningRate": 0.003, "precision": "fp32", "logEverySteps": 5}
+    settings.update(training)
+    body = minimal(
+        gpusPerWorker=0,
+        dataset={"name": "digits", "loaderWorkers": 0},
+        training=settings,
+        checkpoint={"everySteps": 10, "keep": 3},
+    )
+    return plan(parse(body), workers, tmp_path)
+
+
+def start(
+    run: LocalRun,
+    *,
+    launcher_args: tuple[str, ...] = (),
+    dump_ranks: bool = False,
+    no_batchnorm: bool = False,
+    steps: int | None = None,
+    extra_env: dict[str, str] | None = None,
+    share_store_workaround: bool = True,
+) -> subprocess.Popen[bytes]:
+    """Start torchrun; its output goes to <workdir>/torchrun.log."""
+    entry: tuple[str, ...] = ("-m", "gputrain")
+    if dump_ranks:
+        entry = (str(RANK_DUMP), f"--dump-dir={run.workdir / 'ranks'}")
+        if no_batchnorm:
+            entry += ("--no-batchnorm",)
+        if steps is not None:
+            entry += (f"--steps={steps}",)
+    env = run.environment() | (extra_env or {})
+    if not share_store_workaround:
+        del env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
+    run.workdir.mkdir(parents=True, exist_ok=True)
+    log = (run.workdir / "torchrun.log").open("ab")
+    command = run.command(launcher_args, entry)
+    if any(a.startswith("--rdzv-endpoint") for a in launcher_args):
+        command.remove("--standalone")
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish(run: LocalRun, process: subprocess.Popen[bytes], timeout: float = 240) -> int:
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise AssertionError(f"training did not finish in {timeout}s:\n{log_of(run)}") from None
+
+
+def train(run: LocalRun, **kwargs: Any) -> int:
+    return finish(run, start(run, **kwargs))
+
+
+def log_of(run: LocalRun) -> str:
+    path = run.workdir / "torchrun.log"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def wait_for_step(
+    run: LocalRun, process: subprocess.Popen[bytes], step: int, timeout: float = 120
+) -> TrainerMetrics:
+    """Poll the metrics endpoint until the trainer reports at least ``step`` optimizer steps."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"training ended before step {step}:\n{log_of(run)}")
+        metrics = scrape(run.metrics_port)
+        if metrics is not None and metrics.step is not None and metrics.step >= step:
+            return metrics
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} within {timeout}s:\n{log_of(run)}")
+
+
+def elastic_launcher_args(max_restarts: int) -> tuple[str, ...]:
+    """torchrun as the training-operator runs it for elastic jobs: c10d rendezvous, 1 to 2 nodes.
+
+    ``start`` drops ``--standalone`` when these are given.
+    """
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return (
+        f"--max-restarts={max_restarts}",
+        "--nnodes=1:2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-conf=last_call_timeout=1",
+    )
+
+
+def worker_pids(parent: int) -> list[int]:
+    """Direct children of a process (torchrun's workers), from /proc."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:
+            children.append(int(stat.parent.name))
+    return sorted(children)
+
+
+def rank_states(run: LocalRun) -> list[dict[str, torch.Tensor]]:
+    """Each rank's final parameters and buffers, as dumped by rank_dump.py."""
+    paths = sorted((run.workdir / "ranks").glob("rank-*.pt"))
+    return [torch.load(p, weights_only=True) for p in paths]

@@ -1,0 +1,231 @@
+"""Real distributed training on CPU: torchrun, 2 processes, gloo, scikit-learn's digits."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from gputrain.contract import EXIT_BAD_CONFIG, EXIT_DATA_MISSING
+from support.crdschema import ROOT
+from support.training import (
+    digits_run,
+    elastic_launcher_args,
+    finish,
+    log_of,
+    rank_states,
+    start,
+    train,
+    wait_for_step,
+    worker_pids,
+)
+
+GPUOP = Path(sys.executable).parent / "gpuop"
+
+
+def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    num = sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in a if a[k].is_floating_point())
+    den = sum(float((a[k].double() ** 2).sum()) for k in a if a[k].is_floating_point())
+    return (num / den) ** 0.5
+
+
+def test_local_run_of_the_demo_learns_digits(tmp_path: Path) -> None:
+    """`gpuop run` (what `make run` does): loss falls, test accuracy >= 0.90, status Succeeded."""
+    done = subprocess.run(
+        [
+            GPUOP,
+            "run",
+            "-f",
+            str(ROOT / "examples" / "local-digits.yaml"),
+            "--json",
+            "--workdir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    status = json.loads(done.stdout)
+    assert status["phase"] == "Succeeded"
+    assert status["conditions"][0]["type"] == "Succeeded"
+    progress = status["progress"]
+    assert progress["accuracy"] >= 0.90
+    assert (progress["percent"], progress["step"]) == (100.0, progress["totalSteps"])
+    assert status["gpu"]["count"] == 0
+    assert status["gpuHours"] == 0.0
+    losses = [
+        float(x)
+        for x in re.findall(r" loss (\d+\.\d+) ", (tmp_path / "local-digits" / "trainer.log").read_text())
+    ]
+    assert len(losses) > 10
+    assert losses[-1] < losses[0] / 10, losses
+    assert (tmp_path / "local-digits" / "output" / "model.pt").is_file()
+
+
+def test_ranks_end_with_identical_models(tmp_path: Path) -> None:
+    run = digits_run(tmp_path, epochs=2)
+    assert train(run, dump_ranks=True) == 0, log_of(run)
+    first, second = rank_states(run)
+    assert first.keys() == second.keys()
+    for key in first:  # parameters and BatchNorm statistics alike
+        assert torch.equal(first[key], second[key]), key
+
+
+def test_bf16_autocast_on_cpu_trains(tmp_path: Path) -> None:
+    run = digits_run(tmp_path, precision="bf16", epochs=3)
+    assert train(run) == 0, log_of(run)
+    result = json.loads(run.termination_log.read_text())
+    assert result["phase"] == "Succeeded"
+    assert result["accuracy"] >= 0.9
+
+
+def test_gradient_accumulation_4x8_equals_batch_32(tmp_path: Path) -> None:
+    """One optimizer step on 2 ranks: four no_sync micro-steps of 8 == one step of 32.
+
+    BatchNorm is swapped out (its statistics depend on the micro-batch size), and a single
+    step is compared: Adam's first updates are sign-like, so over many steps it amplifies
+    float summation-order noise into percent-level differences.
+    """
+    runs = {
+        name: digits_run(
+            tmp_path / name, epochs=1, batchSize=batch, gradientAccumulationSteps=accum, maxGradNorm=0
+        )
+        for name, batch, accum in (("big", 32, 1), ("accumulated", 8, 4), ("small", 8, 1))
+    }
+    for run in runs.values():
+        assert train(run, dump_ranks=True, no_batchnorm=True, steps=1) == 0, log_of(run)
+    big, accumulated, small = (rank_states(runs[n])[0] for n in ("big", "accumulated", "small"))
+    assert relative_difference(big, accumulated) < 1e-4
+    assert relative_difference(big, small) > 1e-2  # the comparison can tell a different batch apart
+
+
+def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path: Path) -> None:
+    straight = digits_run(tmp_path / "straight", epochs=3)
+    assert train(straight, dump_ranks=True) == 0, log_of(straight)
+
+    interrupted = digits_run(tmp_path / "interrupted", epochs=3)
+    process = start(interrupted, dump_ranks=True)
+    metrics = wait_for_step(interrupted, process, 25)
+    # The metrics endpoint serves live progress while training.
+    assert metrics.total_steps == 69
+    assert metrics.percent == pytest.approx(100 * metrics.step / 69)  # type: ignore[operator]
+    assert metrics.loss is not None
+    assert metrics.epoch == 2
+    process.send_signal(signal.SIGTERM)  # to torchrun, which passes it on, as the kubelet does
+    assert finish(interrupted, process) != 0
+    record = json.loads(interrupted.termination_log.read_text())
+    assert record["reason"] == "Preempted", record
+    stopped_at = int(re.search(r"at step (\d+)", record["message"]).group(1))  # type: ignore[union-attr]
+    assert stopped_at >= 25
+    assert (interrupted.checkpoint_dir / f"step-{stopped_at:08d}.pt").is_file()
+
+    assert train(interrupted, dump_ranks=True) == 0, log_of(interrupted)
+    assert f"resumed from {interrupted.checkpoint_dir}/step-{stopped_at:08d}.pt" in log_of(interrupted)
+    for expected, resumed in zip(rank_states(straight), rank_states(interrupted), strict=True):
+        for key in expected:
+            torch.testing.assert_close(resumed[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_killed_worker_is_restarted_and_finishes_from_the_checkpoint(tmp_path: Path) -> None:
+    """Elastic torchrun (c10d, --nnodes=1:2) restarts the group after a SIGKILL.
+
+    Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE, so it is the trainer's own per-attempt store
+    prefix that keeps the new group from dialling the dead one (pytorch/pytorch#135712):
+    measured without that prefix, this run fails with "Gloo connectFullMesh failed ...
+    Connection refused".
+    """
+    run = digits_run(tmp_path, epochs=3)
+    process = start(run, launcher_args=elastic_launcher_args(max_restarts=1), share_store_workaround=False)
+    wait_for_step(run, process, 15)  # a checkpoint at step 10 exists
+    workers = worker_pids(process.pid)
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+    assert finish(run, process) == 0, log_of(run)
+    log = log_of(run)
+    resumed = re.search(r"resumed from \S+step-(\d+)\.pt", log)
+    assert resumed is not None, log
+    assert int(resumed.group(1)) >= 10
+    result = json.loads(run.termination_log.read_text())
+    assert (result["phase"], result["step"], result["totalSteps"]) == ("Succeeded", 69, 69)
+
+
+def _gpuop_run(tmp_path: Path, spec: dict[str, Any]) -> tuple[int, dict[str, Any], str]:
+    body = {"apiVersion": "gpuop.io/v1alpha1", "kind": "GpuTraining", "metadata": {"name": "t"}, "spec": spec}
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(body))
+    done = subprocess.run(
+        [GPUOP, "run", "-f", str(path), "--json", "--workdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    return done.returncode, json.loads(done.stdout), done.stderr
+
+
+def test_missing_dataset_fails_with_the_path_and_expected_files(tmp_path: Path) -> None:
+    empty = tmp_path / "nothing-here"
+    empty.mkdir()
+    code, status, _ = _gpuop_run(
+        tmp_path, {"workers": 2, "gpusPerWorker": 0, "dataset": {"name": "mnist", "path": str(empty)}}
+    )
+    assert code == 1
+    assert status["phase"] == "Failed"
+    condition = status["conditions"][0]
+    assert (condition["type"], condition["reason"]) == ("Failed", "DatasetMissing")
+    assert condition["message"] == (
+        f"dataset mnist: train-images-idx3-ubyte not found under {empty} (expected train-images-idx3-ubyte, "
+        "train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (or .gz)); the trainer never "
+        "downloads data: put the files on the dataset volume"
+    )
+
+
+def _trainer(env: dict[str, str], *args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("GPUTRAIN_", "RANK", "WORLD_SIZE"))}
+    return subprocess.run(
+        [sys.executable, "-m", "gputrain", f"--termination-log={tmp_path / 'term'}", *args],
+        env=clean | env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_trainer_refuses_bad_settings_with_one_line_each(tmp_path: Path) -> None:
+    env = digits_run(tmp_path).environment()
+    env = {k: v for k, v in env.items() if k.startswith("GPUTRAIN_")}
+    env["GPUTRAIN_EPOCHS"] = "0"
+    env["GPUTRAIN_PRECISION"] = "fp8"
+    done = _trainer(env, "--batch-size=many", tmp_path=tmp_path)
+    assert done.returncode == EXIT_BAD_CONFIG
+    errors = [line.split(" ERROR ", 1)[1] for line in done.stdout.splitlines() if " ERROR " in line]
+    assert errors == [
+        "bad setting: GPUTRAIN_BATCH_SIZE: must be an integer (got 'many')",
+        "bad setting: GPUTRAIN_PRECISION: must be one of fp32, bf16, fp16 (got 'fp8')",
+    ]
+    assert "Traceback" not in done.stdout + done.stderr
+    assert json.loads((tmp_path / "term").read_text())["reason"] == "InvalidSettings"
+    done = _trainer(env | {"GPUTRAIN_PRECISION": "fp32"}, tmp_path=tmp_path)
+    assert done.returncode == EXIT_BAD_CONFIG
+    assert "bad setting: GPUTRAIN_EPOCHS: must be >= 1 (got 0)" in done.stdout
+
+
+def test_trainer_alone_exits_3_on_missing_data(tmp_path: Path) -> None:
+    env = {k: v for k, v in digits_run(tmp_path).environment().items() if k.startswith("GPUTRAIN_")}
+    done = _trainer(
+        env | {"GPUTRAIN_DATASET": "cifar10", "GPUTRAIN_DATA_DIR": str(tmp_path)}, tmp_path=tmp_path
+    )
+    assert done.returncode == EXIT_DATA_MISSING
+    assert f"dataset cifar10: data_batch_1 not found under {tmp_path}" in done.stdout

@@ -1,0 +1,122 @@
+"""``python -m gputrain``: the process torchrun starts in every training pod.
+
+Settings come from the GPUTRAIN_* environment the operator renders; flags override them
+(``--epochs 3``). Exit codes (gputrain.contract): 0 done, 2 bad settings, 3 dataset
+missing, 143 preempted by SIGTERM after writing a checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gputrain.contract import (
+    EXIT_BAD_CONFIG,
+    EXIT_DATA_MISSING,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    FAILURE_REASONS,
+    TERMINATION_LOG,
+    ContractError,
+    TrainerSettings,
+    env_name,
+)
+
+if TYPE_CHECKING:
+    from gputrain.train import Trainer
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gputrain", description=__doc__.splitlines()[0])
+    for field in dataclasses.fields(TrainerSettings):
+        flag = "--" + field.name.replace("_", "-")
+        parser.add_argument(flag, dest=field.name, metavar="VALUE", help=f"overrides {env_name(field.name)}")
+    parser.add_argument(
+        "--termination-log",
+        default=TERMINATION_LOG,
+        help="where the final result goes for the pod's termination message (default: %(default)s)",
+    )
+    return parser
+
+
+def settings_from(argv: Sequence[str] | None, environ: dict[str, str]) -> tuple[TrainerSettings, str]:
+    """The settings: environment first, then flags."""
+    args = _parser().parse_args(argv)
+    merged = dict(environ)
+    for field in dataclasses.fields(TrainerSettings):
+        value = getattr(args, field.name)
+        if value is not None:
+            merged[env_name(field.name)] = value
+    return TrainerSettings.from_env(merged), args.termination_log
+
+
+def _report_failure(path: str, code: int, message: str) -> int:
+    """Leave the reason in the termination message (one writer per pod), and return ``code``."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        record = {"phase": "Failed", "reason": FAILURE_REASONS[code], "message": message[:3000]}
+        # Outside a pod there may be no termination log; the log line already says it all.
+        with contextlib.suppress(OSError):
+            Path(path).write_text(json.dumps(record))
+    return code
+
+
+def main(argv: Sequence[str] | None = None, after: Callable[[Trainer], None] | None = None) -> int:
+    """Train; ``after`` sees the trainer of a successful run (tests use it to inspect ranks)."""
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s rank {rank} %(levelname)s %(message)s",
+        stream=sys.stdout,
+    )
+    log = logging.getLogger("gputrain")
+    try:
+        settings, termination_log = settings_from(argv, dict(os.environ))
+    except ContractError as exc:
+        for line in str(exc).splitlines():
+            log.error("bad setting: %s", line)
+        return _report_failure(_parser().parse_args(argv).termination_log, EXIT_BAD_CONFIG, str(exc))
+
+    # Heavy imports after the settings are known to be good: a typo fails in milliseconds.
+    from gputrain.data import DatasetMissingError
+    from gputrain.distributed import join, leave
+    from gputrain.train import PreemptedError, Trainer
+
+    try:
+        cluster = join(settings.backend)
+    except ContractError as exc:
+        log.error("bad setting: %s", exc)
+        return _report_failure(termination_log, EXIT_BAD_CONFIG, str(exc))
+    trainer: Trainer | None = None
+    try:
+        trainer = Trainer(settings, cluster, termination_log=termination_log)
+        trainer.run()
+        if after is not None:
+            after(trainer)
+    except ContractError as exc:
+        log.error("bad setting: %s", exc)
+        return _report_failure(termination_log, EXIT_BAD_CONFIG, str(exc))
+    except DatasetMissingError as exc:
+        log.error("%s", exc)
+        return _report_failure(termination_log, EXIT_DATA_MISSING, str(exc))
+    except PreemptedError:
+        step = trainer.position.step if trainer else 0
+        message = f"stopped by SIGTERM at step {step}; the next start resumes from its checkpoint"
+        log.warning("%s", message)
+        return _report_failure(termination_log, EXIT_PREEMPTED, message)
+    finally:
+        if trainer is not None:
+            trainer.close()
+    leave(cluster)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Checkpoints: written atomically, the newest K kept, the newest readable one loaded.
+
+A checkpoint is ``step-<8 digits>.pt`` in the checkpoint directory. Writing goes to a
+temporary file in the same directory, is fsynced, renamed over the final name and the
+directory fsynced: a crash leaves either the old set or the new one, never half a file.
+A newest checkpoint that still fails to load (a truncated copy, a full disk) is skipped
+with a warning for the one before it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^step-(\d{8,})\.pt$")
+
+
+class CheckpointManager:
+    """Saves, prunes and finds checkpoints in one directory."""
+
+    def __init__(self, directory: str | Path, keep: int) -> None:
+        self.directory = Path(directory)
+        self.keep = keep
+
+    def checkpoints(self) -> list[Path]:
+        """Existing checkpoints, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.directory.iterdir() if (m := _NAME.match(p.name))]
+        return [p for _, p in sorted(found)]
+
+    def save(self, state: dict[str, Any], step: int) -> Path:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        final = self.directory / f"step-{step:08d}.pt"
+        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=self.directory)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                torch.save(state, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self._fsync_directory()
+        for old in self.checkpoints()[: -self.keep]:
+            old.unlink(missing_ok=True)
+        return final
+
+    def load_latest(self) -> tuple[dict[str, Any], Path] | None:
+        """The newest checkpoint that loads, or None when there is none."""
+        for path in reversed(self.checkpoints()):
+            try:
+                # weights_only: a file on a shared volume must not be able to run code here.
+                state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as exc:  # a corrupt file: any unpickling or zip error
+                log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, exc)
+                continue
+            return state, path
+        return None
+
+    def _fsync_directory(self) -> None:
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

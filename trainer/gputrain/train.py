@@ -1,0 +1,373 @@
+"""The training loop: DDP, mixed precision, gradient accumulation, checkpoints, preemption.
+
+Hot-path rules: the loop never reads a tensor back to the host between logging intervals
+(loss, accuracy and sample counts accumulate on the device), gradients are synchronised
+only on the last micro-step of an accumulation group (``no_sync`` on the others), and the
+optimizer is fused where the device supports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional
+from torch.nn.parallel import DistributedDataParallel
+
+from gputrain.checkpoint import CheckpointManager
+from gputrain.contract import MODEL_FILE, RESULT_FILE, ContractError, TrainerSettings
+from gputrain.data import DataSource, build_data
+from gputrain.distributed import Cluster
+from gputrain.metrics import MetricsServer, Progress
+from gputrain.models import build_model
+
+log = logging.getLogger("gputrain")
+
+WARMUP_FRACTION = 0.05
+
+
+class PreemptedError(Exception):
+    """SIGTERM arrived; a checkpoint was written where this rank is its pod's writer."""
+
+
+@dataclass
+class Position:
+    """Where training stands: the next batch to run, and optimizer steps done."""
+
+    epoch: int = 0
+    next_batch: int = 0
+    step: int = 0
+
+
+def warmup_cosine(total_steps: int) -> Any:
+    """LR multiplier: linear warmup over the first 5% of steps, then cosine decay to 0."""
+    warmup = max(1, int(total_steps * WARMUP_FRACTION))
+
+    def multiplier(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return multiplier
+
+
+def _autocast(settings: TrainerSettings, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    if settings.precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if settings.precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+class Trainer:
+    """One rank's training run."""
+
+    def __init__(self, settings: TrainerSettings, cluster: Cluster, *, termination_log: str | None) -> None:
+        self.settings = settings
+        self.cluster = cluster
+        self.termination_log = termination_log
+        self.device = cluster.device
+        self.stop_requested = False
+
+        torch.manual_seed(settings.seed)  # the same initial weights on every rank
+        self.data: DataSource = build_data(settings, cluster.rank, cluster.world, self.device)
+        self.model = build_model(
+            settings.model, self.data.in_channels, self.data.num_classes, self.data.image_size
+        )
+        self.model.to(self.device)
+        if settings.channels_last:
+            self.model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        self.ddp: DistributedDataParallel | None = None
+        if cluster.distributed:
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.ddp = DistributedDataParallel(self.model, device_ids=device_ids)
+        wrapped: nn.Module = self.ddp if self.ddp is not None else self.model
+        self.forward: Any = torch.compile(wrapped) if settings.compile else wrapped
+
+        fused = self.device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.learning_rate, fused=fused)
+        self.batches = self.data.batches_per_epoch()
+        self.steps_per_epoch = math.ceil(self.batches / settings.grad_accum_steps)
+        self.total_steps = self.steps_per_epoch * settings.epochs
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_cosine(self.total_steps))
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=settings.precision == "fp16")
+        self.checkpoints = CheckpointManager(settings.checkpoint_dir, settings.checkpoint_keep)
+        self.position = Position()
+        self.accuracy: float | None = None
+        self.test_loss: float | None = None
+        self.last_loss: float | None = None
+        self.metrics = MetricsServer(settings.metrics_port if cluster.is_local_main else None)
+
+    # ---------------------------------------------------------------------------------------
+    # Checkpoints
+
+    def _state(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "position": asdict(self.position),
+            "model_name": self.settings.model,
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else [],
+            },
+        }
+
+    def save_checkpoint(self) -> None:
+        path = self.checkpoints.save(self._state(), self.position.step)
+        log.info("checkpoint %s at step %d", path, self.position.step)
+
+    def resume(self) -> None:
+        """Load the newest checkpoint on rank 0 and send it to every rank.
+
+        Only rank 0 reads: with a per-pod emptyDir the other pods have none, and they must
+        all start from the same state anyway.
+        """
+        found = self.checkpoints.load_latest() if self.cluster.is_main else None
+        box: list[Any] = [found]
+        if self.cluster.distributed:
+            dist.broadcast_object_list(box, src=0)
+        found = box[0]
+        if found is None:
+            return
+        state, path = found
+        if state.get("model_name") != self.settings.model:
+            raise ContractError(
+                f"GPUTRAIN_CHECKPOINT_DIR: {path} holds a {state.get('model_name')} model, not "
+                f"{self.settings.model}; give the job a new name or empty the directory"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.position = Position(**state["position"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"]["cuda"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        log.info("resumed from %s at epoch %d, step %d", path, self.position.epoch + 1, self.position.step)
+
+    # ---------------------------------------------------------------------------------------
+    # The loop
+
+    def _request_stop(self, signum: int, frame: FrameType | None) -> None:
+        self.stop_requested = True
+
+    def _preempt(self) -> None:
+        # The state at the last step boundary is the same on every rank, so each pod's local
+        # rank 0 can write it: a pod on its own emptyDir keeps its progress too.
+        if self.cluster.is_local_main:
+            self.save_checkpoint()
+        raise PreemptedError
+
+    def _reduce(self, values: list[torch.Tensor | float]) -> list[float]:
+        """Sum figures over ranks: the one host sync of a logging interval."""
+        tensor = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values])
+        if self.cluster.distributed:
+            dist.all_reduce(tensor)
+        return [float(v) for v in tensor.tolist()]
+
+    def _report(self, loss_sum: torch.Tensor, seen: torch.Tensor, started: float, steps: int) -> float:
+        """Log and publish one interval's figures; returns the samples all ranks trained on."""
+        total_loss, samples = self._reduce([loss_sum, seen])
+        elapsed = max(time.perf_counter() - started, 1e-9)
+        self.last_loss = total_loss / max(samples, 1.0)
+        rate = samples / elapsed
+        eta = (self.total_steps - self.position.step) * elapsed / max(steps, 1)
+        self._publish(rate, eta)
+        if self.cluster.is_main:
+            log.info(
+                "epoch %d/%d step %d/%d loss %.4f %.0f samples/s eta %.0fs",
+                self.position.epoch + 1,
+                self.settings.epochs,
+                self.position.step,
+                self.total_steps,
+                self.last_loss,
+                rate,
+                eta,
+            )
+        return samples
+
+    def _publish(self, rate: float | None, eta: float | None) -> None:
+        self.metrics.update(
+            Progress(
+                epoch=min(self.position.epoch + 1, self.settings.epochs),
+                total_epochs=self.settings.epochs,
+                step=self.position.step,
+                total_steps=self.total_steps,
+                loss=self.last_loss,
+                accuracy=self.accuracy,
+                samples_per_second=rate,
+                estimated_remaining_seconds=eta,
+            )
+        )
+
+    def _sync_buffers(self) -> None:
+        """Give every rank rank 0's buffers (BatchNorm running statistics).
+
+        DDP broadcasts buffers only at the start of each training forward, so after the last
+        step each rank holds the statistics of its own last batch; evaluating, checkpointing
+        and exporting must all see one model.
+        """
+        if self.cluster.distributed:
+            for buffer in self.model.buffers():
+                dist.broadcast(buffer, src=0)
+
+    def evaluate(self) -> None:
+        self._sync_buffers()
+        self.model.eval()
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        correct = torch.zeros((), device=self.device, dtype=torch.int64)
+        count = 0
+        with torch.no_grad(), _autocast(self.settings, self.device):
+            for x, y in self.data.eval_batches():
+                logits = self.model(x)
+                loss_sum += functional.cross_entropy(logits.float(), y, reduction="sum")
+                correct += (logits.argmax(1) == y).sum()
+                count += len(y)
+        total_loss, total_correct, total = self._reduce([loss_sum, correct, float(count)])
+        self.model.train()
+        self.test_loss = total_loss / max(total, 1.0)
+        self.accuracy = total_correct / max(total, 1.0)
+        if self.cluster.is_main:
+            log.info(
+                "epoch %d/%d test loss %.4f accuracy %.4f",
+                self.position.epoch + 1,
+                self.settings.epochs,
+                self.test_loss,
+                self.accuracy,
+            )
+
+    def _train_epoch(self, epoch: int) -> float:
+        """One epoch from the current position; returns the samples all ranks trained on."""
+        settings = self.settings
+        accum = settings.grad_accum_steps
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        seen = torch.zeros((), device=self.device, dtype=torch.float64)
+        interval_start, interval_steps = time.perf_counter(), 0
+        epoch_samples = 0.0
+        start = self.position.next_batch
+        for b, (x, y) in enumerate(self.data.train_batches(epoch, start), start=start):
+            group_start = b - b % accum
+            group_size = min(accum, self.batches - group_start)
+            last_micro = b == group_start + group_size - 1
+            # Gradients are all-reduced on the last micro-step of a group only.
+            sync = self.ddp.no_sync() if self.ddp is not None and not last_micro else contextlib.nullcontext()
+            with sync:
+                with _autocast(settings, self.device):
+                    logits = self.forward(x)
+                    loss = functional.cross_entropy(logits.float(), y)
+                self.scaler.scale(loss / group_size).backward()  # type: ignore[no-untyped-call]
+            loss_sum += loss.detach() * len(y)
+            seen += len(y)
+            if not last_micro:
+                continue
+            if settings.max_grad_norm > 0:
+                self.scaler.unscale_(self.optimizer)
+                nn.utils.clip_grad_norm_(self.model.parameters(), settings.max_grad_norm)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            self.position = Position(epoch=epoch, next_batch=b + 1, step=self.position.step + 1)
+            interval_steps += 1
+            if self.stop_requested:
+                self._preempt()
+            if self.position.step % settings.log_every_steps == 0 or b == self.batches - 1:
+                epoch_samples += self._report(loss_sum, seen, interval_start, interval_steps)
+                loss_sum.zero_()
+                seen.zero_()
+                interval_start, interval_steps = time.perf_counter(), 0
+            if self.cluster.is_main and self.position.step % settings.checkpoint_every_steps == 0:
+                self.save_checkpoint()
+        return epoch_samples
+
+    def run(self) -> dict[str, Any]:
+        previous = signal.signal(signal.SIGTERM, self._request_stop)
+        started = time.perf_counter()
+        samples = 0.0
+        try:
+            self.resume()
+            self._publish(None, None)  # totals are known now: scrapers see 0 of N, not 0 of 0
+            self.model.train()
+            for epoch in range(self.position.epoch, self.settings.epochs):
+                if self.position.next_batch < self.batches:
+                    try:
+                        epoch_samples = self._train_epoch(epoch)
+                    except PreemptedError:
+                        raise
+                    except Exception:
+                        if self.stop_requested:  # a peer left first, mid-collective
+                            self._preempt()
+                        raise
+                    samples += epoch_samples
+                    self.evaluate()
+                    self._publish(None, None)
+                # The epoch is done; a restart continues with the next one.
+                self.position = Position(epoch=epoch + 1, next_batch=0, step=self.position.step)
+                if self.cluster.is_main:
+                    self.save_checkpoint()
+                if self.stop_requested:
+                    self._preempt()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        duration = time.perf_counter() - started
+        result = {
+            "phase": "Succeeded",
+            "epoch": self.settings.epochs,
+            "totalEpochs": self.settings.epochs,
+            "step": self.position.step,
+            "totalSteps": self.total_steps,
+            "loss": self.last_loss,
+            "accuracy": self.accuracy,
+            "testLoss": self.test_loss,
+            "samplesPerSecond": samples / duration if duration > 0 else None,
+            "durationSeconds": round(duration, 3),
+            "worldSize": self.cluster.world,
+        }
+        self._write_result(result)
+        return result
+
+    def _write_result(self, result: dict[str, Any]) -> None:
+        text = json.dumps(result, sort_keys=True)
+        if self.cluster.is_main:
+            output = Path(self.settings.output_dir)
+            _atomic_write(output / RESULT_FILE, (text + "\n").encode())
+            output.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{MODEL_FILE}.", dir=output)
+            with os.fdopen(fd, "wb") as handle:
+                torch.save(self.model.state_dict(), handle)
+            os.replace(tmp, output / MODEL_FILE)
+            log.info("result %s", text)
+        if self.cluster.is_local_main and self.termination_log:
+            try:
+                Path(self.termination_log).write_text(text[:4096])  # the kubelet keeps 4 KiB
+            except OSError as exc:
+                log.warning("cannot write the termination message to %s: %s", self.termination_log, exc)
+
+    def close(self) -> None:
+        self.metrics.close()

@@ -1,0 +1,263 @@
+"""The trainer's parts, in one process: checkpoints, data, models, metrics."""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import pickle
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gpuop.local import progress_line, scrape
+from gpuop.scrape import parse_metrics, parse_result
+from gpuop.status import GpuUsage, format_eta, gpu_usage
+from gputrain.checkpoint import CheckpointManager
+from gputrain.contract import Metric
+from gputrain.data import (
+    DatasetMissingError,
+    TensorData,
+    load_cifar10_arrays,
+    load_digits_arrays,
+    load_mnist_arrays,
+    shard_indices,
+)
+from gputrain.metrics import MetricsServer, Progress
+from gputrain.models import build_model
+from gputrain.vision import import_torchvision
+
+# --- checkpoints ----------------------------------------------------------------------------
+
+
+def test_checkpoints_keep_the_newest_k_and_leave_no_temporary_files(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path / "ck", keep=2)
+    for step in (5, 10, 15):
+        manager.save({"step": step, "w": torch.full((3,), float(step))}, step)
+    assert [p.name for p in manager.checkpoints()] == ["step-00000010.pt", "step-00000015.pt"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000010.pt", "step-00000015.pt"]
+    found = manager.load_latest()
+    assert found is not None
+    state, path = found
+    assert (state["step"], path.name) == (15, "step-00000015.pt")
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    manager = CheckpointManager(tmp_path, keep=3)
+    manager.save({"step": 1}, 1)
+    newest = manager.save({"step": 2, "w": torch.randn(1000)}, 2)
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated, as by a full disk
+    with caplog.at_level(logging.WARNING):
+        found = manager.load_latest()
+    assert found is not None
+    assert found[0]["step"] == 1
+    assert f"checkpoint {newest} is unreadable" in caplog.text
+
+
+def test_no_checkpoint_means_a_fresh_start(tmp_path: Path) -> None:
+    assert CheckpointManager(tmp_path / "missing", keep=1).load_latest() is None
+    (tmp_path / "step-00000001.pt").write_bytes(b"not a checkpoint")
+    assert CheckpointManager(tmp_path, keep=1).load_latest() is None
+
+
+def test_checkpoints_refuse_to_run_code(tmp_path: Path) -> None:
+    """weights_only loading: a pickled object that would run code is refused, not run."""
+
+    class Boom:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (print, ("pwned",))
+
+    path = tmp_path / "step-00000001.pt"
+    torch.save({"x": Boom()}, path)
+    assert CheckpointManager(tmp_path, keep=1).load_latest() is None
+
+
+# --- data ------------------------------------------------------------------------------------
+
+
+def test_shards_cover_every_sample_and_are_equal_in_size() -> None:
+    for n, world in ((10, 3), (1437, 2), (7, 7), (5, 8)):
+        shards = [shard_indices(n, epoch=1, seed=0, rank=r, world=world) for r in range(world)]
+        assert len({len(s) for s in shards}) == 1
+        assert set(torch.cat(shards).tolist()) == set(range(n))
+    assert not torch.equal(shard_indices(100, 0, 0, 0, 2), shard_indices(100, 1, 0, 0, 2))  # set_epoch
+    assert torch.equal(shard_indices(100, 3, 7, 1, 2), shard_indices(100, 3, 7, 1, 2))
+
+
+def _idx(path: Path, array: np.ndarray, compress: bool) -> None:
+    header = struct.pack(">I", 0x0800 | array.ndim) + b"".join(struct.pack(">I", d) for d in array.shape)
+    data = header + array.astype(np.uint8).tobytes()
+    path.write_bytes(gzip.compress(data) if compress else data)
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_mnist_reader(tmp_path: Path, compress: bool) -> None:
+    rng = np.random.default_rng(0)
+    suffix = ".gz" if compress else ""
+    images = rng.integers(0, 256, (20, 28, 28))
+    _idx(tmp_path / f"train-images-idx3-ubyte{suffix}", images, compress)
+    _idx(tmp_path / f"train-labels-idx1-ubyte{suffix}", rng.integers(0, 10, 20), compress)
+    _idx(tmp_path / f"t10k-images-idx3-ubyte{suffix}", rng.integers(0, 256, (5, 28, 28)), compress)
+    _idx(tmp_path / f"t10k-labels-idx1-ubyte{suffix}", rng.integers(0, 10, 5), compress)
+    x_train, y_train, x_test, _ = load_mnist_arrays(tmp_path)
+    assert x_train.shape == (20, 1, 28, 28)
+    assert x_test.shape == (5, 1, 28, 28)
+    assert np.allclose(x_train[3, 0], images[3] / 255)
+    assert y_train.shape == (20,)
+
+
+def test_cifar10_reader(tmp_path: Path) -> None:
+    root = tmp_path / "cifar-10-batches-py"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": rng.integers(0, 256, (4, 3072), dtype=np.uint8), b"labels": list(range(4))}
+        (root / name).write_bytes(pickle.dumps(batch))
+    x_train, y_train, x_test, _ = load_cifar10_arrays(tmp_path)
+    assert (x_train.shape, x_test.shape, len(y_train)) == ((20, 3, 32, 32), (4, 3, 32, 32), 20)
+
+
+def test_missing_files_name_what_is_expected(tmp_path: Path) -> None:
+    with pytest.raises(
+        DatasetMissingError, match=r"expected cifar-10-batches-py/data_batch_1\.\.5 and test_batch"
+    ):
+        load_cifar10_arrays(tmp_path)
+
+
+def test_digits_ship_with_scikit_learn() -> None:
+    x_train, y_train, x_test, _ = load_digits_arrays()
+    assert (len(x_train) + len(x_test), x_train.shape[1:]) == (1797, (1, 8, 8))
+    assert set(y_train.tolist()) == set(range(10))
+
+
+def _tensor_data(rank: int, crop: int = 4) -> TensorData:
+    generator = torch.Generator().manual_seed(0)
+    return TensorData(
+        x_train=torch.randn(50, 3, 8, 8, generator=generator),
+        y_train=torch.arange(50) % 10,
+        x_test=torch.randn(9, 3, 8, 8, generator=generator),
+        y_test=torch.arange(9),
+        num_classes=10,
+        batch_size=8,
+        rank=rank,
+        world=2,
+        seed=1,
+        crop_padding=crop,
+    )
+
+
+def test_batched_augmentation_is_random_but_reproducible_by_position() -> None:
+    data = _tensor_data(rank=0)
+    first = list(data.train_batches(epoch=2))
+    again = list(data.train_batches(epoch=2))
+    resumed = list(data.train_batches(epoch=2, start=2))
+    assert len(first) == data.batches_per_epoch() == 4
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again, strict=True))
+    assert torch.equal(first[2][0], resumed[0][0])  # a resumed epoch sees the same batches
+    plain = list(_tensor_data(rank=0, crop=0).train_batches(epoch=2))
+    assert not torch.equal(first[0][0], plain[0][0])
+    assert torch.equal(first[0][1], plain[0][1])  # labels are not augmented
+
+
+def test_evaluation_shards_have_no_duplicates() -> None:
+    seen = [y for rank in (0, 1) for _, ys in _tensor_data(rank).eval_batches() for y in ys.tolist()]
+    assert sorted(seen) == list(range(9))
+
+
+# --- models and torchvision ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "channels", "size"),
+    [
+        ("cnn", 1, 8),
+        ("cnn", 1, 28),
+        ("cnn", 3, 32),
+        ("resnet18", 1, 28),
+        ("resnet18", 3, 32),
+        ("resnet50", 3, 64),
+    ],
+)
+def test_models_classify_their_inputs(name: str, channels: int, size: int) -> None:
+    model = build_model(name, channels, 10, size)  # type: ignore[arg-type]
+    model.eval()
+    with torch.no_grad():
+        assert model(torch.randn(2, channels, size, size)).shape == (2, 10)
+
+
+def test_torchvision_imports_here() -> None:
+    torchvision = import_torchvision()
+    assert hasattr(torchvision.models, "resnet50")
+    assert "torchvision" in sys.modules
+
+
+# --- metrics: served by the trainer, read by gpuop --------------------------------------------
+
+
+def test_metrics_endpoint_round_trip() -> None:
+    server = MetricsServer(port=0)
+    try:
+        assert server.port
+        server.update(Progress(2, 5, 30, 120, 0.5, 0.75, 1234.0, 61.0))
+        metrics = scrape(server.port)
+    finally:
+        server.close()
+    assert metrics is not None
+    assert (metrics.epoch, metrics.total_epochs, metrics.step, metrics.total_steps) == (2, 5, 30, 120)
+    assert metrics.percent == 25.0
+    assert (metrics.loss, metrics.accuracy, metrics.samples_per_second) == (0.5, 0.75, 1234.0)
+    assert metrics.gpus == ()  # no NVIDIA driver here: no GPU figures, and no error
+    assert (
+        "25.0%  epoch 2/5  step 30/120  loss 0.5000  acc 0.750  1,234 samples/s  eta 1m01s"
+        in progress_line(metrics)
+    )
+
+
+def test_gpu_figures_per_pod_and_mean() -> None:
+    text = "\n".join(
+        f'{name}{{gpu="{i}"}} {value}'
+        for i, (util, used) in enumerate([(90.0, 10), (70.0, 30)])
+        for name, value in (
+            (Metric.GPU_UTILIZATION_PERCENT, util),
+            (Metric.GPU_MEMORY_USED_BYTES, used),
+            (Metric.GPU_MEMORY_TOTAL_BYTES, 100),
+        )
+    )
+    one = parse_metrics(text + "\n")
+    other = parse_metrics(f'{Metric.GPU_UTILIZATION_PERCENT}{{gpu="0"}} 20\n')
+    usage = gpu_usage({"job-worker-0": other, "job-master-0": one}, count=3)
+    assert isinstance(usage, GpuUsage)
+    assert usage.utilization_percent == 60.0  # mean over the three GPUs, not over pods
+    assert (usage.memory_used_bytes, usage.memory_total_bytes) == (40, 200)
+    assert [(w.pod, w.utilization_percent) for w in usage.per_worker] == [
+        ("job-master-0", 80.0),
+        ("job-worker-0", 20.0),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(None, None), (0, "0s"), (42.4, "42s"), (61, "1m01s"), (3600 + 12 * 60 + 5, "1h12m")],
+)
+def test_format_eta(seconds: float | None, text: str | None) -> None:
+    assert format_eta(seconds) == text
+
+
+def test_termination_messages() -> None:
+    assert parse_result('{"phase": "Succeeded", "accuracy": 0.9, "extra": 1}') == {
+        "phase": "Succeeded",
+        "accuracy": 0.9,
+        **dict.fromkeys(("epoch", "totalEpochs", "step", "totalSteps", "loss", "testLoss")),
+        **dict.fromkeys(("samplesPerSecond", "durationSeconds", "worldSize", "reason", "message")),
+    }
+    assert (
+        parse_result('{"phase": "Failed", "reason": "DatasetMissing", "message": "m"}')["reason"]
+        == "DatasetMissing"
+    )  # type: ignore[index]
+    assert parse_result("Traceback (most recent call last): ...") is None  # FallbackToLogsOnError
+    assert parse_result('{"phase": "Running"}') is None

@@ -1,0 +1,232 @@
+"""Training throughput: gputrain's loop vs. a loop written the common way, side by side.
+
+Both train the same CNN (gputrain.models.ConvNet) with AdamW on the same MNIST-shaped data
+(random 28x28 images written as real IDX files and read by gputrain's MNIST reader), with
+the same batch size and number of steps, in one process on this machine.
+
+* baseline: the tutorial pattern: a Dataset of PIL images with per-sample ToTensor and
+  Normalize transforms, a DataLoader (workers as given), ``loss.item()`` and an accuracy
+  ``.item()`` every step.
+* gputrain: the trainer's own epoch loop (data as one normalised tensor, batched indexing,
+  figures read from the device only at logging intervals).
+
+Runs alternate (baseline, gputrain, baseline, ...) so machine noise hits both; the report
+gives each run, the medians and their ratio.
+
+    python bench/trainer_throughput.py [--steps 200] [--batch-size 64] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import platform
+import statistics
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.nn import functional
+
+from gputrain.contract import TrainerSettings
+from gputrain.data import build_data, load_mnist_arrays
+from gputrain.distributed import Cluster
+from gputrain.models import ConvNet
+from gputrain.train import Trainer
+
+
+def write_mnist(root: Path, samples: int) -> None:
+    """MNIST-shaped random data in the real IDX format, so gputrain reads it as MNIST."""
+    rng = np.random.default_rng(0)
+
+    def idx(name: str, array: np.ndarray) -> None:
+        header = struct.pack(">I", 0x0800 | array.ndim) + b"".join(struct.pack(">I", d) for d in array.shape)
+        (root / name).write_bytes(gzip.compress(header + array.astype(np.uint8).tobytes(), compresslevel=1))
+
+    idx("train-images-idx3-ubyte.gz", rng.integers(0, 256, (samples, 28, 28)))
+    idx("train-labels-idx1-ubyte.gz", rng.integers(0, 10, samples))
+    idx("t10k-images-idx3-ubyte.gz", rng.integers(0, 256, (256, 28, 28)))
+    idx("t10k-labels-idx1-ubyte.gz", rng.integers(0, 10, 256))
+
+
+class PilDataset(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
+    """The tutorial dataset: PIL images, converted and normalised one sample at a time."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray) -> None:
+        self.images = [Image.fromarray(image, mode="L") for image in images]
+        self.labels = labels.tolist()
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image = self.images[index]
+        tensor = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0)[None]  # ToTensor
+        return (tensor - 0.1307) / 0.3081, self.labels[index]  # Normalize
+
+
+def baseline(root: Path, steps: int, batch: int, workers: int) -> float:
+    """Samples per second of the common loop."""
+    x_train, y_train, _, _ = load_mnist_arrays(root)
+    images = (x_train[:, 0] * 255).round().astype(np.uint8)
+    loader = torch.utils.data.DataLoader(
+        PilDataset(images, y_train), batch_size=batch, shuffle=True, num_workers=workers, drop_last=True
+    )
+    torch.manual_seed(0)
+    model = ConvNet(1, 10)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    done = 0
+    started = time.perf_counter()
+    while done < steps:
+        for x, y in loader:
+            optimizer.zero_grad()
+            logits = model(x)
+            loss = functional.cross_entropy(logits, y)
+            loss.backward()
+            optimizer.step()
+            running_loss = loss.item()  # the per-step host sync of the common loop
+            correct = (logits.argmax(1) == y).sum().item()
+            del running_loss, correct
+            done += 1
+            if done == steps:
+                break
+    return steps * batch / (time.perf_counter() - started)
+
+
+def baseline_pipeline(root: Path, steps: int, batch: int, workers: int) -> float:
+    """Samples per second the common input pipeline delivers, with no model at all."""
+    x_train, y_train, _, _ = load_mnist_arrays(root)
+    images = (x_train[:, 0] * 255).round().astype(np.uint8)
+    loader = torch.utils.data.DataLoader(
+        PilDataset(images, y_train), batch_size=batch, shuffle=True, num_workers=workers, drop_last=True
+    )
+    started, done = time.perf_counter(), 0
+    while done < steps:
+        for _batch in loader:
+            done += 1
+            if done == steps:
+                break
+    return steps * batch / (time.perf_counter() - started)
+
+
+def gputrain_pipeline(root: Path, steps: int, batch: int) -> float:
+    """Samples per second gputrain's in-memory batching delivers, with no model at all."""
+    data = build_data(_settings(root, batch, False, False), rank=0, world=1, device=torch.device("cpu"))
+    started, done = time.perf_counter(), 0
+    while done < steps:
+        for _batch in data.train_batches(epoch=done):
+            done += 1
+            if done == steps:
+                break
+    return steps * batch / (time.perf_counter() - started)
+
+
+def _settings(root: Path, batch: int, channels_last: bool, compile_model: bool) -> TrainerSettings:
+    return TrainerSettings(
+        job_name="bench",
+        model="cnn",
+        dataset="mnist",
+        data_dir=str(root),
+        epochs=1,
+        batch_size=batch,
+        learning_rate=1e-3,
+        precision="fp32",
+        grad_accum_steps=1,
+        seed=0,
+        max_grad_norm=0.0,
+        channels_last=channels_last,
+        compile=compile_model,
+        loader_workers=0,
+        log_every_steps=50,
+        checkpoint_dir=str(root / "ck"),
+        checkpoint_every_steps=10**9,
+        checkpoint_keep=1,
+        output_dir=str(root / "out"),
+        backend="gloo",
+        metrics_port=0,
+    )
+
+
+def gputrain_loop(root: Path, steps: int, batch: int, channels_last: bool, compile_model: bool) -> float:
+    """Samples per second of gputrain's epoch loop, single process, same model and data."""
+    settings = _settings(root, batch, channels_last, compile_model)
+    cluster = Cluster(rank=0, local_rank=0, world=1, device=torch.device("cpu"), backend="gloo")
+    trainer = Trainer(settings, cluster, termination_log=None)
+    trainer.batches = steps
+    try:
+        started = time.perf_counter()
+        trainer._train_epoch(0)
+        return steps * batch / (time.perf_counter() - started)
+    finally:
+        trainer.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--baseline-workers", type=int, default=0, help="DataLoader workers of the baseline")
+    parser.add_argument("--channels-last", action="store_true", help="gputrain with channelsLast: true")
+    parser.add_argument("--compile", action="store_true", help="gputrain with compile: true")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_mnist(root, args.steps * args.batch_size)
+        options = (args.channels_last, args.compile)
+        gputrain_loop(root, 20, args.batch_size, *options)  # warm-up: allocator, kernels, compile
+        baseline(root, 20, args.batch_size, args.baseline_workers)
+        runs: dict[str, list[float]] = {"baseline": [], "gputrain": []}
+        pipeline: dict[str, list[float]] = {"baseline": [], "gputrain": []}
+        for _ in range(args.repeats):
+            runs["baseline"].append(baseline(root, args.steps, args.batch_size, args.baseline_workers))
+            runs["gputrain"].append(gputrain_loop(root, args.steps, args.batch_size, *options))
+            pipeline["baseline"].append(
+                baseline_pipeline(root, args.steps, args.batch_size, args.baseline_workers)
+            )
+            pipeline["gputrain"].append(gputrain_pipeline(root, args.steps, args.batch_size))
+
+    medians = {name: statistics.median(values) for name, values in runs.items()}
+    feed = {name: statistics.median(values) for name, values in pipeline.items()}
+    report = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads",
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "baseline_workers": args.baseline_workers,
+        "samples_per_second": {name: [round(v) for v in values] for name, values in runs.items()},
+        "median": {name: round(v) for name, v in medians.items()},
+        "speedup": round(medians["gputrain"] / medians["baseline"], 2),
+        "gputrain_options": {"channels_last": args.channels_last, "compile": args.compile},
+        "input_pipeline_samples_per_second": {name: round(v) for name, v in feed.items()},
+        "input_pipeline_speedup": round(feed["gputrain"] / feed["baseline"], 1),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"machine: {report['machine']}")
+    print(
+        f"CNN, MNIST-shaped data, batch {args.batch_size}, {args.steps} steps, {args.repeats} runs each; "
+        f"gputrain channels_last={args.channels_last} compile={args.compile}"
+    )
+    for name, values in runs.items():
+        each = ", ".join(f"{v:.0f}" for v in values)
+        print(f"  {name:9s} median {medians[name]:8.0f} samples/s   runs: {each}")
+    print(f"  speedup (median gputrain / median baseline): {report['speedup']}x")
+    print(
+        f"  input pipeline alone: baseline {feed['baseline']:.0f}, gputrain {feed['gputrain']:.0f} samples/s "
+        f"({report['input_pipeline_speedup']}x)"
+    )
+
+
+if __name__ == "__main__":
+    main()

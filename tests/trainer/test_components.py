@@ -261,3 +261,37 @@ def test_termination_messages() -> None:
     )  # type: ignore[index]
     assert parse_result("Traceback (most recent call last): ...") is None  # FallbackToLogsOnError
     assert parse_result('{"phase": "Running"}') is None
+
+
+def test_imagefolder_goes_through_dataloader_workers(tmp_path: Path) -> None:
+    from PIL import Image
+
+    from gputrain.contract import TrainerSettings
+    from gputrain.data import FolderData
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for label in ("cat", "dog"):
+            folder = tmp_path / split / label
+            folder.mkdir(parents=True)
+            for i in range(3):
+                Image.fromarray(rng.integers(0, 256, (40, 50, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    env = {
+        "GPUTRAIN_JOB_NAME": "t", "GPUTRAIN_MODEL": "resnet18", "GPUTRAIN_DATASET": "imagefolder",
+        "GPUTRAIN_DATA_DIR": str(tmp_path), "GPUTRAIN_EPOCHS": "1", "GPUTRAIN_BATCH_SIZE": "2",
+        "GPUTRAIN_LEARNING_RATE": "0.1", "GPUTRAIN_PRECISION": "fp32", "GPUTRAIN_GRAD_ACCUM_STEPS": "1",
+        "GPUTRAIN_SEED": "0", "GPUTRAIN_MAX_GRAD_NORM": "0", "GPUTRAIN_CHANNELS_LAST": "true",
+        "GPUTRAIN_COMPILE": "false", "GPUTRAIN_LOADER_WORKERS": "1", "GPUTRAIN_LOG_EVERY_STEPS": "1",
+        "GPUTRAIN_CHECKPOINT_DIR": str(tmp_path), "GPUTRAIN_CHECKPOINT_EVERY_STEPS": "1",
+        "GPUTRAIN_CHECKPOINT_KEEP": "1", "GPUTRAIN_OUTPUT_DIR": str(tmp_path), "GPUTRAIN_BACKEND": "gloo",
+        "GPUTRAIN_METRICS_PORT": "0",
+    }  # fmt: skip
+    data = FolderData(TrainerSettings.from_env(env), rank=1, world=2, device=torch.device("cpu"))
+    assert (data.num_classes, data.batches_per_epoch()) == (2, 2)
+    batches = list(data.train_batches(epoch=0))
+    assert len(batches) == 2
+    x, y = batches[0]
+    assert x.shape == (2, 3, 224, 224)
+    assert x.is_contiguous(memory_format=torch.channels_last)
+    assert y.dtype == torch.int64
+    assert sum(len(y) for _, y in data.eval_batches()) == 3  # rank 1's half of 6 images

@@ -14,6 +14,7 @@ rank thus runs the same number of steps, and a resumed run sees the same batches
 from __future__ import annotations
 
 import gzip
+import importlib
 import math
 import pickle
 from collections.abc import Iterator
@@ -291,7 +292,7 @@ class FolderData:
         from gputrain.vision import import_torchvision
 
         torchvision = import_torchvision()
-        transforms = torchvision.transforms.v2
+        transforms = importlib.import_module("torchvision.transforms.v2")  # a submodule: import it
         root = Path(settings.data_dir)
         for split in ("train", "val"):
             if not (root / split).is_dir():

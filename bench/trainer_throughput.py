@@ -34,6 +34,8 @@ import torch
 from PIL import Image
 from torch.nn import functional
 
+from gpuop.render import trainer_settings
+from gpuop.spec import parse
 from gputrain.contract import TrainerSettings
 from gputrain.data import build_data, load_mnist_arrays
 from gputrain.distributed import Cluster
@@ -71,13 +73,18 @@ class PilDataset(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
         return (tensor - 0.1307) / 0.3081, self.labels[index]  # Normalize
 
 
-def baseline(root: Path, steps: int, batch: int, workers: int) -> float:
-    """Samples per second of the common loop."""
+def pil_loader(root: Path, batch: int, workers: int) -> torch.utils.data.DataLoader[tuple[torch.Tensor, int]]:
+    """The same images, as PIL images in the tutorial's Dataset and DataLoader."""
     x_train, y_train, _, _ = load_mnist_arrays(root)
     images = (x_train[:, 0] * 255).round().astype(np.uint8)
-    loader = torch.utils.data.DataLoader(
+    return torch.utils.data.DataLoader(
         PilDataset(images, y_train), batch_size=batch, shuffle=True, num_workers=workers, drop_last=True
     )
+
+
+def baseline(root: Path, steps: int, batch: int, workers: int) -> float:
+    """Samples per second of the common loop."""
+    loader = pil_loader(root, batch, workers)
     torch.manual_seed(0)
     model = ConvNet(1, 10)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -102,11 +109,7 @@ def baseline(root: Path, steps: int, batch: int, workers: int) -> float:
 
 def baseline_pipeline(root: Path, steps: int, batch: int, workers: int) -> float:
     """Samples per second the common input pipeline delivers, with no model at all."""
-    x_train, y_train, _, _ = load_mnist_arrays(root)
-    images = (x_train[:, 0] * 255).round().astype(np.uint8)
-    loader = torch.utils.data.DataLoader(
-        PilDataset(images, y_train), batch_size=batch, shuffle=True, num_workers=workers, drop_last=True
-    )
+    loader = pil_loader(root, batch, workers)
     started, done = time.perf_counter(), 0
     while done < steps:
         for _batch in loader:
@@ -129,29 +132,31 @@ def gputrain_pipeline(root: Path, steps: int, batch: int) -> float:
 
 
 def _settings(root: Path, batch: int, channels_last: bool, compile_model: bool) -> TrainerSettings:
-    return TrainerSettings(
-        job_name="bench",
-        model="cnn",
-        dataset="mnist",
-        data_dir=str(root),
-        epochs=1,
-        batch_size=batch,
-        learning_rate=1e-3,
-        precision="fp32",
-        grad_accum_steps=1,
-        seed=0,
-        max_grad_norm=0.0,
-        channels_last=channels_last,
-        compile=compile_model,
-        loader_workers=0,
-        log_every_steps=50,
-        checkpoint_dir=str(root / "ck"),
-        checkpoint_every_steps=10**9,
-        checkpoint_keep=1,
-        output_dir=str(root / "out"),
-        backend="gloo",
-        metrics_port=0,
+    """The settings the operator would render for this benchmark's GpuTraining."""
+    training = parse(
+        {
+            "apiVersion": "gpuop.io/v1alpha1",
+            "kind": "GpuTraining",
+            "metadata": {"name": "bench"},
+            "spec": {
+                "gpusPerWorker": 0,
+                "model": {"name": "cnn"},
+                "dataset": {"name": "mnist", "path": str(root), "loaderWorkers": 0},
+                "training": {
+                    "epochs": 1,
+                    "batchSize": batch,
+                    "precision": "fp32",
+                    "maxGradNorm": 0,
+                    "channelsLast": channels_last,
+                    "compile": compile_model,
+                    "logEverySteps": 50,
+                },
+                "checkpoint": {"path": str(root / "ck"), "everySteps": 10**9},
+                "output": {"path": str(root / "out")},
+            },
+        }
     )
+    return trainer_settings(training.name, training.spec).replace(metrics_port=0)
 
 
 def gputrain_loop(root: Path, steps: int, batch: int, channels_last: bool, compile_model: bool) -> float:

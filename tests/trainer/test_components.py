@@ -266,8 +266,10 @@ def test_termination_messages() -> None:
 def test_imagefolder_goes_through_dataloader_workers(tmp_path: Path) -> None:
     from PIL import Image
 
-    from gputrain.contract import TrainerSettings
+    from gpuop.render import trainer_settings
+    from gpuop.spec import parse
     from gputrain.data import FolderData
+    from support.specs import minimal
 
     rng = np.random.default_rng(0)
     for split in ("train", "val"):
@@ -276,17 +278,15 @@ def test_imagefolder_goes_through_dataloader_workers(tmp_path: Path) -> None:
             folder.mkdir(parents=True)
             for i in range(3):
                 Image.fromarray(rng.integers(0, 256, (40, 50, 3), dtype=np.uint8)).save(folder / f"{i}.png")
-    env = {
-        "GPUTRAIN_JOB_NAME": "t", "GPUTRAIN_MODEL": "resnet18", "GPUTRAIN_DATASET": "imagefolder",
-        "GPUTRAIN_DATA_DIR": str(tmp_path), "GPUTRAIN_EPOCHS": "1", "GPUTRAIN_BATCH_SIZE": "2",
-        "GPUTRAIN_LEARNING_RATE": "0.1", "GPUTRAIN_PRECISION": "fp32", "GPUTRAIN_GRAD_ACCUM_STEPS": "1",
-        "GPUTRAIN_SEED": "0", "GPUTRAIN_MAX_GRAD_NORM": "0", "GPUTRAIN_CHANNELS_LAST": "true",
-        "GPUTRAIN_COMPILE": "false", "GPUTRAIN_LOADER_WORKERS": "1", "GPUTRAIN_LOG_EVERY_STEPS": "1",
-        "GPUTRAIN_CHECKPOINT_DIR": str(tmp_path), "GPUTRAIN_CHECKPOINT_EVERY_STEPS": "1",
-        "GPUTRAIN_CHECKPOINT_KEEP": "1", "GPUTRAIN_OUTPUT_DIR": str(tmp_path), "GPUTRAIN_BACKEND": "gloo",
-        "GPUTRAIN_METRICS_PORT": "0",
-    }  # fmt: skip
-    data = FolderData(TrainerSettings.from_env(env), rank=1, world=2, device=torch.device("cpu"))
+    training = parse(
+        minimal(
+            model={"name": "resnet18"},
+            dataset={"name": "imagefolder", "path": str(tmp_path), "loaderWorkers": 1},
+            training={"batchSize": 2, "channelsLast": True},
+        )
+    )
+    settings = trainer_settings(training.name, training.spec)
+    data = FolderData(settings, rank=1, world=2, device=torch.device("cpu"))
     assert (data.num_classes, data.batches_per_epoch()) == (2, 2)
     batches = list(data.train_batches(epoch=0))
     assert len(batches) == 2

@@ -14,6 +14,7 @@ from typing import Any, Final, Literal, get_args
 from gpuop.schema import api_field, api_object
 from gpuop.scrape import TrainerMetrics
 
+ConditionStatus = Literal["True", "False", "Unknown"]
 Phase = Literal["Pending", "Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
 PHASES: Final[tuple[str, ...]] = get_args(Phase)
 
@@ -27,7 +28,7 @@ class Condition:
         "Stalled or Underutilized.",
         max_length=64,
     )
-    status: Literal["True", "False", "Unknown"] = api_field("Whether the condition holds.")
+    status: ConditionStatus = api_field("Whether the condition holds.")
     reason: str | None = api_field("A CamelCase word for the last transition.", default=None, max_length=128)
     message: str | None = api_field("What happened, for people.", default=None, max_length=32768)
     last_transition_time: str | None = api_field(
@@ -72,7 +73,13 @@ class Progress:
         "estimatedRemainingSeconds for people, e.g. 1h12m.", default=None, max_length=32
     )
     updated_at: str | None = api_field(
-        "When these figures were read.", default=None, date_time=True, max_length=64
+        "When these figures last changed.", default=None, date_time=True, max_length=64
+    )
+    step_advanced_at: str | None = api_field(
+        "When the step counter last moved (or the job started running); Stalled is measured from it.",
+        default=None,
+        date_time=True,
+        max_length=64,
     )
 
 
@@ -102,6 +109,12 @@ class GpuUsage:
     )
     memory_used_bytes: int | None = api_field("GPU memory in use over all workers.", default=None, minimum=0)
     memory_total_bytes: int | None = api_field("GPU memory in all over all workers.", default=None, minimum=0)
+    underutilized_since: str | None = api_field(
+        "Since when mean utilization has stayed under the Underutilized threshold.",
+        default=None,
+        date_time=True,
+        max_length=64,
+    )
     per_worker: tuple[WorkerGpu, ...] = api_field(
         "Per worker pod.", default=(), max_items=1024, list_map_key="pod"
     )

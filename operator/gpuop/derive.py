@@ -1,0 +1,378 @@
+"""What the operator observed -> the GpuTraining status. Pure: no clock, no API calls.
+
+The operator gathers an :class:`Observation` (the PyTorchJob's conditions, the training
+pods, their scraped metrics and termination messages, the time) and hands it here with the
+status it last wrote. :func:`derive_status` decides the phase and conditions;
+:func:`status_patch` says whether anything changed, so an unchanged job costs no write.
+
+Time-dependent figures are written only when something else changed or the job finished:
+``gpuHours`` grows every second and ``progress.updatedAt`` moves with every scrape, and
+writing them on every tick would turn each running job into a steady stream of patches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Final
+
+from gpuop.schema import encode
+from gpuop.scrape import TrainerMetrics, parse_result
+from gpuop.status import (
+    Condition,
+    ConditionStatus,
+    GpuTrainingStatus,
+    GpuUsage,
+    Phase,
+    Progress,
+    WorkerCounts,
+    format_eta,
+    gpu_usage,
+    progress_from_metrics,
+    progress_from_result,
+)
+
+# Kubeflow v1 job condition types, most decisive first: the first True one is the phase.
+_JOB_PHASES: Final[tuple[Phase, ...]] = (
+    "Failed",
+    "Succeeded",
+    "Suspended",
+    "Restarting",
+    "Running",
+    "Created",
+)
+_TERMINAL: Final = ("Succeeded", "Failed")
+TIME_FORMAT: Final = "%Y-%m-%dT%H:%M:%SZ"
+
+
+@dataclass(frozen=True)
+class JobCondition:
+    """One condition from the PyTorchJob's status."""
+
+    type: str
+    status: str
+    reason: str | None = None
+    message: str | None = None
+
+
+@dataclass(frozen=True)
+class PodObservation:
+    """One training pod: its state, the trainer's termination message, its scraped metrics."""
+
+    name: str
+    phase: str
+    ready: bool = False
+    termination_message: str | None = None
+    metrics: TrainerMetrics | None = None
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When a running job is Stalled or Underutilized."""
+
+    stall_timeout_seconds: int  # spec.stallTimeoutSeconds; 0 disables
+    underutilized_percent: float = 30.0
+    underutilized_seconds: int = 600
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything the operator read about one GpuTraining, at one moment."""
+
+    now: datetime
+    generation: int | None
+    workers_total: int
+    gpus: int
+    invalid_spec: str | None = None  # the parse error, for a spec that got past the CRD
+    job_name: str | None = None  # None until the PyTorchJob exists
+    job_conditions: tuple[JobCondition, ...] = ()
+    job_start_time: str | None = None
+    job_completion_time: str | None = None
+    pods: tuple[PodObservation, ...] = ()
+
+
+@dataclass(frozen=True)
+class Event:
+    """A transition worth a Kubernetes Event."""
+
+    type: str  # Normal or Warning
+    reason: str
+    message: str
+
+
+def _stamp(moment: datetime) -> str:
+    return moment.strftime(TIME_FORMAT)
+
+
+def _parse_time(text: str) -> datetime:
+    return datetime.strptime(text, TIME_FORMAT).replace(tzinfo=None)
+
+
+def _seconds_between(start: str, end: datetime) -> float:
+    return (end.replace(tzinfo=None) - _parse_time(start)).total_seconds()
+
+
+def _phase(obs: Observation) -> Phase:
+    if obs.invalid_spec is not None:
+        return "Failed"
+    if obs.job_name is None:
+        return "Pending"
+    true = {c.type for c in obs.job_conditions if c.status == "True"}
+    return next((phase for phase in _JOB_PHASES if phase in true), "Created")
+
+
+def _trainer_record(obs: Observation, phase: str) -> dict[str, Any] | None:
+    """The first termination message of the given phase among the pods (master first)."""
+    for pod in sorted(obs.pods, key=lambda p: ("master" not in p.name, p.name)):
+        record = parse_result(pod.termination_message) if pod.termination_message else None
+        if record is not None and record["phase"] == phase:
+            return record
+    return None
+
+
+def _latest_metrics(obs: Observation) -> TrainerMetrics | None:
+    """The most advanced scrape: every pod reports the job-wide figures, some a tick late."""
+    scraped = [p.metrics for p in obs.pods if p.metrics is not None and p.metrics.total_steps]
+    return max(scraped, key=lambda m: m.step or 0, default=None)
+
+
+def _same_figures(a: Progress | None, b: Progress | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return dataclasses.replace(a, updated_at=None, step_advanced_at=None) == dataclasses.replace(
+        b, updated_at=None, step_advanced_at=None
+    )
+
+
+def _progress(previous: Progress | None, obs: Observation, phase: Phase, now: str) -> Progress | None:
+    if phase == "Succeeded":
+        record = _trainer_record(obs, "Succeeded")
+        fresh = progress_from_result(record, now) if record is not None else previous
+    else:
+        metrics = _latest_metrics(obs)
+        fresh = progress_from_metrics(metrics, now) if metrics is not None else previous
+    if fresh is None:
+        if phase == "Running":  # no figures yet: start the stall clock all the same
+            return Progress(step_advanced_at=now)
+        return None
+    if previous is not None and _same_figures(previous, fresh):
+        return previous
+    advanced = now
+    if (
+        previous is not None
+        and previous.step_advanced_at is not None
+        and (fresh.step or 0) <= (previous.step or 0)
+    ):
+        advanced = previous.step_advanced_at
+    return dataclasses.replace(fresh, updated_at=now, step_advanced_at=advanced)
+
+
+def _gpu(previous: GpuUsage | None, obs: Observation, thresholds: Thresholds, now: str) -> GpuUsage | None:
+    scraped = {p.name: p.metrics for p in obs.pods if p.metrics is not None}
+    if not scraped:
+        if previous is not None:  # finished or between scrapes: keep the last figures
+            return previous if previous.count == obs.gpus else dataclasses.replace(previous, count=obs.gpus)
+        return GpuUsage(count=obs.gpus) if obs.gpus else None
+    usage = gpu_usage(scraped, obs.gpus)
+    low = (
+        usage.utilization_percent is not None and usage.utilization_percent < thresholds.underutilized_percent
+    )
+    since = None
+    if low:
+        since = previous.underutilized_since if previous is not None and previous.underutilized_since else now
+    return dataclasses.replace(usage, underutilized_since=since)
+
+
+def _merge_conditions(
+    previous: tuple[Condition, ...], wanted: list[Condition], keep_types: set[str], now: str
+) -> tuple[Condition, ...]:
+    """Conditions as wanted, keeping each one's lastTransitionTime while its status holds.
+
+    A previously reported condition of a type in ``keep_types`` that is no longer wanted
+    turns False instead of vanishing, so ``kubectl describe`` shows that it cleared.
+    """
+    old = {c.type: c for c in previous}
+    merged: dict[str, Condition] = {}
+    for condition in wanted:
+        before = old.get(condition.type)
+        same = before is not None and before.status == condition.status
+        stamp = before.last_transition_time if same and before is not None else now
+        merged[condition.type] = dataclasses.replace(condition, last_transition_time=stamp)
+    for kind in keep_types:
+        before = old.get(kind)
+        if kind not in merged and before is not None:
+            if before.status == "False":
+                merged[kind] = before
+            else:
+                merged[kind] = Condition(
+                    type=kind,
+                    status="False",
+                    reason="Cleared",
+                    message=None,
+                    last_transition_time=now,
+                    observed_generation=before.observed_generation,
+                )
+    order = {c.type: i for i, c in enumerate(previous)}
+    return tuple(sorted(merged.values(), key=lambda c: (order.get(c.type, len(order)), c.type)))
+
+
+def _job_reason(obs: Observation, kind: str) -> tuple[str | None, str | None]:
+    for condition in obs.job_conditions:
+        if condition.type == kind:
+            return condition.reason, condition.message
+    return None, None
+
+
+def derive_status(
+    previous: GpuTrainingStatus | None, obs: Observation, thresholds: Thresholds
+) -> GpuTrainingStatus:
+    """The status to write. Returns ``previous`` itself when nothing meaningful changed."""
+    now = _stamp(obs.now)
+    phase = _phase(obs)
+    before = previous or GpuTrainingStatus()
+    generation = obs.generation
+
+    def condition(kind: str, status: ConditionStatus, reason: str | None, message: str | None) -> Condition:
+        return Condition(
+            type=kind, status=status, reason=reason, message=message, observed_generation=generation
+        )
+
+    wanted: list[Condition] = []
+    message: str | None
+    progress = _progress(before.progress, obs, phase, now)
+    gpu = _gpu(before.gpu, obs, thresholds, now)
+    if obs.invalid_spec is not None:
+        message = obs.invalid_spec
+        wanted += [
+            condition("InvalidSpec", "True", "InvalidSpec", obs.invalid_spec),
+            condition("Failed", "True", "InvalidSpec", obs.invalid_spec),
+        ]
+    elif phase == "Pending":
+        message = "waiting for the PyTorchJob to be created"
+    else:
+        wanted.append(condition("Created", "True", "PyTorchJobCreated", f"PyTorchJob {obs.job_name} created"))
+        wanted.append(
+            condition("Running", "True" if phase == "Running" else "False", *_job_reason(obs, "Running"))
+        )
+        message = f"PyTorchJob {obs.job_name} is {phase.lower()}"
+        if phase == "Failed":
+            record = _trainer_record(obs, "Failed")
+            reason, text = (record["reason"], record["message"]) if record else _job_reason(obs, "Failed")
+            message = text or "the PyTorchJob failed"
+            wanted.append(condition("Failed", "True", reason or "PyTorchJobFailed", message))
+        elif phase == "Succeeded":
+            message = "training finished"
+            wanted.append(condition("Succeeded", "True", "TrainingSucceeded", message))
+        elif phase in ("Suspended", "Restarting"):
+            reason, text = _job_reason(obs, phase)
+            message = text or message
+            wanted.append(condition(phase, "True", reason or f"PyTorchJob{phase}", message))
+        if phase == "Running":
+            wanted += _running_alarms(progress, gpu, thresholds, obs.now, condition)
+
+    conditions = _merge_conditions(
+        before.conditions, wanted, {"Suspended", "Restarting", "Stalled", "Underutilized"}, now
+    )
+    ready = sum(1 for p in obs.pods if p.ready and p.phase == "Running")
+    start = obs.job_start_time or before.start_time
+    if start is None and phase in ("Running", "Restarting"):
+        start = now
+    terminal = phase in _TERMINAL
+    completion = (obs.job_completion_time or before.completion_time or now) if terminal else None
+    candidate = GpuTrainingStatus(
+        phase=phase,
+        conditions=conditions,
+        observed_generation=generation,
+        pytorch_job=obs.job_name,
+        workers=WorkerCounts(ready=ready, total=obs.workers_total),
+        progress=progress,
+        gpu=gpu,
+        start_time=start,
+        completion_time=completion,
+        gpu_hours=before.gpu_hours,
+        message=message,
+    )
+    if previous is not None and candidate == previous:
+        return previous
+    hours = None
+    if start is not None and obs.gpus:
+        end = _parse_time(completion) if completion is not None else obs.now.replace(tzinfo=None)
+        hours = round(obs.gpus * max(0.0, (end - _parse_time(start)).total_seconds()) / 3600, 4)
+    return dataclasses.replace(candidate, gpu_hours=hours if hours is not None else (0.0 if start else None))
+
+
+def _running_alarms(
+    progress: Progress | None, gpu: GpuUsage | None, thresholds: Thresholds, now: datetime, condition: Any
+) -> list[Condition]:
+    alarms: list[Condition] = []
+    advanced = progress.step_advanced_at if progress is not None else None
+    if thresholds.stall_timeout_seconds and advanced is not None:
+        idle = _seconds_between(advanced, now)
+        if idle >= thresholds.stall_timeout_seconds:
+            step = progress.step if progress is not None and progress.step is not None else 0
+            alarms.append(
+                condition(
+                    "Stalled",
+                    "True",
+                    "NoProgress",
+                    f"step {step} has not advanced for {format_eta(idle)} (stallTimeoutSeconds "
+                    f"{thresholds.stall_timeout_seconds}); a hung NCCL collective or data loader is likely",
+                )
+            )
+    since = gpu.underutilized_since if gpu is not None else None
+    if since is not None and _seconds_between(since, now) >= thresholds.underutilized_seconds:
+        assert gpu is not None
+        low_for = format_eta(_seconds_between(since, now))
+        alarms.append(
+            condition(
+                "Underutilized",
+                "True",
+                "LowGpuUtilization",
+                f"mean GPU utilization {gpu.utilization_percent:.0f}% for {low_for} (under "
+                f"{thresholds.underutilized_percent:.0f}%); the job is likely input-bound: raise "
+                "dataset.loaderWorkers or resources.cpu",
+            )
+        )
+    return alarms
+
+
+def status_patch(previous: GpuTrainingStatus | None, new: GpuTrainingStatus) -> dict[str, Any] | None:
+    """The merge patch for the status subresource, or None when there is nothing to write."""
+    if previous is not None and new == previous:
+        return None
+    document: dict[str, Any] = encode(new)
+    old: dict[str, Any] = encode(previous) if previous is not None else {}
+    # A merge patch removes a key only when told to: null out what is gone.
+    for key in old:
+        if key not in document:
+            document[key] = None
+    return {"status": document}
+
+
+def events(previous: GpuTrainingStatus | None, new: GpuTrainingStatus) -> list[Event]:
+    """One Event per condition that became True, Warning for the bad ones."""
+    before = {c.type: c.status for c in (previous.conditions if previous else ())}
+    out = []
+    for c in new.conditions:
+        if c.status == "True" and before.get(c.type) != "True":
+            kind = (
+                "Warning"
+                if c.type in ("Failed", "InvalidSpec", "Stalled", "Underutilized", "Restarting")
+                else "Normal"
+            )
+            out.append(Event(kind, c.reason or c.type, c.message or c.type))
+    return out
+
+
+def status_from_json(document: Mapping[str, Any] | None) -> GpuTrainingStatus | None:
+    """The status the operator wrote before, read back (unknown or malformed: start afresh)."""
+    if not document:
+        return None
+    from gpuop.schema import SpecError, decode
+
+    try:
+        return decode(GpuTrainingStatus, document, "status")
+    except SpecError:
+        return None

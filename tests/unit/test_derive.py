@@ -1,0 +1,296 @@
+"""Status derivation: phases, conditions, progress, alarms, and patching only on change."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+
+from gpuop.derive import (
+    JobCondition,
+    Observation,
+    PodObservation,
+    Thresholds,
+    derive_status,
+    events,
+    status_from_json,
+    status_patch,
+)
+from gpuop.schema import encode
+from gpuop.scrape import GpuFigures, TrainerMetrics
+from gpuop.status import GpuTrainingStatus
+
+T0 = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)
+THRESHOLDS = Thresholds(stall_timeout_seconds=900, underutilized_percent=30, underutilized_seconds=600)
+RUNNING = (JobCondition("Created", "True"), JobCondition("Running", "True", "PyTorchJobRunning", "running"))
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def metrics(step: int, util: float | None = 95.0, loss: float = 0.5) -> TrainerMetrics:
+    gpus = () if util is None else (GpuFigures("0", util, 10 * 2**30, 80 * 2**30),)
+    return TrainerMetrics(
+        epoch=1 + step // 100,
+        total_epochs=10,
+        step=step,
+        total_steps=1000,
+        percent=step / 10,
+        loss=loss,
+        accuracy=None,
+        samples_per_second=2500.0,
+        estimated_remaining_seconds=(1000 - step) * 0.5,
+        gpus=gpus,
+    )
+
+
+def observe(
+    seconds: float,
+    *,
+    conditions: tuple[JobCondition, ...] = RUNNING,
+    pods: tuple[PodObservation, ...] = (),
+    **kw: object,
+) -> Observation:
+    fields: dict[str, object] = {
+        "now": at(seconds),
+        "generation": 1,
+        "workers_total": 2,
+        "gpus": 2,
+        "job_name": "demo",
+        "job_conditions": conditions,
+        "job_start_time": "2026-11-21T12:00:00Z",
+        "pods": pods,
+    }
+    fields.update(kw)
+    return Observation(**fields)  # type: ignore[arg-type]
+
+
+def running_pods(step: int, util: float | None = 95.0) -> tuple[PodObservation, ...]:
+    return (
+        PodObservation("demo-master-0", "Running", True, metrics=metrics(step, util)),
+        PodObservation("demo-worker-0", "Running", True, metrics=metrics(max(0, step - 5), util)),
+    )
+
+
+def types(status: GpuTrainingStatus) -> dict[str, str]:
+    return {c.type: c.status for c in status.conditions}
+
+
+def test_pending_until_the_pytorchjob_exists() -> None:
+    status = derive_status(None, observe(0, job_name=None, conditions=(), job_start_time=None), THRESHOLDS)
+    assert (status.phase, status.conditions, status.start_time) == ("Pending", (), None)
+
+
+def test_created_then_running_with_progress_and_gpu_figures() -> None:
+    created = derive_status(None, observe(0, conditions=(JobCondition("Created", "True"),)), THRESHOLDS)
+    assert created.phase == "Created"
+    assert types(created) == {"Created": "True", "Running": "False"}
+    running = derive_status(created, observe(30, pods=running_pods(120)), THRESHOLDS)
+    assert running.phase == "Running"
+    assert types(running) == {"Created": "True", "Running": "True"}
+    assert running.conditions[0].last_transition_time == "2026-11-21T12:00:00Z"  # Created held
+    assert running.workers is not None
+    assert (running.workers.ready, running.workers.total) == (2, 2)
+    progress = running.progress
+    assert progress is not None
+    assert (progress.step, progress.percent, progress.eta) == (120, 12.0, "7m20s")  # the most advanced pod
+    assert progress.step_advanced_at == "2026-11-21T12:00:30Z"
+    assert running.gpu is not None
+    assert (running.gpu.count, running.gpu.utilization_percent, running.gpu.memory_used_bytes) == (
+        2,
+        95.0,
+        20 * 2**30,
+    )
+    assert running.start_time == "2026-11-21T12:00:00Z"
+    assert running.gpu_hours == round(2 * 30 / 3600, 4)
+    assert [(e.type, e.reason) for e in events(created, running)] == [("Normal", "PyTorchJobRunning")]
+
+
+def test_nothing_changed_means_no_patch_even_as_time_passes() -> None:
+    first = derive_status(None, observe(0, pods=running_pods(100)), THRESHOLDS)
+    again = derive_status(first, observe(10, pods=running_pods(100)), THRESHOLDS)
+    assert again is first
+    assert status_patch(first, again) is None
+    assert events(first, again) == []
+
+
+def test_progress_moves_and_is_written_with_fresh_gpu_hours() -> None:
+    first = derive_status(None, observe(0, pods=running_pods(100)), THRESHOLDS)
+    later = derive_status(first, observe(3600, pods=running_pods(400)), THRESHOLDS)
+    patch = status_patch(first, later)
+    assert patch is not None
+    assert patch["status"]["progress"]["step"] == 400
+    assert patch["status"]["progress"]["updatedAt"] == "2026-11-21T13:00:00Z"
+    assert patch["status"]["gpuHours"] == 2.0
+
+
+def test_a_job_whose_step_stops_moving_is_stalled_then_recovers() -> None:
+    status = derive_status(None, observe(0, pods=running_pods(100)), THRESHOLDS)
+    status = derive_status(status, observe(899, pods=running_pods(100)), THRESHOLDS)
+    assert "Stalled" not in types(status)
+    stalled = derive_status(status, observe(900, pods=running_pods(100)), THRESHOLDS)
+    assert types(stalled)["Stalled"] == "True"
+    condition = next(c for c in stalled.conditions if c.type == "Stalled")
+    assert condition.reason == "NoProgress"
+    assert condition.message is not None
+    assert condition.message.startswith("step 100 has not advanced for 15m00s")
+    assert [(e.type, e.reason) for e in events(status, stalled)] == [("Warning", "NoProgress")]
+    moving = derive_status(stalled, observe(960, pods=running_pods(101)), THRESHOLDS)
+    assert types(moving)["Stalled"] == "False"
+    assert events(stalled, moving) == []
+
+
+def test_a_job_that_never_reports_a_step_stalls_too() -> None:
+    status = derive_status(None, observe(0), THRESHOLDS)
+    assert status.progress is not None
+    assert status.progress.step_advanced_at == "2026-11-21T12:00:00Z"
+    assert "Stalled" in types(derive_status(status, observe(1000), THRESHOLDS))
+
+
+def test_stall_check_can_be_disabled() -> None:
+    off = Thresholds(stall_timeout_seconds=0)
+    status = derive_status(None, observe(0, pods=running_pods(5)), off)
+    assert "Stalled" not in types(derive_status(status, observe(10**6, pods=running_pods(5)), off))
+
+
+def test_low_gpu_utilization_for_a_while_is_underutilized() -> None:
+    status = derive_status(None, observe(0, pods=running_pods(100, util=12)), THRESHOLDS)
+    assert status.gpu is not None
+    assert status.gpu.underutilized_since == "2026-11-21T12:00:00Z"
+    status = derive_status(status, observe(300, pods=running_pods(200, util=14)), THRESHOLDS)
+    assert "Underutilized" not in types(status)
+    status = derive_status(status, observe(600, pods=running_pods(300, util=10)), THRESHOLDS)
+    assert types(status)["Underutilized"] == "True"
+    busy = derive_status(status, observe(700, pods=running_pods(400, util=90)), THRESHOLDS)
+    assert types(busy)["Underutilized"] == "False"
+    assert busy.gpu is not None
+    assert busy.gpu.underutilized_since is None
+
+
+def test_success_reads_the_final_result_from_the_termination_message() -> None:
+    running = derive_status(None, observe(0, pods=running_pods(990)), THRESHOLDS)
+    result = {
+        "phase": "Succeeded",
+        "epoch": 10,
+        "totalEpochs": 10,
+        "step": 1000,
+        "totalSteps": 1000,
+        "loss": 0.01,
+        "accuracy": 0.99,
+        "samplesPerSecond": 2600.0,
+    }
+    done = derive_status(
+        running,
+        observe(
+            7200,
+            conditions=(
+                JobCondition("Created", "True"),
+                JobCondition("Running", "False"),
+                JobCondition("Succeeded", "True"),
+            ),
+            job_completion_time="2026-11-21T14:00:00Z",
+            pods=(PodObservation("demo-master-0", "Succeeded", termination_message=json.dumps(result)),),
+        ),
+        THRESHOLDS,
+    )
+    assert done.phase == "Succeeded"
+    assert types(done) == {"Created": "True", "Running": "False", "Succeeded": "True"}
+    assert done.progress is not None
+    assert (done.progress.percent, done.progress.step, done.progress.accuracy) == (100.0, 1000, 0.99)
+    assert done.completion_time == "2026-11-21T14:00:00Z"
+    assert done.gpu_hours == 4.0  # 2 GPUs x 2 hours
+    assert done.gpu is not None
+    assert done.gpu.utilization_percent == 95.0
+    assert [e.reason for e in events(running, done)] == ["TrainingSucceeded"]
+
+
+def test_failure_carries_the_trainers_own_reason() -> None:
+    record = {
+        "phase": "Failed",
+        "reason": "DatasetMissing",
+        "message": "dataset mnist: ... not found under /data",
+    }
+    failed = derive_status(
+        None,
+        observe(
+            60,
+            conditions=(
+                JobCondition("Created", "True"),
+                JobCondition("Failed", "True", "PyTorchJobFailed", "job failed"),
+            ),
+            pods=(PodObservation("demo-master-0", "Failed", termination_message=json.dumps(record)),),
+        ),
+        THRESHOLDS,
+    )
+    assert failed.phase == "Failed"
+    condition = next(c for c in failed.conditions if c.type == "Failed")
+    assert (condition.reason, condition.message) == ("DatasetMissing", record["message"])
+    assert failed.message == record["message"]
+    assert [(e.type, e.reason) for e in events(None, failed)][-1] == ("Warning", "DatasetMissing")
+
+
+def test_a_crash_log_in_the_termination_message_falls_back_to_the_job_condition() -> None:
+    failed = derive_status(
+        None,
+        observe(
+            60,
+            conditions=(JobCondition("Failed", "True", "PyTorchJobFailed", "pod demo-master-0 exited 1"),),
+            pods=(
+                PodObservation(
+                    "demo-master-0", "Failed", termination_message="Traceback (most recent call last):"
+                ),
+            ),
+        ),
+        THRESHOLDS,
+    )
+    condition = next(c for c in failed.conditions if c.type == "Failed")
+    assert (condition.reason, condition.message) == ("PyTorchJobFailed", "pod demo-master-0 exited 1")
+
+
+def test_invalid_spec_fails_once_without_a_retry_loop() -> None:
+    obs = observe(0, job_name=None, conditions=(), invalid_spec="spec.workers: must be >= 1 (got 0)")
+    failed = derive_status(None, obs, THRESHOLDS)
+    assert failed.phase == "Failed"
+    assert types(failed) == {"InvalidSpec": "True", "Failed": "True"}
+    assert failed.message == "spec.workers: must be >= 1 (got 0)"
+    assert [(e.type, e.reason) for e in events(None, failed)] == [
+        ("Warning", "InvalidSpec"),
+        ("Warning", "InvalidSpec"),
+    ]
+    again = derive_status(
+        failed, observe(60, job_name=None, conditions=(), invalid_spec=obs.invalid_spec), THRESHOLDS
+    )
+    assert again is failed
+    assert events(failed, again) == []
+
+
+def test_suspend_and_resume() -> None:
+    running = derive_status(None, observe(0, pods=running_pods(10)), THRESHOLDS)
+    suspended = derive_status(
+        running,
+        observe(
+            60,
+            conditions=(
+                JobCondition("Created", "True"),
+                JobCondition("Suspended", "True", "JobSuspended", "suspended"),
+            ),
+        ),
+        THRESHOLDS,
+    )
+    assert suspended.phase == "Suspended"
+    assert types(suspended)["Suspended"] == "True"
+    resumed = derive_status(suspended, observe(120, pods=running_pods(11)), THRESHOLDS)
+    assert resumed.phase == "Running"
+    assert types(resumed)["Suspended"] == "False"
+
+
+def test_patch_nulls_what_is_gone_and_status_reads_back() -> None:
+    previous = derive_status(None, observe(0, pods=running_pods(10)), THRESHOLDS)
+    assert status_from_json(encode(previous)) == previous
+    pending = derive_status(previous, observe(5, job_name=None, conditions=()), THRESHOLDS)
+    patch = status_patch(previous, pending)
+    assert patch is not None
+    assert patch["status"]["pytorchJob"] is None
+    assert patch["status"]["startTime"] == "2026-11-21T12:00:00Z"
+    assert status_from_json({"phase": "Exploded"}) is None
+    assert status_from_json(None) is None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -101,7 +102,7 @@ class _Progress:
             print(line, file=sys.stderr, flush=True)
 
     def done(self) -> None:
-        if self.tty and self.shown != -2:
+        if self.tty:
             sys.stderr.write("\n")
 
 
@@ -113,8 +114,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise _BadInputError([f"{args.filename}: run takes one GpuTraining; the file has {len(loaded)}"])
     if args.workers is not None and args.workers < 1:
         raise _BadInputError([f"--workers: must be >= 1 (got {args.workers})"])
-    _, training = loaded[0]
+    document, training = loaded[0]
     run = local.plan(training, args.workers, Path(args.workdir))
+    shortfall = local.gpu_shortfall(run, local.visible_gpus())
+    if shortfall is not None:
+        raise _BadInputError([f"{document.where('spec.gpusPerWorker')}: {shortfall}"])
     log_path = run.workdir / training.name / "trainer.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(
@@ -126,14 +130,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     with log_path.open("w") as log:
         status = local.execute(run, progress, log)
     progress.done()
-    document = local.status_document(status)
+    written = local.status_document(status)
     if args.json:
-        sys.stdout.write(json.dumps(document, indent=2) + "\n")
+        sys.stdout.write(json.dumps(written, indent=2) + "\n")
     else:
-        sys.stdout.write(yaml.safe_dump({"status": document}, sort_keys=False))
+        sys.stdout.write(yaml.safe_dump({"status": written}, sort_keys=False))
     if status.phase != "Succeeded":
-        tail = log_path.read_text().splitlines()[-15:]
-        print("\n".join(["trainer log (last lines):", *tail]), file=sys.stderr)
+        lines = log_path.read_text(errors="replace").splitlines()
+        # The trainer's own warnings and errors say why; torchrun's failure dump says little.
+        own = [line for line in lines if re.search(r" rank \d+ (ERROR|WARNING) ", line)]
+        print("\n".join(["trainer log:", *(own or lines)[-15:]]), file=sys.stderr)
         return EXIT_DIFFERENT
     return EXIT_OK
 

@@ -101,6 +101,31 @@ class LocalRun:
         ]
 
 
+def visible_gpus() -> int:
+    """NVIDIA GPUs this process may use, from the driver's /proc entries and CUDA_VISIBLE_DEVICES.
+
+    Read without importing torch (the operator package never does).
+    """
+    driver = Path("/proc/driver/nvidia/gpus")
+    count = len(list(driver.iterdir())) if driver.is_dir() else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]))
+    return count
+
+
+def gpu_shortfall(run: LocalRun, available: int) -> str | None:
+    """One line for a GPU run this machine cannot hold, else None."""
+    spec = run.training.spec
+    if spec.gpus_per_worker == 0 or available >= run.processes:
+        return None
+    return (
+        f"spec.gpusPerWorker: {run.processes} GPU(s) needed here ({run.processes // spec.gpus_per_worker} "
+        f"worker(s) x {spec.gpus_per_worker}) but {available} visible; set gpusPerWorker: 0 to train on CPU "
+        "(gloo), or lower --workers"
+    )
+
+
 def plan(training: GpuTraining, workers: int | None, workdir: Path) -> LocalRun:
     """A local run: one process per worker (times GPUs per worker), in ``workdir``."""
     count = workers if workers is not None else training.spec.workers

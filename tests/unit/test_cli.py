@@ -210,3 +210,28 @@ def test_the_installed_command_reads_stdin_and_never_prints_a_traceback() -> Non
     assert bad.returncode == 2
     assert "Traceback" not in bad.stderr
     assert bad.stderr.startswith("error: <stdin>:1: YAML syntax error")
+
+
+def test_run_refuses_a_gpu_spec_on_a_machine_without_enough_gpus(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpuop import local
+
+    monkeypatch.setattr(local, "visible_gpus", lambda: 1)
+    path = write(
+        tmp_path, GOOD.format(name="g").replace("  workers: 2\n", "  workers: 2\n  gpusPerWorker: 4\n")
+    )
+    code, out, err = run(capsys, "run", "-f", path, "--workdir", str(tmp_path))
+    assert (code, out) == (2, "")
+    assert err == (
+        f"error: {path}:7: spec.gpusPerWorker: 8 GPU(s) needed here (2 worker(s) x 4) but 1 visible; set "
+        "gpusPerWorker: 0 to train on CPU (gloo), or lower --workers\n"
+    )
+    code, _, err = run(capsys, "run", "-f", path, "--workers", "0")
+    assert (code, err) == (2, "error: --workers: must be >= 1 (got 0)\n")
+
+
+def test_run_takes_exactly_one_gputraining(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD.format(name="a") + "---\n" + GOOD.format(name="b"))
+    code, _, err = run(capsys, "run", "-f", path)
+    assert (code, err) == (2, f"error: {path}: run takes one GpuTraining; the file has 2\n")

@@ -119,7 +119,8 @@ class Trainer:
         self.accuracy: float | None = None
         self.test_loss: float | None = None
         self.last_loss: float | None = None
-        self.metrics = MetricsServer(settings.metrics_port if cluster.is_local_main else None)
+        # One endpoint per pod: the other local ranks neither serve nor read NVML.
+        self.metrics = MetricsServer(settings.metrics_port) if cluster.is_local_main else None
 
     # ---------------------------------------------------------------------------------------
     # Checkpoints
@@ -213,6 +214,8 @@ class Trainer:
         return samples
 
     def _publish(self, rate: float | None, eta: float | None) -> None:
+        if self.metrics is None:
+            return
         self.metrics.update(
             Progress(
                 epoch=min(self.position.epoch + 1, self.settings.epochs),
@@ -370,4 +373,5 @@ class Trainer:
                 log.warning("cannot write the termination message to %s: %s", self.termination_log, exc)
 
     def close(self) -> None:
-        self.metrics.close()
+        if self.metrics is not None:
+            self.metrics.close()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
-from gpuop.schema import encode
+from gpuop.schema import SpecError, decode, encode
 from gpuop.scrape import TrainerMetrics, parse_result
 from gpuop.status import (
     Condition,
@@ -370,8 +370,6 @@ def status_from_json(document: Mapping[str, Any] | None) -> GpuTrainingStatus | 
     """The status the operator wrote before, read back (unknown or malformed: start afresh)."""
     if not document:
         return None
-    from gpuop.schema import SpecError, decode
-
     try:
         return decode(GpuTrainingStatus, document, "status")
     except SpecError:

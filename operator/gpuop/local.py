@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gpuop.render import trainer_env
+from gpuop.schema import encode
 from gpuop.scrape import TrainerMetrics, parse_metrics, parse_result
 from gpuop.spec import GpuTraining
 from gpuop.status import (
@@ -239,7 +240,6 @@ def execute(run: LocalRun, show: Callable[[str], None] | None, log: TextIO | Non
 
 
 def status_document(status: GpuTrainingStatus) -> dict[str, Any]:
-    from gpuop.schema import encode
-
+    """The status as the operator would write it into the object."""
     document: dict[str, Any] = encode(status)
     return document

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from gputrain.__main__ import main
+from gputrain.__main__ import run_and_exit
 from gputrain.train import Trainer
 
 
-def run() -> int:
+def run() -> None:
     own = [a for a in sys.argv[1:] if a.startswith(("--dump-dir=", "--steps=")) or a == "--no-batchnorm"]
     argv = [a for a in sys.argv[1:] if a not in own]
     options = dict(a.removeprefix("--").split("=", 1) for a in own if "=" in a)
@@ -40,8 +40,8 @@ def run() -> int:
         directory.mkdir(parents=True, exist_ok=True)
         torch.save(trainer.model.state_dict(), directory / f"rank-{trainer.cluster.rank}.pt")
 
-    return main(argv, after=dump)
+    run_and_exit(argv, after=dump)
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    run()

@@ -13,8 +13,9 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -38,19 +39,8 @@ class CheckpointManager:
         return [p for _, p in sorted(found)]
 
     def save(self, state: dict[str, Any], step: int) -> Path:
-        self.directory.mkdir(parents=True, exist_ok=True)
         final = self.directory / f"step-{step:08d}.pt"
-        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=self.directory)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                torch.save(state, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        self._fsync_directory()
+        write_atomically(final, lambda handle: torch.save(state, handle))
         for old in self.checkpoints()[: -self.keep]:
             old.unlink(missing_ok=True)
         return final
@@ -67,9 +57,26 @@ class CheckpointManager:
             return state, path
         return None
 
-    def _fsync_directory(self) -> None:
-        fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write ``path`` so that a crash leaves the old file or the new one, never half of one.
+
+    A temporary file in the same directory is written, fsynced and renamed over ``path``,
+    then the directory is fsynced so the rename itself survives a power loss.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)

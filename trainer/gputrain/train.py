@@ -12,9 +12,7 @@ import contextlib
 import json
 import logging
 import math
-import os
 import signal
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +25,7 @@ from torch import nn
 from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
 
-from gputrain.checkpoint import CheckpointManager
+from gputrain.checkpoint import CheckpointManager, write_atomically
 from gputrain.contract import MODEL_FILE, RESULT_FILE, ContractError, TrainerSettings
 from gputrain.data import DataSource, build_data
 from gputrain.distributed import Cluster
@@ -70,16 +68,6 @@ def _autocast(settings: TrainerSettings, device: torch.device) -> contextlib.Abs
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if settings.precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 class Trainer:
@@ -359,12 +347,9 @@ class Trainer:
         text = json.dumps(result, sort_keys=True)
         if self.cluster.is_main:
             output = Path(self.settings.output_dir)
-            _atomic_write(output / RESULT_FILE, (text + "\n").encode())
-            output.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{MODEL_FILE}.", dir=output)
-            with os.fdopen(fd, "wb") as handle:
-                torch.save(self.model.state_dict(), handle)
-            os.replace(tmp, output / MODEL_FILE)
+            write_atomically(output / RESULT_FILE, lambda handle: handle.write((text + "\n").encode()))
+            state = self.model.state_dict()
+            write_atomically(output / MODEL_FILE, lambda handle: torch.save(state, handle))
             log.info("result %s", text)
         if self.cluster.is_local_main and self.termination_log:
             try:

@@ -21,6 +21,7 @@ from gpuop.crd import crd_yaml
 from gpuop.documents import Document, DocumentError, read_documents
 from gpuop.render import DEFAULT_TRAINER_IMAGE, render_pytorchjob
 from gpuop.schema import SpecError
+from gpuop.scrape import TrainerMetrics
 from gpuop.spec import GpuTraining, parse
 
 EXIT_OK = 0
@@ -91,12 +92,15 @@ class _Progress:
         self.tty = sys.stderr.isatty()
         self.shown = -1
 
-    def __call__(self, line: str) -> None:
+    def __call__(self, metrics: TrainerMetrics) -> None:
+        from gpuop.local import progress_line
+
+        line = progress_line(metrics)
         if self.tty:
             sys.stderr.write("\r\033[K" + line)
             sys.stderr.flush()
             return
-        decile = int(float(line.split("]")[1].split("%")[0]) // 10)
+        decile = int((metrics.percent or 0.0) // 10)
         if decile != self.shown:
             self.shown = decile
             print(line, file=sys.stderr, flush=True)

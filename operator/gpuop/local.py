@@ -21,28 +21,20 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
+from gpuop.derive import TIME_FORMAT, JobCondition, Observation, PodObservation, Thresholds, derive_status
 from gpuop.render import trainer_env
 from gpuop.schema import encode
 from gpuop.scrape import TrainerMetrics, parse_metrics, parse_result
 from gpuop.spec import GpuTraining
-from gpuop.status import (
-    Condition,
-    GpuTrainingStatus,
-    Phase,
-    Progress,
-    WorkerCounts,
-    gpu_usage,
-    progress_from_metrics,
-    progress_from_result,
-)
+from gpuop.status import GpuTrainingStatus, format_eta
 from gputrain.contract import env_name
 
 POLL_SECONDS = 0.5
 LOCAL_POD = "local-0"
 
 
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def _now() -> datetime:
+    return datetime.now(UTC).replace(microsecond=0)
 
 
 def _free_port() -> int:
@@ -162,66 +154,50 @@ def progress_line(metrics: TrainerMetrics, width: int = 24) -> str:
         parts.append(f"acc {metrics.accuracy:.3f}")
     if metrics.samples_per_second is not None:
         parts.append(f"{metrics.samples_per_second:,.0f} samples/s")
-    eta = progress_from_metrics(metrics, "").eta
+    eta = format_eta(metrics.estimated_remaining_seconds)
     if eta is not None:
         parts.append(f"eta {eta}")
     return "  ".join(parts)
 
 
 def final_status(
-    run: LocalRun,
-    code: int,
-    last: TrainerMetrics | None,
-    started: str,
-    finished: str,
-    seconds: float,
+    run: LocalRun, code: int, last: TrainerMetrics | None, started: datetime, finished: datetime
 ) -> GpuTrainingStatus:
-    """The status the operator would write for this run, from the same inputs it reads."""
-    record = None
-    if run.termination_log.is_file():
-        record = parse_result(run.termination_log.read_text())
-    gpus = run.processes if run.training.spec.gpus_per_worker > 0 else 0
-    phase: Phase
-    progress: Progress | None
+    """The status the operator would write for this run, by the operator's own derivation.
+
+    torchrun plays the PyTorchJob: it succeeded when it exited 0 and the trainer left a
+    success record. The trainer's own failure record, when there is one, gives the reason.
+    """
+    message = run.termination_log.read_text() if run.termination_log.is_file() else None
+    record = parse_result(message) if message is not None else None
     if code == 0 and record is not None and record["phase"] == "Succeeded":
-        phase, reason, message = "Succeeded", "TrainingSucceeded", "training finished"
-        progress = progress_from_result(record, finished)
+        outcome = JobCondition("Succeeded", "True")
     else:
-        phase = "Failed"
-        if record is not None and record["phase"] == "Failed":
-            reason, message = str(record["reason"]), str(record["message"])
-        else:
-            reason, message = "TrainerFailed", f"the trainer exited with code {code}; see its log"
-        progress = progress_from_metrics(last, finished) if last is not None else None
-    return GpuTrainingStatus(
-        phase=phase,
-        conditions=(
-            Condition(
-                type=phase,
-                status="True",
-                reason=reason,
-                message=message,
-                last_transition_time=finished,
-                observed_generation=run.training.generation,
-            ),
-        ),
-        observed_generation=run.training.generation,
-        workers=WorkerCounts(ready=0, total=run.processes),
-        progress=progress,
-        gpu=gpu_usage({LOCAL_POD: last} if last is not None else {}, gpus),
-        start_time=started,
-        completion_time=finished,
-        gpu_hours=round(gpus * seconds / 3600, 4),
-        message=message,
+        outcome = JobCondition(
+            "Failed", "True", "TrainerFailed", f"the trainer exited with code {code}; see its log"
+        )
+    observation = Observation(
+        now=finished,
+        generation=run.training.generation,
+        workers_total=run.processes,
+        gpus=run.processes if run.training.spec.gpus_per_worker > 0 else 0,
+        job_name=run.training.name,
+        job_conditions=(JobCondition("Created", "True"), outcome),
+        job_start_time=started.strftime(TIME_FORMAT),
+        job_completion_time=finished.strftime(TIME_FORMAT),
+        pods=(PodObservation(LOCAL_POD, outcome.type, termination_message=message, metrics=last),),
     )
+    return derive_status(None, observation, Thresholds(stall_timeout_seconds=0))
 
 
-def execute(run: LocalRun, show: Callable[[str], None] | None, log: TextIO | None) -> GpuTrainingStatus:
+def execute(
+    run: LocalRun, show: Callable[[TrainerMetrics], None] | None, log: TextIO | None
+) -> GpuTrainingStatus:
     """Run torchrun to the end, showing progress; returns the final status."""
     run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     run.output_dir.mkdir(parents=True, exist_ok=True)
     run.termination_log.unlink(missing_ok=True)  # a stale record must not pass for this run's
-    started, clock = _now(), time.monotonic()
+    started = _now()
     process = subprocess.Popen(run.command(), env=run.environment(), stdout=log, stderr=subprocess.STDOUT)
     last: TrainerMetrics | None = None
     try:
@@ -231,12 +207,12 @@ def execute(run: LocalRun, show: Callable[[str], None] | None, log: TextIO | Non
             if metrics is not None and metrics.total_steps:  # 0 until the trainer has published
                 last = metrics
                 if show is not None:
-                    show(progress_line(metrics))
+                    show(metrics)
     except KeyboardInterrupt:
         # SIGTERM lets the trainer write a checkpoint, as a pod eviction would.
         process.send_signal(signal.SIGTERM)
         process.wait()
-    return final_status(run, process.returncode, last, started, _now(), time.monotonic() - clock)
+    return final_status(run, process.returncode, last, started, _now())
 
 
 def status_document(status: GpuTrainingStatus) -> dict[str, Any]:

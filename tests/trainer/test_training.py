@@ -58,7 +58,8 @@ def test_local_run_of_the_demo_learns_digits(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     status = json.loads(done.stdout)
     assert status["phase"] == "Succeeded"
-    assert status["conditions"][0]["type"] == "Succeeded"
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Succeeded"]["status"] == "True"
     progress = status["progress"]
     assert progress["accuracy"] >= 0.90
     assert (progress["percent"], progress["step"]) == (100.0, progress["totalSteps"])
@@ -182,8 +183,8 @@ def test_missing_dataset_fails_with_the_path_and_expected_files(tmp_path: Path) 
     )
     assert code == 1
     assert status["phase"] == "Failed"
-    condition = status["conditions"][0]
-    assert (condition["type"], condition["reason"]) == ("Failed", "DatasetMissing")
+    condition = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert (condition["status"], condition["reason"]) == ("True", "DatasetMissing")
     assert condition["message"] == (
         f"dataset mnist: train-images-idx3-ubyte not found under {empty} (expected train-images-idx3-ubyte, "
         "train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (or .gz)); the trainer never "
@@ -229,3 +230,16 @@ def test_trainer_alone_exits_3_on_missing_data(tmp_path: Path) -> None:
     )
     assert done.returncode == EXIT_DATA_MISSING
     assert f"dataset cifar10: data_batch_1 not found under {tmp_path}" in done.stdout
+
+
+def test_running_a_finished_job_again_reports_the_runs_figures(tmp_path: Path) -> None:
+    """A restart after the last checkpoint trains nothing, but its result is still the run's."""
+    run = digits_run(tmp_path, epochs=2)
+    assert train(run) == 0, log_of(run)
+    first = json.loads(run.termination_log.read_text())
+    assert train(run) == 0, log_of(run)
+    again = json.loads(run.termination_log.read_text())
+    for key in ("loss", "accuracy", "testLoss", "step", "samplesPerSecond"):
+        assert again[key] == first[key], key
+    assert again["accuracy"] >= 0.9
+    assert again["samplesPerSecond"] > 0

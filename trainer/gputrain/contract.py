@@ -62,7 +62,7 @@ RESULT_KEYS: Final = (
     "loss",  # training loss over the last logging interval
     "accuracy",  # on the evaluation split, 0..1
     "testLoss",
-    "samplesPerSecond",  # whole job, mean over the run
+    "samplesPerSecond",  # whole job, over the time spent in training steps, every attempt
     "durationSeconds",
     "worldSize",
     "reason",  # Failed only: InvalidSettings, DatasetMissing or Preempted

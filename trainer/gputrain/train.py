@@ -107,6 +107,10 @@ class Trainer:
         self.accuracy: float | None = None
         self.test_loss: float | None = None
         self.last_loss: float | None = None
+        # Samples trained on by all ranks, and the seconds spent doing it, over every attempt:
+        # a run resumed from its last checkpoint still reports the whole run.
+        self.samples_trained = 0.0
+        self.seconds_trained = 0.0
         # One endpoint per pod: the other local ranks neither serve nor read NVML.
         self.metrics = MetricsServer(settings.metrics_port) if cluster.is_local_main else None
 
@@ -121,6 +125,13 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "position": asdict(self.position),
             "model_name": self.settings.model,
+            "figures": {
+                "loss": self.last_loss,
+                "accuracy": self.accuracy,
+                "test_loss": self.test_loss,
+                "samples_trained": self.samples_trained,
+                "seconds_trained": self.seconds_trained,
+            },
             "rng": {
                 "torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else [],
@@ -155,6 +166,14 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.position = Position(**state["position"])
+        figures = state["figures"]
+        self.last_loss, self.accuracy, self.test_loss = (
+            figures["loss"],
+            figures["accuracy"],
+            figures["test_loss"],
+        )
+        self.samples_trained = figures["samples_trained"]
+        self.seconds_trained = figures["seconds_trained"]
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"] and self.device.type == "cuda":
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
@@ -180,10 +199,12 @@ class Trainer:
             dist.all_reduce(tensor)
         return [float(v) for v in tensor.tolist()]
 
-    def _report(self, loss_sum: torch.Tensor, seen: torch.Tensor, started: float, steps: int) -> float:
-        """Log and publish one interval's figures; returns the samples all ranks trained on."""
+    def _report(self, loss_sum: torch.Tensor, seen: torch.Tensor, started: float, steps: int) -> None:
+        """Log and publish one interval's figures, and count them into the run's totals."""
         total_loss, samples = self._reduce([loss_sum, seen])
         elapsed = max(time.perf_counter() - started, 1e-9)
+        self.samples_trained += samples
+        self.seconds_trained += elapsed
         self.last_loss = total_loss / max(samples, 1.0)
         rate = samples / elapsed
         eta = (self.total_steps - self.position.step) * elapsed / max(steps, 1)
@@ -199,7 +220,6 @@ class Trainer:
                 rate,
                 eta,
             )
-        return samples
 
     def _publish(self, rate: float | None, eta: float | None) -> None:
         if self.metrics is None:
@@ -253,14 +273,13 @@ class Trainer:
                 self.accuracy,
             )
 
-    def _train_epoch(self, epoch: int) -> float:
-        """One epoch from the current position; returns the samples all ranks trained on."""
+    def _train_epoch(self, epoch: int) -> None:
+        """One epoch from the current position."""
         settings = self.settings
         accum = settings.grad_accum_steps
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         seen = torch.zeros((), device=self.device, dtype=torch.float64)
         interval_start, interval_steps = time.perf_counter(), 0
-        epoch_samples = 0.0
         start = self.position.next_batch
         for b, (x, y) in enumerate(self.data.train_batches(epoch, start), start=start):
             group_start = b - b % accum
@@ -289,18 +308,16 @@ class Trainer:
             if self.stop_requested:
                 self._preempt()
             if self.position.step % settings.log_every_steps == 0 or b == self.batches - 1:
-                epoch_samples += self._report(loss_sum, seen, interval_start, interval_steps)
+                self._report(loss_sum, seen, interval_start, interval_steps)
                 loss_sum.zero_()
                 seen.zero_()
                 interval_start, interval_steps = time.perf_counter(), 0
             if self.cluster.is_main and self.position.step % settings.checkpoint_every_steps == 0:
                 self.save_checkpoint()
-        return epoch_samples
 
     def run(self) -> dict[str, Any]:
         previous = signal.signal(signal.SIGTERM, self._request_stop)
         started = time.perf_counter()
-        samples = 0.0
         try:
             self.resume()
             self._publish(None, None)  # totals are known now: scrapers see 0 of N, not 0 of 0
@@ -308,14 +325,13 @@ class Trainer:
             for epoch in range(self.position.epoch, self.settings.epochs):
                 if self.position.next_batch < self.batches:
                     try:
-                        epoch_samples = self._train_epoch(epoch)
+                        self._train_epoch(epoch)
                     except PreemptedError:
                         raise
                     except Exception:
                         if self.stop_requested:  # a peer left first, mid-collective
                             self._preempt()
                         raise
-                    samples += epoch_samples
                     self.evaluate()
                     self._publish(None, None)
                 # The epoch is done; a restart continues with the next one.
@@ -336,7 +352,7 @@ class Trainer:
             "loss": self.last_loss,
             "accuracy": self.accuracy,
             "testLoss": self.test_loss,
-            "samplesPerSecond": samples / duration if duration > 0 else None,
+            "samplesPerSecond": self.samples_trained / self.seconds_trained if self.seconds_trained else None,
             "durationSeconds": round(duration, 3),
             "worldSize": self.cluster.world,
         }

@@ -22,6 +22,7 @@ from gpuop.documents import Document, DocumentError, read_documents
 from gpuop.render import DEFAULT_TRAINER_IMAGE, render_pytorchjob
 from gpuop.schema import SpecError
 from gpuop.scrape import TrainerMetrics
+from gpuop.settings import SettingsError, add_arguments, from_arguments
 from gpuop.spec import GpuTraining, parse
 
 EXIT_OK = 0
@@ -148,6 +149,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_operator(args: argparse.Namespace) -> int:
+    from gpuop import controller  # kopf and the kubernetes client: only for this command
+    from gpuop.kube import LoginError
+
+    try:
+        settings = from_arguments(args)
+    except SettingsError as exc:
+        raise _BadInputError([str(exc)]) from None
+    try:
+        return controller.run(settings)
+    except LoginError as exc:
+        raise _BadInputError([str(exc)]) from None
+
+
 def _cmd_crd(args: argparse.Namespace) -> int:
     expected = crd_yaml()
     if args.check is None:
@@ -216,6 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoints, outputs and the trainer log go under WORKDIR/NAME (default: %(default)s)",
     )
     run.set_defaults(handler=_cmd_run)
+
+    operator = commands.add_parser(
+        "operator",
+        help="run the operator: reconcile GpuTrainings into PyTorchJobs and report their status",
+        description="Run the operator against the cluster kubectl would use (in a pod: its "
+        "ServiceAccount; else KUBECONFIG or ~/.kube/config). Every flag defaults to its GPUOP_* "
+        "environment variable.",
+    )
+    add_arguments(operator)
+    operator.set_defaults(handler=_cmd_operator)
 
     crd = commands.add_parser("crd", help="print the GpuTraining CRD generated from the spec model")
     crd.add_argument("--check", metavar="FILE", help="instead, fail when FILE differs from it")

@@ -11,7 +11,7 @@ from typing import Any, Final
 import yaml
 
 from gpuop.schema import openapi_schema
-from gpuop.spec import GROUP, KIND, NAME_RULE, PLURAL, VERSION, GpuTrainingSpec
+from gpuop.spec import GROUP, KIND, MUTABLE_SPEC_FIELDS, NAME_RULE, PLURAL, VERSION, GpuTrainingSpec
 from gpuop.status import GpuTrainingStatus
 
 SHORT_NAME: Final = "gtr"
@@ -53,8 +53,31 @@ _PRINTER_COLUMNS: Final = [
 ]
 
 
+def immutability_rules(spec_properties: dict[str, Any]) -> list[dict[str, str]]:
+    """CEL transition rules: each spec field but the mutable ones keeps its value on update.
+
+    One rule per field, so the API server's message names the field that changed. ``has``
+    on both sides also refuses adding or removing an optional field (a rule on the field
+    itself would not run when it is absent on one side).
+    """
+    mutable = ", ".join(f"spec.{f}" for f in MUTABLE_SPEC_FIELDS)
+    return [
+        {
+            "rule": f"has(self.{name}) == has(oldSelf.{name}) && "
+            f"(!has(self.{name}) || self.{name} == oldSelf.{name})",
+            "message": f"spec.{name} cannot change once the GpuTraining exists (only {mutable} "
+            "can); delete it and create it again to change this",
+            "fieldPath": f".{name}",
+        }
+        for name in spec_properties
+        if name not in MUTABLE_SPEC_FIELDS
+    ]
+
+
 def build_crd() -> dict[str, Any]:
     """The CRD as a dict."""
+    spec = openapi_schema(GpuTrainingSpec, "What to train, on how many GPUs, and how.")
+    spec.setdefault("x-kubernetes-validations", []).extend(immutability_rules(spec["properties"]))
     root = {
         "type": "object",
         "description": (
@@ -67,7 +90,7 @@ def build_crd() -> dict[str, Any]:
             "apiVersion": {"type": "string", "description": "The API version, gpuop.io/v1alpha1."},
             "kind": {"type": "string", "description": "GpuTraining."},
             "metadata": {"type": "object"},
-            "spec": openapi_schema(GpuTrainingSpec, "What to train, on how many GPUs, and how."),
+            "spec": spec,
             "status": openapi_schema(
                 GpuTrainingStatus, "What the operator observed. Written by the operator."
             ),

@@ -34,6 +34,9 @@ from gpuop.status import (
     progress_from_result,
 )
 
+_ALARMS: Final = ("Failed", "InvalidSpec", "Stalled", "Underutilized", "Restarting", "NameConflict")
+# Conditions that turn False (reason Cleared) when they stop holding, instead of vanishing.
+_CLEARABLE: Final = frozenset({"Suspended", "Restarting", "Stalled", "Underutilized", "NameConflict"})
 # Kubeflow v1 job condition types, most decisive first: the first True one is the phase.
 _JOB_PHASES: Final[tuple[Phase, ...]] = (
     "Failed",
@@ -86,6 +89,7 @@ class Observation:
     workers_total: int
     gpus: int
     invalid_spec: str | None = None  # the parse error, for a spec that got past the CRD
+    name_conflict: str | None = None  # a PyTorchJob of our name that is not ours (never touched)
     job_name: str | None = None  # None until the PyTorchJob exists
     job_conditions: tuple[JobCondition, ...] = ()
     job_start_time: str | None = None
@@ -249,6 +253,9 @@ def derive_status(
             condition("InvalidSpec", "True", "InvalidSpec", obs.invalid_spec),
             condition("Failed", "True", "InvalidSpec", obs.invalid_spec),
         ]
+    elif obs.name_conflict is not None:
+        message = obs.name_conflict
+        wanted.append(condition("NameConflict", "True", "NameConflict", obs.name_conflict))
     elif phase == "Pending":
         message = "waiting for the PyTorchJob to be created"
     else:
@@ -259,7 +266,13 @@ def derive_status(
         message = f"PyTorchJob {obs.job_name} is {phase.lower()}"
         if phase == "Failed":
             record = _trainer_record(obs, "Failed")
-            reason, text = (record["reason"], record["message"]) if record else _job_reason(obs, "Failed")
+            earlier = next((c for c in before.conditions if c.type == "Failed" and c.status == "True"), None)
+            if record is not None:
+                reason, text = record["reason"], record["message"]
+            elif earlier is not None:  # the pods (and their records) may be gone by now
+                reason, text = earlier.reason, earlier.message
+            else:
+                reason, text = _job_reason(obs, "Failed")
             message = text or "the PyTorchJob failed"
             wanted.append(condition("Failed", "True", reason or "PyTorchJobFailed", message))
         elif phase == "Succeeded":
@@ -272,9 +285,7 @@ def derive_status(
         if phase == "Running":
             wanted += _running_alarms(progress, gpu, thresholds, obs.now, condition)
 
-    conditions = _merge_conditions(
-        before.conditions, wanted, {"Suspended", "Restarting", "Stalled", "Underutilized"}, now
-    )
+    conditions = _merge_conditions(before.conditions, wanted, set(_CLEARABLE), now)
     ready = sum(1 for p in obs.pods if p.ready and p.phase == "Running")
     start = obs.job_start_time or before.start_time
     if start is None and phase in ("Running", "Restarting"):
@@ -352,17 +363,19 @@ def status_patch(previous: GpuTrainingStatus | None, new: GpuTrainingStatus) -> 
 
 
 def events(previous: GpuTrainingStatus | None, new: GpuTrainingStatus) -> list[Event]:
-    """One Event per condition that became True, Warning for the bad ones."""
+    """One Event per condition that became True, Warning for the bad ones.
+
+    Two conditions telling the same thing at once (InvalidSpec and Failed, both with the
+    parse error) make one Event: ``kubectl describe`` should not say it twice.
+    """
     before = {c.type: c.status for c in (previous.conditions if previous else ())}
-    out = []
+    out: list[Event] = []
     for c in new.conditions:
         if c.status == "True" and before.get(c.type) != "True":
-            kind = (
-                "Warning"
-                if c.type in ("Failed", "InvalidSpec", "Stalled", "Underutilized", "Restarting")
-                else "Normal"
-            )
-            out.append(Event(kind, c.reason or c.type, c.message or c.type))
+            kind = "Warning" if c.type in _ALARMS else "Normal"
+            event = Event(kind, c.reason or c.type, c.message or c.type)
+            if event not in out:
+                out.append(event)
     return out
 
 

@@ -43,6 +43,10 @@ RESERVED_ENV_NAMES: Final = (
     "GROUP_RANK",
     "NODE_RANK",
 )
+# What may change on a created GpuTraining: the operator patches these onto the running
+# PyTorchJob (runPolicy) or reads them on every check (stallTimeoutSeconds). Anything else
+# would need new pods, and the CRD's transition rules refuse the change.
+MUTABLE_SPEC_FIELDS: Final = ("runPolicy", "stallTimeoutSeconds")
 RESERVED_ENV_PREFIXES: Final = ("GPUTRAIN_", "PET_", "TORCHELASTIC_", "NCCL_")
 NCCL_ENV_PATTERN: Final = r"^(NCCL|TORCH_NCCL|FI|UCX)_[A-Z0-9_]+$"
 ENV_NAME_PATTERN: Final = r"^[A-Za-z_][A-Za-z0-9_]*$"

@@ -25,7 +25,7 @@ class Condition:
 
     type: str = api_field(
         "Condition type: Created, Running, Succeeded, Failed, Suspended, Restarting, InvalidSpec, "
-        "Stalled or Underutilized.",
+        "NameConflict, Stalled or Underutilized.",
         max_length=64,
     )
     status: ConditionStatus = api_field("Whether the condition holds.")

@@ -7,7 +7,8 @@
   and every ``x-kubernetes-validations`` CEL rule evaluated with cel-python, including the
   Kubernetes quantity functions our rules use.
 
-Transition rules (those reading ``oldSelf``) are skipped: they apply to updates only.
+Transition rules (those reading ``oldSelf``) run on updates only (``old`` given), and, as in
+the API server, only where the value exists in both the old and the new object.
 """
 
 from __future__ import annotations
@@ -114,29 +115,41 @@ _CEL = celpy.Environment()
 _PROGRAMS: dict[str, Any] = {}
 
 
-def evaluate_cel(rule: str, self_value: Any) -> bool:
-    """One CEL rule with ``self`` bound to a JSON value, as the API server evaluates it."""
+_ABSENT: Any = object()
+
+
+def evaluate_cel(rule: str, self_value: Any, old_value: Any = _ABSENT) -> bool:
+    """One CEL rule with ``self`` (and ``oldSelf``) bound to JSON values, as the API server does."""
     program = _PROGRAMS.get(rule)
     if program is None:
         program = _PROGRAMS[rule] = _CEL.program(_CEL.compile(rule), functions=CEL_FUNCTIONS)
-    result = program.evaluate({"self": celpy.json_to_cel(self_value)})
+    bindings = {"self": celpy.json_to_cel(self_value)}
+    if old_value is not _ABSENT:
+        bindings["oldSelf"] = celpy.json_to_cel(old_value)
+    result = program.evaluate(bindings)
     if isinstance(result, celpy.CELEvalError):
         raise result
     return bool(result)
 
 
-def _cel_errors(schema: dict[str, Any], value: Any, path: str) -> Iterator[str]:
+def _cel_errors(schema: dict[str, Any], value: Any, path: str, old: Any = _ABSENT) -> Iterator[str]:
     for rule in schema.get("x-kubernetes-validations", []):
         if "oldSelf" in rule["rule"]:
-            continue
-        if not evaluate_cel(rule["rule"], value):
-            yield f"{path or '<root>'}: {rule['message']}"
+            if old is _ABSENT:
+                continue
+            ok = evaluate_cel(rule["rule"], value, old)
+        else:
+            ok = evaluate_cel(rule["rule"], value)
+        if not ok:
+            where = path + rule.get("fieldPath", "") if "oldSelf" in rule["rule"] else path
+            yield f"{where or '<root>'}: {rule['message']}"
     if isinstance(value, dict):
         for key, sub in schema.get("properties", {}).items():
             if key in value:
-                yield from _cel_errors(sub, value[key], f"{path}.{key}" if path else key)
+                old_sub = old.get(key, _ABSENT) if isinstance(old, dict) else _ABSENT
+                yield from _cel_errors(sub, value[key], f"{path}.{key}" if path else key, old_sub)
     elif isinstance(value, list) and "items" in schema:
-        for index, item in enumerate(value):
+        for index, item in enumerate(value):  # list items are not correlated with old ones here
             yield from _cel_errors(schema["items"], item, f"{path}[{index}]")
 
 
@@ -158,12 +171,16 @@ def _list_map_errors(schema: dict[str, Any], value: Any, path: str) -> Iterator[
                 yield from _list_map_errors(sub, value[key], f"{path}.{key}" if path else key)
 
 
-def validate(schema: dict[str, Any], obj: Any, *, defaults: bool = True) -> list[str]:
-    """Every way ``obj`` breaks the schema, one string each; empty when it is valid."""
+def validate(schema: dict[str, Any], obj: Any, *, defaults: bool = True, old: Any = None) -> list[str]:
+    """Every way ``obj`` breaks the schema, one string each; empty when it is valid.
+
+    ``old``: the object being updated, for the transition rules.
+    """
     if defaults:
         obj = apply_defaults(schema, obj)
     validator = jsonschema.Draft4Validator(_strict(schema))
     errors = [f"{_path(e.absolute_path) or '<root>'}: {e.message}" for e in validator.iter_errors(obj)]
     if errors:  # CEL assumes a schema-valid object, as in the API server
         return sorted(errors)
-    return sorted([*_list_map_errors(schema, obj, ""), *_cel_errors(schema, obj, "")])
+    previous = apply_defaults(schema, old) if old is not None else _ABSENT
+    return sorted([*_list_map_errors(schema, obj, ""), *_cel_errors(schema, obj, "", previous)])

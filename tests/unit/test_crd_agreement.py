@@ -101,6 +101,66 @@ def _cel_messages(node: dict[str, Any]) -> set[str]:
     return found
 
 
+# Updates of a created GpuTraining: (field, old spec fields, new spec fields). Each immutable
+# field is changed once; adding or removing an optional one counts as a change.
+IMMUTABLE_UPDATES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    ("image", {}, {"image": "example.com/t:2"}),
+    ("command", {"dataset": None, "command": ["a"]}, {"dataset": None, "command": ["b"]}),
+    ("args", {}, {"args": ["--x"]}),
+    ("workers", {}, {"workers": 2}),
+    ("gpusPerWorker", {}, {"gpusPerWorker": 2}),
+    ("gpuType", {}, {"gpuType": "NVIDIA-H100-80GB-HBM3"}),
+    ("resources", {}, {"resources": {"cpu": "4"}}),
+    ("shmSize", {}, {"shmSize": "1Gi"}),
+    ("model", {}, {"model": {"name": "resnet18"}}),
+    ("dataset", {}, {"dataset": {"name": "cifar10"}}),
+    ("training", {}, {"training": {"epochs": 3}}),
+    ("checkpoint", {}, {"checkpoint": {"everySteps": 50}}),
+    ("output", {}, {"output": {"path": "/elsewhere"}}),
+    ("elastic", {}, {"elastic": {"minWorkers": 1, "maxWorkers": 2}}),
+    ("scheduling", {}, {"scheduling": {"nodeSelector": {"pool": "a100"}}}),
+    ("nccl", {}, {"nccl": {"debug": "INFO"}}),
+    ("env", {}, {"env": [{"name": "A", "value": "1"}]}),
+    ("serviceAccountName", {}, {"serviceAccountName": "trainer"}),
+    ("imagePullSecrets", {}, {"imagePullSecrets": ["regcred"]}),
+    ("podMetadata", {}, {"podMetadata": {"labels": {"team": "a"}}}),
+    ("terminationGracePeriodSeconds", {}, {"terminationGracePeriodSeconds": 30}),
+]
+MUTABLE_UPDATES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    ("suspend", {}, {"runPolicy": {"suspend": True}}),
+    ("deadline", {}, {"runPolicy": {"activeDeadlineSeconds": 3600, "ttlSecondsAfterFinished": 60}}),
+    ("stall timeout", {}, {"stallTimeoutSeconds": 60}),
+    ("no change", {"image": "x"}, {"image": "x"}),
+]
+
+
+@pytest.mark.parametrize(("field", "old", "new"), IMMUTABLE_UPDATES, ids=[c[0] for c in IMMUTABLE_UPDATES])
+def test_the_crd_refuses_changing_an_immutable_field(
+    field: str, old: dict[str, Any], new: dict[str, Any]
+) -> None:
+    before, after = minimal(**old), minimal(**{**old, **new})
+    assert validate(SCHEMA, after) == []  # valid as a new object
+    errors = validate(SCHEMA, after, old=before)
+    assert errors == [
+        f"spec.{field}: spec.{field} cannot change once the GpuTraining exists (only spec.runPolicy, "
+        "spec.stallTimeoutSeconds can); delete it and create it again to change this"
+    ]
+
+
+@pytest.mark.parametrize(("case", "old", "new"), MUTABLE_UPDATES, ids=[c[0] for c in MUTABLE_UPDATES])
+def test_the_crd_accepts_changing_a_mutable_field(
+    case: str, old: dict[str, Any], new: dict[str, Any]
+) -> None:
+    assert validate(SCHEMA, minimal(**{**old, **new}), old=minimal(**old)) == []
+
+
+def test_immutable_updates_cover_every_immutable_field() -> None:
+    from gpuop.spec import MUTABLE_SPEC_FIELDS
+
+    fields = set(SCHEMA["properties"]["spec"]["properties"]) - set(MUTABLE_SPEC_FIELDS)
+    assert {c[0] for c in IMMUTABLE_UPDATES} == fields
+
+
 def test_every_cel_rule_is_exercised_by_a_bad_case() -> None:
     broken: set[str] = set()
     bodies = [minimal(**c[1]) for c in BAD_SPECS]
@@ -110,6 +170,9 @@ def test_every_cel_rule_is_exercised_by_a_bad_case() -> None:
         bodies.append(body)
     for body in bodies:
         for error in validate(SCHEMA, body):
+            broken.add(error.split(": ", 1)[1])
+    for _, old, new in IMMUTABLE_UPDATES:
+        for error in validate(SCHEMA, minimal(**{**old, **new}), old=minimal(**old)):
             broken.add(error.split(": ", 1)[1])
     rules = _cel_messages(SCHEMA)
     assert len(rules) >= 9

@@ -83,7 +83,7 @@ class Progress:
 class MetricsServer:
     """The Prometheus gauges, served over HTTP when a port is given (0 picks a free one)."""
 
-    def __init__(self, port: int | None) -> None:
+    def __init__(self, port: int | None, addr: str = "0.0.0.0") -> None:
         self.registry = CollectorRegistry()
 
         def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
@@ -106,7 +106,7 @@ class MetricsServer:
         self.port: int | None = None
         self._server: Any = None
         if port is not None:
-            self._server, _thread = start_http_server(port, registry=self.registry)
+            self._server, _thread = start_http_server(port, addr=addr, registry=self.registry)
             self.port = int(self._server.server_port)
 
     def update(self, progress: Progress) -> None:

@@ -1,0 +1,322 @@
+"""The one module that talks to the Kubernetes API (Kopf's watches aside).
+
+Objects travel as plain JSON dicts: the operator reads a handful of fields, and the client's
+generated model classes would cost a deserialisation of every pod for nothing. Every call goes
+through :meth:`Kube._request`, which retries what a real API server sends under load or during
+a control-plane upgrade (429, 500, 502, 503, 504, timeouts, refused connections) with capped
+exponential backoff and jitter, honouring ``Retry-After``. Everything else is the caller's to
+decide: 404 and 409 mean something (gone; exists or conflicts), 4xx is a bug or a policy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import urllib3
+from kubernetes import client as k8s_client
+from kubernetes import config as k8s_config
+
+from gpuop.render import PYTORCHJOB_API_VERSION, TRAINING_LABEL
+from gpuop.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
+
+log = logging.getLogger(__name__)
+
+USER_AGENT: Final = "gpuop-operator/0.1"
+RETRIED_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
+_PYTORCHJOBS: Final = f"/apis/{PYTORCHJOB_API_VERSION}/namespaces/{{ns}}/pytorchjobs"
+_TRAININGS: Final = f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/{PLURAL}"
+_MERGE_PATCH: Final = "application/merge-patch+json"
+
+
+class ApiError(Exception):
+    """A non-retried error reply: ``status`` and the API server's ``reason`` and message."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+class LoginError(Exception):
+    """No usable cluster credentials; the message says where the operator looked."""
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Retry delays: base * 2**attempt, capped, with full jitter; ``attempts`` tries in all."""
+
+    attempts: int = 8
+    base_seconds: float = 0.1
+    cap_seconds: float = 5.0
+
+    def delay(self, attempt: int, retry_after: float | None) -> float:
+        jittered = random.uniform(0, min(self.cap_seconds, self.base_seconds * 2**attempt))
+        if retry_after is not None:
+            return min(max(retry_after, jittered), 60.0)
+        return jittered
+
+
+class RequestCounter:
+    """Requests by verb and status code: the operator's metrics read it, the benchmark too."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counts: dict[tuple[str, int], int] = {}
+        self.listeners: list[Callable[[str, int, float], None]] = []
+
+    def record(self, verb: str, status: int, seconds: float) -> None:
+        with self._lock:
+            self.counts[verb, status] = self.counts.get((verb, status), 0) + 1
+        for listener in self.listeners:
+            listener(verb, status, seconds)
+
+
+def _retry_after(headers: Mapping[str, str] | None) -> float | None:
+    value = (headers or {}).get("Retry-After")
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+class Kube:
+    """A Kubernetes API session with the operator's verbs. Thread-safe (urllib3 pools)."""
+
+    def __init__(
+        self,
+        api: k8s_client.ApiClient,
+        *,
+        backoff: Backoff | None = None,
+        timeout_seconds: float = 30.0,
+        in_cluster: bool = False,
+    ) -> None:
+        self.api = api
+        self.api.user_agent = USER_AGENT
+        self.backoff = backoff or Backoff()
+        self.timeout_seconds = timeout_seconds
+        self.in_cluster = in_cluster
+        self.requests = RequestCounter()
+
+    @classmethod
+    def login(cls, *, pool_size: int = 32) -> Kube:
+        """Credentials the way kubectl finds them: in a pod its ServiceAccount, else KUBECONFIG."""
+        configuration = k8s_client.Configuration()
+        try:
+            k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+            in_cluster = True
+        except k8s_config.ConfigException:
+            try:
+                k8s_config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+            except (k8s_config.ConfigException, OSError) as exc:
+                raise LoginError(
+                    f"no cluster credentials: not in a pod, and no usable kubeconfig ({exc}); set "
+                    "KUBECONFIG or run in-cluster with a ServiceAccount"
+                ) from None
+            in_cluster = False
+        configuration.connection_pool_maxsize = pool_size
+        configuration.retries = False  # retried here, for every verb, with backoff
+        return cls(k8s_client.ApiClient(configuration), in_cluster=in_cluster)
+
+    # -- the one way out ------------------------------------------------------------------
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+        raw: bool = False,
+        timeout: float | None = None,
+    ) -> Any:
+        if query:
+            path = f"{path}?{urllib.parse.urlencode(query)}"
+        headers = {"Accept": "*/*" if raw else "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        verb = f"{method} {_kind_of(path)}"
+        for attempt in range(self.backoff.attempts):
+            started = time.monotonic()
+            _, url, header_params, _, _ = self.api.param_serialize(
+                method, path, header_params=dict(headers), auth_settings=["BearerToken"]
+            )
+            try:
+                response = self.api.call_api(
+                    method, url, header_params=header_params, body=body,
+                    _request_timeout=timeout or self.timeout_seconds,
+                )  # fmt: skip
+                data = response.read()  # type: ignore[no-untyped-call]
+                status = response.status
+                retry_after = _retry_after(response.headers)
+                response.response.release_conn()
+            except (urllib3.exceptions.HTTPError, OSError) as exc:
+                self.requests.record(verb, 0, time.monotonic() - started)
+                if attempt + 1 == self.backoff.attempts:
+                    raise ApiError(0, "Unreachable", str(exc)) from None
+                delay = self.backoff.delay(attempt, None)
+                log.warning("%s %s: %s; retrying in %.1fs", method, path, exc, delay)
+                time.sleep(delay)
+                continue
+            self.requests.record(verb, status, time.monotonic() - started)
+            if 200 <= status < 300:
+                if raw:
+                    return data.decode("utf-8", errors="replace")
+                return json.loads(data) if data else None
+            error = _error(status, data)
+            if status in RETRIED_STATUSES and attempt + 1 < self.backoff.attempts:
+                delay = self.backoff.delay(attempt, retry_after)
+                log.info("%s %s: %s; retrying in %.1fs", method, path, error, delay)
+                time.sleep(delay)
+                continue
+            raise error
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    # -- PyTorchJobs ----------------------------------------------------------------------
+
+    def create_pytorchjob(self, job: Mapping[str, Any]) -> dict[str, Any]:
+        """Create it; ApiError 409 AlreadyExists when a job of that name is there."""
+        ns = job["metadata"]["namespace"]
+        created: dict[str, Any] = self._request("POST", _PYTORCHJOBS.format(ns=ns), body=job)
+        return created
+
+    def _get_or_none(self, path: str) -> dict[str, Any] | None:
+        try:
+            body: dict[str, Any] = self._request("GET", path)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return body
+
+    def get_pytorchjob(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._get_or_none(f"{_PYTORCHJOBS.format(ns=namespace)}/{name}")
+
+    def patch_pytorchjob(self, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        job: dict[str, Any] = self._request(
+            "PATCH", f"{_PYTORCHJOBS.format(ns=namespace)}/{name}", body=patch, content_type=_MERGE_PATCH
+        )
+        return job
+
+    # -- GpuTrainings ---------------------------------------------------------------------
+
+    def get_training(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._get_or_none(f"{_TRAININGS.format(ns=namespace)}/{name}")
+
+    def patch_training_status(
+        self, namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> dict[str, Any] | None:
+        """Merge-patch the status subresource; None when the GpuTraining is gone.
+
+        A 409 here can only be a transient conflict (a merge patch carries no
+        resourceVersion), so it is retried like a 5xx.
+        """
+        path = f"{_TRAININGS.format(ns=namespace)}/{name}/status"
+        for attempt in range(self.backoff.attempts):
+            try:
+                body: dict[str, Any] = self._request("PATCH", path, body=patch, content_type=_MERGE_PATCH)
+            except ApiError as exc:
+                if exc.status == 404:
+                    return None
+                if exc.status == 409 and attempt + 1 < self.backoff.attempts:
+                    time.sleep(self.backoff.delay(attempt, None))
+                    continue
+                raise
+            return body
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    # -- pods -----------------------------------------------------------------------------
+
+    def list_training_pods(self, namespace: str) -> list[dict[str, Any]]:
+        """Every pod of every GpuTraining in the namespace: one request however many jobs."""
+        reply = self._request(
+            "GET", f"/api/v1/namespaces/{namespace}/pods", query={"labelSelector": TRAINING_LABEL}
+        )
+        items: list[dict[str, Any]] = reply.get("items") or []
+        return items
+
+    def pod_metrics_via_proxy(self, namespace: str, pod: str, port: int, timeout: float) -> str:
+        """The pod's /metrics through the API server's pod proxy (the operator is outside)."""
+        path = f"/api/v1/namespaces/{namespace}/pods/{pod}:{port}/proxy/metrics"
+        text: str = self._request("GET", path, raw=True, timeout=timeout)
+        return text
+
+    # -- peering --------------------------------------------------------------------------
+
+    def get_peering(self, name: str, namespaces: tuple[str, ...]) -> dict[str, Any] | None:
+        """The status of Kopf's peering object: who is alive, with which priority."""
+        if namespaces:
+            path = f"/apis/kopf.dev/v1/namespaces/{namespaces[0]}/kopfpeerings/{name}"
+        else:
+            path = f"/apis/kopf.dev/v1/clusterkopfpeerings/{name}"
+        status: dict[str, Any] | None = (self._get_or_none(path) or {}).get("status")
+        return status
+
+    # -- events ---------------------------------------------------------------------------
+
+    def post_event(
+        self, training: Mapping[str, Any], event_type: str, reason: str, message: str, now: datetime
+    ) -> None:
+        """A core/v1 Event about the GpuTraining, as ``kubectl describe`` shows them."""
+        meta = training["metadata"]
+        ns = meta["namespace"]
+        stamp = now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": ns},
+            "involvedObject": {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "name": meta["name"],
+                "namespace": ns,
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "type": event_type,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": "gpu-training-operator"},
+            "reportingComponent": "gpuop.io/operator",
+            "reportingInstance": "gpu-training-operator",
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+        }
+        self._request("POST", f"/api/v1/namespaces/{ns}/events", body=event)
+
+
+def _kind_of(path: str) -> str:
+    """The resource a path names, for request metrics: pytorchjobs, gputrainings/status, pods."""
+    parts = [p for p in path.split("?")[0].split("/") if p]
+    if "namespaces" in parts:
+        rest = parts[parts.index("namespaces") + 2 :]
+    else:
+        rest = parts[3:] if parts[:1] == ["apis"] else parts[2:]
+    if not rest:
+        return "namespaces"
+    resource = rest[0]
+    if len(rest) >= 3:
+        sub = rest[2]
+        return f"{resource}/{'proxy' if sub == 'proxy' else sub}"
+    return resource
+
+
+def _error(status: int, data: bytes) -> ApiError:
+    try:
+        body = json.loads(data)
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        return ApiError(status, str(body.get("reason") or ""), str(body.get("message") or ""))
+    return ApiError(status, "", data[:200].decode("utf-8", errors="replace"))

@@ -1,0 +1,401 @@
+"""Reconciling GpuTrainings: parse -> render -> create or adopt -> derive status -> patch if changed.
+
+Level-triggered on purpose. Every call looks at the latest GpuTraining, its PyTorchJob and
+its pods as last seen, and makes the cluster match; it never asks "what changed since the
+last event". So a restarted operator, a lost watch event or a failed request all heal the
+same way: the next call (the next event, or the scrape tick every few seconds) does the
+work, and a call with nothing new costs no write at all. That is also why Kopf's
+change-tracking handlers are not used: they persist a diff base in every object (one more
+write per job) and re-run on.create against stale bodies after a restart.
+
+The decisions live in pure modules (:mod:`gpuop.spec`, :mod:`gpuop.render`,
+:mod:`gpuop.derive`, :mod:`gpuop.observe`); this module sequences them and calls
+:mod:`gpuop.kube`, the only one that talks to the API.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from gpuop import observe
+from gpuop.derive import (
+    Event,
+    Observation,
+    PodObservation,
+    Thresholds,
+    derive_status,
+    events,
+    status_from_json,
+    status_patch,
+)
+from gpuop.kube import ApiError, Kube
+from gpuop.render import render_pytorchjob
+from gpuop.schema import SpecError
+from gpuop.scrape import TrainerMetrics, parse_metrics
+from gpuop.settings import OperatorSettings
+from gpuop.spec import GpuTraining, parse
+from gpuop.status import GpuTrainingStatus
+from gpuop.telemetry import OperatorMetrics
+from gputrain.contract import METRICS_PORT
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (namespace, name)
+# The fields of a running PyTorchJob the training-operator acts on when they change.
+MUTABLE_RUN_POLICY: Final = ("suspend", "activeDeadlineSeconds", "ttlSecondsAfterFinished", "backoffLimit")
+_ACTIVE_PHASES: Final = ("Created", "Running", "Restarting")
+
+
+@dataclass
+class Tracked:
+    """What the operator last saw of one GpuTraining and its children."""
+
+    body: dict[str, Any]
+    child: dict[str, Any] | None = None
+    pods: tuple[PodObservation, ...] = ()
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def phase(self) -> str | None:
+        phase = (self.body.get("status") or {}).get("phase")
+        return phase if isinstance(phase, str) else None
+
+
+def _key(obj: Mapping[str, Any], name: str | None = None) -> Key:
+    meta = obj.get("metadata") or {}
+    return str(meta.get("namespace") or "default"), str(name or meta.get("name"))
+
+
+def _newer(candidate: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
+    """False when ``candidate`` is an older version than ``current``.
+
+    resourceVersions are opaque by contract but integers in every API server; an event
+    queued before our own status patch must not overwrite the patch's reply. Anything
+    that is not two integers counts as newer.
+    """
+    a = str((candidate.get("metadata") or {}).get("resourceVersion", ""))
+    b = str((current.get("metadata") or {}).get("resourceVersion", ""))
+    return not (a.isdigit() and b.isdigit() and int(a) < int(b))
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Reconciler:
+    """The operator's state table and the one reconcile routine. Thread-safe."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        settings: OperatorSettings,
+        metrics: OperatorMetrics | None = None,
+        *,
+        clock: Callable[[], datetime] = _now,
+        is_leader: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.kube = kube
+        self.settings = settings
+        self.metrics = metrics or OperatorMetrics()
+        self.clock = clock
+        self.is_leader = is_leader
+        self._table: dict[Key, Tracked] = {}
+        self._table_lock = threading.Lock()
+        self._scrapers = ThreadPoolExecutor(settings.max_workers, thread_name_prefix="scrape")
+        # Events are posted off the reconcile path: they are best effort, and a burst of new
+        # GpuTrainings should get its PyTorchJobs before its "created" Events.
+        self._events = ThreadPoolExecutor(2, thread_name_prefix="events")
+        self._via_proxy = settings.scrape_via == "proxy" or (
+            settings.scrape_via == "auto" and not kube.in_cluster
+        )
+
+    # -- watch events ---------------------------------------------------------------------
+
+    def training_event(self, event_type: str | None, body: dict[str, Any]) -> None:
+        key = _key(body)
+        if event_type == "DELETED":
+            with self._table_lock:
+                self._table.pop(key, None)
+            return
+        with self._table_lock:
+            tracked = self._table.get(key)
+            if tracked is None:
+                tracked = self._table[key] = Tracked(body=body)
+        with tracked.lock:
+            if (tracked.body.get("metadata") or {}).get("uid") != (body.get("metadata") or {}).get("uid"):
+                tracked.body, tracked.child, tracked.pods = body, None, ()  # re-created under the same name
+            elif _newer(body, tracked.body):
+                tracked.body = body
+        self.reconcile(key)
+
+    def job_event(self, event_type: str | None, body: dict[str, Any]) -> None:
+        parent = observe.training_of(body)
+        if parent is None:
+            return
+        key = _key(body, parent)
+        with self._table_lock:
+            tracked = self._table.get(key)
+        if tracked is None:  # its GpuTraining's own event will come and reconcile
+            return
+        with tracked.lock:
+            if event_type == "DELETED":
+                tracked.child, tracked.pods = None, ()
+            elif tracked.child is None or _newer(body, tracked.child):
+                tracked.child = body
+        if event_type == "DELETED" and not self._still_there(key):
+            return  # the garbage collector took it with its GpuTraining: do not re-create it
+        self.reconcile(key)
+
+    def _still_there(self, key: Key) -> bool:
+        """Whether the GpuTraining exists, asked of the API server.
+
+        A child's DELETED event can overtake its owner's (separate watch streams), and
+        re-creating the job for a GpuTraining that is gone would leave an orphan behind.
+        """
+        try:
+            body = self.kube.get_training(*key)
+        except ApiError:
+            return True  # unknown: let the reconcile decide, it re-checks on the next tick
+        if body is None:
+            with self._table_lock:
+                self._table.pop(key, None)
+            return False
+        return True
+
+    # -- the reconcile --------------------------------------------------------------------
+
+    def reconcile(self, key: Key) -> str:
+        """Make one GpuTraining's world match its spec; returns what it did (for metrics, tests)."""
+        with self._table_lock:
+            tracked = self._table.get(key)
+        if tracked is None:
+            return "gone"
+        started = time.monotonic()
+        with tracked.lock:
+            try:
+                outcome = self._reconcile(tracked)
+            except ApiError as exc:
+                # Already retried with backoff; the next event or tick tries again.
+                self.metrics.errors.inc()
+                log.warning("gputraining %s/%s: %s; will retry", key[0], key[1], exc)
+                outcome = "error"
+        self.metrics.duration.observe(time.monotonic() - started)
+        self.metrics.reconciles.labels(outcome=outcome).inc()
+        return outcome
+
+    def _reconcile(self, tracked: Tracked) -> str:
+        body = tracked.body
+        meta = body.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            return "deleting"  # the garbage collector removes the PyTorchJob; nothing to write
+        previous = status_from_json(body.get("status"))
+        now = self.clock()
+        generation = meta.get("generation") if isinstance(meta.get("generation"), int) else None
+        try:
+            training = parse(body)
+        except SpecError as exc:
+            # Got past the CRD (applied before the CRD was upgraded, or CRD validation off).
+            # Failed with the parser's words, once: the next call derives the same status.
+            invalid = "; ".join(str(p) for p in exc.problems)
+            observation = Observation(
+                now=now, generation=generation, workers_total=0, gpus=0, invalid_spec=invalid
+            )
+            self._write_status(tracked, previous, observation, Thresholds(stall_timeout_seconds=0))
+            return "invalid"
+
+        outcome, conflict = self._ensure_child(tracked, training)
+        child = tracked.child if conflict is None else None
+        pods = tracked.pods
+        if (
+            child is not None
+            and observe.job_finished(child)
+            and (previous is None or previous.phase not in ("Succeeded", "Failed"))
+            and not any(p.termination_message for p in pods)
+        ):
+            pods = tracked.pods = self._pods_of(training, with_metrics=False)  # the final records
+        start, completion = observe.job_times(child)
+        spec = training.spec
+        observation = Observation(
+            now=now,
+            generation=generation,
+            workers_total=spec.workers,
+            gpus=spec.workers * spec.gpus_per_worker,
+            name_conflict=conflict,
+            job_name=training.name if child is not None else None,
+            job_conditions=observe.job_conditions(child),
+            job_start_time=start,
+            job_completion_time=completion,
+            pods=pods if child is not None else (),
+        )
+        thresholds = Thresholds(
+            stall_timeout_seconds=spec.stall_timeout_seconds,
+            underutilized_percent=self.settings.underutilized_percent,
+            underutilized_seconds=self.settings.underutilized_seconds,
+        )
+        wrote = self._write_status(tracked, previous, observation, thresholds)
+        return outcome if outcome != "unchanged" or not wrote else "status"
+
+    def _ensure_child(self, tracked: Tracked, training: GpuTraining) -> tuple[str, str | None]:
+        """Create the PyTorchJob, adopt ours, or refuse a stranger's. Returns (outcome, conflict)."""
+        uid = training.uid
+        desired = render_pytorchjob(training, default_image=self.settings.trainer_image)
+        namespace, name = desired["metadata"].get("namespace") or "default", training.name
+        desired["metadata"]["namespace"] = namespace
+        outcome = "unchanged"
+        if tracked.child is None:
+            try:
+                tracked.child = self.kube.create_pytorchjob(desired)
+                outcome = "created"
+                log.info("gputraining %s/%s: created PyTorchJob %s", namespace, name, name)
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+                # Ours from an earlier life (the operator restarted mid-reconcile, or a
+                # retried create that had succeeded), or someone else's.
+                tracked.child = self.kube.get_pytorchjob(namespace, name)
+                if tracked.child is None:  # deleted in between: the next call creates it
+                    raise
+                outcome = "adopted"
+        child = tracked.child
+        if observe.owner_uid(child) != uid:
+            # Forget it: a stranger may not carry our label, so no event would say it left;
+            # each tick asks again (409 + GET) until the name is free.
+            tracked.child = None
+            return "conflict", (
+                f"a PyTorchJob named {name} already exists and is not owned by this GpuTraining; "
+                "it is left untouched: delete it or rename the GpuTraining"
+            )
+        if not observe.job_finished(child):
+            patch = _run_policy_patch(desired, child)
+            if patch is not None:
+                tracked.child = self.kube.patch_pytorchjob(namespace, name, patch)
+                log.info("gputraining %s/%s: updated the PyTorchJob's runPolicy %s", namespace, name, patch)
+                outcome = "updated" if outcome == "unchanged" else outcome
+        return outcome, None
+
+    def _write_status(
+        self,
+        tracked: Tracked,
+        previous: GpuTrainingStatus | None,
+        observation: Observation,
+        thresholds: Thresholds,
+    ) -> bool:
+        new = derive_status(previous, observation, thresholds)
+        patch = status_patch(previous, new)
+        if patch is None:
+            return False
+        namespace, name = _key(tracked.body)
+        updated = self.kube.patch_training_status(namespace, name, patch)
+        self.metrics.status_patches.inc()
+        if updated is None:  # deleted meanwhile
+            return True
+        if _newer(updated, tracked.body):
+            tracked.body = updated
+        for event in events(previous, new):
+            self._events.submit(self._post_event, updated, event, observation.now)
+        return True
+
+    def _post_event(self, training: dict[str, Any], event: Event, now: datetime) -> None:
+        try:
+            self.kube.post_event(training, event.type, event.reason, event.message, now)
+        except ApiError as exc:  # an event is worth less than the reconcile it reports
+            meta = training.get("metadata") or {}
+            log.warning("gputraining %s/%s: event %s not posted: %s", meta.get("namespace"), meta.get("name"),
+                        event.reason, exc)  # fmt: skip
+
+    # -- the tick: scrape running jobs, retry what failed ---------------------------------
+
+    def tick(self) -> None:
+        """Scrape every active job's pods into its status; reconcile everything else again.
+
+        One pod list per namespace per tick, however many jobs it holds; metrics requests
+        run concurrently with a timeout each, so one hung pod costs one timeout, not a tick.
+        """
+        if not self.is_leader():
+            return
+        with self._table_lock:
+            items = list(self._table.items())
+        active: dict[str, list[tuple[Key, Tracked]]] = {}
+        for key, tracked in items:
+            if tracked.child is not None and tracked.phase in _ACTIVE_PHASES:
+                active.setdefault(key[0], []).append((key, tracked))
+        for namespace, group in active.items():
+            try:
+                pods = self.kube.list_training_pods(namespace)
+            except ApiError as exc:
+                log.warning("listing training pods in %s: %s", namespace, exc)
+                continue
+            by_training: dict[str, list[dict[str, Any]]] = {}
+            for pod in pods:
+                owner = observe.training_of(pod)
+                if owner is not None:
+                    by_training.setdefault(owner, []).append(pod)
+            futures = {
+                key: [(pod, self._scrapers.submit(self._scrape, pod)) for pod in by_training.get(key[1], [])]
+                for key, _ in group
+            }
+            for key, tracked in group:
+                observed = tuple(observe.pod_observation(pod, f.result()) for pod, f in futures[key])
+                with tracked.lock:
+                    tracked.pods = observed
+        for key, _ in items:
+            self.reconcile(key)
+        with self._table_lock:
+            self.metrics.set_phases(t.phase for t in self._table.values())
+
+    def _pods_of(self, training: GpuTraining, *, with_metrics: bool) -> tuple[PodObservation, ...]:
+        pods = [
+            pod
+            for pod in self.kube.list_training_pods(training.namespace or "default")
+            if observe.training_of(pod) == training.name
+        ]
+        return tuple(observe.pod_observation(p, self._scrape(p) if with_metrics else None) for p in pods)
+
+    def _scrape(self, pod: Mapping[str, Any]) -> TrainerMetrics | None:
+        ip = observe.pod_ip(pod)
+        if ip is None:
+            return None
+        meta = pod.get("metadata") or {}
+        timeout = self.settings.scrape_timeout_seconds
+        try:
+            if self._via_proxy:
+                text = self.kube.pod_metrics_via_proxy(
+                    str(meta.get("namespace")), str(meta.get("name")), METRICS_PORT, timeout
+                )
+            else:
+                with urllib.request.urlopen(f"http://{ip}:{METRICS_PORT}/metrics", timeout=timeout) as reply:
+                    text = reply.read().decode("utf-8", errors="replace")
+            metrics = parse_metrics(text)
+        except (ApiError, OSError, ValueError) as exc:
+            # Not serving yet (starting, loading data) or gone: no figures this tick.
+            log.debug("scraping %s: %s", meta.get("name"), exc)
+            self.metrics.scrapes.labels(outcome="error").inc()
+            return None
+        self.metrics.scrapes.labels(outcome="ok").inc()
+        return metrics
+
+    # -- introspection (probes, tests) ----------------------------------------------------
+
+    def tracked(self) -> int:
+        with self._table_lock:
+            return len(self._table)
+
+    def close(self) -> None:
+        self._scrapers.shutdown(wait=False, cancel_futures=True)
+        self._events.shutdown(wait=True)
+
+
+def _run_policy_patch(desired: Mapping[str, Any], child: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The merge patch that brings the running job's mutable runPolicy fields to the spec's."""
+    want = desired["spec"]["runPolicy"]
+    have = (child.get("spec") or {}).get("runPolicy") or {}
+    changes = {k: want.get(k) for k in MUTABLE_RUN_POLICY if want.get(k) != have.get(k)}
+    return {"spec": {"runPolicy": changes}} if changes else None

@@ -1,0 +1,331 @@
+"""The real operator (``gpuop operator``: Kopf + the kubernetes client) against an API server
+over real HTTP, driven with kubectl; the test plays the training-operator and the kubelet."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gputrain.metrics import Progress
+from support.apiserver import ApiServer
+from support.cluster import EVENTS, JOBS, TRAININGS, Cluster, cluster, training, wait_for
+from support.kubeflow import all_errors
+
+RUNNING = Progress(
+    epoch=1, total_epochs=2, step=30, total_steps=100, loss=0.9, accuracy=None,
+    samples_per_second=512.0, estimated_remaining_seconds=140.0,
+)  # fmt: skip
+
+
+def _admission(server: ApiServer) -> None:
+    server.validate_gputrainings()
+    server.validate_pytorchjobs()
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[Cluster]:
+    with cluster(tmp_path, _admission) as running:
+        yield running
+
+
+@pytest.fixture
+def lax(tmp_path: Path) -> Iterator[Cluster]:
+    """No GpuTraining admission: objects that got past an older CRD, or none at all."""
+    with cluster(tmp_path, lambda s: s.validate_pytorchjobs()) as running:
+        yield running
+
+
+def _result(**figures: Any) -> dict[str, Any]:
+    record = {
+        "phase": "Succeeded", "epoch": 2, "totalEpochs": 2, "step": 100, "totalSteps": 100,
+        "loss": 0.21, "accuracy": 0.955, "testLoss": 0.18, "samplesPerSecond": 530.0,
+        "durationSeconds": 95.0, "worldSize": 2,
+    }  # fmt: skip
+    record.update(figures)
+    return record
+
+
+def test_lifecycle_from_apply_to_succeeded(env: Cluster) -> None:
+    env.start_operator()
+    env.apply(training("mnist"))
+
+    job = wait_for("the PyTorchJob", lambda: env.get(JOBS, "mnist"))
+    assert all_errors({k: v for k, v in job.items() if k != "status"}) == []  # real Kubeflow CRD + webhook
+    owner = job["metadata"]["ownerReferences"][0]
+    assert owner["uid"] == env.get(TRAININGS, "mnist")["metadata"]["uid"]
+    assert owner["controller"] is True
+    wait_for("phase Created", lambda: env.status("mnist").get("phase") == "Created")
+    # Reaching Created costs three writes: the job, the status, the event (posted a moment later).
+    three = {
+        "create kubeflow.org/v1/pytorchjobs": 1,
+        "patch gpuop.io/v1alpha1/gputrainings": 1,
+        "create v1/events": 1,
+    }
+    wait_for("the Created event", lambda: env.writes() == three)
+
+    env.job_condition("mnist", "Created", "Running", startTime="2026-01-01T00:00:00Z")
+    pods = env.start_pods("mnist", 2, RUNNING, gpu_percent=85.0)
+    status = wait_for(
+        "progress and GPU figures in status",
+        lambda: (
+            (s := env.status("mnist")).get("progress", {}).get("step") == 30
+            and s.get("gpu", {}).get("perWorker")
+            and s
+        ),
+    )
+    assert status["phase"] == "Running"
+    assert status["workers"] == {"ready": 2, "total": 2}
+    assert status["progress"]["percent"] == 30.0
+    assert status["progress"]["loss"] == 0.9
+    assert status["gpu"]["utilizationPercent"] == 85.0
+    assert status["gpu"]["count"] == 2
+    assert sorted(w["pod"] for w in status["gpu"]["perWorker"]) == sorted(pods)
+
+    env.progress(pods[0], Progress(2, 2, 80, 100, 0.4, None, 520.0, 40.0), gpu_percent=90.0)
+    env.progress(pods[1], Progress(2, 2, 80, 100, 0.4, None, 520.0, 40.0), gpu_percent=92.0)
+    wait_for("step 80", lambda: env.status("mnist").get("progress", {}).get("step") == 80)
+
+    for pod in pods:
+        env.finish_pod(pod, _result())
+    env.job_condition("mnist", "Created", "Succeeded", startTime="2026-01-01T00:00:00Z",
+                      completionTime="2026-01-01T02:00:00Z")  # fmt: skip
+    status = wait_for("Succeeded", lambda: (s := env.status("mnist")).get("phase") == "Succeeded" and s)
+    assert status["completionTime"] == "2026-01-01T02:00:00Z"
+    assert status["gpuHours"] == 4.0  # 2 GPUs x 2 hours
+    assert status["progress"]["step"] == 100
+    assert status["progress"]["accuracy"] == 0.955
+    assert status["progress"]["percent"] == 100.0
+    assert [r for _, r in env.events("mnist")] == [
+        "PyTorchJobCreated",
+        "PyTorchJobRunning",
+        "TrainingSucceeded",
+    ]
+
+    # Finished and nothing changes: no more writes, however many ticks go by.
+    before = env.writes()
+    time.sleep(3.5)
+    assert env.writes() == before, env.operator_log()[-3000:]
+
+    table = env.kubectl("get", "gputrainings").stdout.split("\n")
+    assert table[0].split() == [
+        "NAME",
+        "PHASE",
+        "WORKERS",
+        "GPUS",
+        "PROGRESS",
+        "LOSS",
+        "GPU-UTIL",
+        "ETA",
+        "AGE",
+    ]
+    assert table[1].split()[:5] == ["mnist", "Succeeded", "2", "2", "100"]
+
+    env.kubectl("delete", "gputraining", "mnist")
+    wait_for("the PyTorchJob garbage-collected", lambda: env.get(JOBS, "mnist") is None)
+    assert "Traceback" not in env.operator_log()
+
+
+def test_spec_changes_reach_the_running_job_or_are_refused(env: Cluster) -> None:
+    env.start_operator()
+    env.apply(training("tune", runPolicy={"activeDeadlineSeconds": 3600}))
+    wait_for("the PyTorchJob", lambda: env.get(JOBS, "tune"))
+
+    env.kubectl("patch", "gputraining", "tune", "--type=merge", "-p",
+                '{"spec": {"runPolicy": {"suspend": true, "activeDeadlineSeconds": 7200}}}')  # fmt: skip
+    job = wait_for(
+        "suspend on the job", lambda: (j := env.get(JOBS, "tune"))["spec"]["runPolicy"]["suspend"] and j
+    )
+    assert job["spec"]["runPolicy"]["activeDeadlineSeconds"] == 7200
+
+    refused = env.kubectl(
+        "patch", "gputraining", "tune", "--type=merge", "-p", '{"spec": {"workers": 4}}', check=False
+    )
+    assert refused.returncode != 0
+    assert (
+        "spec.workers cannot change once the GpuTraining exists (only spec.runPolicy, "
+        "spec.stallTimeoutSeconds can); delete it and create it again to change this"
+    ) in refused.stderr
+    assert env.get(JOBS, "tune")["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+
+
+# (name, spec changes, the exact InvalidSpec message)
+INVALID = [
+    ("zero-workers", {"workers": 0}, "spec.workers: must be >= 1 (got 0)"),
+    ("typo", {"trainng": {"epochs": 1}}, 'spec.trainng: unknown field; did you mean "training"?'),
+    (
+        "fp16-cpu",
+        {"gpusPerWorker": 0, "training": {"precision": "fp16"}},
+        "spec.training.precision: fp16 needs GPUs (gpusPerWorker >= 1); use bf16 or fp32 on CPU",
+    ),
+    (
+        "no-dataset",
+        {"dataset": None},
+        "spec.dataset: required unless spec.command runs your own training code",
+    ),
+]
+
+
+def test_invalid_specs_fail_once_with_the_parse_error_and_others_run(lax: Cluster) -> None:
+    lax.start_operator()
+    for name, changes, _ in INVALID:
+        body = training(name, **changes)
+        body["spec"] = {k: v for k, v in body["spec"].items() if v is not None}
+        lax.apply(body)
+    lax.apply(training("fine"))
+
+    for name, _, message in INVALID:
+        status = wait_for(
+            f"{name} Failed", lambda n=name: (s := lax.status(n)).get("phase") == "Failed" and s
+        )
+        invalid = next(c for c in status["conditions"] if c["type"] == "InvalidSpec")
+        assert invalid["message"] == message
+        assert status["message"] == message
+        assert lax.get(JOBS, name) is None
+    wait_for("fine Created", lambda: lax.status("fine").get("phase") == "Created")
+
+    before = lax.writes()
+    time.sleep(3.5)  # several ticks: no retry loop, no second event
+    assert lax.writes() == before, lax.operator_log()[-3000:]
+    for name, _, _ in INVALID:
+        wait_for(f"{name}'s event", lambda n=name: lax.events(n))
+        assert lax.events(name) == [("Warning", "InvalidSpec")]
+
+
+def test_a_stranger_with_our_name_is_never_touched(env: Cluster) -> None:
+    stranger = {
+        "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+        "metadata": {"name": "taken", "namespace": "default"},
+        "spec": {"pytorchReplicaSpecs": {"Master": {"replicas": 1, "template": {"spec": {
+            "containers": [{"name": "pytorch", "image": "someone/else"}]}}}}},
+    }  # fmt: skip
+    env.api.call(env.server.create, JOBS, stranger)
+    version = env.get(JOBS, "taken")["metadata"]["resourceVersion"]
+    env.start_operator()
+    env.apply(training("taken"))
+
+    conflict = wait_for("NameConflict", lambda: env.condition("taken", "NameConflict"))
+    assert conflict["status"] == "True"
+    assert "not owned by this GpuTraining" in conflict["message"]
+    assert env.status("taken")["phase"] == "Pending"
+    wait_for("the NameConflict warning", lambda: ("Warning", "NameConflict") in env.events("taken"))
+    time.sleep(2)
+    assert env.get(JOBS, "taken")["metadata"]["resourceVersion"] == version  # untouched
+
+    env.api.call(env.server.delete, JOBS, "default", "taken")
+    wait_for("our own job", lambda: (j := env.get(JOBS, "taken")) and j["metadata"].get("ownerReferences"))
+    wait_for("Created", lambda: env.status("taken").get("phase") == "Created")
+    assert env.condition("taken", "NameConflict")["status"] == "False"
+
+
+def test_killed_at_random_points_and_restarted_makes_exactly_one_job_each(env: Cluster) -> None:
+    rng = random.Random(7)
+    names = [f"restart-{i}" for i in range(24)]
+    env.start_operator()
+    for i, name in enumerate(names):
+        env.apply(training(name))
+        if i % 6 == 5:  # mid-stream: some created, some half-way, some not seen yet
+            time.sleep(rng.uniform(0.0, 0.4))
+            env.kill_operator()
+            env.start_operator()
+    for _ in range(3):
+        time.sleep(rng.uniform(0.05, 0.5))
+        env.kill_operator()
+        env.start_operator()
+
+    for name in names:
+        wait_for(f"{name} Created", lambda n=name: env.status(n).get("phase") == "Created", timeout=30)
+    jobs = env.objects(JOBS)
+    assert sorted(j["metadata"]["name"] for j in jobs) == sorted(names)
+    for job in jobs:
+        owner = env.get(TRAININGS, job["metadata"]["name"])
+        assert job["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
+
+
+def test_api_faults_are_retried_and_every_job_converges(tmp_path: Path) -> None:
+    def faulty(server: ApiServer) -> None:
+        _admission(server)
+        server.faults.rate = 0.25
+
+    with cluster(tmp_path, faulty) as env:
+        env.start_operator()
+        names = [f"faulty-{i}" for i in range(12)]
+        for name in names:
+            for _ in range(20):  # kubectl itself meets the faults too
+                if env.kubectl("apply", "--validate=false", "-f", "-", check=False,
+                               input=__import__("json").dumps(training(name))).returncode == 0:  # fmt: skip
+                    break
+        for name in names:
+            wait_for(f"{name} Created", lambda n=name: env.status(n).get("phase") == "Created", timeout=40)
+        for name in names[:4]:
+            env.job_condition(name, "Created", "Running")
+        for name in names[:4]:
+            wait_for(f"{name} Running", lambda n=name: env.status(n).get("phase") == "Running", timeout=40)
+        assert sorted(j["metadata"]["name"] for j in env.objects(JOBS)) == sorted(names)
+        assert env.server.faults.injected > 10
+        log = env.operator_log()
+        assert "Traceback" not in log, log[-3000:]
+
+
+def test_stalled_and_underutilized_jobs_get_conditions_and_warnings(env: Cluster) -> None:
+    env.start_operator("--underutilized-seconds", "2", "--underutilized-percent", "30")
+    env.apply(training("slow", stallTimeoutSeconds=3))
+    wait_for("the PyTorchJob", lambda: env.get(JOBS, "slow"))
+    env.job_condition("slow", "Created", "Running")
+    pods = env.start_pods("slow", 2, RUNNING, gpu_percent=12.0)
+
+    underused = wait_for(
+        "Underutilized", lambda: (c := env.condition("slow", "Underutilized")) and c["status"] == "True" and c
+    )
+    assert underused["reason"] == "LowGpuUtilization"
+    assert "mean GPU utilization 12%" in underused["message"]
+    stalled = wait_for(
+        "Stalled", lambda: (c := env.condition("slow", "Stalled")) and c["status"] == "True" and c, timeout=15
+    )
+    assert stalled["reason"] == "NoProgress"
+    assert stalled["message"].startswith("step 30 has not advanced for")
+    # Events are posted a moment after the status, off the reconcile path.
+    wait_for("the Stalled warning", lambda: ("Warning", "NoProgress") in env.events("slow"))
+    wait_for("the Underutilized warning", lambda: ("Warning", "LowGpuUtilization") in env.events("slow"))
+
+    for pod in pods:
+        env.progress(pod, Progress(1, 2, 31, 100, 0.8, None, 500.0, 120.0), gpu_percent=95.0)
+    wait_for("Stalled cleared", lambda: env.condition("slow", "Stalled")["status"] == "False")
+    wait_for("Underutilized cleared", lambda: env.condition("slow", "Underutilized")["status"] == "False")
+    assert env.status("slow")["phase"] == "Running"
+
+
+def test_scraping_through_the_pod_ip_works_too(env: Cluster) -> None:
+    env.start_operator("--scrape-via", "pod-ip")
+    env.apply(training("direct"))
+    wait_for("the PyTorchJob", lambda: env.get(JOBS, "direct"))
+    env.job_condition("direct", "Created", "Running")
+    env.start_pods("direct", 1, RUNNING, gpu_percent=70.0)
+    wait_for("progress", lambda: env.status("direct").get("progress", {}).get("step") == 30)
+    proxied = [k for k in env.server.counts if k[0] == "gpuop" and "proxy" in k[1]]
+    assert proxied == []
+
+
+def test_a_failed_trainer_reports_its_reason(env: Cluster) -> None:
+    env.start_operator()
+    env.apply(training("broken"))
+    wait_for("the PyTorchJob", lambda: env.get(JOBS, "broken"))
+    env.job_condition("broken", "Created", "Running")
+    pods = env.start_pods("broken", 1, RUNNING, gpu_percent=None)
+    wait_for("Running", lambda: env.status("broken").get("phase") == "Running")
+    env.finish_pod(
+        pods[0],
+        {"phase": "Failed", "reason": "DatasetMissing", "message": "dataset digits not found under /data"},
+        phase="Failed",
+    )
+    env.job_condition("broken", "Created", "Failed")
+    status = wait_for("Failed", lambda: (s := env.status("broken")).get("phase") == "Failed" and s)
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "DatasetMissing"
+    assert failed["message"] == "dataset digits not found under /data"
+    wait_for("the Failed warning", lambda: ("Warning", "DatasetMissing") in env.events("broken"))
+    assert EVENTS  # the events resource is served

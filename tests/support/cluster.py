@@ -1,0 +1,245 @@
+"""A cluster for operator tests: the API emulator, the real operator process, kubectl, and the
+test playing the training-operator and the kubelet.
+
+The operator runs as ``gpuop operator`` in a subprocess, logged in through a kubeconfig like
+any user's, so a test can kill it with SIGKILL at any moment and start it again. Trainer
+pods get IPs on 127.0.0.x where the trainer's own metrics server (``gputrain.metrics``)
+serves on the contract's port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from gputrain.contract import METRICS_PORT
+from gputrain.metrics import MetricsServer, Progress
+from support.apiserver import ApiServer, RunningApiServer
+
+TRAININGS = "gpuop.io/v1alpha1/gputrainings"
+JOBS = "kubeflow.org/v1/pytorchjobs"
+PODS = "v1/pods"
+EVENTS = "v1/events"
+GPUOP = str(Path(sys.executable).with_name("gpuop"))
+STAMP = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0, every: float = 0.1) -> Any:
+    """Poll until ``check`` returns something truthy; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what} (last: {last!r})")
+
+
+def training(name: str, namespace: str = "default", **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "apiVersion": "gpuop.io/v1alpha1",
+        "kind": "GpuTraining",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"dataset": {"name": "digits"}, "workers": 2, "gpusPerWorker": 1},
+    }
+    body["spec"].update(spec)
+    return body
+
+
+class Cluster:
+    def __init__(self, api: RunningApiServer, workdir: Path) -> None:
+        self.api = api
+        self.server: ApiServer = api.server
+        self.kubeconfig = api.kubeconfig(workdir / "kubeconfig")
+        self.workdir = workdir
+        self.operator: subprocess.Popen[bytes] | None = None
+        self.operator_args: list[str] = []
+        self.trainers: dict[str, MetricsServer] = {}
+        self._next_ip = 2
+        self._log_index = 0
+
+    # -- the operator ---------------------------------------------------------------------
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
+
+    def start_operator(self, *args: str) -> None:
+        self.operator_args = list(args) or self.operator_args
+        self._log_index += 1
+        log = (self.workdir / f"operator-{self._log_index}.log").open("wb")
+        self.operator = subprocess.Popen(
+            [GPUOP, "operator", "--standalone", "--metrics-port", "0", "--health-port", "0",
+             "--scrape-interval", "1", "--scrape-timeout", "0.5", *self.operator_args],
+            env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def kill_operator(self) -> None:
+        if self.operator is not None and self.operator.poll() is None:
+            self.operator.send_signal(signal.SIGKILL)
+            self.operator.wait(10)
+
+    def stop_operator(self) -> None:
+        if self.operator is not None and self.operator.poll() is None:
+            self.operator.terminate()
+            try:
+                self.operator.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill_operator()
+
+    def operator_log(self) -> str:
+        return "\n".join(p.read_text(errors="replace") for p in sorted(self.workdir.glob("operator-*.log")))
+
+    # -- kubectl --------------------------------------------------------------------------
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            ["kubectl", *args], env=self.env(), input=input, capture_output=True, text=True, timeout=30
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed: {result.stderr}")
+        return result
+
+    def apply(self, body: dict[str, Any]) -> None:
+        # --validate=false: kubectl's client-side schema download needs the server's OpenAPI
+        # documents, which the emulator does not serve; the emulator's admission validates.
+        self.kubectl("apply", "--validate=false", "-f", "-", input=json.dumps(body))
+
+    # -- reading the store ----------------------------------------------------------------
+
+    def get(self, key: str, name: str, namespace: str = "default") -> dict[str, Any] | None:
+        result: dict[str, Any] | None = self.api.call(self.server.get, key, namespace, name)
+        return result
+
+    def status(self, name: str, namespace: str = "default") -> dict[str, Any]:
+        obj = self.get(TRAININGS, name, namespace) or {}
+        return obj.get("status") or {}
+
+    def objects(self, key: str, namespace: str | None = None) -> list[dict[str, Any]]:
+        return list(self.api.iter_objects(key, namespace))
+
+    def events(self, name: str) -> list[tuple[str, str]]:
+        return [
+            (e["type"], e["reason"])
+            for e in sorted(self.objects(EVENTS), key=lambda e: int(e["metadata"]["resourceVersion"]))
+            if e["involvedObject"]["name"] == name
+        ]
+
+    def condition(self, name: str, kind: str) -> dict[str, Any] | None:
+        for c in self.status(name).get("conditions", []):
+            if c["type"] == kind:
+                return dict(c)
+        return None
+
+    def writes(self, agent: str = "gpuop") -> dict[str, int]:
+        out: dict[str, int] = {}
+        for (who, verb, key), count in dict(self.server.counts).items():
+            if who == agent and verb in ("create", "patch", "update", "delete"):
+                out[f"{verb} {key}"] = out.get(f"{verb} {key}", 0) + count
+        return out
+
+    # -- playing the training-operator and the kubelet ------------------------------------
+
+    def job_condition(self, name: str, *conditions: str, **status: Any) -> None:
+        """Set the PyTorchJob's conditions (each True) and other status fields."""
+        now = time.strftime(STAMP, time.gmtime())
+        body = {
+            "status": {
+                "conditions": [
+                    {"type": c, "status": "True", "reason": f"PyTorchJob{c}", "message": f"job is {c.lower()}",
+                     "lastTransitionTime": now}
+                    for c in conditions
+                ],
+                **status,
+            }
+        }  # fmt: skip
+        self.api.call(self.server.patch, JOBS, "default", name, body, True)
+
+    def start_pods(self, job: str, count: int, progress: Progress, gpu_percent: float | None) -> list[str]:
+        """Create ``count`` running pods of a job, each with a live trainer metrics endpoint."""
+        names = []
+        for index in range(count):
+            role = "master" if index == 0 else "worker"
+            pod_name = f"{job}-{role}-{index if index == 0 else index - 1}"
+            ip = f"127.0.0.{self._next_ip}"
+            self._next_ip += 1
+            server = MetricsServer(METRICS_PORT, addr=ip)
+            server.update(progress)
+            if gpu_percent is not None:
+                server.gpu_util.labels("0").set(gpu_percent)
+                server.gpu_used.labels("0").set(10 * 2**30)
+                server.gpu_total.labels("0").set(80 * 2**30)
+            self.trainers[pod_name] = server
+            pod = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": pod_name,
+                    "namespace": "default",
+                    "labels": {"gpuop.io/gputraining": job, "training.kubeflow.org/job-name": job},
+                },
+                "spec": {"containers": [{"name": "pytorch", "image": "trainer"}]},
+            }
+            self.api.call(self.server.create, PODS, pod)
+            self.api.call(
+                self.server.patch, PODS, "default", pod_name,
+                {"status": {"phase": "Running", "podIP": ip,
+                            "conditions": [{"type": "Ready", "status": "True"}]}},
+                True,
+            )  # fmt: skip
+            names.append(pod_name)
+        return names
+
+    def progress(self, pod: str, progress: Progress, gpu_percent: float | None = None) -> None:
+        server = self.trainers[pod]
+        server.update(progress)
+        if gpu_percent is not None:
+            server.gpu_util.labels("0").set(gpu_percent)
+
+    def finish_pod(self, pod: str, record: dict[str, Any], phase: str = "Succeeded") -> None:
+        """The trainer exits: its metrics endpoint goes, its termination message stays."""
+        server = self.trainers.pop(pod, None)
+        if server is not None:
+            server.close()
+        terminated = {"exitCode": 0 if phase == "Succeeded" else 1, "message": json.dumps(record)}
+        self.api.call(
+            self.server.patch, PODS, "default", pod,
+            {"status": {"phase": phase, "podIP": None, "conditions": [{"type": "Ready", "status": "False"}],
+                        "containerStatuses": [{"name": "pytorch", "state": {"terminated": terminated}}]}},
+            True,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.stop_operator()
+        for server in self.trainers.values():
+            server.close()
+        self.trainers.clear()
+
+
+@contextlib.contextmanager
+def cluster(workdir: Path, configure: Callable[[ApiServer], None] | None = None) -> Iterator[Cluster]:
+    """A started emulator (with admission as configured) and a Cluster around it."""
+    server = ApiServer()
+    if configure is not None:
+        configure(server)
+    with RunningApiServer(server) as api:
+        env = Cluster(api, workdir)
+        try:
+            yield env
+        finally:
+            env.close()
+
+
+def deep(obj: Any) -> Any:
+    return copy.deepcopy(obj)

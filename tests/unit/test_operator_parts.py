@@ -1,0 +1,232 @@
+"""The operator's pure parts and its API client, each on its own: readings of API objects,
+settings, the runPolicy patch, and the client's retries against the emulator's faults."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client as k8s_client
+
+from gpuop import observe
+from gpuop.kube import ApiError, Backoff, Kube
+from gpuop.reconcile import _run_policy_patch
+from gpuop.settings import OperatorSettings, SettingsError, add_arguments, from_arguments
+from support.apiserver import ApiServer, RunningApiServer
+
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+
+
+def _pod(**status: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "p", "labels": {"gpuop.io/gputraining": "t"}}, "status": status}
+
+
+@pytest.mark.parametrize(
+    ("pod", "ip", "ready", "message"),
+    [
+        (_pod(phase="Pending"), None, False, None),
+        (_pod(phase="Running", podIP="10.0.0.5", conditions=[{"type": "Ready", "status": "True"}]), "10.0.0.5", True, None),
+        (
+            _pod(phase="Failed", containerStatuses=[
+                {"name": "sidecar", "state": {"terminated": {"message": "not ours"}}},
+                {"name": "pytorch", "state": {"terminated": {"message": '{"phase": "Failed"}'}}},
+            ]),
+            None, False, '{"phase": "Failed"}',
+        ),
+        (
+            _pod(phase="Running", podIP="10.0.0.6", containerStatuses=[
+                {"name": "pytorch", "state": {"running": {}}, "lastState": {"terminated": {"message": "before the restart"}}},
+            ]),
+            "10.0.0.6", False, "before the restart",
+        ),
+    ],
+)  # fmt: skip
+def test_pod_readings(pod: dict[str, Any], ip: str | None, ready: bool, message: str | None) -> None:
+    assert observe.pod_ip(pod) == ip
+    seen = observe.pod_observation(pod, None)
+    assert (seen.ready, seen.termination_message) == (ready, message)
+    assert observe.training_of(pod) == "t"
+
+
+def test_job_readings() -> None:
+    job = {
+        "metadata": {
+            "ownerReferences": [{"uid": "a", "controller": False}, {"uid": "b", "controller": True}]
+        },
+        "status": {
+            "conditions": [{"type": "Created", "status": "True"}, {"type": "Succeeded", "status": "True"}],
+            "startTime": "s",
+            "completionTime": "c",
+        },
+    }
+    assert observe.owner_uid(job) == "b"
+    assert observe.job_finished(job)
+    assert observe.job_times(job) == ("s", "c")
+    assert [c.type for c in observe.job_conditions(job)] == ["Created", "Succeeded"]
+    assert observe.job_conditions(None) == ()
+    assert not observe.job_finished({"status": {"conditions": [{"type": "Failed", "status": "False"}]}})
+
+
+def _peer(priority: int, seconds_ago: float, lifetime: int = 60) -> dict[str, Any]:
+    return {
+        "priority": priority,
+        "lifetime": lifetime,
+        "lastseen": (NOW - timedelta(seconds=seconds_ago)).isoformat(),
+    }
+
+
+@pytest.mark.parametrize(
+    ("peers", "active"),
+    [
+        ({}, True),
+        ({"me": _peer(10, 0)}, True),
+        ({"me": _peer(10, 0), "other": _peer(5, 0)}, True),
+        ({"me": _peer(10, 0), "other": _peer(20, 0)}, False),
+        ({"me": _peer(10, 0), "other": _peer(10, 0)}, False),  # Kopf pauses both on a tie
+        ({"me": _peer(10, 0), "other": _peer(20, 120)}, True),  # a dead peer does not count
+        ({"me": _peer(10, 0), "other": {"garbage": True}}, True),
+    ],
+)
+def test_peering_follows_kopfs_rule(peers: dict[str, Any], active: bool) -> None:
+    assert observe.peering_active(peers, "me", 10, NOW) is active
+
+
+def test_run_policy_patch_changes_only_what_differs() -> None:
+    desired = {
+        "spec": {"runPolicy": {"suspend": True, "cleanPodPolicy": "None", "activeDeadlineSeconds": 60}}
+    }
+    child = {"spec": {"runPolicy": {"suspend": False, "cleanPodPolicy": "All", "backoffLimit": 3}}}
+    assert _run_policy_patch(desired, child) == {
+        "spec": {"runPolicy": {"suspend": True, "activeDeadlineSeconds": 60, "backoffLimit": None}}
+    }
+    assert (
+        _run_policy_patch(desired, {"spec": {"runPolicy": {"suspend": True, "activeDeadlineSeconds": 60}}})
+        is None
+    )
+
+
+def _settings(argv: list[str], env: dict[str, str] | None = None) -> OperatorSettings:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, env or {})
+    return from_arguments(parser.parse_args(argv), env or {})
+
+
+def test_settings_come_from_flags_over_env_over_defaults() -> None:
+    assert _settings([]) == OperatorSettings()
+    env = {"GPUOP_NAMESPACES": "ml, research", "GPUOP_SCRAPE_INTERVAL": "30", "GPUOP_LOG_FORMAT": "json"}
+    got = _settings(["--scrape-interval", "15"], env)
+    assert got.namespaces == ("ml", "research")
+    assert got.scrape_interval_seconds == 15.0
+    assert got.log_format == "json"
+    assert _settings(["--namespace", "a", "--namespace", "b,c"]).namespaces == ("a", "b", "c")
+    assert _settings(["--standalone"]).peering_name is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--scrape-interval", "0"],
+            "--scrape-interval / GPUOP_SCRAPE_INTERVAL: must be 1..3600 seconds (got 0)",
+        ),
+        (
+            ["--scrape-interval", "ten"],
+            "--scrape-interval / GPUOP_SCRAPE_INTERVAL: must be a number (got 'ten')",
+        ),
+        (
+            ["--scrape-timeout", "20"],
+            "--scrape-timeout / GPUOP_SCRAPE_TIMEOUT: must be at least 0.1 s and shorter than the scrape interval (got 20)",
+        ),
+        (
+            ["--namespace", "Bad_NS"],
+            "--namespace / GPUOP_NAMESPACES: 'Bad_NS' is not a namespace name (lowercase letters, digits and '-'); separate several with commas",
+        ),
+        (
+            ["--scrape-via", "magic"],
+            "--scrape-via / GPUOP_SCRAPE_VIA: must be auto, pod-ip or proxy (got 'magic')",
+        ),
+        (
+            ["--metrics-port", "70000"],
+            "--metrics-port / GPUOP_METRICS_PORT: must be 0..65535, 0 to disable (got 70000)",
+        ),
+        (["--metrics-port", "9000", "--health-port", "9000"], "--metrics-port and --health-port must differ"),
+        (["--log-format", "xml"], "--log-format / GPUOP_LOG_FORMAT: must be text or json (got 'xml')"),
+        (
+            ["--underutilized-percent", "120"],
+            "--underutilized-percent / GPUOP_UNDERUTILIZED_PERCENT: must be 0..100 (got 120)",
+        ),
+    ],
+)
+def test_bad_settings_are_one_line_naming_flag_and_env(argv: list[str], message: str) -> None:
+    with pytest.raises(SettingsError) as error:
+        _settings(argv)
+    assert str(error.value) == message
+
+
+@pytest.fixture
+def api() -> Iterator[RunningApiServer]:
+    with RunningApiServer(ApiServer()) as running:
+        yield running
+
+
+def _kube(api: RunningApiServer, attempts: int = 8) -> Kube:
+    configuration = k8s_client.Configuration()
+    configuration.host = api.url
+    return Kube(k8s_client.ApiClient(configuration), backoff=Backoff(attempts=attempts, base_seconds=0.001))
+
+
+def _job(name: str) -> dict[str, Any]:
+    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": name, "namespace": "default"},
+            "spec": {}}  # fmt: skip
+
+
+def test_the_client_retries_faults_until_it_gets_through(api: RunningApiServer) -> None:
+    kube = _kube(api, attempts=30)
+    api.server.faults.rate = 0.5
+    api.server.faults.statuses = (500, 502, 503, 504, 429)
+    for i in range(10):
+        kube.create_pytorchjob(_job(f"j{i}"))
+    assert api.server.faults.injected >= 3
+    codes = {code for (_, code) in kube.requests.counts}
+    assert 201 in codes
+    assert codes & {500, 502, 503, 504, 429}
+    assert len(list(api.iter_objects("kubeflow.org/v1/pytorchjobs"))) == 10
+
+
+def test_a_409_on_a_status_patch_is_retried(api: RunningApiServer) -> None:
+    kube = _kube(api)
+    api.call(
+        api.server.create,
+        "gpuop.io/v1alpha1/gputrainings",
+        {"metadata": {"name": "t", "namespace": "default"}, "spec": {}},
+    )
+    api.server.faults.rate = 0.6
+    api.server.faults.statuses = (409,)
+    body = kube.patch_training_status("default", "t", {"status": {"phase": "Created"}})
+    assert body is not None
+    assert body["status"] == {"phase": "Created"}
+    assert kube.patch_training_status("default", "absent", {"status": {}}) is None
+
+
+def test_errors_that_mean_something_are_not_retried(api: RunningApiServer) -> None:
+    kube = _kube(api)
+    kube.create_pytorchjob(_job("once"))
+    with pytest.raises(ApiError) as error:
+        kube.create_pytorchjob(_job("once"))
+    assert error.value.status == 409
+    assert error.value.reason == "AlreadyExists"
+    assert kube.get_pytorchjob("default", "nothing") is None
+    assert sum(n for (verb, _), n in kube.requests.counts.items() if verb.startswith("POST")) == 2
+
+
+def test_an_unreachable_server_gives_up_with_one_error(tmp_path: Path) -> None:
+    configuration = k8s_client.Configuration()
+    configuration.host = "http://127.0.0.1:9"  # discard: nothing listens
+    kube = Kube(k8s_client.ApiClient(configuration), backoff=Backoff(attempts=2, base_seconds=0.001))
+    with pytest.raises(ApiError) as error:
+        kube.get_pytorchjob("default", "x")
+    assert error.value.status == 0

@@ -19,6 +19,7 @@ import logging
 import os
 import random
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import kopf
@@ -39,7 +40,7 @@ def own_identity() -> str:
     return os.environ.get("POD_ID") or f"{socket.gethostname()}/{os.getpid()}/{random.randrange(16**6):06x}"
 
 
-def _leader_check(kube: Kube, settings: OperatorSettings, identity: str) -> Any:
+def _leader_check(kube: Kube, settings: OperatorSettings, identity: str) -> Callable[[], bool]:
     """Whether this replica is the active one, read from Kopf's peering object each tick."""
     if settings.peering_name is None:
         return lambda: True
@@ -142,9 +143,7 @@ def run(settings: OperatorSettings) -> int:
         ", ".join(settings.namespaces) or "all namespaces",
         settings.trainer_image,
         settings.scrape_interval_seconds,
-        "the API server's pod proxy"
-        if settings.scrape_via == "proxy" or (settings.scrape_via == "auto" and not kube.in_cluster)
-        else "pod IPs",
+        "the API server's pod proxy" if settings.scrapes_via_proxy(kube.in_cluster) else "pod IPs",
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(settings, kube))

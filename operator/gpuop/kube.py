@@ -139,6 +139,7 @@ class Kube:
         content_type: str = "application/json",
         raw: bool = False,
         timeout: float | None = None,
+        retried: frozenset[int] = RETRIED_STATUSES,
     ) -> Any:
         if query:
             path = f"{path}?{urllib.parse.urlencode(query)}"
@@ -174,7 +175,7 @@ class Kube:
                     return data.decode("utf-8", errors="replace")
                 return json.loads(data) if data else None
             error = _error(status, data)
-            if status in RETRIED_STATUSES and attempt + 1 < self.backoff.attempts:
+            if status in retried and attempt + 1 < self.backoff.attempts:
                 delay = self.backoff.delay(attempt, retry_after)
                 log.info("%s %s: %s; retrying in %.1fs", method, path, error, delay)
                 time.sleep(delay)
@@ -222,18 +223,15 @@ class Kube:
         resourceVersion), so it is retried like a 5xx.
         """
         path = f"{_TRAININGS.format(ns=namespace)}/{name}/status"
-        for attempt in range(self.backoff.attempts):
-            try:
-                body: dict[str, Any] = self._request("PATCH", path, body=patch, content_type=_MERGE_PATCH)
-            except ApiError as exc:
-                if exc.status == 404:
-                    return None
-                if exc.status == 409 and attempt + 1 < self.backoff.attempts:
-                    time.sleep(self.backoff.delay(attempt, None))
-                    continue
-                raise
-            return body
-        raise AssertionError("unreachable: the loop returns or raises")
+        try:
+            body: dict[str, Any] = self._request(
+                "PATCH", path, body=patch, content_type=_MERGE_PATCH, retried=RETRIED_STATUSES | {409}
+            )
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return body
 
     # -- pods -----------------------------------------------------------------------------
 
@@ -308,7 +306,7 @@ def _kind_of(path: str) -> str:
     resource = rest[0]
     if len(rest) >= 3:
         sub = rest[2]
-        return f"{resource}/{'proxy' if sub == 'proxy' else sub}"
+        return f"{resource}/{sub}"
     return resource
 
 

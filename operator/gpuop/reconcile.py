@@ -113,9 +113,7 @@ class Reconciler:
         # Events are posted off the reconcile path: they are best effort, and a burst of new
         # GpuTrainings should get its PyTorchJobs before its "created" Events.
         self._events = ThreadPoolExecutor(2, thread_name_prefix="events")
-        self._via_proxy = settings.scrape_via == "proxy" or (
-            settings.scrape_via == "auto" and not kube.in_cluster
-        )
+        self._via_proxy = settings.scrapes_via_proxy(kube.in_cluster)
 
     # -- watch events ---------------------------------------------------------------------
 
@@ -220,7 +218,7 @@ class Reconciler:
             and (previous is None or previous.phase not in ("Succeeded", "Failed"))
             and not any(p.termination_message for p in pods)
         ):
-            pods = tracked.pods = self._pods_of(training, with_metrics=False)  # the final records
+            pods = tracked.pods = self._final_pods(training)
         start, completion = observe.job_times(child)
         spec = training.spec
         observation = Observation(
@@ -346,18 +344,22 @@ class Reconciler:
                 observed = tuple(observe.pod_observation(pod, f.result()) for pod, f in futures[key])
                 with tracked.lock:
                     tracked.pods = observed
-        for key, _ in items:
-            self.reconcile(key)
+        for key, tracked in items:
+            # A finished job changes only on an event (a spec edit, a deletion), which
+            # reconciles it anyway; everything else may need time (Stalled) or a retry.
+            if tracked.phase not in ("Succeeded", "Failed"):
+                self.reconcile(key)
         with self._table_lock:
             self.metrics.set_phases(t.phase for t in self._table.values())
 
-    def _pods_of(self, training: GpuTraining, *, with_metrics: bool) -> tuple[PodObservation, ...]:
+    def _final_pods(self, training: GpuTraining) -> tuple[PodObservation, ...]:
+        """The job's pods as they ended: their termination messages hold the trainers' records."""
         pods = [
             pod
             for pod in self.kube.list_training_pods(training.namespace or "default")
             if observe.training_of(pod) == training.name
         ]
-        return tuple(observe.pod_observation(p, self._scrape(p) if with_metrics else None) for p in pods)
+        return tuple(observe.pod_observation(p, None) for p in pods)
 
     def _scrape(self, pod: Mapping[str, Any]) -> TrainerMetrics | None:
         ip = observe.pod_ip(pod)

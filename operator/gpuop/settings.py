@@ -44,6 +44,13 @@ class OperatorSettings:
     underutilized_percent: float = 30.0
     underutilized_seconds: int = 600
 
+    def scrapes_via_proxy(self, in_cluster: bool) -> bool:
+        """Whether trainer metrics are read through the API server's pod proxy.
+
+        Outside the cluster pod IPs are unreachable; inside, the pod IP spares the API server.
+        """
+        return self.scrape_via == "proxy" or (self.scrape_via == "auto" and not in_cluster)
+
     def __post_init__(self) -> None:
         for namespace in self.namespaces:
             if not _NAMESPACE_RE.match(namespace) or len(namespace) > 63:

@@ -84,11 +84,14 @@ class Faults:
     def __post_init__(self) -> None:
         self._random.seed(self.seed)
 
-    def pick(self) -> int | None:
-        if self.rate <= 0 or self._random.random() >= self.rate:
+    def pick(self, verb: str) -> int | None:
+        """A status to answer with, or None. 409 only for writes: no API server sends it to a
+        read, and Kopf rightly treats a 409 on its watch list as fatal."""
+        choices = [c for c in self.statuses if c != 409 or verb in ("create", "update", "patch")]
+        if not choices or self.rate <= 0 or self._random.random() >= self.rate:
             return None
         self.injected += 1
-        return self._random.choice(self.statuses)
+        return self._random.choice(choices)
 
 
 class ApiError(Exception):
@@ -153,6 +156,7 @@ class ApiServer(kmock.KubernetesEmulator):
 
     faults: Faults = attrs.field(factory=Faults)
     validators: dict[str, Validator] = attrs.field(factory=dict)
+    defaulters: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = attrs.field(factory=dict)
     store: dict[tuple[str, str | None, str], dict[str, Any]] = attrs.field(factory=dict, init=False)
     history: dict[str, list[tuple[int, dict[str, Any]]]] = attrs.field(factory=dict, init=False)
     revision: int = attrs.field(default=1, init=False)
@@ -210,6 +214,9 @@ class ApiServer(kmock.KubernetesEmulator):
     def validate_gputrainings(self) -> None:
         """Admit GpuTrainings as an API server with our CRD does: defaults, schema, CEL."""
         schema = crdschema.load_schema(ROOT / "crds" / "gputraining.yaml")
+        self.defaulters["gpuop.io/v1alpha1/gputrainings"] = lambda body: crdschema.apply_defaults(
+            schema, body
+        )
 
         def check(new: dict[str, Any], old: dict[str, Any] | None) -> list[str]:
             return crdschema.validate(schema, new, old=old)
@@ -398,7 +405,7 @@ class ApiServer(kmock.KubernetesEmulator):
         )
         verb = self._verb(request)
         self.counts[agent, verb, key] = self.counts.get((agent, verb, key), 0) + 1
-        fault = self.faults.pick() if verb != "watch" else None
+        fault = self.faults.pick(verb) if verb != "watch" else None
         if fault is not None:
             headers = {"Retry-After": "0"} if fault == 429 else None
             return self._error(fault, "InjectedFault", f"injected {fault} for {verb} {key}", headers)
@@ -450,9 +457,9 @@ class ApiServer(kmock.KubernetesEmulator):
             body.pop("status", None) if "status" in self.kinds[key][2] else None
             if namespace is not None:
                 body.setdefault("metadata", {})["namespace"] = namespace
-            if key == "gpuop.io/v1alpha1/gputrainings" and key in self.validators:
-                schema = crdschema.load_schema(ROOT / "crds" / "gputraining.yaml")
-                body = crdschema.apply_defaults(schema, body)
+            defaulter = self.defaulters.get(key)
+            if defaulter is not None:
+                body = defaulter(body)
             validator = self.validators.get(key)
             if validator is not None:
                 errors = validator(body, None)
@@ -469,11 +476,8 @@ class ApiServer(kmock.KubernetesEmulator):
                 return aiohttp.web.json_response(self._table(key, [obj]))
             return aiohttp.web.json_response(obj)
         if verb == "delete":
-            orphan = (
-                (request.data or {}).get("propagationPolicy") == "Orphan"
-                if isinstance(request.data, dict)
-                else request.params.get("propagationPolicy") == "Orphan"
-            )
+            options = request.data if isinstance(request.data, dict) else request.params
+            orphan = options.get("propagationPolicy") == "Orphan"
             return aiohttp.web.json_response(self._delete(key, namespace, name, orphan=orphan))
         if verb == "update":
             new = request.data if isinstance(request.data, dict) else {}

@@ -10,7 +10,6 @@ serves on the contract's port.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import signal
@@ -239,7 +238,3 @@ def cluster(workdir: Path, configure: Callable[[ApiServer], None] | None = None)
             yield env
         finally:
             env.close()
-
-
-def deep(obj: Any) -> Any:
-    return copy.deepcopy(obj)

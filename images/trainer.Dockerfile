@@ -10,7 +10,7 @@ COPY pyproject.toml README.md ./
 COPY trainer/ trainer/
 COPY operator/ operator/
 RUN python -m pip install --no-deps . \
- && python -m pip install "prometheus-client>=0.20" "nvidia-ml-py>=12.535" "scikit-learn>=1.3" "pyyaml>=6.0" \
+ && python -m pip install "prometheus-client>=0.20" "nvidia-ml-py>=12.535" "scikit-learn>=1.3" \
  && python -c "import gputrain.contract, torch, torchvision"
 
 # The uid the operator's pod securityContext runs as (runAsUser: 1000, fsGroup: 1000).

@@ -17,7 +17,8 @@ from typing import Any
 
 import yaml
 
-from gpuop.crd import crd_yaml
+from gpuop.apidoc import api_reference
+from gpuop.crd import build_crd, crd_yaml
 from gpuop.documents import Document, DocumentError, read_documents
 from gpuop.render import DEFAULT_TRAINER_IMAGE, render_pytorchjob
 from gpuop.schema import SpecError
@@ -164,7 +165,7 @@ def _cmd_operator(args: argparse.Namespace) -> int:
 
 
 def _cmd_crd(args: argparse.Namespace) -> int:
-    expected = crd_yaml()
+    expected = crd_yaml() if args.format == "yaml" else api_reference(build_crd())
     if args.check is None:
         sys.stdout.write(expected)
         return EXIT_OK
@@ -243,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     operator.set_defaults(handler=_cmd_operator)
 
     crd = commands.add_parser("crd", help="print the GpuTraining CRD generated from the spec model")
+    crd.add_argument(
+        "--format",
+        choices=("yaml", "markdown"),
+        default="yaml",
+        help="yaml: the CRD; markdown: the API reference (docs/api.md) [%(default)s]",
+    )
     crd.add_argument("--check", metavar="FILE", help="instead, fail when FILE differs from it")
     crd.set_defaults(handler=_cmd_crd)
     return parser

@@ -81,6 +81,11 @@ def build_registry(reconciler: Reconciler, settings: OperatorSettings) -> kopf.O
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
         settings.networking.error_backoffs = (0.5, 1, 2, 3, 5, 8, 13)
+        # Watching given namespaces must need no cluster-scoped permission at all (the chart's
+        # Role mode): Kopf's scanning would list namespaces and watch CRDs cluster-wide. The
+        # resources are still found through discovery at start; a CRD installed later (say
+        # Kubeflow's) is picked up on the next restart instead of at once.
+        settings.scanning.disabled = bool(reconciler.settings.namespaces)
 
     @kopf.on.probe(id="tracked", registry=registry)
     def tracked(**_: Any) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -149,8 +150,10 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
     )
     parser.add_argument(
         "--priority",
-        default=default("PRIORITY", d.priority),
-        help="peering priority; the highest runs, the others wait [%(default)s]",
+        default=_env_default(env, "PRIORITY", "random"),
+        help="peering priority, an integer or 'random'; the highest live replica runs, the others "
+        "wait. Replicas with equal priorities all pause (Kopf's rule), so replicas of one "
+        "Deployment need 'random' [%(default)s]",
     )
     parser.add_argument(
         "--metrics-port",
@@ -193,6 +196,13 @@ def _number(flag: str, env_name: str, text: str, kind: type[int] | type[float]) 
         raise SettingsError(f"--{flag} / {ENV_PREFIX}{env_name}: must be {noun} (got {text!r})") from None
 
 
+def _priority(text: str) -> int:
+    """An explicit priority, or a random one so that replicas sharing one pod template differ."""
+    if text.strip().lower() == "random":
+        return random.SystemRandom().randrange(1, 2**31)
+    return int(_number("priority", "PRIORITY", text, int))
+
+
 def from_arguments(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> OperatorSettings:
     """Settings from parsed flags (whose defaults already came from env)."""
     env = os.environ if env is None else env
@@ -215,7 +225,7 @@ def from_arguments(args: argparse.Namespace, env: Mapping[str, str] | None = Non
         scrape_timeout_seconds=_number("scrape-timeout", "SCRAPE_TIMEOUT", args.scrape_timeout, float),
         scrape_via=args.scrape_via,
         peering_name=None if args.standalone or not args.peering else args.peering,
-        priority=int(_number("priority", "PRIORITY", args.priority, int)),
+        priority=_priority(args.priority),
         metrics_port=int(_number("metrics-port", "METRICS_PORT", args.metrics_port, int)),
         health_port=int(_number("health-port", "HEALTH_PORT", args.health_port, int)),
         log_format=args.log_format,

@@ -329,3 +329,53 @@ def test_a_failed_trainer_reports_its_reason(env: Cluster) -> None:
     assert failed["reason"] == "DatasetMissing"
     assert failed["message"] == "dataset digits not found under /data"
     wait_for("the Failed warning", lambda: ("Warning", "DatasetMissing") in env.events("broken"))
+
+
+def test_two_replicas_under_peering_one_works_and_the_other_takes_over(env: Cluster) -> None:
+    """The chart's set-up: replicas with random priorities; the highest live one works."""
+    peerings, name = "kopf.dev/v1/clusterkopfpeerings", "gpu-training-operator"
+
+    def peers() -> dict[str, Any]:
+        return dict((env.get(peerings, name, namespace=None) or {}).get("status") or {})
+
+    # The chart creates the peering object; Kopf only writes into it.
+    env.api.call(
+        env.server.create, peerings,
+        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}},
+    )  # fmt: skip
+    first = env.start_operator(peering=name)
+    wait_for("the first replica in the peering", lambda: len(peers()) == 1)
+    second = env.start_operator(peering=name)
+    wait_for("both replicas in the peering", lambda: len(peers()) == 2)
+    # Kopf's identity here is host/pid/random: the priority says which process leads.
+    by_pid = {int(identity.split("/")[1]): info["priority"] for identity, info in peers().items()}
+    assert len(set(by_pid.values())) == 2, by_pid  # random priorities differ
+    leader, standby = sorted((first, second), key=lambda p: by_pid[p.pid], reverse=True)
+
+    names = ["peer-a", "peer-b", "peer-c"]
+    for training_name in names:
+        env.apply(training(training_name))
+    for training_name in names:
+        wait_for(f"{training_name} Created", lambda n=training_name: env.status(n).get("phase") == "Created")
+    # Exactly one replica's writes: one job, one status patch, one event per training.
+    wait_for(
+        "one replica's writes",
+        lambda: (
+            env.writes()
+            == {
+                "create kubeflow.org/v1/pytorchjobs": 3,
+                "patch gpuop.io/v1alpha1/gputrainings": 3,
+                "create v1/events": 3,
+            }
+        ),
+    )
+
+    env.stop_operator(leader)  # a rolling update: SIGTERM, and Kopf leaves the peering
+    wait_for("the leader gone from the peering", lambda: len(peers()) == 1)
+    env.apply(training("peer-d"))
+    wait_for("peer-d Created by the standby", lambda: env.status("peer-d").get("phase") == "Created")
+    env.job_condition("peer-a", "Created", "Running")
+    env.start_pods("peer-a", 2, RUNNING, gpu_percent=70.0)
+    wait_for("the standby scrapes", lambda: env.status("peer-a").get("progress", {}).get("step") == 30)
+    assert standby.poll() is None
+    assert sorted(j["metadata"]["name"] for j in env.objects(JOBS)) == [*names, "peer-d"]

@@ -164,6 +164,9 @@ class ApiServer(kmock.KubernetesEmulator):
     kinds: dict[str, tuple[str, bool, tuple[str, ...]]] = attrs.field(factory=dict, init=False)
     printer_columns: dict[str, list[dict[str, Any]]] = attrs.field(factory=dict, init=False)
     counts: dict[tuple[str, str, str], int] = attrs.field(factory=dict, init=False)
+    # What RBAC sees of each request: (agent, verb, apiGroup, resource[/subresource], namespace,
+    # name).
+    audit: set[tuple[str, str, str, str, str | None, str | None]] = attrs.field(factory=set, init=False)
     notifying: set[asyncio.Task[None]] = attrs.field(factory=set, init=False)
     created_at: dict[tuple[str, str], float] = attrs.field(factory=dict, init=False)  # monotonic
 
@@ -405,6 +408,15 @@ class ApiServer(kmock.KubernetesEmulator):
         )
         verb = self._verb(request)
         self.counts[agent, verb, key] = self.counts.get((agent, verb, key), 0) + 1
+        subresource = (request.subresource or "").split("/")[0]
+        self.audit.add((
+            agent,
+            verb,
+            resource.group or "",
+            f"{resource.plural}/{subresource}" if subresource else resource.plural,
+            request.namespace if self.kinds[key][1] else None,
+            (request.name or "").partition(":")[0] or None,
+        ))  # fmt: skip
         fault = self.faults.pick(verb) if verb != "watch" else None
         if fault is not None:
             headers = {"Retry-After": "0"} if fault == 429 else None

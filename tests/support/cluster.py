@@ -62,6 +62,7 @@ class Cluster:
         self.kubeconfig = api.kubeconfig(workdir / "kubeconfig")
         self.workdir = workdir
         self.operator: subprocess.Popen[bytes] | None = None
+        self.replicas: list[subprocess.Popen[bytes]] = []
         self.operator_args: list[str] = []
         self.trainers: dict[str, MetricsServer] = {}
         self._next_ip = 2
@@ -72,28 +73,38 @@ class Cluster:
     def env(self) -> dict[str, str]:
         return {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
 
-    def start_operator(self, *args: str) -> None:
-        self.operator_args = list(args) or self.operator_args
+    def start_operator(self, *args: str, peering: str | None = None) -> subprocess.Popen[bytes]:
+        """Start ``gpuop operator`` (standalone unless a peering name is given); a restart
+        without arguments reuses the last ones. The newest process is ``self.operator``."""
+        if args or peering is not None:
+            self.operator_args = [*args, *(["--peering", peering] if peering else ["--standalone"])]
+        elif not self.operator_args:
+            self.operator_args = ["--standalone"]
         self._log_index += 1
         log = (self.workdir / f"operator-{self._log_index}.log").open("wb")
         self.operator = subprocess.Popen(
-            [GPUOP, "operator", "--standalone", "--metrics-port", "0", "--health-port", "0",
+            [GPUOP, "operator", "--metrics-port", "0", "--health-port", "0",
              "--scrape-interval", "1", "--scrape-timeout", "0.5", *self.operator_args],
             env=self.env(), stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
+        self.replicas.append(self.operator)
+        return self.operator
 
-    def kill_operator(self) -> None:
-        if self.operator is not None and self.operator.poll() is None:
-            self.operator.send_signal(signal.SIGKILL)
-            self.operator.wait(10)
+    def kill_operator(self, process: subprocess.Popen[bytes] | None = None) -> None:
+        process = process or self.operator
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+            process.wait(10)
 
-    def stop_operator(self) -> None:
-        if self.operator is not None and self.operator.poll() is None:
-            self.operator.terminate()
+    def stop_operator(self, process: subprocess.Popen[bytes] | None = None) -> None:
+        """SIGTERM, as the kubelet sends: Kopf leaves the peering on its way out."""
+        process = process or self.operator
+        if process is not None and process.poll() is None:
+            process.terminate()
             try:
-                self.operator.wait(15)
+                process.wait(15)
             except subprocess.TimeoutExpired:
-                self.kill_operator()
+                self.kill_operator(process)
 
     def operator_log(self) -> str:
         return "\n".join(p.read_text(errors="replace") for p in sorted(self.workdir.glob("operator-*.log")))
@@ -117,7 +128,7 @@ class Cluster:
 
     # -- reading the store ----------------------------------------------------------------
 
-    def get(self, key: str, name: str, namespace: str = "default") -> dict[str, Any] | None:
+    def get(self, key: str, name: str, namespace: str | None = "default") -> dict[str, Any] | None:
         result: dict[str, Any] | None = self.api.call(self.server.get, key, namespace, name)
         return result
 
@@ -220,7 +231,8 @@ class Cluster:
         )  # fmt: skip
 
     def close(self) -> None:
-        self.stop_operator()
+        for process in self.replicas:
+            self.stop_operator(process)
         for server in self.trainers.values():
             server.close()
         self.trainers.clear()

@@ -4,6 +4,7 @@ settings, the runPolicy patch, and the client's retries against the emulator's f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -116,7 +117,7 @@ def _settings(argv: list[str], env: dict[str, str] | None = None) -> OperatorSet
 
 
 def test_settings_come_from_flags_over_env_over_defaults() -> None:
-    assert _settings([]) == OperatorSettings()
+    assert dataclasses.replace(_settings([]), priority=0) == OperatorSettings()
     env = {"GPUOP_NAMESPACES": "ml, research", "GPUOP_SCRAPE_INTERVAL": "30", "GPUOP_LOG_FORMAT": "json"}
     got = _settings(["--scrape-interval", "15"], env)
     assert got.namespaces == ("ml", "research")
@@ -124,6 +125,19 @@ def test_settings_come_from_flags_over_env_over_defaults() -> None:
     assert got.log_format == "json"
     assert _settings(["--namespace", "a", "--namespace", "b,c"]).namespaces == ("a", "b", "c")
     assert _settings(["--standalone"]).peering_name is None
+
+
+def test_peering_priority_is_random_unless_given() -> None:
+    """Replicas of one Deployment share their env; equal priorities would pause them all."""
+    drawn = {_settings([]).priority for _ in range(20)}
+    assert len(drawn) == 20
+    assert all(p >= 1 for p in drawn)
+    assert _settings(["--priority", "7"]).priority == 7
+    assert _settings([], {"GPUOP_PRIORITY": "RANDOM"}).priority >= 1
+    with pytest.raises(
+        SettingsError, match=r"^--priority / GPUOP_PRIORITY: must be an integer \(got 'high'\)$"
+    ):
+        _settings(["--priority", "high"])
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,70 @@
+{{/* Names, labels and the checks that values.schema.json cannot express. */}}
+
+{{- define "gpuop.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "gpuop.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if contains (include "gpuop.name" .) .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name (include "gpuop.name" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gpuop.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "gpuop.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "gpuop.labels" -}}
+{{ include "gpuop.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: operator
+app.kubernetes.io/part-of: gpu-training-operator
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "gpuop.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "gpuop.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name: set it to an existing ServiceAccount when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gpuop.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The label every trainer pod carries (gpuop.render.TRAINING_LABEL). */}}
+{{- define "gpuop.trainingLabel" -}}gpuop.io/gputraining{{- end -}}
+
+{{/* Namespaces that get a NetworkPolicy for trainer pods. */}}
+{{- define "gpuop.networkPolicyNamespaces" -}}
+{{- $namespaces := .Values.networkPolicy.namespaces | default .Values.watchNamespaces -}}
+{{- if not $namespaces -}}
+{{- fail "networkPolicy.namespaces: a NetworkPolicy lives in one namespace; list the trainer namespaces there (or set watchNamespaces)" -}}
+{{- end -}}
+{{- toJson $namespaces -}}
+{{- end -}}
+
+{{/* Value combinations the schema cannot refuse, each one line naming the fix. */}}
+{{- define "gpuop.checks" -}}
+{{- if and (gt (int .Values.replicaCount) 1) (not .Values.peering.enabled) -}}
+{{- fail "replicaCount > 1 needs peering.enabled=true: without peering every replica would reconcile every GpuTraining" -}}
+{{- end -}}
+{{- if ge (float64 .Values.operator.scrapeTimeout) (float64 .Values.operator.scrapeInterval) -}}
+{{- fail "operator.scrapeTimeout must be shorter than operator.scrapeInterval" -}}
+{{- end -}}
+{{- if eq (int .Values.metrics.port) (int .Values.health.port) -}}
+{{- fail "metrics.port and health.port must differ" -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,351 @@
+"""The Helm chart, rendered by the real helm binary and checked as a cluster would check it."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from gpuop import settings as operator_settings
+from gpuop.render import TRAINING_LABEL
+from gputrain.contract import METRICS_PORT_NAME
+from support import crdschema
+from support.crdschema import ROOT
+from support.helm import CHART, RELEASE_NAMESPACE, helm, render_error, template
+
+CLOUD_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+KUBERNETES_VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0"]
+EVERYTHING_ON: dict[str, Any] = {
+    "replicaCount": 3,
+    "watchNamespaces": ["team-a", "team-b"],
+    "operator.scrapeVia": "proxy",
+    "metrics.serviceMonitor.enabled": True,
+    "metrics.trainerPodMonitor.enabled": True,
+    "networkPolicy.enabled": True,
+    "networkPolicy.metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
+    "image.digest": "sha256:" + "ab" * 32,
+}
+CASES: list[tuple[str, dict[str, Any], tuple[Path, ...]]] = [
+    ("defaults", {}, ()),
+    ("everything on", EVERYTHING_ON, ()),
+    ("standalone, no CRD, no RBAC", {"peering.enabled": False, "crds.install": False, "rbac.create": False,
+                                     "serviceAccount.create": False, "serviceAccount.name": "mine"}, ()),
+    *[(path.name, {}, (path,)) for path in CLOUD_VALUES],
+]  # fmt: skip
+CASE_IDS = [case[0] for case in CASES]
+
+# The fields of monitoring.coreos.com/v1 that the chart sets, with their API types (no
+# prometheus-operator CRD ships with this repository to validate against in full).
+_DURATION = {
+    "type": "string",
+    "pattern": "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+}
+_ENDPOINT = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["port"],
+    "properties": {
+        "port": {"type": "string"},
+        "path": {"type": "string"},
+        "interval": _DURATION,
+        "scrapeTimeout": _DURATION,
+    },
+}
+_NAMESPACE_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}},
+}
+_MONITOR_SPECS = {
+    "ServiceMonitor": {"selector": {"type": "object"}, "namespaceSelector": _NAMESPACE_SELECTOR,
+                       "endpoints": {"type": "array", "items": _ENDPOINT, "minItems": 1}},
+    "PodMonitor": {"selector": {"type": "object"}, "namespaceSelector": _NAMESPACE_SELECTOR,
+                   "podMetricsEndpoints": {"type": "array", "items": _ENDPOINT, "minItems": 1}},
+}  # fmt: skip
+
+
+def _validate(obj: dict[str, Any], version: str) -> None:
+    kind = obj["kind"]
+    if kind in _MONITOR_SPECS:
+        schema = {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector"],
+            "properties": _MONITOR_SPECS[kind],
+        }
+        jsonschema.validate(obj["spec"], schema)
+    elif obj["apiVersion"] == "kopf.dev/v1":
+        crd = next(c for c in yaml.safe_load_all((CHART / "crds" / "kopf-peerings.yaml").read_text())
+                   if c["spec"]["names"]["kind"] == kind)  # fmt: skip
+        body = {
+            k: v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata")
+        }  # implicit in every CRD
+        assert crdschema.validate(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"], body) == []
+    else:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def _of_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def _deployment(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (deployment,) = _of_kind(objects, "Deployment")
+    return deployment
+
+
+@pytest.mark.parametrize(
+    "values_file", [None, *CLOUD_VALUES], ids=["defaults", *[p.name for p in CLOUD_VALUES]]
+)
+def test_lint_strict(values_file: Path | None) -> None:
+    helm("lint", "--strict", str(CHART), *(["--values", str(values_file)] if values_file else []))
+
+
+@pytest.mark.parametrize(("name", "values", "files"), CASES, ids=CASE_IDS)
+def test_every_rendered_object_is_valid_for_every_supported_kubernetes(
+    name: str, values: dict[str, Any], files: tuple[Path, ...]
+) -> None:
+    for version in KUBERNETES_VERSIONS:
+        objects = template(values, files, kube_version=version)
+        assert objects
+        for obj in objects:
+            try:
+                _validate(obj, version)
+            except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as exc:
+                pytest.fail(f"{name}, Kubernetes {version}: {obj['kind']} {obj['metadata']['name']}: {exc}")
+
+
+def test_the_chart_refuses_kubernetes_older_than_the_crd_needs() -> None:
+    result = helm("template", "x", str(CHART), "--kube-version", "1.27.0", check=False)
+    assert result.returncode != 0
+    assert "kubeVersion" in result.stderr
+
+
+def test_the_chart_crd_is_crds_gputraining_byte_for_byte() -> None:
+    source = ROOT / "crds" / "gputraining.yaml"
+    assert (CHART / "files" / "gputraining.yaml").read_bytes() == source.read_bytes(), "run `make crds`"
+    (rendered,) = [
+        o for o in _of_kind(template(), "CustomResourceDefinition") if o["spec"]["group"] == "gpuop.io"
+    ]
+    meta = rendered.pop("metadata")
+    original = yaml.safe_load(source.read_text())
+    original_meta = original.pop("metadata")
+    assert rendered == original  # nothing lost on the way through fromYaml/toYaml
+    assert meta["name"] == original_meta["name"]
+    assert meta["annotations"]["helm.sh/resource-policy"] == "keep"  # kept on uninstall
+
+
+def test_crds_can_be_left_to_the_user() -> None:
+    kinds = {o["kind"] for o in template({"crds.install": False})}
+    crds = [
+        o["metadata"]["name"]
+        for o in template({"crds.install": False})
+        if o["kind"] == "CustomResourceDefinition"
+    ]
+    assert "Deployment" in kinds
+    assert "gputrainings.gpuop.io" not in crds  # only Kopf's peering CRDs, from crds/
+
+
+# -- values: documented and strictly checked ------------------------------------------------
+
+
+def _leaves(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value and key not in ("resources", "requests", "limits"):
+            out += _leaves(value, path + ".")
+        else:
+            out.append(path)
+    return out
+
+
+def test_every_value_is_documented() -> None:
+    """Each value has a ``# --`` comment (helm-docs' marker), or sits in a section that has one."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    undocumented = []
+    stack: list[tuple[int, str, bool]] = []  # indent, key, documented
+    for number, line in enumerate(lines):
+        match = re.match(r"^( *)([A-Za-z][\w-]*):(.*)$", line)
+        if not match:
+            continue
+        indent, key, rest = len(match[1]), match[2], match[3].strip()
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        above = number - 1
+        while (
+            above >= 0
+            and lines[above].strip().startswith("#")
+            and not lines[above].strip().startswith("# --")
+        ):
+            above -= 1
+        documented = above >= 0 and lines[above].strip().startswith("# --")
+        documented = documented or any(d for _, _, d in stack)
+        stack.append((indent, key, documented))
+        section = (
+            rest == "" and number + 1 < len(lines) and re.match(rf"^ {{{indent + 2}}}\S", lines[number + 1])
+        )
+        if not section and not documented:
+            undocumented.append(".".join(k for _, k, _ in stack))
+    assert undocumented == [], f"values without a '# --' comment: {undocumented}"
+
+
+def test_the_schema_knows_every_value_and_no_other() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = yaml.safe_load((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    jsonschema.validate(values, schema)
+
+    def keys(tree: dict[str, Any], node: dict[str, Any], prefix: str = "") -> None:
+        node = schema["definitions"][node["$ref"].split("/")[-1]] if "$ref" in node else node
+        props = node.get("properties")
+        if props is None or not isinstance(tree, dict):
+            return
+        assert node.get("additionalProperties") is False, f"{prefix or 'the root'} accepts unknown keys"
+        assert set(tree) <= set(props), f"{prefix}: not in the schema: {set(tree) - set(props)}"
+        assert set(props) - {"global"} <= set(tree) | _OPTIONAL, (
+            f"{prefix}: not in values.yaml: {set(props) - set(tree)}"
+        )
+        for key, value in tree.items():
+            keys(value, props[key], f"{prefix}{key}.")
+
+    keys(values, schema)
+
+
+_OPTIONAL = {"ephemeral-storage", "cpu"}  # resource names the schema allows but values.yaml leaves out
+
+
+REFUSED_VALUES: list[tuple[dict[str, Any], str]] = [
+    ({"replicaCont": 2}, "replicaCont"),  # a typo fails the install
+    ({"operator.scrapeIntervall": 5}, "scrapeIntervall"),
+    ({"metrics.serviceMonitor.enable": True}, "enable"),
+    ({"operator.scrapeVia": "carrier-pigeon"}, "scrapeVia"),
+    ({"operator.logFormat": "xml"}, "logFormat"),
+    ({"replicaCount": 0}, "replicaCount"),
+    ({"watchNamespaces": ["Team_A"]}, "watchNamespaces"),
+    ({"image.digest": "latest"}, "digest"),
+    ({"metrics.port": 70000}, "port"),
+    ({"replicaCount": 2, "peering.enabled": False}, "replicaCount > 1 needs peering.enabled=true"),
+    ({"operator.scrapeTimeout": 10}, "operator.scrapeTimeout must be shorter than operator.scrapeInterval"),
+    ({"health.port": 8080}, "metrics.port and health.port must differ"),
+    ({"networkPolicy.enabled": True}, "networkPolicy.namespaces: a NetworkPolicy lives in one namespace"),
+    ({"serviceAccount.create": False}, "serviceAccount.name: set it to an existing ServiceAccount"),
+]
+
+
+@pytest.mark.parametrize(("values", "message"), REFUSED_VALUES, ids=[m for _, m in REFUSED_VALUES])
+def test_bad_values_are_refused_with_a_message_naming_the_value(values: dict[str, Any], message: str) -> None:
+    assert message in render_error(values)
+
+
+# -- the operator's Deployment ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "values", "files"), CASES, ids=CASE_IDS)
+def test_the_deployment_is_restricted_and_its_settings_are_valid(
+    name: str, values: dict[str, Any], files: tuple[Path, ...]
+) -> None:
+    objects = template(values, files)
+    deployment = _deployment(objects)
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    # The env the chart sets is what `gpuop operator` reads: parse it the operator's way.
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    parser = argparse.ArgumentParser()
+    operator_settings.add_arguments(parser, env)
+    parsed = operator_settings.from_arguments(parser.parse_args(container["args"][1:]), env)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (parsed.metrics_port, parsed.health_port) == (ports["metrics"], ports["health"])
+    assert (parsed.peering_name is None) == (values.get("peering.enabled") is False)
+    file_values = [yaml.safe_load(path.read_text()) for path in files]
+    namespaces = values.get(
+        "watchNamespaces", next((f["watchNamespaces"] for f in file_values if "watchNamespaces" in f), [])
+    )
+    assert list(parsed.namespaces) == namespaces
+    replicas = deployment["spec"]["replicas"]
+    assert bool(_of_kind(objects, "PodDisruptionBudget")) == (replicas > 1)
+
+
+def test_image_tag_defaults_to_the_app_version() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = yaml.safe_load(
+        re.sub(r"(?s)^.*?\[project\]\n(.*?)\n\[.*$", r"\1", (ROOT / "pyproject.toml").read_text()).replace(
+            " = ", ": "
+        )
+    )
+    assert chart["appVersion"] == project["version"]
+    (container,) = _deployment(template())["spec"]["template"]["spec"]["containers"]
+    assert container["image"].endswith(":" + chart["appVersion"])
+
+
+# -- RBAC, peering, monitoring, network -----------------------------------------------------
+
+
+def test_namespaced_mode_grants_nothing_cluster_scoped() -> None:
+    objects = template({"watchNamespaces": ["team-a", "team-b"]})
+    assert not _of_kind(objects, "ClusterRole")
+    assert not _of_kind(objects, "ClusterRoleBinding")
+    assert sorted(r["metadata"]["namespace"] for r in _of_kind(objects, "Role")) == ["team-a", "team-b"]
+    assert sorted(p["metadata"]["namespace"] for p in _of_kind(objects, "KopfPeering")) == [
+        "team-a",
+        "team-b",
+    ]
+    for binding in _of_kind(objects, "RoleBinding"):
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "gpuop-gpu-training-operator", "namespace": RELEASE_NAMESPACE}
+        ]
+
+
+def test_no_rule_reaches_secrets_or_deletes_anything() -> None:
+    for values in ({}, EVERYTHING_ON):
+        for obj in template(values):
+            for rule in obj.get("rules", []) if obj["kind"] in ("Role", "ClusterRole") else []:
+                assert not {"secrets", "*"} & set(rule["resources"]), rule
+                assert not {"delete", "deletecollection", "*", "escalate", "bind", "impersonate"} & set(
+                    rule["verbs"]
+                ), rule
+
+
+def test_trainer_monitoring_and_network_policy_select_the_trainer_pods_and_port() -> None:
+    objects = template(EVERYTHING_ON)
+    (pod_monitor,) = _of_kind(objects, "PodMonitor")
+    assert pod_monitor["spec"]["selector"]["matchExpressions"] == [
+        {"key": TRAINING_LABEL, "operator": "Exists"}
+    ]
+    assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] == METRICS_PORT_NAME
+    assert pod_monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
+    policies = _of_kind(objects, "NetworkPolicy")
+    assert sorted(p["metadata"]["namespace"] for p in policies) == ["team-a", "team-b"]
+    for policy in policies:
+        assert policy["spec"]["podSelector"]["matchExpressions"] == [
+            {"key": TRAINING_LABEL, "operator": "Exists"}
+        ]
+        peers, scrapers = policy["spec"]["ingress"]
+        assert "ports" not in peers  # rendezvous and NCCL/gloo pick ports at run time
+        assert scrapers["ports"] == [{"port": METRICS_PORT_NAME, "protocol": "TCP"}]
+        operator_peer = scrapers["from"][0]
+        assert operator_peer["namespaceSelector"]["matchLabels"] == {
+            "kubernetes.io/metadata.name": RELEASE_NAMESPACE
+        }
+        assert (
+            operator_peer["podSelector"]["matchLabels"]
+            == _deployment(objects)["spec"]["selector"]["matchLabels"]
+        )
+    (service_monitor,) = _of_kind(objects, "ServiceMonitor")
+    (service,) = _of_kind(objects, "Service")
+    assert service_monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()

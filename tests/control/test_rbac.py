@@ -1,0 +1,147 @@
+"""The chart's RBAC rules are exactly what the operator asks the API server for.
+
+The real operator runs a scenario that takes every path that talks to the API (create,
+adopt-or-conflict, runPolicy patch, status, events, pod listing, proxy scraping, a child's
+deletion, Kopf's watches and peering, a graceful exit). The emulator records each request as
+RBAC sees it; every request must be allowed by the rules `helm template` renders for that
+mode, and every rule must have been used: nothing missing, nothing more.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gputrain.metrics import Progress
+from support.apiserver import ApiServer
+from support.cluster import JOBS, Cluster, cluster, training, wait_for
+from support.helm import rules, template
+
+PEERING = "gpu-training-operator"
+RUNNING = Progress(
+    epoch=1, total_epochs=2, step=30, total_steps=100, loss=0.9, accuracy=None,
+    samples_per_second=512.0, estimated_remaining_seconds=140.0,
+)  # fmt: skip
+Request = tuple[str, str, str, str | None, str | None]  # verb, group, resource, namespace, name
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[Cluster]:
+    def admission(server: ApiServer) -> None:
+        server.validate_gputrainings()
+        server.validate_pytorchjobs()
+
+    with cluster(tmp_path, admission) as running:
+        yield running
+
+
+def _scenario(env: Cluster, operator_args: tuple[str, ...]) -> set[Request]:
+    env.start_operator(*operator_args, peering=PEERING)
+    env.apply(training("a"))
+    wait_for("phase Created", lambda: env.status("a").get("phase") == "Created")
+
+    # Running, scraped: pods listed, metrics read (by pod IP or through the pod proxy).
+    env.job_condition("a", "Created", "Running", startTime="2026-01-01T00:00:00Z")
+    pods = env.start_pods("a", 2, RUNNING, gpu_percent=80.0)
+    wait_for("progress", lambda: env.status("a").get("progress", {}).get("step") == 30)
+
+    # A runPolicy change is patched onto the running job.
+    env.kubectl(
+        "patch",
+        "gputraining",
+        "a",
+        "--type",
+        "merge",
+        "-p",
+        json.dumps({"spec": {"runPolicy": {"suspend": True}}}),
+    )
+    wait_for(
+        "the job suspended",
+        lambda: (env.get(JOBS, "a") or {}).get("spec", {}).get("runPolicy", {}).get("suspend"),
+    )
+
+    # A stranger's job under the wanted name: the 409 is followed by a read.
+    stranger = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "b", "namespace": "default"},
+                "spec": {"pytorchReplicaSpecs": {"Master": {"replicas": 1, "template": {"spec": {"containers": [
+                    {"name": "pytorch", "image": "someone/else:1"}]}}}}}}  # fmt: skip
+    env.api.call(env.server.create, JOBS, stranger)
+    env.apply(training("b"))
+    wait_for("NameConflict", lambda: env.condition("b", "NameConflict"))
+
+    # Finished: termination messages read. Then someone deletes the job: its DELETED makes
+    # the operator ask whether the GpuTraining is still there.
+    env.job_condition("a", "Created", "Succeeded", completionTime="2026-01-01T01:00:00Z")
+    for pod in pods:
+        env.finish_pod(pod, {"phase": "Succeeded", "step": 100, "totalSteps": 100})
+    wait_for("Succeeded", lambda: env.status("a").get("phase") == "Succeeded")
+    env.kubectl("delete", "pytorchjob", "a")
+    wait_for(
+        "the operator's read after the child's deletion",
+        lambda: ("gpuop", "get", "gpuop.io", "gputrainings", "default", "a") in env.server.audit,
+    )
+    process = env.operator
+    assert process is not None
+    env.stop_operator()  # Kopf takes itself out of the peering object
+    assert process.returncode == 0, env.operator_log()
+    return {entry[1:] for entry in env.server.audit if entry[0] in ("gpuop", "kopf")}
+
+
+def _allows(rule: dict[str, Any], request: Request) -> bool:
+    verb, group, resource, _, name = request
+    return (
+        group in rule["apiGroups"]
+        and resource in rule["resources"]
+        and verb in rule["verbs"]
+        and (not rule.get("resourceNames") or name in rule["resourceNames"])
+    )
+
+
+def _check(requests: set[Request], granted: list[tuple[str | None, dict[str, Any]]]) -> None:
+    def allowed(request: Request) -> bool:
+        namespace = request[3]
+        return any(
+            (scope is None or scope == namespace) and _allows(rule, request) for scope, rule in granted
+        )
+
+    refused = sorted(r for r in requests if not allowed(r))
+    assert refused == [], f"the operator asked for what the chart does not grant: {refused}"
+    unused = sorted(
+        (rule["apiGroups"][0], resource, verb)
+        for scope, rule in granted
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+        if not any(
+            r[0] == verb
+            and r[1] in rule["apiGroups"]
+            and r[2] == resource
+            and (scope is None or r[3] == scope)
+            for r in requests
+        )
+    )
+    assert unused == [], f"the chart grants what the operator never asks for: {unused}"
+
+
+def test_cluster_wide_rbac_is_exactly_what_the_operator_uses(env: Cluster) -> None:
+    env.api.call(
+        env.server.create, "kopf.dev/v1/clusterkopfpeerings",
+        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": PEERING}},
+    )  # fmt: skip
+    requests = _scenario(env, ("--scrape-via", "proxy"))
+    granted = rules(template({"operator.scrapeVia": "proxy"}))
+    assert all(scope is None for scope, _ in granted)  # a ClusterRole
+    _check(requests, granted)
+
+
+def test_namespaced_rbac_is_exactly_what_the_operator_uses(env: Cluster) -> None:
+    env.api.call(
+        env.server.create, "kopf.dev/v1/kopfpeerings",
+        {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": PEERING, "namespace": "default"}},
+    )  # fmt: skip
+    requests = _scenario(env, ("--namespace", "default", "--scrape-via", "pod-ip"))
+    granted = rules(template({"watchNamespaces": ["default"], "operator.scrapeVia": "pod-ip"}))
+    assert {scope for scope, _ in granted} == {"default"}  # Roles only: nothing cluster-scoped
+    _check(requests, granted)

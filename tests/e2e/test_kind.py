@@ -1,0 +1,160 @@
+"""End to end on kind, CPU/gloo: the images, the Kubeflow training-operator, `helm install`,
+`kubectl apply -f examples/kind-cpu.yaml`, a real 2-pod DDP run to Succeeded, and deletion.
+
+Needs Docker, kind, kubectl and network access (Kubeflow's manifests); skips with the reason
+where any is missing, as on a laptop without Docker. `make e2e` runs it; CI runs it in its own
+job. GPUOP_E2E_KEEP=1 keeps the cluster for a look afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from support.crdschema import ROOT
+from support.helm import CHART, helm_binary
+
+pytestmark = pytest.mark.e2e
+
+CLUSTER = "gpuop"  # kind-config.yaml's name
+KUBEFLOW = "github.com/kubeflow/training-operator.git/manifests/overlays/standalone?ref=v1.9.2"
+OPERATOR_IMAGE = "gpu-training-operator/operator:e2e"
+TRAINER_IMAGE = "gpu-training-operator/trainer-cpu:dev"  # what examples/kind-cpu.yaml names
+NAMESPACE = "gpuop-system"
+
+
+def _missing() -> str | None:
+    for tool in ("docker", "kind", "kubectl"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    if subprocess.run(["docker", "info"], capture_output=True, timeout=60).returncode != 0:
+        return "no Docker engine answers (`docker info` fails)"
+    return None
+
+
+def sh(*args: str, timeout: float = 600, input: str | None = None) -> str:
+    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, input=input)
+    if result.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+        )
+    return result.stdout
+
+
+def kubectl(*args: str, **kwargs: Any) -> str:
+    return sh("kubectl", "--context", f"kind-{CLUSTER}", *args, **kwargs)
+
+
+def wait_until(what: str, check: Any, timeout: float, every: float = 5.0) -> Any:
+    """Poll ``check`` until it returns something truthy; kubectl failures count as 'not yet'."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+            if last:
+                return last
+        except AssertionError as exc:
+            last = str(exc)[-500:]
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what} (last: {last!r})")
+
+
+@pytest.fixture(scope="module")
+def kind_cluster() -> Iterator[None]:
+    reason = _missing()
+    if reason is not None:
+        pytest.skip(f"kind e2e needs Docker and kind: {reason}")
+    existing = sh("kind", "get", "clusters").split()
+    if CLUSTER not in existing:
+        sh(
+            "kind",
+            "create",
+            "cluster",
+            "--config",
+            str(ROOT / "kind-config.yaml"),
+            "--wait",
+            "180s",
+            timeout=900,
+        )
+    try:
+        for dockerfile, tag in (
+            ("operator.Dockerfile", OPERATOR_IMAGE),
+            ("trainer-cpu.Dockerfile", TRAINER_IMAGE),
+        ):
+            sh("docker", "build", "-f", str(ROOT / "images" / dockerfile), "-t", tag, str(ROOT), timeout=1800)
+            sh("kind", "load", "docker-image", tag, "--name", CLUSTER, timeout=600)
+        kubectl("apply", "--server-side", "-k", KUBEFLOW, timeout=300)
+        kubectl(
+            "-n",
+            "kubeflow",
+            "rollout",
+            "status",
+            "deployment/training-operator",
+            "--timeout=300s",
+            timeout=330,
+        )
+        yield
+    finally:
+        if not os.environ.get("GPUOP_E2E_KEEP"):
+            sh("kind", "delete", "cluster", "--name", CLUSTER, timeout=300)
+
+
+def test_install_train_on_cpu_and_delete(kind_cluster: None) -> None:
+    sh(
+        str(helm_binary()), "--kube-context", f"kind-{CLUSTER}", "install", "gpuop", str(CHART),
+        "--namespace", NAMESPACE, "--create-namespace", "--wait", "--timeout", "5m",
+        "--set", "image.repository=gpu-training-operator/operator", "--set", "image.tag=e2e",
+        "--set", "image.pullPolicy=Never", "--set", "replicaCount=2", "--set", "operator.scrapeInterval=5",
+        timeout=400,
+    )  # fmt: skip
+    example = yaml.safe_load((ROOT / "examples" / "kind-cpu.yaml").read_text())
+    name = example["metadata"]["name"]
+    kubectl("apply", "-f", str(ROOT / "examples" / "kind-cpu.yaml"))
+
+    def status() -> dict[str, Any]:
+        return dict(json.loads(kubectl("get", "gputraining", name, "-o", "json")).get("status") or {})
+
+    wait_until("progress in status", lambda: status().get("progress", {}).get("step"), 900)
+    final = wait_until("Succeeded", lambda: (s := status()).get("phase") == "Succeeded" and s, 1200)
+    assert final["progress"]["percent"] == 100, final
+    assert final["completionTime"], final
+
+    table = kubectl("get", "gputrainings")
+    crd = yaml.safe_load((ROOT / "crds" / "gputraining.yaml").read_text())
+    columns = ["NAME"] + [
+        c["name"].upper()
+        for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]
+        if not c.get("priority")
+    ]
+    assert table.splitlines()[0].split() == columns, table
+    assert "Succeeded" in table.splitlines()[1]
+
+    kubectl("delete", "gputraining", name, "--wait=true", timeout=300)
+    wait_until("the PyTorchJob gone", lambda: kubectl("get", "pytorchjobs", "-o", "name").strip() == "", 300)
+    wait_until(
+        "the pods gone",
+        lambda: kubectl("get", "pods", "-l", f"gpuop.io/gputraining={name}", "-o", "name").strip() == "",
+        300,
+    )
+
+    sh(
+        str(helm_binary()),
+        "--kube-context",
+        f"kind-{CLUSTER}",
+        "uninstall",
+        "gpuop",
+        "--namespace",
+        NAMESPACE,
+        "--wait",
+        timeout=300,
+    )
+    assert "gputrainings.gpuop.io" in kubectl("get", "crd", "-o", "name")  # kept on uninstall

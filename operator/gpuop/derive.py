@@ -20,6 +20,7 @@ from typing import Any, Final
 
 from gpuop.schema import SpecError, decode, encode
 from gpuop.scrape import TrainerMetrics, parse_result
+from gpuop.spec import MUTABLE_SPEC_FIELDS
 from gpuop.status import (
     Condition,
     ConditionStatus,
@@ -34,9 +35,19 @@ from gpuop.status import (
     progress_from_result,
 )
 
-_ALARMS: Final = ("Failed", "InvalidSpec", "Stalled", "Underutilized", "Restarting", "NameConflict")
+_ALARMS: Final = (
+    "Failed",
+    "InvalidSpec",
+    "Stalled",
+    "Underutilized",
+    "Restarting",
+    "NameConflict",
+    "SpecNotApplied",
+)
 # Conditions that turn False (reason Cleared) when they stop holding, instead of vanishing.
-_CLEARABLE: Final = frozenset({"Suspended", "Restarting", "Stalled", "Underutilized", "NameConflict"})
+_CLEARABLE: Final = frozenset(
+    {"Suspended", "Restarting", "Stalled", "Underutilized", "NameConflict", "SpecNotApplied"}
+)
 # Kubeflow v1 job condition types, most decisive first: the first True one is the phase.
 _JOB_PHASES: Final[tuple[Phase, ...]] = (
     "Failed",
@@ -90,6 +101,8 @@ class Observation:
     gpus: int
     invalid_spec: str | None = None  # the parse error, for a spec that got past the CRD
     name_conflict: str | None = None  # a PyTorchJob of our name that is not ours (never touched)
+    # Fixed fields changed since the PyTorchJob was made (past a CRD without transition rules).
+    spec_not_applied: tuple[str, ...] = ()
     job_name: str | None = None  # None until the PyTorchJob exists
     job_conditions: tuple[JobCondition, ...] = ()
     job_start_time: str | None = None
@@ -284,6 +297,18 @@ def derive_status(
             wanted.append(condition(phase, "True", reason or f"PyTorchJob{phase}", message))
         if phase == "Running":
             wanted += _running_alarms(progress, gpu, thresholds, obs.now, condition)
+        if obs.spec_not_applied:
+            wanted.append(
+                condition(
+                    "SpecNotApplied",
+                    "True",
+                    "FixedFieldChanged",
+                    f"{', '.join(obs.spec_not_applied)} changed after the PyTorchJob was created and "
+                    f"cannot change on it (only {' and '.join(f'spec.{f}' for f in MUTABLE_SPEC_FIELDS)} "
+                    "can); the job runs as created: change it back, or delete the GpuTraining and "
+                    "create it again",
+                )
+            )
 
     conditions = _merge_conditions(before.conditions, wanted, set(_CLEARABLE), now)
     ready = sum(1 for p in obs.pods if p.ready and p.phase == "Running")

@@ -7,12 +7,13 @@ these readings are unit-tested on plain dicts.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from gpuop.derive import JobCondition, PodObservation
-from gpuop.render import CONTAINER_NAME, TRAINING_LABEL
+from gpuop.render import CONTAINER_NAME, CREATED_FROM_ANNOTATION, TRAINING_LABEL
 from gpuop.scrape import TrainerMetrics
 
 _TERMINAL = ("Succeeded", "Failed")
@@ -43,6 +44,18 @@ def job_finished(job: Mapping[str, Any] | None) -> bool:
 def job_times(job: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
     status = (job or {}).get("status") or {}
     return status.get("startTime"), status.get("completionTime")
+
+
+def created_from(job: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The fixed spec a PyTorchJob was made from (None: not recorded, e.g. an older operator)."""
+    text = (((job or {}).get("metadata") or {}).get("annotations") or {}).get(CREATED_FROM_ANNOTATION)
+    if not isinstance(text, str):
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def owner_uid(obj: Mapping[str, Any]) -> str | None:

@@ -41,7 +41,7 @@ from gpuop.render import render_pytorchjob
 from gpuop.schema import SpecError
 from gpuop.scrape import TrainerMetrics, parse_metrics
 from gpuop.settings import OperatorSettings
-from gpuop.spec import GpuTraining, parse
+from gpuop.spec import GpuTraining, fixed_spec_changes, parse
 from gpuop.status import GpuTrainingStatus
 from gpuop.telemetry import OperatorMetrics
 from gputrain.contract import METRICS_PORT
@@ -221,12 +221,15 @@ class Reconciler:
             pods = tracked.pods = self._final_pods(training)
         start, completion = observe.job_times(child)
         spec = training.spec
+        created_from = observe.created_from(child)
+        not_applied = fixed_spec_changes(created_from, spec) if created_from is not None else ()
         observation = Observation(
             now=now,
             generation=generation,
             workers_total=spec.workers,
             gpus=spec.workers * spec.gpus_per_worker,
             name_conflict=conflict,
+            spec_not_applied=not_applied,
             job_name=training.name if child is not None else None,
             job_conditions=observe.job_conditions(child),
             job_start_time=start,

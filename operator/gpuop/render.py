@@ -12,10 +12,19 @@ PET_NODE_RANK, PET_NPROC_PER_NODE (fixed jobs) and PET_RDZV_* (elastic jobs).
 
 from __future__ import annotations
 
+import json
 from typing import Any, Final
 
 from gpuop.quantity import MI, format_bytes, parse_quantity
-from gpuop.spec import API_VERSION, KIND, GpuTraining, GpuTrainingSpec, Toleration, VolumeSource
+from gpuop.spec import (
+    API_VERSION,
+    KIND,
+    GpuTraining,
+    GpuTrainingSpec,
+    Toleration,
+    VolumeSource,
+    fixed_spec,
+)
 from gputrain.contract import (
     METRICS_PORT,
     METRICS_PORT_NAME,
@@ -34,6 +43,10 @@ GPU_PRODUCT_LABEL: Final = "nvidia.com/gpu.product"
 EFA_RESOURCE: Final = "vpc.amazonaws.com/efa"
 QUEUE_LABEL: Final = "kueue.x-k8s.io/queue-name"
 TRAINING_LABEL: Final = "gpuop.io/gputraining"
+# The fixed spec fields the job was made from (JSON), so that a change that got past the CRD's
+# transition rules is reported instead of silently not applied.
+CREATED_FROM_ANNOTATION: Final = "gpuop.io/created-from"
+_CREATED_FROM_MAX_BYTES: Final = 64 * 1024
 RUN_AS_USER: Final = 1000
 
 # NCCL environment per cloud network. Values a user sets in spec.nccl.env win.
@@ -406,6 +419,11 @@ def render_pytorchjob(training: GpuTraining, *, default_image: str = DEFAULT_TRA
     if spec.scheduling.queue_name is not None:
         job_labels[QUEUE_LABEL] = spec.scheduling.queue_name
     metadata["labels"] = job_labels
+    created_from = json.dumps(fixed_spec(spec), separators=(",", ":"), sort_keys=True)
+    # Annotations share a 256 KiB budget; a spec with huge env values goes without the record
+    # (and without the SpecNotApplied check) rather than fail to create its job.
+    if len(created_from) <= _CREATED_FROM_MAX_BYTES:
+        metadata["annotations"] = {CREATED_FROM_ANNOTATION: created_from}
     owner = owner_reference(training)
     if owner is not None:
         metadata["ownerReferences"] = [owner]

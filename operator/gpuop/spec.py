@@ -16,7 +16,17 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Final, Literal
 
 from gpuop.quantity import parse_quantity
-from gpuop.schema import Problem, Quantity, Rule, SpecError, api_field, api_object, decode
+from gpuop.schema import (
+    Problem,
+    Quantity,
+    Rule,
+    SpecError,
+    api_field,
+    api_object,
+    decode,
+    encode,
+    json_name,
+)
 from gputrain.contract import DatasetName, ModelName, Precision
 
 GROUP: Final = "gpuop.io"
@@ -729,3 +739,53 @@ def _check_name(name: object) -> list[Problem]:
         return [Problem("metadata.name", "required")]
     message = NAME_RULE.check(name)
     return [] if message is None else [Problem("metadata.name", message)]
+
+
+# --------------------------------------------------------------------------------------------
+# Fields fixed at creation: what the PyTorchJob was made from, and what changed since.
+
+
+def fixed_spec(spec: GpuTrainingSpec) -> dict[str, Any]:
+    """The spec without its mutable fields, as JSON: what a created PyTorchJob is made of."""
+    return {k: v for k, v in encode(spec).items() if k not in MUTABLE_SPEC_FIELDS}
+
+
+def fixed_spec_changes(created_from: Mapping[str, Any], spec: GpuTrainingSpec) -> tuple[str, ...]:
+    """The fixed fields that differ between what a job was created from and ``spec`` now.
+
+    The CRD's transition rules refuse such changes; this catches those that got past a CRD
+    without them (applied before the CRD was upgraded). ``created_from`` is decoded with
+    today's model, so a field added by an operator upgrade takes its default on both sides
+    and is no change. One entry per leaf, e.g. ``spec.workers (2 -> 4)``; nothing when the
+    record cannot be read (written by a newer operator).
+    """
+    try:
+        before = decode(GpuTrainingSpec, dict(created_from), "spec")
+    except SpecError:
+        return ()
+    changes: list[str] = []
+    for field in dataclasses.fields(GpuTrainingSpec):
+        key = json_name(field.name)
+        if key not in MUTABLE_SPEC_FIELDS:
+            _diff(getattr(before, field.name), getattr(spec, field.name), f"spec.{key}", changes)
+    return tuple(changes)
+
+
+def _diff(before: Any, after: Any, path: str, out: list[str]) -> None:
+    if before == after:
+        return
+    if dataclasses.is_dataclass(before) and type(before) is type(after):
+        for field in dataclasses.fields(before):
+            _diff(
+                getattr(before, field.name),
+                getattr(after, field.name),
+                f"{path}.{json_name(field.name)}",
+                out,
+            )
+        return
+    show = all(isinstance(v, (int, float, str, bool, type(None))) for v in (before, after))
+    out.append(f"{path} ({_shown(before)} -> {_shown(after)})" if show else path)
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is None else str(value)

@@ -154,6 +154,22 @@ def test_spec_changes_reach_the_running_job_or_are_refused(env: Cluster) -> None
     assert env.get(JOBS, "tune")["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
 
 
+def test_a_fixed_field_changed_past_an_old_crd_is_reported_not_applied(lax: Cluster) -> None:
+    """No transition rules (a CRD from before they existed): the change lands, the job cannot take it."""
+    lax.start_operator()
+    lax.apply(training("drift"))
+    wait_for("Created", lambda: lax.status("drift").get("phase") == "Created")
+    lax.kubectl("patch", "gputraining", "drift", "--type=merge", "-p", '{"spec": {"workers": 4}}')
+    condition = wait_for("SpecNotApplied", lambda: lax.condition("drift", "SpecNotApplied"))
+    assert condition["status"] == "True"
+    assert condition["message"].startswith("spec.workers (2 -> 4) changed after the PyTorchJob was created")
+    assert lax.get(JOBS, "drift")["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1  # as created
+    wait_for("the Warning", lambda: ("Warning", "FixedFieldChanged") in lax.events("drift"))
+
+    lax.kubectl("patch", "gputraining", "drift", "--type=merge", "-p", '{"spec": {"workers": 2}}')
+    wait_for("cleared", lambda: (lax.condition("drift", "SpecNotApplied") or {}).get("status") == "False")
+
+
 # (name, spec changes, the exact InvalidSpec message)
 INVALID = [
     ("zero-workers", {"workers": 0}, "spec.workers: must be >= 1 (got 0)"),

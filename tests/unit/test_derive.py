@@ -292,3 +292,25 @@ def test_patch_nulls_what_is_gone_and_status_reads_back() -> None:
     assert patch["status"]["startTime"] == "2026-11-21T12:00:00Z"
     assert status_from_json({"phase": "Exploded"}) is None
     assert status_from_json(None) is None
+
+
+def test_a_fixed_field_changed_past_the_crd_is_reported_once_and_clears_when_reverted() -> None:
+    running = derive_status(None, observe(0, pods=running_pods(100)), THRESHOLDS)
+    changed = derive_status(
+        running, observe(10, pods=running_pods(100), spec_not_applied=("spec.workers (2 -> 4)",)), THRESHOLDS
+    )
+    assert changed.phase == "Running"  # the job runs on as created
+    condition = next(c for c in changed.conditions if c.type == "SpecNotApplied")
+    assert (condition.status, condition.reason) == ("True", "FixedFieldChanged")
+    assert condition.message == (
+        "spec.workers (2 -> 4) changed after the PyTorchJob was created and cannot change on it (only "
+        "spec.runPolicy and spec.stallTimeoutSeconds can); the job runs as created: change it back, or "
+        "delete the GpuTraining and create it again"
+    )
+    assert [(e.type, e.reason) for e in events(running, changed)] == [("Warning", "FixedFieldChanged")]
+    still = derive_status(
+        changed, observe(20, pods=running_pods(100), spec_not_applied=("spec.workers (2 -> 4)",)), THRESHOLDS
+    )
+    assert still is changed
+    reverted = derive_status(still, observe(30, pods=running_pods(100)), THRESHOLDS)
+    assert types(reverted)["SpecNotApplied"] == "False"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,14 @@ import pytest
 import yaml
 
 from gpuop.quantity import GI, MI
-from gpuop.render import DEFAULT_TRAINER_IMAGE, render_pytorchjob, shm_size_bytes, trainer_settings
-from gpuop.spec import parse
+from gpuop.render import (
+    CREATED_FROM_ANNOTATION,
+    DEFAULT_TRAINER_IMAGE,
+    render_pytorchjob,
+    shm_size_bytes,
+    trainer_settings,
+)
+from gpuop.spec import fixed_spec, parse
 from gputrain.contract import METRICS_PORT, TrainerSettings
 from support.crdschema import ROOT
 from support.kubeflow import all_errors
@@ -377,3 +384,12 @@ def test_user_pod_labels_cannot_replace_ours() -> None:
     labels = render(body)["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["metadata"]["labels"]
     assert labels["gpuop.io/gputraining"] == "demo"
     assert labels["team"] == "a"
+
+
+def test_the_job_records_what_it_was_created_from_within_the_annotation_budget() -> None:
+    job = render(minimal(workers=3))
+    record = json.loads(job["metadata"]["annotations"][CREATED_FROM_ANNOTATION])
+    assert record == fixed_spec(parse(minimal(workers=3)).spec)
+    assert "runPolicy" not in record  # mutable: patched onto the job, not fixed at creation
+    huge = minimal(env=[{"name": f"BIG_{i}", "value": "x" * 30000} for i in range(3)])
+    assert "annotations" not in render(huge)["metadata"]  # over 64 KiB: no record, the job still fits

@@ -8,7 +8,7 @@ from typing import Any, get_args, get_type_hints
 import pytest
 
 from gpuop.schema import SpecError
-from gpuop.spec import Dataset, GpuTrainingSpec, Model, Training, parse
+from gpuop.spec import Dataset, GpuTrainingSpec, Model, Training, fixed_spec, fixed_spec_changes, parse
 from gputrain.contract import DATASET_NAMES, MODEL_NAMES, PRECISIONS
 from support.specs import minimal
 
@@ -355,3 +355,31 @@ def test_every_spec_field_is_documented() -> None:
 
     walk(GpuTrainingSpec)
     assert len(seen) > 10
+
+
+FIXED_CHANGES: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
+    ("nothing", {}, ()),
+    ("workers", {"workers": 4}, ("spec.workers (1 -> 4)",)),
+    ("a nested leaf", {"training": {"batchSize": 32}}, ("spec.training.batchSize (64 -> 32)",)),
+    ("an optional set", {"image": "me/trainer:2"}, ("spec.image (unset -> me/trainer:2)",)),
+    ("a map", {"scheduling": {"nodeSelector": {"pool": "a100"}}}, ("spec.scheduling.nodeSelector",)),
+    ("mutable fields only", {"runPolicy": {"suspend": True}, "stallTimeoutSeconds": 60}, ()),
+]
+
+
+@pytest.mark.parametrize(("name", "change", "expected"), FIXED_CHANGES, ids=[c[0] for c in FIXED_CHANGES])
+def test_fixed_spec_changes_name_each_changed_field(
+    name: str, change: dict[str, Any], expected: tuple[str, ...]
+) -> None:
+    created_from = fixed_spec(parse(minimal()).spec)
+    assert "runPolicy" not in created_from
+    assert fixed_spec_changes(created_from, parse(minimal(**change)).spec) == expected
+
+
+def test_fixed_spec_records_from_other_operator_versions() -> None:
+    spec = parse(minimal()).spec
+    older = fixed_spec(spec)
+    del older["terminationGracePeriodSeconds"]  # a field this version added: its default both sides
+    assert fixed_spec_changes(older, spec) == ()
+    newer = {**fixed_spec(spec), "fromTheFuture": True}  # unreadable: no verdict rather than a wrong one
+    assert fixed_spec_changes(newer, parse(minimal(workers=9)).spec) == ()

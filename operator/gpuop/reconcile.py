@@ -37,7 +37,7 @@ from gpuop.derive import (
     status_patch,
 )
 from gpuop.kube import ApiError, Kube
-from gpuop.render import render_pytorchjob
+from gpuop.render import CREATED_FROM_ANNOTATION, render_pytorchjob
 from gpuop.schema import SpecError
 from gpuop.scrape import TrainerMetrics, parse_metrics
 from gpuop.settings import OperatorSettings
@@ -54,6 +54,19 @@ MUTABLE_RUN_POLICY: Final = ("suspend", "activeDeadlineSeconds", "ttlSecondsAfte
 _ACTIVE_PHASES: Final = ("Created", "Running", "Restarting")
 
 
+@dataclass(frozen=True)
+class _SpecView:
+    """What one generation of a GpuTraining's spec yields; kept, since a job's life runs
+    dozens of reconciles (watch events, ticks) over the same few generations."""
+
+    version: tuple[str, int] | None  # uid, metadata.generation (None: not cacheable)
+    training: GpuTraining | None
+    invalid: str | None  # the parse error, when it did not parse
+    desired: dict[str, Any] | None  # the rendered PyTorchJob
+    # Fixed fields changed, by the child's created-from record: filled in as records are met.
+    not_applied: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
 @dataclass
 class Tracked:
     """What the operator last saw of one GpuTraining and its children."""
@@ -62,6 +75,7 @@ class Tracked:
     child: dict[str, Any] | None = None
     pods: tuple[PodObservation, ...] = ()
     lock: threading.Lock = field(default_factory=threading.Lock)
+    view: _SpecView | None = None
 
     @property
     def phase(self) -> str | None:
@@ -197,19 +211,18 @@ class Reconciler:
         previous = status_from_json(body.get("status"))
         now = self.clock()
         generation = meta.get("generation") if isinstance(meta.get("generation"), int) else None
-        try:
-            training = parse(body)
-        except SpecError as exc:
+        view = self._view(tracked)
+        if view.training is None:
             # Got past the CRD (applied before the CRD was upgraded, or CRD validation off).
             # Failed with the parser's words, once: the next call derives the same status.
-            invalid = "; ".join(str(p) for p in exc.problems)
             observation = Observation(
-                now=now, generation=generation, workers_total=0, gpus=0, invalid_spec=invalid
+                now=now, generation=generation, workers_total=0, gpus=0, invalid_spec=view.invalid
             )
             self._write_status(tracked, previous, observation, Thresholds(stall_timeout_seconds=0))
             return "invalid"
+        training = view.training
 
-        outcome, conflict = self._ensure_child(tracked, training)
+        outcome, conflict = self._ensure_child(tracked, training, view.desired or {})
         child = tracked.child if conflict is None else None
         pods = tracked.pods
         if (
@@ -221,8 +234,7 @@ class Reconciler:
             pods = tracked.pods = self._final_pods(training)
         start, completion = observe.job_times(child)
         spec = training.spec
-        created_from = observe.created_from(child)
-        not_applied = fixed_spec_changes(created_from, spec) if created_from is not None else ()
+        not_applied = self._not_applied(view, child)
         observation = Observation(
             now=now,
             generation=generation,
@@ -244,10 +256,42 @@ class Reconciler:
         wrote = self._write_status(tracked, previous, observation, thresholds)
         return outcome if outcome != "unchanged" or not wrote else "status"
 
-    def _ensure_child(self, tracked: Tracked, training: GpuTraining) -> tuple[str, str | None]:
+    def _view(self, tracked: Tracked) -> _SpecView:
+        """Parse and render the GpuTraining, or reuse what its current generation gave."""
+        meta = tracked.body.get("metadata") or {}
+        uid, generation = meta.get("uid"), meta.get("generation")
+        version = (str(uid), generation) if uid and isinstance(generation, int) else None
+        if version is not None and tracked.view is not None and tracked.view.version == version:
+            return tracked.view
+        try:
+            training = parse(tracked.body)
+        except SpecError as exc:
+            view = _SpecView(version, None, "; ".join(str(p) for p in exc.problems), None)
+        else:
+            desired = render_pytorchjob(training, default_image=self.settings.trainer_image)
+            view = _SpecView(version, training, None, desired)
+        if version is not None:
+            tracked.view = view
+        return view
+
+    @staticmethod
+    def _not_applied(view: _SpecView, child: Mapping[str, Any] | None) -> tuple[str, ...]:
+        """Fixed fields changed since the child was made (remembered per record and generation)."""
+        record = (((child or {}).get("metadata") or {}).get("annotations") or {}).get(CREATED_FROM_ANNOTATION)
+        if view.training is None or not isinstance(record, str):
+            return ()
+        if record not in view.not_applied:
+            created_from = observe.created_from(child)
+            view.not_applied[record] = (
+                fixed_spec_changes(created_from, view.training.spec) if created_from is not None else ()
+            )
+        return view.not_applied[record]
+
+    def _ensure_child(
+        self, tracked: Tracked, training: GpuTraining, desired: dict[str, Any]
+    ) -> tuple[str, str | None]:
         """Create the PyTorchJob, adopt ours, or refuse a stranger's. Returns (outcome, conflict)."""
         uid = training.uid
-        desired = render_pytorchjob(training, default_image=self.settings.trainer_image)
         namespace, name = desired["metadata"].get("namespace") or "default", training.name
         desired["metadata"]["namespace"] = namespace
         outcome = "unchanged"

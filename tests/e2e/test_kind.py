@@ -25,7 +25,7 @@ from support.helm import CHART, helm_binary
 pytestmark = pytest.mark.e2e
 
 CLUSTER = "gpuop"  # kind-config.yaml's name
-KUBEFLOW = "github.com/kubeflow/training-operator.git/manifests/overlays/standalone?ref=v1.9.2"
+KUBEFLOW = "github.com/kubeflow/trainer.git/manifests/overlays/standalone?ref=v1.9.4"
 OPERATOR_IMAGE = "gpu-training-operator/operator:e2e"
 TRAINER_IMAGE = "gpu-training-operator/trainer-cpu:dev"  # what examples/kind-cpu.yaml names
 NAMESPACE = "gpuop-system"

@@ -644,9 +644,14 @@ class RunningApiServer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+        # Separately: a stop that times out (a watch stream still open) must not leave the
+        # rest uncancelled, or their coroutines are collected after the loop is closed.
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
+        with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(cancel_the_rest(), self.loop).result(10)
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self.loop.shutdown_asyncgens(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         if not self._thread.is_alive():

@@ -40,20 +40,38 @@ def own_identity() -> str:
     return os.environ.get("POD_ID") or f"{socket.gethostname()}/{os.getpid()}/{random.randrange(16**6):06x}"
 
 
-def _leader_check(kube: Kube, settings: OperatorSettings, identity: str) -> Callable[[], bool]:
-    """Whether this replica is the active one, read from Kopf's peering object each tick."""
-    if settings.peering_name is None:
-        return lambda: True
+Leadership = Callable[[], Callable[[str], bool]]
 
-    def is_leader() -> bool:
+
+def leadership(kube: Kube, settings: OperatorSettings, identity: str) -> Leadership:
+    """Read once per tick: in which namespaces this replica is the active one.
+
+    Kopf keeps one peering per watched namespace (or one cluster-wide) and pauses its watches
+    in each where a live peer outranks this replica; the scrape tick must pause in the same
+    places, or a standby would keep writing status there. Each peering object is read once
+    per tick; one that cannot be read counts as not leading (the next tick asks again).
+    """
+    name = settings.peering_name
+    if name is None:
+        return lambda: lambda _namespace: True
+
+    def active(namespace: str | None) -> bool:
         try:
-            status = kube.get_peering(settings.peering_name or "", settings.namespaces[:1])
+            status = kube.get_peering(name, namespace)
         except ApiError as exc:
-            log.warning("reading peering %s: %s; skipping this tick", settings.peering_name, exc)
+            log.warning("reading peering %s in %s: %s; not scraping there this tick", name,
+                        namespace or "the cluster", exc)  # fmt: skip
             return False
         return observe.peering_active(status, identity, settings.priority)
 
-    return is_leader
+    def read() -> Callable[[str], bool]:
+        if not settings.namespaces:
+            everywhere = active(None)
+            return lambda _namespace: everywhere
+        verdicts = {namespace: active(namespace) for namespace in settings.namespaces}
+        return lambda namespace: verdicts.get(namespace, False)
+
+    return read
 
 
 def build_registry(reconciler: Reconciler, settings: OperatorSettings) -> kopf.OperatorRegistry:
@@ -108,7 +126,7 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
     metrics = OperatorMetrics()
     kube.requests.listeners.append(metrics.api_request)
     identity = own_identity()
-    reconciler = Reconciler(kube, settings, metrics, is_leader=_leader_check(kube, settings, identity))
+    reconciler = Reconciler(kube, settings, metrics, leadership=leadership(kube, settings, identity))
     registry = build_registry(reconciler, settings)
     if settings.metrics_port:
         metrics.serve(settings.metrics_port)

@@ -251,10 +251,11 @@ class Kube:
 
     # -- peering --------------------------------------------------------------------------
 
-    def get_peering(self, name: str, namespaces: tuple[str, ...]) -> dict[str, Any] | None:
-        """The status of Kopf's peering object: who is alive, with which priority."""
-        if namespaces:
-            path = f"/apis/kopf.dev/v1/namespaces/{namespaces[0]}/kopfpeerings/{name}"
+    def get_peering(self, name: str, namespace: str | None) -> dict[str, Any] | None:
+        """The status of Kopf's peering object (None: the cluster-wide one): who is alive, with
+        which priority."""
+        if namespace is not None:
+            path = f"/apis/kopf.dev/v1/namespaces/{namespace}/kopfpeerings/{name}"
         else:
             path = f"/apis/kopf.dev/v1/clusterkopfpeerings/{name}"
         status: dict[str, Any] | None = (self._get_or_none(path) or {}).get("status")

@@ -114,13 +114,13 @@ class Reconciler:
         metrics: OperatorMetrics | None = None,
         *,
         clock: Callable[[], datetime] = _now,
-        is_leader: Callable[[], bool] = lambda: True,
+        leadership: Callable[[], Callable[[str], bool]] = lambda: lambda _namespace: True,
     ) -> None:
         self.kube = kube
         self.settings = settings
         self.metrics = metrics or OperatorMetrics()
         self.clock = clock
-        self.is_leader = is_leader
+        self.leadership = leadership  # per tick: namespace -> whether this replica is active there
         self._table: dict[Key, Tracked] = {}
         self._table_lock = threading.Lock()
         self._scrapers = ThreadPoolExecutor(settings.max_workers, thread_name_prefix="scrape")
@@ -364,10 +364,10 @@ class Reconciler:
         One pod list per namespace per tick, however many jobs it holds; metrics requests
         run concurrently with a timeout each, so one hung pod costs one timeout, not a tick.
         """
-        if not self.is_leader():
-            return
         with self._table_lock:
             items = list(self._table.items())
+        leading = self.leadership()
+        items = [(key, tracked) for key, tracked in items if leading(key[0])]
         active: dict[str, list[tuple[Key, Tracked]]] = {}
         for key, tracked in items:
             if tracked.child is not None and tracked.phase in _ACTIVE_PHASES:

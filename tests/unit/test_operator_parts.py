@@ -14,6 +14,7 @@ import pytest
 from kubernetes import client as k8s_client
 
 from gpuop import observe
+from gpuop.controller import leadership
 from gpuop.kube import ApiError, Backoff, Kube
 from gpuop.reconcile import _run_policy_patch
 from gpuop.settings import OperatorSettings, SettingsError, add_arguments, from_arguments
@@ -94,6 +95,38 @@ def _peer(priority: int, seconds_ago: float, lifetime: int = 60) -> dict[str, An
 )
 def test_peering_follows_kopfs_rule(peers: dict[str, Any], active: bool) -> None:
     assert observe.peering_active(peers, "me", 10, NOW) is active
+
+
+class _PeeringStub:
+    """A Kube with only peering objects: per namespace (None: cluster-wide) a status or an error."""
+
+    def __init__(self, peerings: dict[str | None, dict[str, Any] | ApiError]) -> None:
+        self.peerings, self.reads = peerings, 0
+
+    def get_peering(self, name: str, namespace: str | None) -> dict[str, Any] | None:
+        self.reads += 1
+        found = self.peerings.get(namespace)
+        if isinstance(found, ApiError):
+            raise found
+        return found
+
+
+def test_leadership_is_per_watched_namespace_and_read_once_per_tick() -> None:
+    now = datetime.now(UTC)
+    me, higher = {"priority": 10, "lastseen": now.isoformat()}, {"priority": 20, "lastseen": now.isoformat()}
+    stub = _PeeringStub({"a": {"me": me}, "b": {"me": me, "other": higher}, "c": ApiError(503, "x", "down")})
+    settings = OperatorSettings(namespaces=("a", "b", "c"), priority=10)
+    leading = leadership(stub, settings, "me")()  # type: ignore[arg-type]
+    assert [leading(ns) for ns in ("a", "b", "c", "elsewhere")] == [True, False, False, False]
+    assert stub.reads == 3  # one read per namespace per tick, however many jobs ask
+
+    cluster = _PeeringStub({None: {"me": me, "other": higher}})
+    leading = leadership(cluster, OperatorSettings(priority=10), "me")()  # type: ignore[arg-type]
+    assert not leading("a")
+    assert not leading("b")
+    assert cluster.reads == 1
+    standalone = leadership(cluster, OperatorSettings(peering_name=None), "me")()  # type: ignore[arg-type]
+    assert standalone("a")
 
 
 def test_run_policy_patch_changes_only_what_differs() -> None:

@@ -396,8 +396,9 @@ class Reconciler:
             # reconciles it anyway; everything else may need time (Stalled) or a retry.
             if tracked.phase not in ("Succeeded", "Failed"):
                 self.reconcile(key)
-        with self._table_lock:
-            self.metrics.set_phases(t.phase for t in self._table.values())
+        # Only what this replica serves: a standby's table is stale, and its counts would add
+        # to the active replica's in a sum over pods.
+        self.metrics.set_phases(tracked.phase for _, tracked in items)
 
     def _final_pods(self, training: GpuTraining) -> tuple[PodObservation, ...]:
         """The job's pods as they ended: their termination messages hold the trainers' records."""

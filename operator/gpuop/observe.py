@@ -7,7 +7,6 @@ these readings are unit-tested on plain dicts.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -46,16 +45,11 @@ def job_times(job: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
     return status.get("startTime"), status.get("completionTime")
 
 
-def created_from(job: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The fixed spec a PyTorchJob was made from (None: not recorded, e.g. an older operator)."""
-    text = (((job or {}).get("metadata") or {}).get("annotations") or {}).get(CREATED_FROM_ANNOTATION)
-    if not isinstance(text, str):
-        return None
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
+def created_from(job: Mapping[str, Any] | None) -> str | None:
+    """The record of the fixed spec a PyTorchJob was made from (None: not recorded, e.g. by an
+    older operator); :func:`gpuop.spec.fixed_spec_changes` reads it."""
+    record = (((job or {}).get("metadata") or {}).get("annotations") or {}).get(CREATED_FROM_ANNOTATION)
+    return record if isinstance(record, str) else None
 
 
 def owner_uid(obj: Mapping[str, Any]) -> str | None:

@@ -37,7 +37,7 @@ from gpuop.derive import (
     status_patch,
 )
 from gpuop.kube import ApiError, Kube
-from gpuop.render import CREATED_FROM_ANNOTATION, render_pytorchjob
+from gpuop.render import render_pytorchjob
 from gpuop.schema import SpecError
 from gpuop.scrape import TrainerMetrics, parse_metrics
 from gpuop.settings import OperatorSettings
@@ -220,9 +220,10 @@ class Reconciler:
             )
             self._write_status(tracked, previous, observation, Thresholds(stall_timeout_seconds=0))
             return "invalid"
-        training = view.training
+        training, desired = view.training, view.desired
+        assert desired is not None  # rendered whenever it parsed
 
-        outcome, conflict = self._ensure_child(tracked, training, view.desired or {})
+        outcome, conflict = self._ensure_child(tracked, training, desired)
         child = tracked.child if conflict is None else None
         pods = tracked.pods
         if (
@@ -277,14 +278,11 @@ class Reconciler:
     @staticmethod
     def _not_applied(view: _SpecView, child: Mapping[str, Any] | None) -> tuple[str, ...]:
         """Fixed fields changed since the child was made (remembered per record and generation)."""
-        record = (((child or {}).get("metadata") or {}).get("annotations") or {}).get(CREATED_FROM_ANNOTATION)
-        if view.training is None or not isinstance(record, str):
+        record = observe.created_from(child)
+        if view.training is None or record is None:
             return ()
         if record not in view.not_applied:
-            created_from = observe.created_from(child)
-            view.not_applied[record] = (
-                fixed_spec_changes(created_from, view.training.spec) if created_from is not None else ()
-            )
+            view.not_applied[record] = fixed_spec_changes(record, view.training.spec)
         return view.not_applied[record]
 
     def _ensure_child(

@@ -12,7 +12,6 @@ PET_NODE_RANK, PET_NPROC_PER_NODE (fixed jobs) and PET_RDZV_* (elastic jobs).
 
 from __future__ import annotations
 
-import json
 from typing import Any, Final
 
 from gpuop.quantity import MI, format_bytes, parse_quantity
@@ -23,7 +22,7 @@ from gpuop.spec import (
     GpuTrainingSpec,
     Toleration,
     VolumeSource,
-    fixed_spec,
+    fixed_spec_record,
 )
 from gputrain.contract import (
     METRICS_PORT,
@@ -419,7 +418,7 @@ def render_pytorchjob(training: GpuTraining, *, default_image: str = DEFAULT_TRA
     if spec.scheduling.queue_name is not None:
         job_labels[QUEUE_LABEL] = spec.scheduling.queue_name
     metadata["labels"] = job_labels
-    created_from = json.dumps(fixed_spec(spec), separators=(",", ":"), sort_keys=True)
+    created_from = fixed_spec_record(spec)
     # Annotations share a 256 KiB budget; a spec with huge env values goes without the record
     # (and without the SpecNotApplied check) rather than fail to create its job.
     if len(created_from) <= _CREATED_FROM_MAX_BYTES:

@@ -10,6 +10,7 @@ server applies the same defaults and CEL rules.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -750,18 +751,27 @@ def fixed_spec(spec: GpuTrainingSpec) -> dict[str, Any]:
     return {k: v for k, v in encode(spec).items() if k not in MUTABLE_SPEC_FIELDS}
 
 
-def fixed_spec_changes(created_from: Mapping[str, Any], spec: GpuTrainingSpec) -> tuple[str, ...]:
+def fixed_spec_record(spec: GpuTrainingSpec) -> str:
+    """:func:`fixed_spec` as the compact JSON a PyTorchJob carries (read by :func:`fixed_spec_changes`)."""
+    return json.dumps(fixed_spec(spec), separators=(",", ":"), sort_keys=True)
+
+
+def fixed_spec_changes(record: str, spec: GpuTrainingSpec) -> tuple[str, ...]:
     """The fixed fields that differ between what a job was created from and ``spec`` now.
 
     The CRD's transition rules refuse such changes; this catches those that got past a CRD
-    without them (applied before the CRD was upgraded). ``created_from`` is decoded with
-    today's model, so a field added by an operator upgrade takes its default on both sides
-    and is no change. One entry per leaf, e.g. ``spec.workers (2 -> 4)``; nothing when the
-    record cannot be read (written by a newer operator).
+    without them (applied before the CRD was upgraded). ``record`` (from
+    :func:`fixed_spec_record`) is decoded with today's model, so a field added by an operator
+    upgrade takes its default on both sides and is no change. One entry per leaf, e.g.
+    ``spec.workers (2 -> 4)``; nothing when the record cannot be read (not JSON, or written by
+    a newer operator).
     """
     try:
-        before = decode(GpuTrainingSpec, dict(created_from), "spec")
-    except SpecError:
+        created_from = json.loads(record)
+        if not isinstance(created_from, dict):
+            return ()
+        before = decode(GpuTrainingSpec, created_from, "spec")
+    except (ValueError, SpecError):
         return ()
     changes: list[str] = []
     for field in dataclasses.fields(GpuTrainingSpec):

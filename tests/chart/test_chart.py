@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -142,28 +143,14 @@ def test_the_chart_crd_is_crds_gputraining_byte_for_byte() -> None:
 
 
 def test_crds_can_be_left_to_the_user() -> None:
-    kinds = {o["kind"] for o in template({"crds.install": False})}
-    crds = [
-        o["metadata"]["name"]
-        for o in template({"crds.install": False})
-        if o["kind"] == "CustomResourceDefinition"
-    ]
+    objects = template({"crds.install": False})
+    kinds = {o["kind"] for o in objects}
+    crds = [o["metadata"]["name"] for o in _of_kind(objects, "CustomResourceDefinition")]
     assert "Deployment" in kinds
     assert "gputrainings.gpuop.io" not in crds  # only Kopf's peering CRDs, from crds/
 
 
 # -- values: documented and strictly checked ------------------------------------------------
-
-
-def _leaves(tree: dict[str, Any], prefix: str = "") -> list[str]:
-    out = []
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict) and value and key not in ("resources", "requests", "limits"):
-            out += _leaves(value, path + ".")
-        else:
-            out.append(path)
-    return out
 
 
 def test_every_value_is_documented() -> None:
@@ -196,6 +183,9 @@ def test_every_value_is_documented() -> None:
     assert undocumented == [], f"values without a '# --' comment: {undocumented}"
 
 
+_OPTIONAL = {"ephemeral-storage", "cpu"}  # resource names the schema allows but values.yaml leaves out
+
+
 def test_the_schema_knows_every_value_and_no_other() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     schema = yaml.safe_load((CHART / "values.schema.json").read_text())
@@ -216,9 +206,6 @@ def test_the_schema_knows_every_value_and_no_other() -> None:
             keys(value, props[key], f"{prefix}{key}.")
 
     keys(values, schema)
-
-
-_OPTIONAL = {"ephemeral-storage", "cpu"}  # resource names the schema allows but values.yaml leaves out
 
 
 REFUSED_VALUES: list[tuple[dict[str, Any], str]] = [
@@ -283,11 +270,7 @@ def test_the_deployment_is_restricted_and_its_settings_are_valid(
 
 def test_image_tag_defaults_to_the_app_version() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    project = yaml.safe_load(
-        re.sub(r"(?s)^.*?\[project\]\n(.*?)\n\[.*$", r"\1", (ROOT / "pyproject.toml").read_text()).replace(
-            " = ", ": "
-        )
-    )
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert chart["appVersion"] == project["version"]
     (container,) = _deployment(template())["spec"]["template"]["spec"]["containers"]
     assert container["image"].endswith(":" + chart["appVersion"])

@@ -6,39 +6,23 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from gputrain.metrics import Progress
 from support.apiserver import ApiServer
-from support.cluster import JOBS, TRAININGS, Cluster, cluster, training, wait_for
+from support.cluster import (
+    JOBS,
+    RUNNING,
+    TRAININGS,
+    Cluster,
+    admit_all,
+    cluster,
+    stranger_job,
+    training,
+    wait_for,
+)
 from support.kubeflow import all_errors
-
-RUNNING = Progress(
-    epoch=1, total_epochs=2, step=30, total_steps=100, loss=0.9, accuracy=None,
-    samples_per_second=512.0, estimated_remaining_seconds=140.0,
-)  # fmt: skip
-
-
-def _admission(server: ApiServer) -> None:
-    server.validate_gputrainings()
-    server.validate_pytorchjobs()
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[Cluster]:
-    with cluster(tmp_path, _admission) as running:
-        yield running
-
-
-@pytest.fixture
-def lax(tmp_path: Path) -> Iterator[Cluster]:
-    """No GpuTraining admission: objects that got past an older CRD, or none at all."""
-    with cluster(tmp_path, lambda s: s.validate_pytorchjobs()) as running:
-        yield running
 
 
 def _result(**figures: Any) -> dict[str, Any]:
@@ -214,13 +198,7 @@ def test_invalid_specs_fail_once_with_the_parse_error_and_others_run(lax: Cluste
 
 
 def test_a_stranger_with_our_name_is_never_touched(env: Cluster) -> None:
-    stranger = {
-        "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
-        "metadata": {"name": "taken", "namespace": "default"},
-        "spec": {"pytorchReplicaSpecs": {"Master": {"replicas": 1, "template": {"spec": {
-            "containers": [{"name": "pytorch", "image": "someone/else"}]}}}}},
-    }  # fmt: skip
-    env.api.call(env.server.create, JOBS, stranger)
+    env.api.call(env.server.create, JOBS, stranger_job("taken"))
     version = env.get(JOBS, "taken")["metadata"]["resourceVersion"]
     env.start_operator()
     env.apply(training("taken"))
@@ -265,7 +243,7 @@ def test_killed_at_random_points_and_restarted_makes_exactly_one_job_each(env: C
 
 def test_api_faults_are_retried_and_every_job_converges(tmp_path: Path) -> None:
     def faulty(server: ApiServer) -> None:
-        _admission(server)
+        admit_all(server)
         server.faults.rate = 0.25
 
     with cluster(tmp_path, faulty) as env:

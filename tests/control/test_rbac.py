@@ -10,33 +10,13 @@ mode, and every rule must have been used: nothing missing, nothing more.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
-
-from gputrain.metrics import Progress
-from support.apiserver import ApiServer
-from support.cluster import JOBS, Cluster, cluster, training, wait_for
+from support.cluster import JOBS, RUNNING, Cluster, stranger_job, training, wait_for
 from support.helm import rules, template
 
 PEERING = "gpu-training-operator"
-RUNNING = Progress(
-    epoch=1, total_epochs=2, step=30, total_steps=100, loss=0.9, accuracy=None,
-    samples_per_second=512.0, estimated_remaining_seconds=140.0,
-)  # fmt: skip
 Request = tuple[str, str, str, str | None, str | None]  # verb, group, resource, namespace, name
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[Cluster]:
-    def admission(server: ApiServer) -> None:
-        server.validate_gputrainings()
-        server.validate_pytorchjobs()
-
-    with cluster(tmp_path, admission) as running:
-        yield running
 
 
 def _scenario(env: Cluster, operator_args: tuple[str, ...]) -> set[Request]:
@@ -65,10 +45,7 @@ def _scenario(env: Cluster, operator_args: tuple[str, ...]) -> set[Request]:
     )
 
     # A stranger's job under the wanted name: the 409 is followed by a read.
-    stranger = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "b", "namespace": "default"},
-                "spec": {"pytorchReplicaSpecs": {"Master": {"replicas": 1, "template": {"spec": {"containers": [
-                    {"name": "pytorch", "image": "someone/else:1"}]}}}}}}  # fmt: skip
-    env.api.call(env.server.create, JOBS, stranger)
+    env.api.call(env.server.create, JOBS, stranger_job("b"))
     env.apply(training("b"))
     wait_for("NameConflict", lambda: env.condition("b", "NameConflict"))
 

@@ -44,6 +44,29 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0, every: 
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what} (last: {last!r})")
 
 
+# A trainer's figures mid-run, as the tests' trainer pods report them.
+RUNNING = Progress(
+    epoch=1, total_epochs=2, step=30, total_steps=100, loss=0.9, accuracy=None,
+    samples_per_second=512.0, estimated_remaining_seconds=140.0,
+)  # fmt: skip
+
+
+def admit_all(server: ApiServer) -> None:
+    """Admission as in a cluster with our CRD and Kubeflow's training-operator."""
+    server.validate_gputrainings()
+    server.validate_pytorchjobs()
+
+
+def stranger_job(name: str) -> dict[str, Any]:
+    """A PyTorchJob someone else made: no owner, no operator label."""
+    return {
+        "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"pytorchReplicaSpecs": {"Master": {"replicas": 1, "template": {"spec": {
+            "containers": [{"name": "pytorch", "image": "someone/else"}]}}}}},
+    }  # fmt: skip
+
+
 def training(name: str, namespace: str = "default", **spec: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
         "apiVersion": "gpuop.io/v1alpha1",

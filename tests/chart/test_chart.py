@@ -71,6 +71,13 @@ _MONITOR_SPECS = {
 }  # fmt: skip
 
 
+# The chart's own kopf.dev CRDs, read once: kind -> openAPIV3Schema.
+_PEERING_SCHEMAS = {
+    crd["spec"]["names"]["kind"]: crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    for crd in yaml.safe_load_all((CHART / "crds" / "kopf-peerings.yaml").read_text())
+}
+
+
 def _validate(obj: dict[str, Any], version: str) -> None:
     kind = obj["kind"]
     if kind in _MONITOR_SPECS:
@@ -82,12 +89,10 @@ def _validate(obj: dict[str, Any], version: str) -> None:
         }
         jsonschema.validate(obj["spec"], schema)
     elif obj["apiVersion"] == "kopf.dev/v1":
-        crd = next(c for c in yaml.safe_load_all((CHART / "crds" / "kopf-peerings.yaml").read_text())
-                   if c["spec"]["names"]["kind"] == kind)  # fmt: skip
         body = {
             k: v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata")
         }  # implicit in every CRD
-        assert crdschema.validate(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"], body) == []
+        assert crdschema.validate(_PEERING_SCHEMAS[kind], body) == []
     else:
         kubernetes_validate.validate(obj, version, strict=True)
 

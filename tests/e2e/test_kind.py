@@ -12,13 +12,13 @@ import json
 import os
 import shutil
 import subprocess
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import yaml
 
+from support.cluster import wait_for
 from support.crdschema import ROOT
 from support.helm import CHART, helm_binary
 
@@ -53,19 +53,9 @@ def kubectl(*args: str, **kwargs: Any) -> str:
     return sh("kubectl", "--context", f"kind-{CLUSTER}", *args, **kwargs)
 
 
-def wait_until(what: str, check: Any, timeout: float, every: float = 5.0) -> Any:
-    """Poll ``check`` until it returns something truthy; kubectl failures count as 'not yet'."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-            if last:
-                return last
-        except AssertionError as exc:
-            last = str(exc)[-500:]
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what} (last: {last!r})")
+def wait_until(what: str, check: Callable[[], Any], timeout: float) -> Any:
+    """Poll every 5 s; a kubectl that fails meanwhile is 'not yet'."""
+    return wait_for(what, check, timeout, every=5.0, tolerate=(AssertionError,))
 
 
 @pytest.fixture(scope="module")

@@ -32,14 +32,24 @@ GPUOP = str(Path(sys.executable).with_name("gpuop"))
 STAMP = "%Y-%m-%dT%H:%M:%SZ"
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0, every: float = 0.1) -> Any:
-    """Poll until ``check`` returns something truthy; fail naming ``what``."""
+def wait_for(
+    what: str,
+    check: Callable[[], Any],
+    timeout: float = 20.0,
+    every: float = 0.1,
+    tolerate: tuple[type[Exception], ...] = (),
+) -> Any:
+    """Poll until ``check`` returns something truthy; fail naming ``what``. Exceptions of the
+    ``tolerate`` kinds (a command that fails while a cluster settles) count as 'not yet'."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
+        try:
+            last = check()
+            if last:
+                return last
+        except tolerate as exc:
+            last = str(exc)[-500:]
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what} (last: {last!r})")
 

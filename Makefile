@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HELM := $(BIN)/helm
 CHART := charts/gpu-training-operator
 
-.PHONY: test run lint typecheck unit crd crds e2e clean
+.PHONY: test run lint typecheck unit crd crds e2e gpu clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,13 @@ unit: $(STAMP) $(HELM)
 ## e2e: the kind tests (need Docker and kind; they skip without them)
 e2e: $(STAMP) $(HELM)
 	HELM=$(abspath $(HELM)) $(BIN)/pytest -m e2e tests/e2e
+
+## gpu: on a machine with an NVIDIA GPU (torch from PyPI is its CUDA build there): the GPU tests,
+## then the GPU benchmarks of docs/benchmarks.md
+gpu: $(STAMP)
+	$(BIN)/pytest -m gpu tests/trainer
+	$(BIN)/python bench/gpu_throughput.py
+	$(BIN)/python bench/trainer_throughput.py --device cuda
 
 ## run: set up and train examples/local-digits.yaml here (2 CPU workers, gloo) and print its status
 run: $(STAMP)

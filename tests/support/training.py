@@ -19,12 +19,13 @@ from support.specs import minimal
 RANK_DUMP = ROOT / "tests" / "trainer" / "rank_dump.py"
 
 
-def digits_run(tmp_path: Path, workers: int = 2, **training: Any) -> LocalRun:
-    """A CPU digits run in ``tmp_path``; ``training`` overrides spec.training fields."""
+def digits_run(tmp_path: Path, workers: int = 2, gpus: int = 0, **training: Any) -> LocalRun:
+    """A digits run in ``tmp_path``, on CPU unless ``gpus`` per worker are given; ``training``
+    overrides spec.training fields."""
     settings = {"epochs": 3, "batchSize": 32, "learningRate": 0.003, "precision": "fp32", "logEverySteps": 5}
     settings.update(training)
     body = minimal(
-        gpusPerWorker=0,
+        gpusPerWorker=gpus,
         dataset={"name": "digits", "loaderWorkers": 0},
         training=settings,
         checkpoint={"everySteps": 10, "keep": 3},

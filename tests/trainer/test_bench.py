@@ -1,0 +1,68 @@
+"""The benchmark scripts still run: their flow on a few steps here, not their figures.
+
+They are run by hand on quiet or GPU machines, so a change to the trainer that breaks them
+would otherwise surface only when someone needs a number.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from types import ModuleType
+
+import pytest
+import torch
+
+from support.crdschema import ROOT
+
+BENCH = ROOT / "bench"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_benchmark_times_exactly_the_steps_it_reports() -> None:
+    """Its flow on the CPU: every run restarts the epoch, so each times ``--steps`` real steps."""
+    bench = _load("gpu_throughput")
+    options = ["--model=cnn", "--precision=fp32", "--batch-size=8", "--steps=3", "--warmup=2", "--repeats=2"]
+    args = bench.arguments(options)
+    report = bench.measure(args, torch.device("cpu"))
+    assert report["optimizer_steps_done"] == 2 + 2 * 3
+    assert len(report["images_per_second"]) == 2
+    assert all(rate > 0 for rate in report["images_per_second"])
+    assert report["gpu_utilization_percent_median_per_run"] == []  # no NVML here
+
+
+def test_gpu_benchmark_refuses_to_run_without_a_gpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible here")
+    done = subprocess.run(
+        [sys.executable, BENCH / "gpu_throughput.py"], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip() == "gpu_throughput: no CUDA GPU is visible here; this benchmark measures one"
+
+
+def test_cpu_benchmark_reports_both_loops_and_the_convolution_ceiling() -> None:
+    done = subprocess.run(
+        [sys.executable, BENCH / "trainer_throughput.py", "--steps", "5", "--repeats", "1", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert set(report["median"]) == {"baseline", "gputrain"}
+    assert all(v > 0 for v in report["median"].values())
+    ceiling = report["convolution_ceiling"]
+    assert ceiling["conv_ms_per_step"] > 0
+    assert ceiling["samples_per_second"] > 0

@@ -73,6 +73,10 @@ class LocalRun:
         env[env_name("checkpoint_dir")] = str(self.checkpoint_dir)
         env[env_name("output_dir")] = str(self.output_dir)
         env[env_name("metrics_port")] = str(self.metrics_port)
+        if self.training.spec.gpus_per_worker > 0 and "CUDA_VISIBLE_DEVICES" not in env:
+            # What the device plugin does in a pod: the run sees the GPUs it uses and no others,
+            # so its NVML figures (and the status's GPU figures) are this run's, not the machine's.
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(self.processes))
         # The trainer keys its rendezvous per restart too; this also protects custom code.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         env.setdefault("PYTHONUNBUFFERED", "1")

@@ -235,3 +235,21 @@ def test_run_takes_exactly_one_gputraining(capsys: pytest.CaptureFixture[str], t
     path = write(tmp_path, GOOD.format(name="a") + "---\n" + GOOD.format(name="b"))
     code, _, err = run(capsys, "run", "-f", path)
     assert (code, err) == (2, f"error: {path}: run takes one GpuTraining; the file has 2\n")
+
+
+def test_a_local_gpu_run_sees_only_the_gpus_it_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuop.local import plan
+    from gpuop.spec import parse
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    gpu = parse(
+        yaml.safe_load(GOOD.format(name="g").replace("  workers: 2\n", "  workers: 2\n  gpusPerWorker: 2\n"))
+    )
+    assert plan(gpu, None, tmp_path).environment()["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert plan(gpu, 1, tmp_path).environment()["CUDA_VISIBLE_DEVICES"] == "0,1"
+    cpu = parse(
+        yaml.safe_load(GOOD.format(name="c").replace("  workers: 2\n", "  workers: 2\n  gpusPerWorker: 0\n"))
+    )
+    assert "CUDA_VISIBLE_DEVICES" not in plan(cpu, None, tmp_path).environment()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")  # the user's choice stands
+    assert plan(gpu, 1, tmp_path).environment()["CUDA_VISIBLE_DEVICES"] == "5,7"

@@ -91,6 +91,19 @@ def test_bf16_autocast_on_cpu_trains(tmp_path: Path) -> None:
     assert result["accuracy"] >= 0.9
 
 
+def test_compile_under_ddp_with_accumulation_trains_and_ranks_agree(tmp_path: Path) -> None:
+    """``compile: true`` on 2 ranks: the compiled DDP module with no_sync micro-steps, and a
+    smaller last batch (a recompile) at the end of the epoch."""
+    run = digits_run(tmp_path, epochs=1, compile=True, gradientAccumulationSteps=2)
+    assert finish(run, start(run, dump_ranks=True), timeout=480) == 0, log_of(run)
+    result = json.loads(run.termination_log.read_text())
+    assert (result["phase"], result["step"]) == ("Succeeded", 12)  # 23 micro-batches per rank
+    assert result["accuracy"] >= 0.5, result  # 10 classes: it learns within one epoch
+    first, second = rank_states(run)
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
+
+
 def test_gradient_accumulation_4x8_equals_batch_32(tmp_path: Path) -> None:
     """One optimizer step on 2 ranks: four no_sync micro-steps of 8 == one step of 32.
 

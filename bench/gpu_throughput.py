@@ -24,47 +24,34 @@ import platform
 import statistics
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gpuop.render import trainer_settings
-from gpuop.spec import parse
+from benchlib import rendered_settings, single_process_trainer, time_steps
 from gputrain.contract import TrainerSettings
 from gputrain.data import SyntheticData
-from gputrain.distributed import Cluster
 from gputrain.metrics import GpuMonitor
-from gputrain.train import Position, Trainer
+from gputrain.train import Trainer
 
 SAMPLE_SECONDS = 0.1
 
 
 def settings_for(args: argparse.Namespace, root: Path) -> TrainerSettings:
     """The trainer settings the operator renders for a one-GPU synthetic GpuTraining."""
-    training = parse(
-        {
-            "apiVersion": "gpuop.io/v1alpha1",
-            "kind": "GpuTraining",
-            "metadata": {"name": "bench"},
-            "spec": {
-                "gpusPerWorker": 1,
-                "model": {"name": args.model},
-                "dataset": {"name": "synthetic"},
-                "training": {
-                    "epochs": 1,
-                    "batchSize": args.batch_size,
-                    "precision": args.precision,
-                    "channelsLast": args.channels_last,
-                    "compile": args.compile,
-                },
-                "checkpoint": {"path": str(root / "ck"), "everySteps": 10**9},
-                "output": {"path": str(root / "out")},
-            },
-        }
+    return rendered_settings(
+        root,
+        gpus=1,
+        model=args.model,
+        dataset={"name": "synthetic"},
+        training={
+            "batchSize": args.batch_size,
+            "precision": args.precision,
+            "channelsLast": args.channels_last,
+            "compile": args.compile,
+        },
     )
-    return trainer_settings(training.name, training.spec).replace(metrics_port=0)
 
 
 class UtilizationSampler:
@@ -91,23 +78,12 @@ class UtilizationSampler:
         self._thread.join()
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_steps(trainer: Trainer, steps: int) -> tuple[float, list[float]]:
     """Images/s over ``steps`` optimizer steps of the trainer's epoch loop, and NVML's samples."""
-    trainer.batches = steps
-    trainer.position = Position(epoch=0, next_batch=0, step=trainer.position.step)
     assert trainer.metrics is not None  # rank 0 of a one-process job serves (and reads NVML)
-    _synchronize(trainer.device)
     with UtilizationSampler(trainer.metrics.gpus) as sampler:
-        started = time.perf_counter()
-        trainer._train_epoch(0)
-        _synchronize(trainer.device)
-        elapsed = time.perf_counter() - started
-    return steps * trainer.settings.batch_size / elapsed, sampler.samples
+        seconds = time_steps(trainer, steps)
+    return steps * trainer.settings.batch_size / seconds, sampler.samples
 
 
 def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -117,9 +93,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     how the test suite keeps this script working on machines without one.
     """
     with tempfile.TemporaryDirectory() as tmp:
-        settings = settings_for(args, Path(tmp))
-        cluster = Cluster(rank=0, local_rank=0, world=1, device=device, backend=settings.backend)
-        trainer = Trainer(settings, cluster, termination_log=None)
+        trainer = single_process_trainer(settings_for(args, Path(tmp)), device)
         try:
             data = trainer.data
             assert isinstance(data, SyntheticData)

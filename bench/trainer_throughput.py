@@ -40,13 +40,10 @@ import torch
 from PIL import Image
 from torch.nn import functional
 
-from gpuop.render import trainer_settings
-from gpuop.spec import parse
+from benchlib import rendered_settings, single_process_trainer, synchronize, time_steps
 from gputrain.contract import TrainerSettings
 from gputrain.data import build_data, load_mnist_arrays
-from gputrain.distributed import Cluster
 from gputrain.models import ConvNet
-from gputrain.train import Trainer
 
 
 def write_mnist(root: Path, samples: int) -> None:
@@ -135,7 +132,7 @@ def gputrain_pipeline(root: Path, steps: int, batch: int, device: torch.device) 
             done += 1
             if done == steps:
                 break
-    _synchronize(device)
+    synchronize(device)
     return steps * batch / (time.perf_counter() - started)
 
 
@@ -171,54 +168,33 @@ def convolution_ceiling(batch: int, steps: int = 20) -> dict[str, float]:
     return {"conv_ms_per_step": best, "samples_per_second": batch / (best / 1000)}
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _settings(
     root: Path, batch: int, channels_last: bool, compile_model: bool, device: torch.device
 ) -> TrainerSettings:
     """The settings the operator would render for this benchmark's GpuTraining."""
-    training = parse(
-        {
-            "apiVersion": "gpuop.io/v1alpha1",
-            "kind": "GpuTraining",
-            "metadata": {"name": "bench"},
-            "spec": {
-                "gpusPerWorker": 1 if device.type == "cuda" else 0,
-                "model": {"name": "cnn"},
-                "dataset": {"name": "mnist", "path": str(root), "loaderWorkers": 0},
-                "training": {
-                    "epochs": 1,
-                    "batchSize": batch,
-                    "precision": "fp32",
-                    "maxGradNorm": 0,
-                    "channelsLast": channels_last,
-                    "compile": compile_model,
-                    "logEverySteps": 50,
-                },
-                "checkpoint": {"path": str(root / "ck"), "everySteps": 10**9},
-                "output": {"path": str(root / "out")},
-            },
-        }
+    return rendered_settings(
+        root,
+        gpus=1 if device.type == "cuda" else 0,
+        model="cnn",
+        dataset={"name": "mnist", "path": str(root), "loaderWorkers": 0},
+        training={
+            "batchSize": batch,
+            "precision": "fp32",
+            "maxGradNorm": 0,
+            "channelsLast": channels_last,
+            "compile": compile_model,
+            "logEverySteps": 50,
+        },
     )
-    return trainer_settings(training.name, training.spec).replace(metrics_port=0)
 
 
 def gputrain_loop(
     root: Path, steps: int, batch: int, channels_last: bool, compile_model: bool, device: torch.device
 ) -> float:
     """Samples per second of gputrain's epoch loop, single process, same model and data."""
-    settings = _settings(root, batch, channels_last, compile_model, device)
-    cluster = Cluster(rank=0, local_rank=0, world=1, device=device, backend=settings.backend)
-    trainer = Trainer(settings, cluster, termination_log=None)
-    trainer.batches = steps
+    trainer = single_process_trainer(_settings(root, batch, channels_last, compile_model, device), device)
     try:
-        started = time.perf_counter()
-        trainer._train_epoch(0)
-        _synchronize(device)
-        return steps * batch / (time.perf_counter() - started)
+        return steps * batch / time_steps(trainer, steps)
     finally:
         trainer.close()
 

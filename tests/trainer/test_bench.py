@@ -20,7 +20,9 @@ from support.crdschema import ROOT
 BENCH = ROOT / "bench"
 
 
-def _load(name: str) -> ModuleType:
+def _load(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """A script as a module; its directory on the path, as ``python bench/<name>.py`` puts it."""
+    monkeypatch.syspath_prepend(str(BENCH))
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     assert spec is not None
     assert spec.loader is not None
@@ -29,9 +31,9 @@ def _load(name: str) -> ModuleType:
     return module
 
 
-def test_gpu_benchmark_times_exactly_the_steps_it_reports() -> None:
+def test_gpu_benchmark_times_exactly_the_steps_it_reports(monkeypatch: pytest.MonkeyPatch) -> None:
     """Its flow on the CPU: every run restarts the epoch, so each times ``--steps`` real steps."""
-    bench = _load("gpu_throughput")
+    bench = _load("gpu_throughput", monkeypatch)
     options = ["--model=cnn", "--precision=fp32", "--batch-size=8", "--steps=3", "--warmup=2", "--repeats=2"]
     args = bench.arguments(options)
     report = bench.measure(args, torch.device("cpu"))

@@ -82,8 +82,9 @@ class Trainer:
 
         torch.manual_seed(settings.seed)  # the same initial weights on every rank
         if self.device.type == "cuda":
-            # Every batch of a run has the same shape, so timing cuDNN's algorithms once per
-            # layer shape pays for itself within the first steps.
+            # A run's batches share one shape (an epoch's smaller last batch and the evaluation
+            # aside), so timing cuDNN's algorithms once per layer shape pays for itself within
+            # the first steps.
             torch.backends.cudnn.benchmark = True
         self.data: DataSource = build_data(settings, cluster.rank, cluster.world, self.device)
         self.model = build_model(

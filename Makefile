@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HELM := $(BIN)/helm
 CHART := charts/gpu-training-operator
 
-.PHONY: test run lint typecheck unit crd crds e2e gpu clean
+.PHONY: test run lint typecheck unit crd crds e2e gpu clean controlplane controlplane-down controlplane-binaries
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,25 @@ $(STAMP): pyproject.toml constraints.txt
 $(HELM): tests/support/fetch_helm.py | $(STAMP)
 	$(BIN)/python tests/support/fetch_helm.py $(HELM)
 
-## test: set up .venv and helm, run every check (lint, strict types, the CRD is current, pytest)
-test: $(STAMP) $(HELM) lint typecheck crd unit
+# The real control plane (etcd, kube-apiserver, kube-controller-manager, kubectl), built from
+# the Go modules in tests/controlplane/ into ~/.cache/gpuop (once per machine; see the script).
+CONTROLPLANE := PYTHONPATH=tests $(BIN)/python -m support.controlplane
+
+## test: set up .venv, helm and the control-plane binaries, run every check (lint, strict types,
+## the CRD is current, pytest: unit, chart, operator, trainer, and the real control-plane suite)
+test: $(STAMP) $(HELM) controlplane-binaries lint typecheck crd unit
+
+## controlplane-binaries: build (or find cached) etcd, kube-apiserver, kube-controller-manager, kubectl
+controlplane-binaries: $(STAMP)
+	$(CONTROLPLANE) build
+
+## controlplane: start a real control plane on loopback; writes .controlplane/kubeconfig and .controlplane/bin/
+controlplane: $(STAMP)
+	$(CONTROLPLANE) up
+
+## controlplane-down: stop what `make controlplane` started and remove .controlplane/
+controlplane-down: $(STAMP)
+	$(CONTROLPLANE) down
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

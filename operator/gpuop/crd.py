@@ -89,7 +89,9 @@ def build_crd() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string", "description": "The API version, gpuop.io/v1alpha1."},
             "kind": {"type": "string", "description": "GpuTraining."},
-            "metadata": {"type": "object"},
+            # Declared so that the name rule's fieldPath points at something: the API server
+            # refuses a fieldPath outside the schema (".metadata.name: must be a valid path").
+            "metadata": {"type": "object", "properties": {"name": {"type": "string"}}},
             "spec": spec,
             "status": openapi_schema(
                 GpuTrainingStatus, "What the operator observed. Written by the operator."

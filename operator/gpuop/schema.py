@@ -314,7 +314,8 @@ def _decode_list(
         for index, item in enumerate(raw):
             key = item.get(doc.list_map_key)
             if key in seen:
-                problems.append(Problem(f"{path}[{index}].{doc.list_map_key}", f"duplicate {_show(key)}"))
+                # The item, as the API server names a list-map duplicate ("spec.env[1]: Duplicate value").
+                problems.append(Problem(f"{path}[{index}]", f"duplicate {doc.list_map_key} {_show(key)}"))
             seen.add(key)
     return None if len(problems) > before else tuple(items)
 
@@ -442,7 +443,8 @@ def openapi_schema(cls: type, description: str) -> dict[str, Any]:
         if rules:
             schema["x-kubernetes-validations"] = rules
         properties[slot.key] = schema
-    schema = {"type": "object", "description": description, "properties": properties}
+    # No empty description: the API server drops it (list items carry theirs on the list).
+    schema = {"type": "object", **({"description": description} if description else {}), "properties": properties}
     if required:
         schema["required"] = required
     rules = [_cel(rule) for rule in _class_rules(cls)]

@@ -202,7 +202,7 @@ BAD_SPECS: list[tuple[str, dict[str, Any], list[str]]] = [
     (
         "duplicate env",
         {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]},
-        ['spec.env[1].name: duplicate "A"'],
+        ['spec.env[1]: duplicate name "A"'],
     ),
     (
         "env with value and valueFrom",

@@ -1,0 +1,615 @@
+"""A real Kubernetes control plane on loopback: etcd, kube-apiserver, kube-controller-manager.
+
+Built from their Go modules (``tests/controlplane/go.mod``: ``k8s.io/kubernetes`` and
+``go.etcd.io/etcd/server/v3`` at pinned versions, go.sum committed) with the ordinary ``go``
+client, once per machine: the binaries are cached outside the work tree, keyed by a hash of
+go.mod and go.sum, so a version bump rebuilds and a second run starts in seconds.
+
+The same code serves ``make controlplane`` (``python -m support.controlplane up``: a detached
+supervisor that owns the three processes until ``down``) and the session fixture of the
+control-plane suite (:class:`ControlPlane` in the pytest process). Either way every child
+gets ``PR_SET_PDEATHSIG``: when whatever started it dies, even by SIGKILL, the kernel kills
+it too, so a crash or Ctrl-C leaves no orphan etcd or apiserver behind.
+
+What makes it a real cluster's control plane rather than a test server: TLS with a CA of its
+own, client certificates (the admin in ``system:masters``, the controller-manager as
+``system:kube-controller-manager``), a service-account signing key (the TokenRequest API
+works, tokens are verified), ``--authorization-mode=Node,RBAC`` and the default admission
+chain plus NodeRestriction, as kubeadm configures them; the controller-manager runs every
+default controller (garbage collector, namespace, service-account and token controllers...).
+No kubelet and no scheduler: nothing here runs pods.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Final
+
+ROOT: Final = Path(__file__).resolve().parents[2]
+MODULE: Final = ROOT / "tests" / "controlplane"
+STATE: Final = ROOT / ".controlplane"
+# Binary name -> Go package; `go build -o DIR/` names a /vN package after its parent directory,
+# so etcd's (…/server/v3) comes out as "server" and is renamed.
+PACKAGES: Final = {
+    "kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
+    "kube-controller-manager": "k8s.io/kubernetes/cmd/kube-controller-manager",
+    "kubectl": "k8s.io/kubernetes/cmd/kubectl",
+    "etcd": "go.etcd.io/etcd/server/v3",
+}
+SERVICE_CIDR: Final = "10.96.0.0/16"
+SERVICE_ACCOUNT_ISSUER: Final = "https://kubernetes.default.svc.cluster.local"
+
+Say = Callable[[str], None]
+
+
+def _say(message: str) -> None:
+    print(f"controlplane: {message}", file=sys.stderr, flush=True)
+
+
+# -- building -----------------------------------------------------------------------------
+
+
+def versions() -> dict[str, str]:
+    """The pinned versions, read from the tools module: {"kubernetes": "v1.35.4", "etcd": ...}."""
+    text = (MODULE / "go.mod").read_text()
+    found = {}
+    for name, module in (("kubernetes", "k8s.io/kubernetes"), ("etcd", "go.etcd.io/etcd/server/v3")):
+        match = re.search(rf"^\s*{re.escape(module)}\s+(v\S+)", text, re.MULTILINE)
+        if match is None:
+            raise RuntimeError(f"{MODULE / 'go.mod'} does not require {module}")
+        found[name] = match.group(1)
+    return found
+
+
+def cache_root() -> Path:
+    base = os.environ.get("GPUOP_CACHE") or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "gpuop"
+
+
+def binaries_dir() -> Path:
+    """Where this go.mod + go.sum's binaries live (or will): outside the work tree, keyed by
+    the versions, the module files and the version stamps."""
+    digest = hashlib.sha256(_version_ldflags(versions()["kubernetes"]).encode())
+    for name in ("go.mod", "go.sum"):
+        digest.update((MODULE / name).read_bytes())
+    v = versions()
+    return cache_root() / "controlplane" / f"k8s-{v['kubernetes']}-etcd-{v['etcd']}-{digest.hexdigest()[:12]}"
+
+
+def ensure_binaries(say: Say = _say) -> Path:
+    """The cached binaries, built first when missing. Safe to call from several processes."""
+    target = binaries_dir()
+    if all((target / name).is_file() for name in PACKAGES):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with (target.parent / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same thing
+        if not all((target / name).is_file() for name in PACKAGES):
+            _build(target, say)
+    return target
+
+
+def _version_ldflags(version: str) -> str:
+    """What Kubernetes' own build stamps in (hack/lib/version.sh): without it the binaries call
+    themselves v0.0.0-master, and helm refuses any chart with a kubeVersion constraint."""
+    major, minor = version.lstrip("v").split(".")[:2]
+    stamps = {"gitVersion": version, "gitMajor": major, "gitMinor": minor, "gitTreeState": "clean",
+              "buildDate": "1970-01-01T00:00:00Z"}  # fmt: skip
+    flags = ["-s", "-w"]
+    for package in ("k8s.io/client-go/pkg/version", "k8s.io/component-base/version"):
+        flags += [f"-X {package}.{key}={value}" for key, value in stamps.items()]
+    return " ".join(flags)
+
+
+def _build(target: Path, say: Say) -> None:
+    go = shutil.which("go")
+    if go is None:
+        raise RuntimeError("the control plane is built from Go modules and `go` is not on PATH (Go >= 1.25)")
+    v = versions()
+    say(
+        f"building kube-apiserver, kube-controller-manager, kubectl {v['kubernetes']} and etcd {v['etcd']} "
+        f"from their Go modules into {target} (once per machine: measured 4 min on 2 cores with "
+        "the Go modules downloaded, which are ~850 MB more)"
+    )
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+    env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=readonly"}
+    command = [go, "build", "-v", "-trimpath", f"-ldflags={_version_ldflags(v['kubernetes'])}",
+               "-o", f"{staging}/", *PACKAGES.values()]  # fmt: skip
+    started = time.monotonic()
+    process = subprocess.Popen(
+        command, cwd=MODULE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert process.stdout is not None
+    compiled, last_report, tail = 0, started, []
+    for line in process.stdout:
+        compiled += 1
+        tail = [*tail[-40:], line.rstrip()]
+        if time.monotonic() - last_report >= 30:
+            last_report = time.monotonic()
+            say(f"  {compiled} packages compiled, {last_report - started:.0f}s (now {line.strip()})")
+    if process.wait() != 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise RuntimeError("go build failed:\n" + "\n".join(tail))
+    (staging / "server").rename(staging / "etcd")
+    staging.rename(target)
+    for old in target.parent.glob("k8s-*"):  # other versions' binaries: 420 MB each
+        if old != target:
+            shutil.rmtree(old, ignore_errors=True)
+    say(f"built in {time.monotonic() - started:.0f}s")
+
+
+# -- certificates -------------------------------------------------------------------------
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    result = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"openssl {' '.join(args)}: {result.stderr.strip()}")
+
+
+@dataclass(frozen=True)
+class CertificateAuthority:
+    """The control plane's CA: it signs the apiserver's serving cert, the client certs, and
+    serving certs for webhooks the tests run (their caBundle is :attr:`cert`)."""
+
+    directory: Path
+
+    @property
+    def cert(self) -> Path:
+        return self.directory / "ca.crt"
+
+    @property
+    def key(self) -> Path:
+        return self.directory / "ca.key"
+
+    @classmethod
+    def create(cls, directory: Path) -> CertificateAuthority:
+        directory.mkdir(parents=True, exist_ok=True)
+        _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                 "-keyout", "ca.key", "-out", "ca.crt", "-days", "3650", "-subj", "/CN=gpuop-test-ca",
+                 cwd=directory)  # fmt: skip
+        return cls(directory)
+
+    def issue(
+        self, name: str, common_name: str, *, organization: str | None = None, sans: Sequence[str] = ()
+    ) -> tuple[Path, Path]:
+        """A key and a certificate signed by this CA: (cert, key). ``sans`` like "IP:127.0.0.1"."""
+        subject = f"/CN={common_name}" + (f"/O={organization}" if organization else "")
+        _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                 "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject, cwd=self.directory)  # fmt: skip
+        extensions = self.directory / f"{name}.ext"
+        usage = "serverAuth" if sans else "clientAuth"
+        lines = ["basicConstraints=CA:FALSE", "keyUsage=digitalSignature,keyEncipherment",
+                 f"extendedKeyUsage={usage}"]  # fmt: skip
+        if sans:
+            lines.append("subjectAltName=" + ",".join(sans))
+        extensions.write_text("\n".join(lines) + "\n")
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.crt", "-days", "3650", "-extfile", extensions.name, cwd=self.directory)  # fmt: skip
+        return self.directory / f"{name}.crt", self.directory / f"{name}.key"
+
+
+def kubeconfig(server: str, ca: Path, *, user: str, cert: Path | None = None, key: Path | None = None,
+               token: str | None = None) -> str:  # fmt: skip
+    """A kubeconfig document for one user of this cluster (a client cert or a bearer token)."""
+    credentials: dict[str, str] = {}
+    if cert is not None and key is not None:
+        credentials = {"client-certificate": str(cert), "client-key": str(key)}
+    if token is not None:
+        credentials = {"token": token}
+    return json.dumps(
+        {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "gpuop-test", "cluster": {"server": server, "certificate-authority": str(ca)}}],
+            "users": [{"name": user, "user": credentials}],
+            "contexts": [{"name": user, "context": {"cluster": "gpuop-test", "user": user}}],
+            "current-context": user,
+        },
+        indent=1,
+    )
+
+
+# -- processes ----------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """Run in the child before exec: SIGKILL it when the process that started it dies."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class StartError(RuntimeError):
+    """A component did not come up; ``port_clash`` when it lost a race for its port."""
+
+    def __init__(self, message: str, port_clash: bool = False) -> None:
+        super().__init__(message)
+        self.port_clash = port_clash
+
+
+@dataclass
+class Component:
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class ControlPlane:
+    """etcd + kube-apiserver + kube-controller-manager under ``workdir``, on loopback ports."""
+
+    def __init__(self, workdir: Path, binaries: Path, say: Say = _say) -> None:
+        self.workdir = workdir
+        self.binaries = binaries
+        self.say = say
+        self.components: list[Component] = []
+        self.pki = workdir / "pki"
+        self.ca = CertificateAuthority(self.pki)
+        self.apiserver_port = 0
+        self.kubeconfig = workdir / "kubeconfig"
+        self.audit_log = workdir / "audit.log"
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.apiserver_port}"
+
+    def binary(self, name: str) -> Path:
+        return self.binaries / name
+
+    # -- start and stop -------------------------------------------------------------------
+
+    def start(self, timeout: float = 120.0) -> None:
+        started = time.monotonic()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._make_pki()
+        for attempt in range(3):
+            try:
+                self._start_once(timeout)
+                break
+            except StartError as exc:
+                self.stop()
+                if not exc.port_clash or attempt == 2:
+                    raise
+                self.say(f"{exc}; trying other ports")
+        self.say(f"ready at {self.server} in {time.monotonic() - started:.1f}s; kubeconfig {self.kubeconfig}")
+
+    def _start_once(self, timeout: float) -> None:
+        etcd_client, etcd_peer = free_port(), free_port()
+        self.apiserver_port, controller_manager_port = free_port(), free_port()
+        data = self.workdir / "etcd"
+        shutil.rmtree(data, ignore_errors=True)
+        self._spawn("etcd", [
+            f"--data-dir={data}", "--name=gpuop-test",
+            f"--listen-client-urls=http://127.0.0.1:{etcd_client}",
+            f"--advertise-client-urls=http://127.0.0.1:{etcd_client}",
+            f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
+            f"--initial-cluster=gpuop-test=http://127.0.0.1:{etcd_peer}",
+            # Test data is thrown away: no fsync per write (a 2-core CI machine's disk is slow).
+            "--unsafe-no-fsync", "--quota-backend-bytes=2147483648", "--log-level=warn",
+        ])  # fmt: skip
+        self._wait(f"http://127.0.0.1:{etcd_client}/health", "etcd", timeout, tls=False)
+        pki = self.pki
+        self._spawn("kube-apiserver", [
+            f"--etcd-servers=http://127.0.0.1:{etcd_client}",
+            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self.apiserver_port}",
+            f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
+            f"--client-ca-file={self.ca.cert}",
+            f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+            f"--service-account-key-file={pki / 'sa.pub'}",
+            f"--service-account-signing-key-file={pki / 'sa.key'}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            # As kubeadm configures a cluster: Node and RBAC authorizers, the default admission
+            # chain (ServiceAccount, webhooks, ResourceQuota, PodSecurity...) plus NodeRestriction.
+            "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
+            "--allow-privileged=true", "--profiling=false", "--v=1",
+            # Every request at Metadata level, as a managed cluster's audit log has it: the
+            # tests read who asked for what and what the authorizer answered.
+            f"--audit-policy-file={self._audit_policy()}", f"--audit-log-path={self.audit_log}",
+            "--audit-log-format=json", "--audit-log-mode=batch", "--audit-log-batch-max-wait=1s",
+        ])  # fmt: skip
+        self._wait(f"{self.server}/readyz", "kube-apiserver", timeout)
+        kcm = self.workdir / "controller-manager.kubeconfig"
+        kcm.write_text(kubeconfig(self.server, self.ca.cert, user="system:kube-controller-manager",
+                                  cert=pki / "controller-manager.crt", key=pki / "controller-manager.key"))  # fmt: skip
+        self._spawn("kube-controller-manager", [
+            f"--kubeconfig={kcm}", f"--authentication-kubeconfig={kcm}", f"--authorization-kubeconfig={kcm}",
+            "--bind-address=127.0.0.1", f"--secure-port={controller_manager_port}",
+            f"--root-ca-file={self.ca.cert}", f"--service-account-private-key-file={pki / 'sa.key'}",
+            f"--cluster-signing-cert-file={self.ca.cert}", f"--cluster-signing-key-file={self.ca.key}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}", "--use-service-account-credentials=true",
+            "--controllers=*,bootstrapsigner,tokencleaner", "--leader-elect=false", "--profiling=false",
+            "--v=1",
+        ])  # fmt: skip
+        self._wait(f"https://127.0.0.1:{controller_manager_port}/healthz", "kube-controller-manager", timeout)
+        self.kubeconfig.write_text(kubeconfig(self.server, self.ca.cert, user="admin",
+                                              cert=pki / "admin.crt", key=pki / "admin.key"))  # fmt: skip
+        # The controllers are really working once the namespace's ServiceAccount exists (pods
+        # cannot be created before) and the root CA is published.
+        self._wait_for_object("/api/v1/namespaces/default/serviceaccounts/default", timeout)
+        self._wait_for_object("/api/v1/namespaces/default/configmaps/kube-root-ca.crt", timeout)
+
+    def _audit_policy(self) -> Path:
+        policy = self.workdir / "audit-policy.json"
+        policy.write_text(json.dumps({
+            "apiVersion": "audit.k8s.io/v1", "kind": "Policy",
+            "omitStages": ["RequestReceived", "ResponseStarted"], "rules": [{"level": "Metadata"}],
+        }))  # fmt: skip
+        return policy
+
+    def audit(self, user: str | None = None) -> list[dict[str, Any]]:
+        """The audit log's events so far (written within about a second), of one user if given."""
+        events = []
+        with contextlib.suppress(FileNotFoundError), self.audit_log.open() as log:
+            for line in log:
+                if line.endswith("\n"):
+                    event = json.loads(line)
+                    if user is None or event.get("user", {}).get("username") == user:
+                        events.append(event)
+        return events
+
+    def _make_pki(self) -> None:
+        if (self.pki / "admin.crt").is_file():
+            return
+        shutil.rmtree(self.pki, ignore_errors=True)
+        ca = CertificateAuthority.create(self.pki)
+        ca.issue("apiserver", "kube-apiserver", sans=[
+            "IP:127.0.0.1", "IP:10.96.0.1", "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
+            "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local",
+        ])  # fmt: skip
+        ca.issue("admin", "kubernetes-admin", organization="system:masters")
+        ca.issue("controller-manager", "system:kube-controller-manager")
+        _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=self.pki)
+        _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=self.pki)
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log = self.workdir / f"{name}.log"
+        with log.open("ab") as out:
+            process = subprocess.Popen(
+                [str(self.binary(name)), *args], stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, cwd=self.workdir,
+            )  # fmt: skip
+        self.components.append(Component(name, process, log))
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.ca.cert))
+        context.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
+        return context
+
+    def _wait(self, url: str, name: str, timeout: float, tls: bool = True) -> None:
+        component = self.components[-1]
+        context = self._ssl_context() if tls else None
+        if tls and name == "kube-controller-manager":  # its serving cert is self-signed
+            context = ssl._create_unverified_context()
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            if component.process.poll() is not None:
+                tail = component.log_tail()
+                clash = "address already in use" in tail
+                raise StartError(f"{name} exited with {component.process.returncode}:\n{tail}", port_clash=clash)
+            try:
+                with urllib.request.urlopen(url, timeout=5, context=context) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, OSError) as exc:
+                last = str(exc)
+            time.sleep(0.2)
+        raise StartError(f"{name} not ready after {timeout:g}s ({last}):\n{component.log_tail()}")
+
+    def _wait_for_object(self, path: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.server + path, timeout=5, context=self._ssl_context()):
+                    return
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.2)
+        raise StartError(f"{path} never appeared: is kube-controller-manager working?\n"
+                         f"{self.components[-1].log_tail()}")  # fmt: skip
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM in reverse order of start, SIGKILL after ``grace`` seconds."""
+        for component in reversed(self.components):
+            if component.process.poll() is None:
+                component.process.terminate()
+                try:
+                    component.process.wait(grace)
+                except subprocess.TimeoutExpired:
+                    component.process.kill()
+                    component.process.wait()
+        self.components.clear()
+
+    def check_alive(self) -> None:
+        for component in self.components:
+            if component.process.poll() is not None:
+                raise RuntimeError(f"{component.name} died ({component.process.returncode}):\n"
+                                   f"{component.log_tail()}")  # fmt: skip
+
+    # -- use ------------------------------------------------------------------------------
+
+    def kubectl(self, *args: str, kubeconfig_path: Path | None = None, input: str | None = None,
+                check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        """The kubectl built with the control plane, as the admin unless told otherwise."""
+        result = subprocess.run(
+            [str(self.binary("kubectl")), f"--kubeconfig={kubeconfig_path or self.kubeconfig}", *args],
+            input=input, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}):\n{result.stderr}")
+        return result
+
+
+@contextlib.contextmanager
+def running(workdir: Path, say: Say = _say) -> Iterator[ControlPlane]:
+    """A started control plane for the duration of the block (the pytest fixture's form)."""
+    plane = ControlPlane(workdir, ensure_binaries(say), say)
+    try:
+        plane.start()
+        yield plane
+    finally:
+        plane.stop()
+
+
+# -- `make controlplane` / `make controlplane-down` ----------------------------------------
+
+
+def _supervise(plane: ControlPlane, ready: IO[str]) -> int:
+    """The detached supervisor's life: start, report to the waiting parent, stay until told."""
+    stop = False
+
+    def on_signal(_signum: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+    try:
+        plane.start()
+    except Exception as exc:  # reported to the parent, which prints it and exits 1
+        ready.write(f"error: {exc}\n")
+        ready.close()
+        plane.stop()
+        return 1
+    ready.write("ok\n")
+    ready.close()
+    while not stop:
+        time.sleep(0.5)
+        try:
+            plane.check_alive()
+        except RuntimeError as exc:
+            (plane.workdir / "supervisor.log").write_text(f"{exc}\n")
+            break
+    plane.stop()
+    return 0
+
+
+def up(state: Path) -> int:
+    pid_file = state / "supervisor.pid"
+    if _alive(pid_file):
+        print(f"already running: export KUBECONFIG={state / 'kubeconfig'}")
+        return 0
+    shutil.rmtree(state, ignore_errors=True)
+    binaries = ensure_binaries()
+    (state / "bin").mkdir(parents=True)
+    for name in PACKAGES:
+        (state / "bin" / name).symlink_to(binaries / name)
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # the supervisor: its own session, so the terminal's Ctrl-C and make's exit spare it
+        os.close(read_end)
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        log = os.open(state / "supervisor.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(devnull, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        pid_file.write_text(f"{os.getpid()}\n")
+        plane = ControlPlane(state, state / "bin", say=lambda m: print(f"controlplane: {m}", flush=True))
+        with os.fdopen(write_end, "w") as ready:
+            code = _supervise(plane, ready)
+        pid_file.unlink(missing_ok=True)
+        os._exit(code)
+    os.close(write_end)
+    try:
+        with os.fdopen(read_end) as ready:
+            verdict = ready.read().strip()
+    except KeyboardInterrupt:  # Ctrl-C while starting: take the supervisor down with us
+        os.kill(child, signal.SIGTERM)
+        os.waitpid(child, 0)
+        shutil.rmtree(state, ignore_errors=True)
+        return 130
+    if verdict != "ok":
+        print(verdict or "error: the supervisor died while starting (see .controlplane/)", file=sys.stderr)
+        os.waitpid(child, 0)
+        return 1
+    print(textwrap.dedent(f"""\
+        control plane up (supervisor pid {child}); kubectl and the binaries are in {state / 'bin'}:
+          export KUBECONFIG={state / 'kubeconfig'} PATH={state / 'bin'}:$PATH
+          kubectl get --raw /readyz
+        stop it with: make controlplane-down"""))
+    return 0
+
+
+def _alive(pid_file: Path) -> int | None:
+    try:
+        pid = int(pid_file.read_text())
+        os.kill(pid, 0)
+        # A killed supervisor stays a zombie until something reaps it: dead all the same.
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return None
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid
+
+
+def down(state: Path, timeout: float = 30.0) -> int:
+    pid = _alive(state / "supervisor.pid")
+    if pid is not None:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while _alive(state / "supervisor.pid") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _alive(state / "supervisor.pid"):
+            os.kill(pid, signal.SIGKILL)  # its children follow it (PR_SET_PDEATHSIG)
+    existed = state.exists()
+    shutil.rmtree(state, ignore_errors=True)
+    print("control plane stopped" if pid else "no control plane was running" + (" (state removed)" if existed else ""))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="controlplane", description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["build", "up", "down"])
+    parser.add_argument("--dir", type=Path, default=STATE, help="state directory (default: .controlplane/)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "build":
+            print(ensure_binaries())
+            return 0
+        if args.command == "up":
+            return up(args.dir.resolve())
+        return down(args.dir.resolve())
+    except (RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

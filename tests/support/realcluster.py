@@ -1,0 +1,173 @@
+"""Using the real control plane from tests: a small REST client, kubectl, the operator process.
+
+The REST client is the admin's (client certificate, ``system:masters``): the tests read what
+the API server stored and play the parts nobody runs here (the training-operator writing a
+PyTorchJob's status, a kubelet reporting pods). Everything a user does goes through the
+``kubectl`` built with the control plane.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Final
+
+from support.controlplane import ControlPlane, kubeconfig
+from support.crdschema import ROOT
+
+GPUOP: Final = str(Path(sys.executable).with_name("gpuop"))
+KUBEFLOW_CRD: Final = ROOT / "tests" / "reference" / "kubeflow.org_pytorchjobs.yaml"
+OUR_CRD: Final = ROOT / "crds" / "gputraining.yaml"
+PEERING_CRDS: Final = ROOT / "charts" / "gpu-training-operator" / "crds" / "kopf-peerings.yaml"
+
+# API paths of the kinds the tests touch, by a short name.
+PATHS: Final = {
+    "gputrainings": "/apis/gpuop.io/v1alpha1",
+    "pytorchjobs": "/apis/kubeflow.org/v1",
+    "pods": "/api/v1",
+    "events": "/api/v1",
+    "serviceaccounts": "/api/v1",
+    "namespaces": "/api/v1",
+    "clusterroles": "/apis/rbac.authorization.k8s.io/v1",
+    "customresourcedefinitions": "/apis/apiextensions.k8s.io/v1",
+}
+CLUSTER_SCOPED: Final = frozenset({"namespaces", "clusterroles", "customresourcedefinitions"})
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"{status}: {body[:500]}")
+        self.status = status
+        self.body = body
+
+
+class Api:
+    """The admin's REST client: JSON in, JSON out, errors as :class:`HttpError`."""
+
+    def __init__(self, plane: ControlPlane) -> None:
+        self.server = plane.server
+        self.context = ssl.create_default_context(cafile=str(plane.ca.cert))
+        self.context.load_cert_chain(str(plane.pki / "admin.crt"), str(plane.pki / "admin.key"))
+
+    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.server + path, data=data, method=method)
+        request.add_header("Accept", "application/json")
+        if data is not None:
+            request.add_header("Content-Type", content_type)
+        try:
+            with urllib.request.urlopen(request, timeout=30, context=self.context) as reply:
+                text = reply.read()
+        except urllib.error.HTTPError as exc:
+            raise HttpError(exc.code, exc.read().decode(errors="replace")) from None
+        return json.loads(text) if text else None
+
+    @staticmethod
+    def path(resource: str, namespace: str | None = "default", name: str | None = None) -> str:
+        base = PATHS[resource]
+        scope = "" if resource in CLUSTER_SCOPED or namespace is None else f"/namespaces/{namespace}"
+        return f"{base}{scope}/{resource}" + (f"/{name}" if name else "")
+
+    def get(self, resource: str, name: str, namespace: str | None = "default") -> dict[str, Any] | None:
+        try:
+            body: dict[str, Any] = self.request("GET", self.path(resource, namespace, name))
+        except HttpError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return body
+
+    def list(self, resource: str, namespace: str | None = "default", selector: str | None = None
+             ) -> list[dict[str, Any]]:  # fmt: skip
+        query = f"?labelSelector={urllib.parse.quote(selector)}" if selector else ""
+        items: list[dict[str, Any]] = self.request("GET", self.path(resource, namespace) + query)["items"]
+        return items
+
+    def create(self, resource: str, body: Mapping[str, Any], namespace: str | None = "default") -> dict[str, Any]:
+        created: dict[str, Any] = self.request("POST", self.path(resource, namespace), body)
+        return created
+
+    def patch_status(self, resource: str, name: str, status: Mapping[str, Any], namespace: str = "default"
+                     ) -> dict[str, Any]:  # fmt: skip
+        patched: dict[str, Any] = self.request(
+            "PATCH", self.path(resource, namespace, name) + "/status", {"status": status},
+            "application/merge-patch+json",
+        )  # fmt: skip
+        return patched
+
+    def delete(self, resource: str, name: str, namespace: str | None = "default") -> None:
+        try:
+            self.request("DELETE", self.path(resource, namespace, name))
+        except HttpError as exc:
+            if exc.status != 404:
+                raise
+
+
+def apply_file(plane: ControlPlane, path: Path) -> str:
+    """``kubectl apply --server-side`` of a file; returns what kubectl said on stderr (warnings)."""
+    result = plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
+    return result.stderr
+
+
+def install_crds(plane: ControlPlane, paths: Iterable[Path] = (OUR_CRD, KUBEFLOW_CRD, PEERING_CRDS)) -> str:
+    """Create the CRDs and wait until each is Established; returns kubectl's warnings, if any."""
+    warnings = "".join(apply_file(plane, path) for path in paths)
+    plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+    return warnings
+
+
+def service_account_kubeconfig(plane: ControlPlane, namespace: str, name: str, path: Path) -> Path:
+    """A kubeconfig for a ServiceAccount, with a token from the TokenRequest API (as a pod's)."""
+    token = plane.kubectl("create", "token", name, "-n", namespace, "--duration=2h").stdout.strip()
+    path.write_text(kubeconfig(plane.server, plane.ca.cert, user=f"{namespace}:{name}", token=token))
+    return path
+
+
+class OperatorProcess:
+    """``gpuop operator`` in a subprocess, logged in with a kubeconfig; killable at any moment."""
+
+    def __init__(self, kubeconfig_path: Path, workdir: Path, env: Mapping[str, str] | None = None) -> None:
+        self.kubeconfig = kubeconfig_path
+        self.workdir = workdir
+        self.extra_env = dict(env or {})
+        self.process: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        self.args: tuple[str, ...] = ()
+
+    def start(self, *args: str) -> subprocess.Popen[bytes]:
+        if args:
+            self.args = args
+        self.starts += 1
+        log = (self.workdir / f"operator-{self.starts}.log").open("wb")
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1", **self.extra_env}
+        self.process = subprocess.Popen(
+            [GPUOP, "operator", "--metrics-port", "0", "--health-port", "0", *self.args],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        return self.process
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log(self) -> str:
+        return "\n".join(p.read_text(errors="replace") for p in sorted(self.workdir.glob("operator-*.log")))
+

@@ -1,30 +1,58 @@
-"""What the operator costs at scale: N GpuTrainings created at once against the API emulator.
+"""What the operator costs at scale: N GpuTrainings created at once.
 
-Runs the real ``gpuop operator`` process against tests/support's emulator (real HTTP), creates
-N GpuTrainings as fast as the emulator takes them, and reports: the time until every one has
-its PyTorchJob and status Created; p50/p99 latency from a GpuTraining's creation to its
-PyTorchJob's (the emulator stamps both, no client-side timing); the operator's API requests
-per job by verb; status patches during a quiet period afterwards (expected: none); and the
-operator's peak RSS (VmHWM from /proc).
+Against a real API server (``--kubeconfig``; `make controlplane` starts one here), for each N:
 
-    .venv/bin/python bench/operator_scale.py 100 500 1000
+1. the limit: N PyTorchJobs, the very ones the operator would render, created by a plain
+   client loop with the operator's concurrency, timed from the first request to the last
+   reply: what this API server, etcd and machine can take;
+2. the operator: ``gpuop operator`` started here, N GpuTrainings created by the same loop,
+   timed from the first request until every one has its PyTorchJob and status Created.
+
+It reports operator/limit, p50/p99 of create->child (first sight of each object on a watch, one
+clock), the operator's writes per job and its writes in a quiet period afterwards (its own
+request counters), and its peak RSS. Both share the machine with the API server: compare them
+side by side, in one run.
+
+Without ``--kubeconfig`` the same operator runs against tests/support's API emulator (fast,
+no server to build; the emulator stamps creation times itself), for quick comparisons of the
+operator alone: not a claim about a real cluster.
+
+    make controlplane
+    .venv/bin/python bench/operator_scale.py --kubeconfig .controlplane/kubeconfig 100 500 1000
+    .venv/bin/python bench/operator_scale.py 100 500 1000          # the emulator
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import yaml
+from kubernetes import client, config, watch
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpuop.render import render_pytorchjob
+from gpuop.spec import parse
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from support.apiserver import ApiServer  # noqa: E402
-from support.cluster import JOBS, TRAININGS, cluster, training  # noqa: E402
+from support.cluster import GPUOP, JOBS, TRAININGS, cluster, training  # noqa: E402
+
+CRDS = [ROOT / "crds" / "gputraining.yaml", ROOT / "tests" / "reference" / "kubeflow.org_pytorchjobs.yaml"]
 
 
 def _peak_rss_mb(pid: int) -> float:
@@ -39,7 +67,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run(count: int, quiet_seconds: float) -> dict[str, Any]:
+def run_emulated(count: int, quiet_seconds: float) -> dict[str, Any]:
     def instrument(server: ApiServer) -> None:
         # No admission: the Kubeflow checks (kubernetes-validate for five versions) cost the
         # emulator ~0.1 s per job on its one event loop, which would be measured instead of
@@ -93,24 +121,223 @@ def run(count: int, quiet_seconds: float) -> dict[str, Any]:
         }
 
 
+CONCURRENCY = 16  # the operator's default --max-workers: the same parallelism on both sides
+
+
+def _training(name: str, namespace: str) -> dict[str, Any]:
+    body = training(name, namespace)
+    body["spec"]["dataset"] = {"name": "digits"}
+    return body
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class FirstSeen(threading.Thread):
+    """Watches one kind in one namespace and notes when each name is first seen (and, for
+    GpuTrainings, when its status first says Created)."""
+
+    def __init__(
+        self, api: client.CustomObjectsApi, group: str, version: str, plural: str, namespace: str
+    ) -> None:
+        super().__init__(daemon=True)
+        self.api, self.args = api, (group, version, namespace, plural)
+        self.seen: dict[str, float] = {}
+        self.created: dict[str, float] = {}
+        self.ready = threading.Event()
+        self.watch = watch.Watch()
+
+    def run(self) -> None:
+        version = self.api.list_namespaced_custom_object(*self.args)["metadata"]["resourceVersion"]
+        self.ready.set()
+        while True:
+            try:
+                for event in self.watch.stream(self.api.list_namespaced_custom_object, *self.args,
+                                               resource_version=version, timeout_seconds=300):  # fmt: skip
+                    obj = event["object"]
+                    version = obj["metadata"]["resourceVersion"]
+                    now = time.monotonic()
+                    name = obj["metadata"]["name"]
+                    self.seen.setdefault(name, now)
+                    if (obj.get("status") or {}).get("phase") == "Created":
+                        self.created.setdefault(name, now)
+            except Exception:  # a watch ends or breaks under load: resume where it was
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.watch.stop()
+
+
+def _create_all(create: Any, bodies: list[dict[str, Any]]) -> float:
+    """Create every body with CONCURRENCY threads; seconds from the first request to the last reply."""
+    started = time.monotonic()
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        list(pool.map(create, bodies))
+    return time.monotonic() - started
+
+
+def _operator_counters(port: int) -> dict[str, int]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    out: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "gpuop_api_requests":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = f"{sample.labels['verb']} {sample.labels['code']}"
+                    out[key] = out.get(key, 0) + int(sample.value)
+    return out
+
+
+def _writes(counters: dict[str, int]) -> int:
+    return sum(v for k, v in counters.items() if k.split()[0] in ("POST", "PATCH", "PUT", "DELETE"))
+
+
+def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any]:
+    api = client.CustomObjectsApi()
+    core = client.CoreV1Api()
+    stamp = f"{int(time.time()) % 100000}"
+    limit_ns, operator_ns = f"limit-{count}-{stamp}", f"scale-{count}-{stamp}"
+    for namespace in (limit_ns, operator_ns):
+        core.create_namespace({"metadata": {"name": namespace}})
+    names = [f"scale-{i:04d}" for i in range(count)]
+
+    # 1. The limit: the same PyTorchJobs, by a plain loop.
+    jobs = []
+    for name in names:
+        job = render_pytorchjob(parse(_training(name, limit_ns)))
+        job["metadata"].pop("ownerReferences", None)  # no GpuTraining owns these
+        jobs.append(job)
+    limit = _create_all(
+        lambda job: api.create_namespaced_custom_object("kubeflow.org", "v1", limit_ns, "pytorchjobs", job),
+        jobs,
+    )
+
+    # 2. The operator.
+    trainings = FirstSeen(api, "gpuop.io", "v1alpha1", "gputrainings", operator_ns)
+    children = FirstSeen(api, "kubeflow.org", "v1", "pytorchjobs", operator_ns)
+    for watcher in (trainings, children):
+        watcher.start()
+        watcher.ready.wait(30)
+    metrics_port = _free_port()
+    with tempfile.TemporaryFile() as log:
+        operator = subprocess.Popen(
+            [GPUOP, "operator", "--standalone", "--namespace", operator_ns,
+             "--metrics-port", str(metrics_port), "--health-port", "0", "--max-workers", str(CONCURRENCY)],
+            env={**os.environ, "KUBECONFIG": kubeconfig}, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # up: its metrics answer and its watches have listed
+                try:
+                    _operator_counters(metrics_port)
+                    break
+                except OSError:
+                    time.sleep(0.2)
+            time.sleep(2.0)
+            started = time.monotonic()
+            _create_all(
+                lambda name: api.create_namespaced_custom_object(
+                    "gpuop.io", "v1alpha1", operator_ns, "gputrainings", _training(name, operator_ns)
+                ),
+                names,
+            )
+            deadline = time.monotonic() + 900
+            while len(trainings.created) < count and time.monotonic() < deadline:
+                time.sleep(0.05)
+            converged = max(trainings.created.values()) - started if trainings.created else float("nan")
+            time.sleep(3.0)  # the last Created events are posted off the reconcile path
+            at_created = _operator_counters(metrics_port)
+            time.sleep(quiet_seconds)
+            after_quiet = _operator_counters(metrics_port)
+            rss = _peak_rss_mb(operator.pid)
+        finally:
+            operator.terminate()
+            operator.wait(30)
+            for watcher in (trainings, children):
+                watcher.stop()
+            if operator.returncode not in (0, -15):
+                log.seek(0)
+                print(log.read().decode(errors="replace")[-3000:], file=sys.stderr)
+    latencies = [
+        children.seen[n] - trainings.seen[n] for n in names if n in children.seen and n in trainings.seen
+    ]
+    for namespace in (limit_ns, operator_ns):  # cleaned up in the background by the namespace controller
+        core.delete_namespace(namespace)
+    return {
+        "count": count,
+        "limit_s": limit,
+        "operator_s": converged,
+        "created": len(trainings.created),
+        "p50_ms": 1000 * statistics.median(latencies),
+        "p99_ms": 1000 * _percentile(latencies, 0.99),
+        "writes_per_job": _writes(at_created) / count,
+        "writes": {k: round(v / count, 2) for k, v in sorted(at_created.items())},
+        "idle_writes": _writes(after_quiet) - _writes(at_created),
+        "peak_rss_mb": rss,
+    }
+
+
+def _print_emulated(r: dict[str, Any]) -> None:
+    print(
+        f"N={r['count']:5d}  all Created in {r['converged_s']:6.2f}s "
+        f"(submitted in {r['created_in_s']:.2f}s)  "
+        f"create->child p50 {r['p50_ms']:7.1f} ms p99 {r['p99_ms']:7.1f} ms  "
+        f"writes/job {r['writes_per_job']:.2f}  "
+        f"quiet status patches {r['quiet_status_patches']}  "
+        f"peak RSS {r['peak_rss_mb']:.0f} MB",
+        flush=True,
+    )
+    print(f"         writes/job to Created: {r['writes']}", flush=True)
+    print(f"         all requests/job: {r['requests_per_job']}", flush=True)
+
+
+def _print_real(r: dict[str, Any]) -> None:
+    print(
+        f"N={r['count']:5d}  operator: all {r['created']} Created in {r['operator_s']:6.2f}s  "
+        f"limit (plain loop, same jobs): {r['limit_s']:6.2f}s  ratio {r['operator_s'] / r['limit_s']:.2f}x  "
+        f"create->child p50 {r['p50_ms']:6.0f} ms p99 {r['p99_ms']:6.0f} ms  "
+        f"writes/job {r['writes_per_job']:.2f}  idle writes {r['idle_writes']}  "
+        f"peak RSS {r['peak_rss_mb']:.0f} MB",
+        flush=True,
+    )
+    print(f"         requests/job by verb and code: {r['writes']}", flush=True)
+
+
+def _install_crds() -> None:
+    extensions = client.ApiextensionsV1Api()
+    for path in CRDS:
+        try:
+            extensions.create_custom_resource_definition(yaml.safe_load(path.read_text()))
+        except client.ApiException as exc:
+            if exc.status != 409:
+                raise
+    time.sleep(2.0)  # Established
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("counts", nargs="*", type=int, default=[100, 500, 1000])
-    parser.add_argument("--quiet-seconds", type=float, default=12.0, help="idle period checked for patches")
+    parser.add_argument(
+        "--kubeconfig", help="a real cluster (its CRDs are created first); default: the emulator"
+    )
+    parser.add_argument("--quiet-seconds", type=float, default=25.0, help="idle period checked for writes")
     args = parser.parse_args()
+    if args.kubeconfig:
+        config.load_kube_config(config_file=args.kubeconfig)
+        _install_crds()
     for count in args.counts:
-        r = run(count, args.quiet_seconds)
-        print(
-            f"N={r['count']:5d}  all Created in {r['converged_s']:6.2f}s "
-            f"(submitted in {r['created_in_s']:.2f}s)  "
-            f"create->child p50 {r['p50_ms']:7.1f} ms p99 {r['p99_ms']:7.1f} ms  "
-            f"writes/job {r['writes_per_job']:.2f}  "
-            f"quiet status patches {r['quiet_status_patches']}  "
-            f"peak RSS {r['peak_rss_mb']:.0f} MB",
-            flush=True,
-        )
-        print(f"         writes/job to Created: {r['writes']}", flush=True)
-        print(f"         all requests/job: {r['requests_per_job']}", flush=True)
+        if args.kubeconfig:
+            result = run_real(args.kubeconfig, count, args.quiet_seconds)
+            _print_real(result)
+        else:
+            result = run_emulated(count, args.quiet_seconds)
+            _print_emulated(result)
+        print(json.dumps(result), file=sys.stderr, flush=True)
     return 0
 
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import random
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import kopf
 
@@ -74,6 +75,72 @@ def leadership(kube: Kube, settings: OperatorSettings, identity: str) -> Leaders
     return read
 
 
+PEERING_RECHECK_SECONDS: Final = 60.0
+
+
+def _missing_peerings(kube: Kube, settings: OperatorSettings) -> list[str]:
+    """The peering objects Kopf will wait for that do not exist ("ClusterKopfPeering/NAME",
+    "KopfPeering/NAME in NS"). An object that cannot be read (403) counts as there: Kopf
+    will say so itself, and guessing would be worse."""
+    name = settings.peering_name
+    assert name is not None
+    missing = []
+    for namespace in settings.namespaces or (None,):
+        try:
+            found = kube.find_peering(name, namespace)
+        except ApiError as exc:
+            log.warning("reading the peering object %s: %s", name, exc)
+            continue
+        if found is None:
+            missing.append(
+                f"KopfPeering/{name} in {namespace}" if namespace else f"ClusterKopfPeering/{name}"
+            )
+    return missing
+
+
+def check_peering(kube: Kube, settings: OperatorSettings) -> OperatorSettings:
+    """Before Kopf starts: the settings to run with, and a WARNING when peering cannot work.
+
+    Kopf with a named peering pauses every watch until the peering object exists, and says so
+    only at DEBUG: an operator that silently does nothing. So a missing object (or its CRD)
+    is said at WARNING with the fix; when nobody asked for peering by name, the operator
+    runs standalone instead, as Kopf itself does when its default peering is absent.
+    """
+    if settings.peering_name is None:
+        return settings
+    missing = _missing_peerings(kube, settings)
+    if not missing:
+        return settings
+    if not settings.peering_required:
+        log.warning(
+            "no %s (Kopf's peering CRDs and object come with the Helm chart): running standalone, "
+            "so run one replica only; install the chart for peering between replicas, or pass "
+            "--standalone to say this is intended", ", ".join(missing),
+        )  # fmt: skip
+        return dataclasses.replace(settings, peering_name=None)
+    log.warning(_WAITING, ", ".join(missing), settings.peering_name)
+    return settings
+
+
+_WAITING: Final = (
+    "waiting for %s: peering %r is required (--peering / GPUOP_PEERING), and Kopf pauses every "
+    "GpuTraining until that object exists. Install the chart's peering CRDs and object (helm "
+    "install, or kubectl apply -f charts/gpu-training-operator/crds/ and create the object), "
+    "or run a single replica with --standalone"
+)
+
+
+async def _warn_while_peering_missing(kube: Kube, settings: OperatorSettings) -> None:
+    """Repeat the WARNING every minute while a required peering object is still missing."""
+    while settings.peering_required and settings.peering_name is not None:
+        await asyncio.sleep(PEERING_RECHECK_SECONDS)
+        missing = await asyncio.to_thread(_missing_peerings, kube, settings)
+        if not missing:
+            log.info("peering object %s found: Kopf resumes", settings.peering_name)
+            return
+        log.warning(_WAITING, ", ".join(missing), settings.peering_name)
+
+
 def build_registry(reconciler: Reconciler, settings: OperatorSettings) -> kopf.OperatorRegistry:
     """The Kopf handlers, on a registry of their own (tests run several operators)."""
     registry = kopf.OperatorRegistry()
@@ -123,6 +190,7 @@ async def _tick_forever(reconciler: Reconciler, interval: float) -> None:
 
 async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | None = None) -> None:
     """Run until cancelled (or ``stop`` is set): Kopf and the scrape tick side by side."""
+    settings = await asyncio.to_thread(check_peering, kube, settings)
     metrics = OperatorMetrics()
     kube.requests.listeners.append(metrics.api_request)
     identity = own_identity()
@@ -132,6 +200,7 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
         metrics.serve(settings.metrics_port)
     liveness = f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None
     ticker = asyncio.create_task(_tick_forever(reconciler, settings.scrape_interval_seconds))
+    peering_warnings = asyncio.create_task(_warn_while_peering_missing(kube, settings))
     try:
         await kopf.operator(
             registry=registry,
@@ -145,9 +214,10 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
             stop_flag=stop,
         )
     finally:
-        ticker.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await ticker
+        for task in (ticker, peering_warnings):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         reconciler.close()
 
 

@@ -251,14 +251,18 @@ class Kube:
 
     # -- peering --------------------------------------------------------------------------
 
-    def get_peering(self, name: str, namespace: str | None) -> dict[str, Any] | None:
-        """The status of Kopf's peering object (None: the cluster-wide one): who is alive, with
-        which priority."""
+    def find_peering(self, name: str, namespace: str | None) -> dict[str, Any] | None:
+        """Kopf's peering object (namespace None: the cluster-wide one); None when it, or its
+        CRD, is not there."""
         if namespace is not None:
             path = f"/apis/kopf.dev/v1/namespaces/{namespace}/kopfpeerings/{name}"
         else:
             path = f"/apis/kopf.dev/v1/clusterkopfpeerings/{name}"
-        status: dict[str, Any] | None = (self._get_or_none(path) or {}).get("status")
+        return self._get_or_none(path)
+
+    def get_peering(self, name: str, namespace: str | None) -> dict[str, Any] | None:
+        """The peering object's status: who is alive, with which priority."""
+        status: dict[str, Any] | None = (self.find_peering(name, namespace) or {}).get("status")
         return status
 
     # -- events ---------------------------------------------------------------------------

@@ -444,7 +444,11 @@ def openapi_schema(cls: type, description: str) -> dict[str, Any]:
             schema["x-kubernetes-validations"] = rules
         properties[slot.key] = schema
     # No empty description: the API server drops it (list items carry theirs on the list).
-    schema = {"type": "object", **({"description": description} if description else {}), "properties": properties}
+    schema = {
+        "type": "object",
+        **({"description": description} if description else {}),
+        "properties": properties,
+    }
     if required:
         schema["required"] = required
     rules = [_cel(rule) for rule in _class_rules(cls)]

@@ -36,6 +36,9 @@ class OperatorSettings:
     scrape_timeout_seconds: float = 3.0
     scrape_via: ScrapeVia = "auto"
     peering_name: str | None = "gpu-training-operator"  # None: standalone, no peering
+    # Named by --peering or GPUOP_PEERING (the chart does): wait for the object rather than
+    # fall back to standalone when it is missing (see gpuop.controller.check_peering).
+    peering_required: bool = False
     priority: int = 0
     metrics_port: int = 8080  # 0 disables the operator's own /metrics
     health_port: int = 8081  # 0 disables /healthz
@@ -138,9 +141,11 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
     )
     parser.add_argument(
         "--peering",
-        default=default("PEERING", d.peering_name),
+        default=env.get(f"{ENV_PREFIX}PEERING"),
         metavar="NAME",
-        help="Kopf peering object shared by the replicas; one is active at a time [%(default)s]",
+        help="Kopf peering object shared by the replicas; one is active at a time. Named here (or "
+        f"in {ENV_PREFIX}PEERING), the operator waits for it to exist; by default it uses "
+        f"{d.peering_name!r} when that exists and runs standalone, with a warning, when not",
     )
     parser.add_argument(
         "--standalone",
@@ -218,13 +223,15 @@ def from_arguments(args: argparse.Namespace, env: Mapping[str, str] | None = Non
         raise SettingsError(
             f"--log-format / {ENV_PREFIX}LOG_FORMAT: must be text or json (got {args.log_format!r})"
         )
+    d = OperatorSettings()
     return OperatorSettings(
         namespaces=namespaces,
         trainer_image=args.trainer_image,
         scrape_interval_seconds=_number("scrape-interval", "SCRAPE_INTERVAL", args.scrape_interval, float),
         scrape_timeout_seconds=_number("scrape-timeout", "SCRAPE_TIMEOUT", args.scrape_timeout, float),
         scrape_via=args.scrape_via,
-        peering_name=None if args.standalone or not args.peering else args.peering,
+        peering_name=None if args.standalone or args.peering == "" else (args.peering or d.peering_name),
+        peering_required=bool(args.peering) and not args.standalone,
         priority=_priority(args.priority),
         metrics_port=int(_number("metrics-port", "METRICS_PORT", args.metrics_port, int)),
         health_port=int(_number("health-port", "HEALTH_PORT", args.health_port, int)),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +36,13 @@ REFUSED_ONLY_WHEN_STRICT: frozenset[str] = frozenset({"misspelled field", "unkno
 
 
 @pytest.fixture(scope="module", autouse=True)
-def namespaces(plane: ControlPlane, crd_warnings: str) -> None:
+def namespaces(plane: ControlPlane, crd_warnings: str) -> Iterator[None]:
+    """The examples' namespaces and "ml"; every GpuTraining made here is deleted at the end."""
     namespaces = {"ml"} | {(load_example(p)["metadata"].get("namespace") or "default") for p in EXAMPLES}
     for namespace in sorted(namespaces - {"default"}):
         plane.kubectl("create", "namespace", namespace)
+    yield
+    plane.kubectl("delete", "gputrainings", "--all", "--all-namespaces")
 
 
 def _create(plane: ControlPlane, body: dict[str, Any], *, check: bool = False) -> tuple[int, str]:
@@ -47,14 +51,18 @@ def _create(plane: ControlPlane, body: dict[str, Any], *, check: bool = False) -
     return result.returncode, result.stderr
 
 
-def test_the_crds_are_accepted_without_warnings_and_established(crd_warnings: str, plane: ControlPlane) -> None:
+def test_the_crds_are_accepted_without_warnings_and_established(
+    crd_warnings: str, plane: ControlPlane
+) -> None:
     assert "warning" not in crd_warnings.lower(), crd_warnings
     names = plane.kubectl("get", "crd", "-o", "jsonpath={.items[*].metadata.name}").stdout.split()
     assert set(names) >= {
         "gputrainings.gpuop.io", "pytorchjobs.kubeflow.org",
         "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev",
     }  # fmt: skip
-    conditions = json.loads(plane.kubectl("get", "crd", "gputrainings.gpuop.io", "-o", "json").stdout)["status"]
+    conditions = json.loads(plane.kubectl("get", "crd", "gputrainings.gpuop.io", "-o", "json").stdout)[
+        "status"
+    ]
     established = {c["type"]: c["status"] for c in conditions["conditions"]}
     assert established["Established"] == "True"
     assert established["NamesAccepted"] == "True"
@@ -145,7 +153,7 @@ def test_the_server_refuses_changing_an_immutable_field(
     rc, stderr = _apply(plane, after)
     assert rc != 0, f"spec.{field} changed on a stored GpuTraining"
     assert (
-        f"spec.{field}: Invalid value: \"object\": spec.{field} cannot change once the GpuTraining exists "
+        f'spec.{field}: Invalid value: "object": spec.{field} cannot change once the GpuTraining exists '
         "(only spec.runPolicy, spec.stallTimeoutSeconds can); delete it and create it again to change this"
     ) in _words(stderr) or f"spec.{field} cannot change once the GpuTraining exists" in _words(stderr), stderr
     api.delete("gputrainings", before["metadata"]["name"], "ml")

@@ -65,10 +65,16 @@ def test_install_creates_every_object_and_uninstall_keeps_the_crd(
     for obj in objects:
         meta = obj["metadata"]
         assert isinstance(meta, dict)
-        namespace = meta.get("namespace") or (RELEASE_NAMESPACE if obj["kind"] not in (
-            "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "ClusterKopfPeering") else None)
+        namespace = meta.get("namespace") or (
+            RELEASE_NAMESPACE
+            if obj["kind"]
+            not in ("ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "ClusterKopfPeering")
+            else None
+        )
         where = ["-n", str(namespace)] if namespace else []
-        stored = json.loads(plane.kubectl("get", str(obj["kind"]), str(meta["name"]), *where, "-o", "json").stdout)
+        stored = json.loads(
+            plane.kubectl("get", str(obj["kind"]), str(meta["name"]), *where, "-o", "json").stdout
+        )
         assert stored["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
 
     survivor = minimal()

@@ -141,9 +141,8 @@ def _build(target: Path, say: Say) -> None:
         command, cwd=MODULE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     assert process.stdout is not None
-    compiled, last_report, tail = 0, started, []
-    for line in process.stdout:
-        compiled += 1
+    last_report, tail = started, []
+    for compiled, line in enumerate(process.stdout, 1):
         tail = [*tail[-40:], line.rstrip()]
         if time.monotonic() - last_report >= 30:
             last_report = time.monotonic()
@@ -222,7 +221,9 @@ def kubeconfig(server: str, ca: Path, *, user: str, cert: Path | None = None, ke
         {
             "apiVersion": "v1",
             "kind": "Config",
-            "clusters": [{"name": "gpuop-test", "cluster": {"server": server, "certificate-authority": str(ca)}}],
+            "clusters": [
+                {"name": "gpuop-test", "cluster": {"server": server, "certificate-authority": str(ca)}}
+            ],
             "users": [{"name": user, "user": credentials}],
             "contexts": [{"name": user, "context": {"cluster": "gpuop-test", "user": user}}],
             "current-context": user,
@@ -420,7 +421,9 @@ class ControlPlane:
             if component.process.poll() is not None:
                 tail = component.log_tail()
                 clash = "address already in use" in tail
-                raise StartError(f"{name} exited with {component.process.returncode}:\n{tail}", port_clash=clash)
+                raise StartError(
+                    f"{name} exited with {component.process.returncode}:\n{tail}", port_clash=clash
+                )
             try:
                 with urllib.request.urlopen(url, timeout=5, context=context) as reply:
                     if reply.status == 200:
@@ -557,11 +560,13 @@ def up(state: Path) -> int:
         print(verdict or "error: the supervisor died while starting (see .controlplane/)", file=sys.stderr)
         os.waitpid(child, 0)
         return 1
-    print(textwrap.dedent(f"""\
-        control plane up (supervisor pid {child}); kubectl and the binaries are in {state / 'bin'}:
-          export KUBECONFIG={state / 'kubeconfig'} PATH={state / 'bin'}:$PATH
+    print(
+        textwrap.dedent(f"""\
+        control plane up (supervisor pid {child}); kubectl and the binaries are in {state / "bin"}:
+          export KUBECONFIG={state / "kubeconfig"} PATH={state / "bin"}:$PATH
           kubectl get --raw /readyz
-        stop it with: make controlplane-down"""))
+        stop it with: make controlplane-down""")
+    )
     return 0
 
 
@@ -588,7 +593,11 @@ def down(state: Path, timeout: float = 30.0) -> int:
             os.kill(pid, signal.SIGKILL)  # its children follow it (PR_SET_PDEATHSIG)
     existed = state.exists()
     shutil.rmtree(state, ignore_errors=True)
-    print("control plane stopped" if pid else "no control plane was running" + (" (state removed)" if existed else ""))
+    print(
+        "control plane stopped"
+        if pid
+        else "no control plane was running" + (" (state removed)" if existed else "")
+    )
     return 0
 
 

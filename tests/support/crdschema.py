@@ -70,10 +70,14 @@ def _default_into(schema: dict[str, Any], value: Any) -> None:
 # Validation
 
 
-def _strict(schema: Any) -> Any:
-    """The schema with unknown fields refused wherever the schema lists the known ones."""
+def _strict(schema: Any, root: bool = True) -> Any:
+    """The schema with unknown fields refused wherever the schema lists the known ones, but
+    in the root's metadata: the API server checks ObjectMeta itself, and the schema may only
+    narrow its name (so the real server accepts a namespace there whatever the schema lists)."""
     if isinstance(schema, dict):
-        out = {k: _strict(v) for k, v in schema.items()}
+        out = {k: _strict(v, root=False) for k, v in schema.items()}
+        if root and "metadata" in schema.get("properties", {}):
+            out["properties"]["metadata"] = schema["properties"]["metadata"]
         if (
             schema.get("type") == "object"
             and "properties" in schema
@@ -83,7 +87,7 @@ def _strict(schema: Any) -> Any:
             out["additionalProperties"] = False
         return out
     if isinstance(schema, list):
-        return [_strict(v) for v in schema]
+        return [_strict(v, root=False) for v in schema]
     return schema
 
 

@@ -21,6 +21,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
+import yaml
+
+from support.cluster import wait_for
 from support.controlplane import ControlPlane, kubeconfig
 from support.crdschema import ROOT
 
@@ -58,7 +61,9 @@ class Api:
         self.context = ssl.create_default_context(cafile=str(plane.ca.cert))
         self.context.load_cert_chain(str(plane.pki / "admin.crt"), str(plane.pki / "admin.key"))
 
-    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+    def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> Any:
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(self.server + path, data=data, method=method)
         request.add_header("Accept", "application/json")
@@ -92,7 +97,9 @@ class Api:
         items: list[dict[str, Any]] = self.request("GET", self.path(resource, namespace) + query)["items"]
         return items
 
-    def create(self, resource: str, body: Mapping[str, Any], namespace: str | None = "default") -> dict[str, Any]:
+    def create(
+        self, resource: str, body: Mapping[str, Any], namespace: str | None = "default"
+    ) -> dict[str, Any]:
         created: dict[str, Any] = self.request("POST", self.path(resource, namespace), body)
         return created
 
@@ -120,8 +127,13 @@ def apply_file(plane: ControlPlane, path: Path) -> str:
 
 def install_crds(plane: ControlPlane, paths: Iterable[Path] = (OUR_CRD, KUBEFLOW_CRD, PEERING_CRDS)) -> str:
     """Create the CRDs and wait until each is Established; returns kubectl's warnings, if any."""
+    paths = list(paths)
     warnings = "".join(apply_file(plane, path) for path in paths)
-    plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+    names = [doc["metadata"]["name"] for path in paths for doc in yaml.safe_load_all(path.read_text()) if doc]
+    jsonpath = 'jsonpath={.status.conditions[?(@.type=="Established")].status}'
+    for name in names:  # `kubectl wait` fails outright on a CRD whose status is not written yet
+        wait_for(f"CRD {name} Established",
+                 lambda n=name: plane.kubectl("get", "crd", n, "-o", jsonpath).stdout == "True")  # fmt: skip
     return warnings
 
 
@@ -170,4 +182,3 @@ class OperatorProcess:
 
     def log(self) -> str:
         return "\n".join(p.read_text(errors="replace") for p in sorted(self.workdir.glob("operator-*.log")))
-

@@ -1,0 +1,419 @@
+"""The real operator against the real control plane, installed by the chart and running as the
+chart's ServiceAccount: the real authorizer judges every call, the real garbage collector
+deletes children, and the audit log says who asked for what.
+
+No Kubeflow controller and no kubelet run here: the test plays both, writing what they write
+(the PyTorchJob's status, pods with their IPs and termination messages) as the admin.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gputrain.contract import METRICS_PORT
+from gputrain.metrics import MetricsServer, Progress
+from support.cluster import RUNNING, wait_for
+from support.controlplane import ControlPlane
+from support.faultproxy import FaultProxy
+from support.helm import CHART, RELEASE, RELEASE_NAMESPACE, helm
+from support.realcluster import Api, OperatorProcess, service_account_kubeconfig
+from support.specs import minimal
+
+NAMESPACE = "training"
+STAMP = "%Y-%m-%dT%H:%M:%SZ"
+# The chart's values for this suite: scraping every second (the default 10 s would only slow
+# the tests), through pod IPs (the test's pods live on 127.0.0.x, which the API server's pod
+# proxy refuses to reach: it never proxies to loopback).
+VALUES = {"operator.scrapeInterval": 1, "operator.scrapeTimeout": 0.5, "operator.scrapeVia": "pod-ip"}
+
+
+def _helm(plane: ControlPlane, *args: str) -> str:
+    return helm(*args, "--kubeconfig", str(plane.kubeconfig)).stdout
+
+
+@dataclass(frozen=True)
+class Installed:
+    """What the chart's Deployment would run: its container's environment and its ServiceAccount."""
+
+    env: dict[str, str]
+    service_account: str
+
+    @property
+    def user(self) -> str:
+        return f"system:serviceaccount:{RELEASE_NAMESPACE}:{self.service_account}"
+
+
+def _deployment(plane: ControlPlane) -> Installed:
+    manifest = _helm(plane, "get", "manifest", RELEASE, "-n", RELEASE_NAMESPACE)
+    deployment = next(d for d in yaml.safe_load_all(manifest) if d and d["kind"] == "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["args"] == ["operator"]
+    env = {e["name"]: str(e["value"]) for e in container["env"] if "value" in e}
+    env["POD_ID"] = "gpu-training-operator-5d4f8-x2x9q"  # its pod's name: stable across restarts
+    return Installed(env, pod["serviceAccountName"])
+
+
+@pytest.fixture(scope="module")
+def installed(plane: ControlPlane, api: Api) -> Iterator[Installed]:
+    """The chart installed (cluster-wide RBAC, peering) for this suite."""
+    plane.kubectl("label", "crd", "gputrainings.gpuop.io", "app.kubernetes.io/managed-by=Helm", "--overwrite")
+    plane.kubectl("annotate", "crd", "gputrainings.gpuop.io", f"meta.helm.sh/release-name={RELEASE}",
+                  f"meta.helm.sh/release-namespace={RELEASE_NAMESPACE}", "--overwrite")  # fmt: skip
+    sets = [arg for key, value in VALUES.items() for arg in ("--set-json", f"{key}={json.dumps(value)}")]
+    _helm(
+        plane,
+        "upgrade",
+        "--install",
+        RELEASE,
+        str(CHART),
+        "-n",
+        RELEASE_NAMESPACE,
+        "--create-namespace",
+        *sets,
+    )
+    plane.kubectl("create", "namespace", NAMESPACE)
+    yield _deployment(plane)
+    helm("uninstall", RELEASE, "-n", RELEASE_NAMESPACE, "--kubeconfig", str(plane.kubeconfig))
+
+
+@pytest.fixture
+def operator(plane: ControlPlane, installed: Installed, tmp_path: Path) -> Iterator[OperatorProcess]:
+    """``gpuop operator`` with the chart's environment and its ServiceAccount's token."""
+    config = service_account_kubeconfig(
+        plane, RELEASE_NAMESPACE, installed.service_account, tmp_path / "kubeconfig"
+    )
+    process = OperatorProcess(config, tmp_path, env=installed.env)
+    yield process
+    process.stop()
+    assert "Traceback" not in process.log(), process.log()[-4000:]
+
+
+@pytest.fixture(autouse=True)
+def clean_namespace(plane: ControlPlane, api: Api, installed: Installed) -> Iterator[None]:
+    """Each test starts with no GpuTraining and no PyTorchJob in the namespace, whatever the last left."""
+    yield
+    plane.kubectl("delete", "gputrainings", "--all", "-n", NAMESPACE, "--wait=true")
+    wait_for("the children garbage-collected", lambda: _jobs(api) == [], timeout=90)
+
+
+def training(name: str, **spec: Any) -> dict[str, Any]:
+    body = minimal(workers=2, gpusPerWorker=1, **spec)
+    body["metadata"] = {"name": name, "namespace": NAMESPACE}
+    return body
+
+
+class Kubeflow:
+    """The test's stand-in for the training-operator and the kubelet, writing what they write."""
+
+    def __init__(self, api: Api) -> None:
+        self.api = api
+        self.trainers: dict[str, MetricsServer] = {}
+        self._next_ip = 10
+
+    def job_status(self, name: str, *conditions: str, **fields: Any) -> None:
+        now = time.strftime(STAMP, time.gmtime())
+        status = {
+            "conditions": [
+                {"type": c, "status": "True", "reason": f"PyTorchJob{c}", "message": f"job is {c.lower()}",
+                 "lastUpdateTime": now, "lastTransitionTime": now}
+                for c in conditions
+            ],
+            "replicaStatuses": {},
+            **fields,
+        }  # fmt: skip
+        self.api.patch_status("pytorchjobs", name, status, NAMESPACE)
+
+    def start_pods(self, job: dict[str, Any], progress: Progress, gpu_percent: float) -> list[str]:
+        """The job's pods, owned by it as the training-operator makes them, Running with an IP."""
+        name = job["metadata"]["name"]
+        names = []
+        for role in ("master", "worker"):
+            pod_name = f"{name}-{role}-0"
+            ip = f"127.0.0.{self._next_ip}"
+            self._next_ip += 1
+            server = MetricsServer(METRICS_PORT, addr=ip)
+            server.update(progress)
+            server.gpu_util.labels("0").set(gpu_percent)
+            server.gpu_used.labels("0").set(10 * 2**30)
+            server.gpu_total.labels("0").set(80 * 2**30)
+            self.trainers[pod_name] = server
+            pod = {
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {
+                    "name": pod_name, "namespace": NAMESPACE,
+                    "labels": {"gpuop.io/gputraining": name, "training.kubeflow.org/job-name": name,
+                               "training.kubeflow.org/replica-type": role, "training.kubeflow.org/replica-index": "0"},
+                    "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": name,
+                                         "uid": job["metadata"]["uid"], "controller": True,
+                                         "blockOwnerDeletion": True}],
+                },
+                "spec": {"containers": [{"name": "pytorch", "image": "trainer"}]},
+            }  # fmt: skip
+            self.api.create("pods", pod, NAMESPACE)
+            self.api.patch_status("pods", pod_name, {
+                "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+                "conditions": [{"type": "Ready", "status": "True"}],
+            }, NAMESPACE)  # fmt: skip
+            names.append(pod_name)
+        return names
+
+    def finish_pod(self, pod: str, record: dict[str, Any]) -> None:
+        server = self.trainers.pop(pod, None)
+        if server is not None:
+            server.close()
+        self.api.patch_status("pods", pod, {
+            "phase": "Succeeded", "conditions": [{"type": "Ready", "status": "False"}],
+            "containerStatuses": [{
+                "name": "pytorch", "image": "trainer", "imageID": "", "ready": False, "restartCount": 0,
+                "state": {"terminated": {"exitCode": 0, "reason": "Completed", "message": json.dumps(record)}},
+            }],
+        }, NAMESPACE)  # fmt: skip
+
+    def close(self) -> None:
+        for server in self.trainers.values():
+            server.close()
+
+
+@pytest.fixture
+def kubeflow(api: Api) -> Iterator[Kubeflow]:
+    stand_in = Kubeflow(api)
+    yield stand_in
+    stand_in.close()
+
+
+def _status(api: Api, name: str) -> dict[str, Any]:
+    return dict((api.get("gputrainings", name, NAMESPACE) or {}).get("status") or {})
+
+
+def _phase(api: Api, name: str, phase: str) -> bool:
+    return _status(api, name).get("phase") == phase
+
+
+def _jobs(api: Api) -> list[dict[str, Any]]:
+    return api.list("pytorchjobs", NAMESPACE)
+
+
+def _forbidden(plane: ControlPlane, user: str) -> list[dict[str, Any]]:
+    return [e for e in plane.audit(user) if e.get("responseStatus", {}).get("code") == 403]
+
+
+def test_lifecycle_as_the_charts_service_account(
+    plane: ControlPlane, api: Api, installed: Installed, operator: OperatorProcess, kubeflow: Kubeflow
+) -> None:
+    operator.start()
+    plane.kubectl("create", "-f", "-", input=json.dumps(training("mnist")))
+
+    job = wait_for("the PyTorchJob", lambda: api.get("pytorchjobs", "mnist", NAMESPACE), timeout=60)
+    owner = job["metadata"]["ownerReferences"][0]
+    assert owner["uid"] == api.get("gputrainings", "mnist", NAMESPACE)["metadata"]["uid"]
+    assert owner["controller"] is True
+    wait_for("phase Created", lambda: _phase(api, "mnist", "Created"))
+
+    kubeflow.job_status("mnist", "Created", "Running", startTime="2026-01-01T00:00:00Z")
+    pods = kubeflow.start_pods(job, RUNNING, gpu_percent=85.0)
+    status = wait_for("progress and GPU figures", lambda: (
+        (s := _status(api, "mnist")).get("progress", {}).get("step") == 30 and s.get("gpu", {}).get("perWorker")
+        and s), timeout=30)  # fmt: skip
+    assert status["phase"] == "Running"
+    assert status["workers"] == {"ready": 2, "total": 2}
+    assert status["gpu"]["utilizationPercent"] == 85.0
+
+    record = {"phase": "Succeeded", "epoch": 2, "totalEpochs": 2, "step": 100, "totalSteps": 100, "loss": 0.21,
+              "accuracy": 0.955, "testLoss": 0.18, "samplesPerSecond": 530.0, "durationSeconds": 95.0,
+              "worldSize": 2}  # fmt: skip
+    for pod in pods:
+        kubeflow.finish_pod(pod, record)
+    kubeflow.job_status("mnist", "Created", "Succeeded", startTime="2026-01-01T00:00:00Z",
+                        completionTime="2026-01-01T02:00:00Z")  # fmt: skip
+    status = wait_for("Succeeded", lambda: (s := _status(api, "mnist")).get("phase") == "Succeeded" and s)
+    assert status["gpuHours"] == 4.0
+    assert status["progress"]["accuracy"] == 0.955
+
+    table = plane.kubectl("get", "gtr", "-n", NAMESPACE).stdout.splitlines()
+    assert table[0].split() == [
+        "NAME",
+        "PHASE",
+        "WORKERS",
+        "GPUS",
+        "PROGRESS",
+        "LOSS",
+        "GPU-UTIL",
+        "ETA",
+        "AGE",
+    ]
+    row = table[1].split()
+    assert row[:5] == ["mnist", "Succeeded", "2", "2", "100"]
+    assert re.fullmatch(r"\d+s|\d+m\d*s?", row[-1]), row  # an age, not a timestamp
+    assert plane.kubectl("get", "gpuop", "-n", NAMESPACE, "-o", "name").stdout.split() == [
+        "gputraining.gpuop.io/mnist"
+    ]
+    events = wait_for("the events", lambda: (e := plane.kubectl(
+        "get", "events", "-n", NAMESPACE, "--field-selector", "involvedObject.name=mnist",
+        "-o", "jsonpath={.items[*].reason}").stdout.split()) and len(e) >= 3 and e)  # fmt: skip
+    assert sorted(events) == sorted(["PyTorchJobCreated", "PyTorchJobRunning", "TrainingSucceeded"])
+
+    assert _forbidden(plane, installed.user) == []  # the chart's rules allowed every call the operator made
+    plane.kubectl("delete", "gtr", "mnist", "-n", NAMESPACE)
+    wait_for("the PyTorchJob garbage-collected", lambda: api.get("pytorchjobs", "mnist", NAMESPACE) is None,
+             timeout=60)  # fmt: skip
+    wait_for("its pods garbage-collected", lambda: api.list("pods", NAMESPACE) == [], timeout=60)
+
+
+def test_a_call_outside_the_charts_rules_is_refused_by_the_real_authorizer(
+    plane: ControlPlane, api: Api, installed: Installed, operator: OperatorProcess
+) -> None:
+    """Prove the RBAC check can fail: take `create` on pytorchjobs out of the chart's
+    ClusterRole; the operator's create meets 403, and works again once the rule is back."""
+    role_name = next(
+        r["metadata"]["name"] for r in api.list("clusterroles", None)
+        if r["metadata"].get("labels", {}).get("app.kubernetes.io/instance") == RELEASE
+    )  # fmt: skip
+    role = api.get("clusterroles", role_name, None)
+    assert role is not None
+    original = json.loads(json.dumps(role["rules"]))
+    for rule in role["rules"]:
+        if "pytorchjobs" in rule.get("resources", []):
+            rule["verbs"] = [v for v in rule["verbs"] if v != "create"]
+    api.request("PUT", api.path("clusterroles", None, role_name), role)
+    try:
+        operator.start()
+        plane.kubectl("create", "-f", "-", input=json.dumps(training("denied")))
+        wait_for("a 403 for the create", lambda: [
+            e for e in _forbidden(plane, installed.user)
+            if e["verb"] == "create" and e["objectRef"]["resource"] == "pytorchjobs"
+            and e["objectRef"]["namespace"] == NAMESPACE], timeout=30)  # fmt: skip
+        assert api.get("pytorchjobs", "denied", NAMESPACE) is None
+        wait_for("the operator saying so", lambda: "403" in operator.log())
+    finally:
+        role = api.get("clusterroles", role_name, None)
+        assert role is not None
+        role["rules"] = original
+        api.request("PUT", api.path("clusterroles", None, role_name), role)
+    wait_for("the job, once allowed", lambda: api.get("pytorchjobs", "denied", NAMESPACE), timeout=60)
+
+
+def test_killed_at_random_moments_ends_with_exactly_one_job_each(
+    plane: ControlPlane, api: Api, operator: OperatorProcess
+) -> None:
+    rng = random.Random(11)
+    names = [f"crash-{i:02d}" for i in range(20)]
+    operator.start()
+    kills = 0
+    for name in names:
+        plane.kubectl("create", "-f", "-", input=json.dumps(training(name)))
+        time.sleep(rng.uniform(0.0, 0.6))
+        operator.kill()  # SIGKILL: no cleanup, mid-request or mid-reconcile
+        kills += 1
+        operator.start()
+    for _ in range(4):
+        time.sleep(rng.uniform(0.2, 1.5))
+        operator.kill()
+        kills += 1
+        operator.start()
+    assert kills >= 20
+
+    for name in names:
+        wait_for(f"{name} Created", lambda n=name: _phase(api, n, "Created"), timeout=90)
+    jobs = _jobs(api)
+    assert sorted(j["metadata"]["name"] for j in jobs) == names
+    for job in jobs:
+        owner = api.get("gputrainings", job["metadata"]["name"], NAMESPACE)
+        assert owner is not None
+        assert job["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
+
+
+def test_api_faults_on_a_fifth_of_requests_every_job_converges_once(
+    plane: ControlPlane, api: Api, installed: Installed, kubeflow: Kubeflow, tmp_path: Path
+) -> None:
+    token_config = service_account_kubeconfig(
+        plane, RELEASE_NAMESPACE, installed.service_account, tmp_path / "sa"
+    )
+    token = json.loads(token_config.read_text())["users"][0]["user"]["token"]
+    proxy = FaultProxy(plane.server, plane.ca.cert, rate=0.2, watch_rate=0.5, seed=5)
+    config = tmp_path / "through-proxy"
+    config.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": proxy.url}}],
+        "users": [{"name": "u", "user": {"token": token}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+    }))  # fmt: skip
+    operator = OperatorProcess(config, tmp_path, env=installed.env)
+    names = [f"faulty-{i:02d}" for i in range(50)]
+    try:
+        operator.start()
+        for name in names:
+            plane.kubectl("create", "-f", "-", input=json.dumps(training(name)))
+        for name in names:
+            wait_for(f"{name} Created", lambda n=name: _phase(api, n, "Created"), timeout=180)
+        for name in names[:5]:
+            kubeflow.job_status(name, "Created", "Running", startTime="2026-01-01T00:00:00Z")
+        for name in names[:5]:
+            wait_for(f"{name} Running", lambda n=name: _phase(api, n, "Running"), timeout=60)
+        assert sorted(j["metadata"]["name"] for j in _jobs(api)) == names
+        injected = sum(proxy.injected.values())
+        seen = proxy.forwarded + injected - proxy.injected["lost-reply"]  # a lost reply was forwarded too
+        assert seen >= 150, seen
+        assert 0.12 <= injected / seen <= 0.3, (seen, proxy.injected)
+        assert {"500", "429", "409", "timeout", "lost-reply"} <= set(proxy.injected), proxy.injected
+        assert proxy.injected["cut"] >= 3, proxy.injected
+    finally:
+        operator.stop()
+        proxy.close()
+    assert "Traceback" not in operator.log(), operator.log()[-4000:]
+    events = [e for e in api.list("events", NAMESPACE) if e["reason"] == "PyTorchJobCreated"]
+    assert len(events) <= len(names) + proxy.injected["lost-reply"], "an event per created job, not per retry"
+
+
+def test_without_the_peering_object_the_operator_says_so_and_runs_standalone(
+    plane: ControlPlane, api: Api, tmp_path: Path
+) -> None:
+    """A newcomer's `gpuop operator` where the chart's peering object is not: not a silent
+    pause (Kopf waits for it, logging at DEBUG), but a WARNING and a working operator."""
+    plane.kubectl("create", "namespace", "lonely")
+    operator = OperatorProcess(plane.kubeconfig, tmp_path)
+    try:
+        operator.start("--namespace", "lonely", "--scrape-interval", "1", "--scrape-timeout", "0.5")
+        body = training("alone")
+        body["metadata"]["namespace"] = "lonely"
+        plane.kubectl("create", "-f", "-", input=json.dumps(body))
+        wait_for("its PyTorchJob", lambda: api.get("pytorchjobs", "alone", "lonely"), timeout=60)
+    finally:
+        operator.stop()
+    assert re.search(r"WARNING.*no KopfPeering/gpu-training-operator in lonely .*running standalone",
+                     operator.log()), operator.log()  # fmt: skip
+
+
+def test_a_required_peering_object_is_waited_for_with_a_warning(
+    plane: ControlPlane, api: Api, tmp_path: Path
+) -> None:
+    plane.kubectl("create", "namespace", "waiting")
+    operator = OperatorProcess(plane.kubeconfig, tmp_path)
+    try:
+        operator.start("--namespace", "waiting", "--peering", "team-peering", "--priority", "5")
+        body = training("patient")
+        body["metadata"]["namespace"] = "waiting"
+        plane.kubectl("create", "-f", "-", input=json.dumps(body))
+        wait_for("the warning", lambda: re.search(
+            r"WARNING.*waiting for KopfPeering/team-peering in waiting: peering 'team-peering' is required",
+            operator.log()))  # fmt: skip
+        time.sleep(3)
+        assert api.get("pytorchjobs", "patient", "waiting") is None  # paused, as Kopf does
+        plane.kubectl("create", "-f", "-", input=json.dumps({
+            "apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
+            "metadata": {"name": "team-peering", "namespace": "waiting"},
+        }))  # fmt: skip
+        wait_for("its PyTorchJob once the peering exists",
+                 lambda: api.get("pytorchjobs", "patient", "waiting"), timeout=60)  # fmt: skip
+    finally:
+        operator.stop()

@@ -8,10 +8,13 @@ Against a real API server (``--kubeconfig``; `make controlplane` starts one here
 2. the operator: ``gpuop operator`` started here, N GpuTrainings created by the same loop,
    timed from the first request until every one has its PyTorchJob and status Created.
 
-It reports operator/limit, p50/p99 of create->child (first sight of each object on a watch, one
-clock), the operator's writes per job and its writes in a quiet period afterwards (its own
-request counters), and its peak RSS. Both share the machine with the API server: compare them
-side by side, in one run.
+3. between them, the floor: the same loop making, per job, every write the operator's path
+   makes (the user's GpuTraining, its PyTorchJob, the Created status, the Event).
+
+It reports operator/limit and operator/floor, p50/p99 of create->child (first sight of each
+object on a watch, one clock), the operator's writes per job and its writes in a quiet period
+afterwards (its own request counters), and its peak RSS. All three share the machine with the
+API server: compare them side by side, in one run.
 
 Without ``--kubeconfig`` the same operator runs against tests/support's API emulator (fast,
 no server to build; the emulator stamps creation times itself), for quick comparisons of the
@@ -37,7 +40,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import yaml
 from kubernetes import client, config, watch
@@ -172,6 +175,38 @@ class FirstSeen(threading.Thread):
         self.watch.stop()
 
 
+# What the operator writes to reach Created, for the floor's plain loop.
+_CREATED: Final = {"status": {
+    "phase": "Created", "observedGeneration": 1, "workers": {"ready": 0, "total": 2},
+    "conditions": [{"type": "Created", "status": "True", "reason": "PyTorchJobCreated",
+                    "message": "PyTorchJob created", "lastTransitionTime": "2026-01-01T00:00:00Z"}],
+}}  # fmt: skip
+
+
+def _event(name: str, namespace: str) -> dict[str, Any]:
+    return {
+        "metadata": {"generateName": f"{name}.", "namespace": namespace},
+        "involvedObject": {"apiVersion": "gpuop.io/v1alpha1", "kind": "GpuTraining", "name": name,
+                           "namespace": namespace},
+        "type": "Normal", "reason": "PyTorchJobCreated", "message": f"created PyTorchJob {name}",
+        "firstTimestamp": "2026-01-01T00:00:00Z", "lastTimestamp": "2026-01-01T00:00:00Z", "count": 1,
+        "source": {"component": "gpu-training-operator"},
+    }  # fmt: skip
+
+
+def _watched(watchers: list[FirstSeen], work: Any) -> float:
+    """Run ``work`` with the watchers on (the API server fans each write out to them)."""
+    for watcher in watchers:
+        watcher.start()
+        watcher.ready.wait(30)
+    try:
+        seconds: float = work()
+    finally:
+        for watcher in watchers:
+            watcher.stop()
+    return seconds
+
+
 def _create_all(create: Any, bodies: list[dict[str, Any]]) -> float:
     """Create every body with CONCURRENCY threads; seconds from the first request to the last reply."""
     started = time.monotonic()
@@ -201,23 +236,43 @@ def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any
     api = client.CustomObjectsApi()
     core = client.CoreV1Api()
     stamp = f"{int(time.time()) % 100000}"
-    limit_ns, operator_ns = f"limit-{count}-{stamp}", f"scale-{count}-{stamp}"
-    for namespace in (limit_ns, operator_ns):
+    limit_ns, floor_ns, operator_ns = (f"{kind}-{count}-{stamp}" for kind in ("limit", "floor", "scale"))
+    for namespace in (limit_ns, floor_ns, operator_ns):
         core.create_namespace({"metadata": {"name": namespace}})
     names = [f"scale-{i:04d}" for i in range(count)]
 
-    # 1. The limit: the same PyTorchJobs, by a plain loop.
-    jobs = []
-    for name in names:
-        job = render_pytorchjob(parse(_training(name, limit_ns)))
+    def job_for(name: str, namespace: str) -> dict[str, Any]:
+        job = render_pytorchjob(parse(_training(name, namespace)))
         job["metadata"].pop("ownerReferences", None)  # no GpuTraining owns these
-        jobs.append(job)
-    limit = _create_all(
-        lambda job: api.create_namespaced_custom_object("kubeflow.org", "v1", limit_ns, "pytorchjobs", job),
-        jobs,
-    )
+        return job
 
-    # 2. The operator.
+    # 1. The limit: the same PyTorchJobs, by a plain loop (watched, as the operator's are).
+    watchers = [FirstSeen(api, "kubeflow.org", "v1", "pytorchjobs", limit_ns)]
+    jobs = [job_for(name, limit_ns) for name in names]
+
+    def one_write(job: dict[str, Any]) -> None:
+        api.create_namespaced_custom_object("kubeflow.org", "v1", limit_ns, "pytorchjobs", job)
+
+    limit = _watched(watchers, lambda: _create_all(one_write, jobs))
+
+    # 2. The floor: every write the operator's path makes, by the same plain loop: the user's
+    #    GpuTraining, its PyTorchJob, the Created status, the Event. No operator can beat it.
+    def four_writes(name: str) -> None:
+        api.create_namespaced_custom_object("gpuop.io", "v1alpha1", floor_ns, "gputrainings",
+                                            _training(name, floor_ns))  # fmt: skip
+        api.create_namespaced_custom_object(
+            "kubeflow.org", "v1", floor_ns, "pytorchjobs", job_for(name, floor_ns)
+        )
+        api.patch_namespaced_custom_object_status(
+            "gpuop.io", "v1alpha1", floor_ns, "gputrainings", name, _CREATED
+        )
+        core.create_namespaced_event(floor_ns, _event(name, floor_ns))
+
+    watchers = [FirstSeen(api, "gpuop.io", "v1alpha1", "gputrainings", floor_ns),
+                FirstSeen(api, "kubeflow.org", "v1", "pytorchjobs", floor_ns)]  # fmt: skip
+    floor = _watched(watchers, lambda: _create_all(four_writes, names))
+
+    # 3. The operator.
     trainings = FirstSeen(api, "gpuop.io", "v1alpha1", "gputrainings", operator_ns)
     children = FirstSeen(api, "kubeflow.org", "v1", "pytorchjobs", operator_ns)
     for watcher in (trainings, children):
@@ -266,11 +321,16 @@ def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any
     latencies = [
         children.seen[n] - trainings.seen[n] for n in names if n in children.seen and n in trainings.seen
     ]
-    for namespace in (limit_ns, operator_ns):  # cleaned up in the background by the namespace controller
+    for namespace in (
+        limit_ns,
+        floor_ns,
+        operator_ns,
+    ):  # removed in the background by the namespace controller
         core.delete_namespace(namespace)
     return {
         "count": count,
         "limit_s": limit,
+        "floor_s": floor,
         "operator_s": converged,
         "created": len(trainings.created),
         "p50_ms": 1000 * statistics.median(latencies),
@@ -300,6 +360,8 @@ def _print_real(r: dict[str, Any]) -> None:
     print(
         f"N={r['count']:5d}  operator: all {r['created']} Created in {r['operator_s']:6.2f}s  "
         f"limit (plain loop, same jobs): {r['limit_s']:6.2f}s  ratio {r['operator_s'] / r['limit_s']:.2f}x  "
+        f"floor (plain loop, same 4 writes/job): {r['floor_s']:6.2f}s  "
+        f"ratio {r['operator_s'] / r['floor_s']:.2f}x  "
         f"create->child p50 {r['p50_ms']:6.0f} ms p99 {r['p99_ms']:6.0f} ms  "
         f"writes/job {r['writes_per_job']:.2f}  idle writes {r['idle_writes']}  "
         f"peak RSS {r['peak_rss_mb']:.0f} MB",

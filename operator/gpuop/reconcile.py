@@ -161,7 +161,7 @@ class Reconciler:
             if event_type == "DELETED":
                 tracked.child, tracked.pods = None, ()
             elif tracked.child is None or _newer(body, tracked.child):
-                tracked.child = body
+                tracked.child = observe.slim_job(body)
         if event_type == "DELETED" and not self._still_there(key):
             return  # the garbage collector took it with its GpuTraining: do not re-create it
         self.reconcile(key)
@@ -295,7 +295,7 @@ class Reconciler:
         outcome = "unchanged"
         if tracked.child is None:
             try:
-                tracked.child = self.kube.create_pytorchjob(desired)
+                tracked.child = observe.slim_job(self.kube.create_pytorchjob(desired))
                 outcome = "created"
                 log.info("gputraining %s/%s: created PyTorchJob %s", namespace, name, name)
             except ApiError as exc:
@@ -303,9 +303,10 @@ class Reconciler:
                     raise
                 # Ours from an earlier life (the operator restarted mid-reconcile, or a
                 # retried create that had succeeded), or someone else's.
-                tracked.child = self.kube.get_pytorchjob(namespace, name)
-                if tracked.child is None:  # deleted in between: the next call creates it
+                found = self.kube.get_pytorchjob(namespace, name)
+                if found is None:  # deleted in between: the next call creates it
                     raise
+                tracked.child = observe.slim_job(found)
                 outcome = "adopted"
         child = tracked.child
         if observe.owner_uid(child) != uid:
@@ -319,7 +320,7 @@ class Reconciler:
         if not observe.job_finished(child):
             patch = _run_policy_patch(desired, child)
             if patch is not None:
-                tracked.child = self.kube.patch_pytorchjob(namespace, name, patch)
+                tracked.child = observe.slim_job(self.kube.patch_pytorchjob(namespace, name, patch))
                 log.info("gputraining %s/%s: updated the PyTorchJob's runPolicy %s", namespace, name, patch)
                 outcome = "updated" if outcome == "unchanged" else outcome
         return outcome, None

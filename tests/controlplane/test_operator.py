@@ -229,6 +229,12 @@ def test_lifecycle_as_the_charts_service_account(
     assert status["workers"] == {"ready": 2, "total": 2}
     assert status["gpu"]["utilizationPercent"] == 85.0
 
+    # A runPolicy change reaches the running job.
+    plane.kubectl("patch", "gtr", "mnist", "-n", NAMESPACE, "--type=merge",
+                  "-p", '{"spec": {"runPolicy": {"activeDeadlineSeconds": 7200}}}')  # fmt: skip
+    wait_for("the job's new deadline", lambda: (api.get("pytorchjobs", "mnist", NAMESPACE) or {})
+             .get("spec", {}).get("runPolicy", {}).get("activeDeadlineSeconds") == 7200)  # fmt: skip
+
     record = {"phase": "Succeeded", "epoch": 2, "totalEpochs": 2, "step": 100, "totalSteps": 100, "loss": 0.21,
               "accuracy": 0.955, "testLoss": 0.18, "samplesPerSecond": 530.0, "durationSeconds": 95.0,
               "worldSize": 2}  # fmt: skip
@@ -332,6 +338,15 @@ def test_killed_at_random_moments_ends_with_exactly_one_job_each(
         assert owner is not None
         assert job["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
 
+    # A job lost before it ran (deleted by hand): its DELETED makes the operator ask whether the
+    # GpuTraining is still there, and it is, so the job is made again.
+    lost = api.get("pytorchjobs", "crash-00", NAMESPACE)
+    assert lost is not None
+    api.delete("pytorchjobs", "crash-00", NAMESPACE)
+    remade = wait_for("crash-00's job made again", lambda: (j := api.get("pytorchjobs", "crash-00", NAMESPACE))
+                      and j["metadata"]["uid"] != lost["metadata"]["uid"] and j, timeout=30)  # fmt: skip
+    assert remade["metadata"]["ownerReferences"][0]["uid"] == lost["metadata"]["ownerReferences"][0]["uid"]
+
 
 def test_api_faults_on_a_fifth_of_requests_every_job_converges_once(
     plane: ControlPlane, api: Api, installed: Installed, kubeflow: Kubeflow, tmp_path: Path
@@ -417,3 +432,83 @@ def test_a_required_peering_object_is_waited_for_with_a_warning(
                  lambda: api.get("pytorchjobs", "patient", "waiting"), timeout=60)  # fmt: skip
     finally:
         operator.stop()
+
+
+def test_two_replicas_under_the_charts_peering_one_works_and_the_other_takes_over(
+    plane: ControlPlane, api: Api, installed: Installed, tmp_path: Path
+) -> None:
+    """The chart's set-up for replicas > 1: the peering object it creates, each pod its own
+    identity (POD_ID) and a random priority; one replica works, the next takes over."""
+    config = service_account_kubeconfig(plane, RELEASE_NAMESPACE, installed.service_account, tmp_path / "sa")
+    replicas = {}
+    for pod in ("gpuop-a", "gpuop-b"):
+        (tmp_path / pod).mkdir()
+        replicas[pod] = OperatorProcess(config, tmp_path / pod, env={**installed.env, "POD_ID": pod})
+
+    def peers() -> dict[str, Any]:
+        peering = api.request("GET", "/apis/kopf.dev/v1/clusterkopfpeerings/gpu-training-operator")
+        return dict(peering.get("status") or {})
+
+    try:
+        for replica in replicas.values():
+            replica.start()
+        wait_for("both replicas in the peering", lambda: set(peers()) >= set(replicas), timeout=60)
+        priorities = {pod: peers()[pod]["priority"] for pod in replicas}
+        assert len(set(priorities.values())) == 2, priorities
+        leader = max(priorities, key=lambda pod: priorities[pod])
+        standby = min(priorities, key=lambda pod: priorities[pod])
+
+        names = ["peer-a", "peer-b", "peer-c"]
+        for name in names:
+            plane.kubectl("create", "-f", "-", input=json.dumps(training(name)))
+        for name in names:
+            wait_for(f"{name} Created", lambda n=name: _phase(api, n, "Created"), timeout=60)
+        creates = [e for e in plane.audit(installed.user) if e["verb"] == "create"
+                   and e["objectRef"]["resource"] == "pytorchjobs" and e["objectRef"].get("name") in names]  # fmt: skip
+        assert sorted(e["responseStatus"]["code"] for e in creates) == [
+            201,
+            201,
+            201,
+        ]  # the standby made none
+
+        replicas[leader].stop()  # a rolling update: SIGTERM, and Kopf leaves the peering
+        wait_for("the leader gone from the peering", lambda: leader not in peers(), timeout=30)
+        plane.kubectl("create", "-f", "-", input=json.dumps(training("peer-d")))
+        wait_for("peer-d Created by the standby", lambda: _phase(api, "peer-d", "Created"), timeout=60)
+        assert replicas[standby].process is not None
+        assert replicas[standby].process.poll() is None
+        assert sorted(j["metadata"]["name"] for j in _jobs(api)) == [*names, "peer-d"]
+    finally:
+        for replica in replicas.values():
+            replica.stop()
+    for replica in replicas.values():
+        assert "Traceback" not in replica.log(), replica.log()[-3000:]
+
+
+def _granted(plane: ControlPlane) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) for every rule of the chart's ClusterRole."""
+    manifest = _helm(plane, "get", "manifest", RELEASE, "-n", RELEASE_NAMESPACE)
+    role = next(d for d in yaml.safe_load_all(manifest) if d and d["kind"] == "ClusterRole")
+    return {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]}  # fmt: skip
+
+
+def test_the_charts_rules_are_exactly_what_the_operator_asked_for(
+    plane: ControlPlane, installed: Installed
+) -> None:
+    """Read from the API server's audit log, after the tests above: each request the chart's
+    ServiceAccount made was allowed (but the one whose rule a test took away), and each rule
+    the chart grants was used by at least one request: nothing missing, nothing more."""
+    asked: set[tuple[str, str, str]] = set()
+    refused: set[tuple[str, str, str]] = set()
+    for event in plane.audit(installed.user):
+        ref = event.get("objectRef")
+        if ref is None:  # discovery (/api, /apis): every authenticated user may
+            continue
+        resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        request = (ref.get("apiGroup", ""), resource, event["verb"])
+        (refused if event["responseStatus"]["code"] == 403 else asked).add(request)
+    assert refused == {("kubeflow.org", "pytorchjobs", "create")}  # the rule the test took away
+    granted = _granted(plane)
+    assert asked - granted == set()
+    assert granted - asked == set(), "rules the chart grants that no request used"

@@ -23,12 +23,15 @@ from typing import Any
 from gputrain.contract import METRICS_PORT
 from gputrain.metrics import MetricsServer, Progress
 from support.apiserver import ApiServer, RunningApiServer
+from support.controlplane import ensure_binaries
 
 TRAININGS = "gpuop.io/v1alpha1/gputrainings"
 JOBS = "kubeflow.org/v1/pytorchjobs"
 PODS = "v1/pods"
 EVENTS = "v1/events"
 GPUOP = str(Path(sys.executable).with_name("gpuop"))
+# The kubectl built with the control plane: a machine need not have one installed.
+KUBECTL = str(ensure_binaries() / "kubectl")
 STAMP = "%Y-%m-%dT%H:%M:%SZ"
 
 
@@ -148,7 +151,7 @@ class Cluster:
         self, *args: str, input: str | None = None, check: bool = True
     ) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
-            ["kubectl", *args], env=self.env(), input=input, capture_output=True, text=True, timeout=30
+            [KUBECTL, *args], env=self.env(), input=input, capture_output=True, text=True, timeout=30
         )
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed: {result.stderr}")

@@ -73,8 +73,8 @@ class FaultProxy:
             kinds = ["500", "429", "timeout"]
             if method in WRITES:
                 kinds += ["409", "lost-reply"]
-            if watch:
-                kinds = ["cut", "cut", "500", "429"]
+            if watch:  # errors on opening a watch are the reads' kinds, covered above
+                kinds = ["cut"]
             kind = self.random.choice(kinds)
             self.injected[kind] += 1
             return kind
@@ -150,7 +150,12 @@ class FaultProxy:
                     self.end_headers()
                     deadline = time.monotonic() + proxy.random.uniform(0.5, 3.0) if fault == "cut" else None
                     while not proxy._closing.is_set():
-                        chunk = response.read1(65536)
+                        if deadline is not None:  # a quiet stream must be cut on time too
+                            upstream.sock.settimeout(max(0.01, deadline - time.monotonic()))
+                        try:
+                            chunk = response.read1(65536)
+                        except TimeoutError:
+                            break
                         if not chunk or (deadline is not None and time.monotonic() > deadline):
                             break
                         self.wfile.write(chunk)

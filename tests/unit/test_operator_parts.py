@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -14,11 +15,14 @@ import pytest
 from kubernetes import client as k8s_client
 
 from gpuop import observe
-from gpuop.controller import leadership
+from gpuop.controller import check_peering, leadership
 from gpuop.kube import ApiError, Backoff, Kube
 from gpuop.reconcile import _run_policy_patch
+from gpuop.render import render_pytorchjob
 from gpuop.settings import OperatorSettings, SettingsError, add_arguments, from_arguments
+from gpuop.spec import parse
 from support.apiserver import ApiServer, RunningApiServer
+from support.specs import minimal
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
@@ -73,6 +77,24 @@ def test_job_readings() -> None:
     assert not observe.job_finished({"status": {"conditions": [{"type": "Failed", "status": "False"}]}})
 
 
+def test_a_slim_job_reads_the_same_as_the_whole_one() -> None:
+    """The table keeps a slim copy of each PyTorchJob: every reading gives what the whole does."""
+
+    body = minimal(runPolicy={"activeDeadlineSeconds": 60})
+    body["metadata"]["uid"] = "u-1"
+    whole = render_pytorchjob(parse(body))
+    whole["metadata"] |= {"uid": "j-1", "resourceVersion": "42", "managedFields": [{"manager": "x"}]}
+    whole["status"] = {"conditions": [{"type": "Running", "status": "True"}], "startTime": "s"}
+    slim = observe.slim_job(whole)
+    for reading in (observe.owner_uid, observe.job_finished, observe.job_times, observe.job_conditions,
+                    observe.created_from, observe.training_of):  # fmt: skip
+        assert reading(slim) == reading(whole), reading.__name__
+    assert observe.created_from(slim) is not None
+    assert slim["spec"]["runPolicy"] == whole["spec"]["runPolicy"]
+    assert slim["metadata"]["resourceVersion"] == "42"
+    assert len(json.dumps(slim)) < len(json.dumps(whole)) / 3
+
+
 def _peer(priority: int, seconds_ago: float, lifetime: int = 60) -> dict[str, Any]:
     return {
         "priority": priority,
@@ -109,6 +131,49 @@ class _PeeringStub:
         if isinstance(found, ApiError):
             raise found
         return found
+
+    def find_peering(self, name: str, namespace: str | None) -> dict[str, Any] | None:
+        status = self.get_peering(name, namespace)
+        return None if namespace not in self.peerings else {"status": status}
+
+
+# (peerings present, settings, peering name it runs with, the WARNING's words or None)
+PEERING_CHECKS = [
+    ({None: {}}, OperatorSettings(), "gpu-training-operator", None),
+    ({}, OperatorSettings(), None, "no ClusterKopfPeering/gpu-training-operator"),
+    (
+        {},
+        OperatorSettings(peering_name="team", peering_required=True),
+        "team",
+        "waiting for ClusterKopfPeering/team",
+    ),
+    ({"a": {}}, OperatorSettings(namespaces=("a", "b")), None, "no KopfPeering/gpu-training-operator in b"),
+    ({}, OperatorSettings(peering_name=None), None, None),
+    ({None: ApiError(403, "Forbidden", "no")}, OperatorSettings(), "gpu-training-operator", "Forbidden"),
+]
+
+
+@pytest.mark.parametrize(("peerings", "settings", "runs_with", "warning"), PEERING_CHECKS)
+def test_a_missing_peering_object_is_warned_about(
+    peerings: dict[str | None, Any], settings: OperatorSettings, runs_with: str | None, warning: str | None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    checked = check_peering(_PeeringStub(peerings), settings)  # type: ignore[arg-type]
+    assert checked.peering_name == runs_with
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    if warning is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1
+        assert warning in warnings[0]
+
+
+def test_peering_is_required_only_when_named() -> None:
+    assert not _settings([]).peering_required
+    assert _settings(["--peering", "team"]).peering_required
+    assert _settings([], {"GPUOP_PEERING": "team"}).peering_name == "team"
+    assert _settings([], {"GPUOP_PEERING": "team"}).peering_required
+    assert not _settings(["--standalone"], {"GPUOP_PEERING": "team"}).peering_required
 
 
 def test_leadership_is_per_watched_namespace_and_read_once_per_tick() -> None:

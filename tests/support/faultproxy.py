@@ -8,8 +8,9 @@ network:
 
 - ``500``: an internal error, nothing forwarded;
 - ``429``: too many requests with ``Retry-After: 1``, as API Priority and Fairness sends;
-- ``409``: a conflict on a write, nothing forwarded (writes only; a real server never
-  answers a read with one);
+- ``409``: a conflict on a create or an update, nothing forwarded (where a real server sends
+  one: a name taken, a stale resourceVersion; never to a read, and a merge patch without a
+  resourceVersion is retried inside the server instead);
 - ``timeout``: no reply within the client's patience; the connection then closes;
 - ``lost-reply``: forwarded, the server acts on it, and the reply never reaches the client
   (the write happened; the client cannot know);
@@ -72,7 +73,9 @@ class FaultProxy:
                 return None
             kinds = ["500", "429", "timeout"]
             if method in WRITES:
-                kinds += ["409", "lost-reply"]
+                kinds.append("lost-reply")
+            if method in ("POST", "PUT"):
+                kinds.append("409")
             if watch:  # errors on opening a watch are the reads' kinds, covered above
                 kinds = ["cut"]
             kind = self.random.choice(kinds)

@@ -1,0 +1,91 @@
+"""`make controlplane` and `make controlplane-down` (``python -m support.controlplane``) keep
+their promises: up, usable with the kubectl they put beside the kubeconfig, down leaving no
+process and no state; a killed supervisor takes its children along; a port taken between
+choosing it and binding it makes it pick others."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from support import controlplane
+from support.cluster import wait_for
+from support.crdschema import ROOT
+
+
+def _launcher(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "support.controlplane", *args], cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "tests")}, timeout=180,
+    )  # fmt: skip
+
+
+def _processes_under(state: Path) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if str(state) in command and "support.controlplane" not in command:
+                found.append(command[:120])
+    return found
+
+
+def test_up_is_usable_and_down_leaves_nothing(tmp_path: Path) -> None:
+    state = tmp_path / "plane"
+    up = _launcher("up", "--dir", str(state))
+    assert up.returncode == 0, up.stderr
+    assert f"export KUBECONFIG={state / 'kubeconfig'}" in up.stdout
+    ready = subprocess.run([str(state / "bin" / "kubectl"), f"--kubeconfig={state / 'kubeconfig'}",
+                            "get", "--raw", "/readyz"], capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert ready.stdout == "ok"
+    assert _launcher("up", "--dir", str(state)).stdout.startswith("already running")
+    assert len(_processes_under(state)) == 3  # etcd, kube-apiserver, kube-controller-manager
+
+    down = _launcher("down", "--dir", str(state))
+    assert down.returncode == 0
+    assert down.stdout.strip() == "control plane stopped"
+    assert _processes_under(state) == []
+    assert not state.exists()
+
+
+def test_a_killed_supervisor_takes_its_children_along(tmp_path: Path) -> None:
+    state = tmp_path / "plane"
+    assert _launcher("up", "--dir", str(state)).returncode == 0
+    supervisor = int((state / "supervisor.pid").read_text())
+    assert len(_processes_under(state)) == 3
+    os.kill(supervisor, signal.SIGKILL)  # no chance to clean up: the kernel's PR_SET_PDEATHSIG does
+    wait_for("no etcd or apiserver left", lambda: _processes_under(state) == [], timeout=10)
+    assert _launcher("down", "--dir", str(state)).returncode == 0
+    assert not state.exists()
+
+
+def test_a_port_taken_meanwhile_makes_it_pick_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real = controlplane.free_port
+    monkeypatch.setattr(controlplane, "free_port", lambda: next(ports, None) or real())
+    said: list[str] = []
+    plane = controlplane.ControlPlane(tmp_path, controlplane.ensure_binaries(), say=said.append)
+    try:
+        started = time.monotonic()
+        plane.start()
+        assert time.monotonic() - started < 60
+        assert any("trying other ports" in line for line in said), said
+        plane.check_alive()
+    finally:
+        plane.stop()
+        taken.close()

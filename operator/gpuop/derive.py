@@ -108,6 +108,8 @@ class Observation:
     job_start_time: str | None = None
     job_completion_time: str | None = None
     pods: tuple[PodObservation, ...] = ()
+    # The training finished and its PyTorchJob is gone since (Kubeflow's TTL, or by hand).
+    job_deleted: bool = False
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,23 @@ def _gpu(previous: GpuUsage | None, obs: Observation, thresholds: Thresholds, no
     return dataclasses.replace(usage, underutilized_since=since)
 
 
+def _job_deleted_after_finishing(
+    previous: GpuTrainingStatus, obs: Observation, now: str
+) -> GpuTrainingStatus:
+    """A finished training whose PyTorchJob is gone: all it reported stays, and the deletion is
+    recorded once (the job is never made again: that would train again on the GPUs)."""
+    if any(c.type == "JobDeleted" for c in previous.conditions):
+        return previous
+    deleted = Condition(
+        type="JobDeleted", status="True", reason="PyTorchJobDeleted",
+        message=f"PyTorchJob {previous.pytorch_job} was deleted after the training finished "
+        "(Kubeflow's runPolicy.ttlSecondsAfterFinished, or by hand); it is not made again, and "
+        "this status keeps the result",
+        last_transition_time=now, observed_generation=obs.generation,
+    )  # fmt: skip
+    return dataclasses.replace(previous, conditions=(*previous.conditions, deleted))
+
+
 def _merge_conditions(
     previous: tuple[Condition, ...], wanted: list[Condition], keep_types: set[str], now: str
 ) -> tuple[Condition, ...]:
@@ -247,6 +266,8 @@ def derive_status(
 ) -> GpuTrainingStatus:
     """The status to write. Returns ``previous`` itself when nothing meaningful changed."""
     now = _stamp(obs.now)
+    if obs.job_deleted and previous is not None and previous.phase in _TERMINAL:
+        return _job_deleted_after_finishing(previous, obs, now)
     phase = _phase(obs)
     before = previous or GpuTrainingStatus()
     generation = obs.generation

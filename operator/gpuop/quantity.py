@@ -40,27 +40,43 @@ _SUFFIXES: Final[dict[str, Fraction]] = {
 
 MI: Final = 2**20
 GI: Final = 2**30
+# Bounds that keep every quantity a few microseconds of work, whatever a user writes: the
+# CRD's pattern admits "1e999999999", whose exact value is a billion digits (a pegged core
+# for a minute, and Python refuses to print it). Kubernetes keeps resource values in an
+# int64, so nothing larger is a size anyone can have; the text is shorter than any real one.
+MAX_QUANTITY: Final = 2**63 - 1
+MAX_QUANTITY_TEXT: Final = 64
+_MAX_EXPONENT: Final = 40
 
 
 def is_quantity(text: str) -> bool:
     """True when ``text`` is a quantity the API server accepts."""
-    return bool(_QUANTITY_RE.match(text))
+    return len(text) <= MAX_QUANTITY_TEXT and bool(_QUANTITY_RE.match(text))
 
 
 def parse_quantity(value: str | int) -> Fraction:
-    """The exact value of a quantity; ``ValueError`` when it is not one."""
+    """The exact value of a quantity; ``ValueError`` when it is not one or is out of range
+    (magnitude above :data:`MAX_QUANTITY`). Bounded time and memory for any input."""
     if isinstance(value, int):
-        return Fraction(value)
-    text = value.strip()
-    if not _QUANTITY_RE.match(text):
-        raise ValueError(f"not a Kubernetes quantity: {value!r}")
-    number = _NUMBER_RE.match(text)
-    assert number is not None  # the full pattern matched, so its number part does
-    mantissa = Fraction(number.group(0))
-    suffix = text[number.end() :]
-    if suffix[:1] in ("e", "E"):
-        return mantissa * Fraction(10) ** int(suffix[1:])
-    return mantissa * _SUFFIXES[suffix]
+        exact = Fraction(value)
+    else:
+        text = value.strip()
+        if not is_quantity(text):
+            raise ValueError(f"not a Kubernetes quantity: {value[:MAX_QUANTITY_TEXT]!r}")
+        number = _NUMBER_RE.match(text)
+        assert number is not None  # the full pattern matched, so its number part does
+        mantissa = Fraction(number.group(0))
+        suffix = text[number.end() :]
+        if suffix in _SUFFIXES:  # "E" and "Ei" are exa and exbi, not an exponent
+            exact = mantissa * _SUFFIXES[suffix]
+        else:
+            exponent = int(suffix[1:])
+            if abs(exponent) > _MAX_EXPONENT:
+                raise ValueError(f"quantity out of range: {text} (at most {MAX_QUANTITY})")
+            exact = mantissa * Fraction(10) ** exponent
+    if abs(exact) > MAX_QUANTITY:
+        raise ValueError(f"quantity out of range: {value} (at most {MAX_QUANTITY})")
+    return exact
 
 
 def format_bytes(count: int) -> str:

@@ -76,6 +76,8 @@ class Tracked:
     pods: tuple[PodObservation, ...] = ()
     lock: threading.Lock = field(default_factory=threading.Lock)
     view: _SpecView | None = None
+    failure: str | None = None  # the last unexpected error, said once
+    child_gone: bool = False  # asked for and not found, after the training finished
 
     @property
     def phase(self) -> str | None:
@@ -161,7 +163,7 @@ class Reconciler:
             if event_type == "DELETED":
                 tracked.child, tracked.pods = None, ()
             elif tracked.child is None or _newer(body, tracked.child):
-                tracked.child = observe.slim_job(body)
+                tracked.child, tracked.child_gone = observe.slim_job(body), False
         if event_type == "DELETED" and not self._still_there(key):
             return  # the garbage collector took it with its GpuTraining: do not re-create it
         self.reconcile(key)
@@ -194,14 +196,34 @@ class Reconciler:
         with tracked.lock:
             try:
                 outcome = self._reconcile(tracked)
+                tracked.failure = None
             except ApiError as exc:
                 # Already retried with backoff; the next event or tick tries again.
                 self.metrics.errors.inc()
                 log.warning("gputraining %s/%s: %s; will retry", key[0], key[1], exc)
                 outcome = "error"
+            except Exception as exc:
+                # A defect, or an input nothing upstream caught: it stops this GpuTraining, never
+                # the others, and is said once (with the traceback) and on the object itself.
+                self.metrics.errors.inc()
+                outcome = "error"
+                self._report_failure(tracked, exc)
         self.metrics.duration.observe(time.monotonic() - started)
         self.metrics.reconciles.labels(outcome=outcome).inc()
         return outcome
+
+    def _report_failure(self, tracked: Tracked, exc: Exception) -> None:
+        namespace, name = _key(tracked.body)
+        summary = f"{type(exc).__name__}: {exc}"[:500]
+        if tracked.failure == summary:
+            log.warning("gputraining %s/%s: still failing: %s", namespace, name, summary)
+            return
+        tracked.failure = summary
+        log.exception("gputraining %s/%s: reconcile failed; other trainings go on", namespace, name)
+        message = f"the operator cannot reconcile this GpuTraining ({summary}); it retries on every change"
+        self._events.submit(
+            self._post_event, tracked.body, Event("Warning", "ReconcileError", message), self.clock()
+        )
 
     def _reconcile(self, tracked: Tracked) -> str:
         body = tracked.body
@@ -222,6 +244,13 @@ class Reconciler:
             return "invalid"
         training, desired = view.training, view.desired
         assert desired is not None  # rendered whenever it parsed
+        if self._finished_and_gone(tracked, previous, training):
+            observation = Observation(
+                now=now, generation=generation, workers_total=training.spec.workers,
+                gpus=training.spec.workers * training.spec.gpus_per_worker, job_deleted=True,
+            )  # fmt: skip
+            wrote = self._write_status(tracked, previous, observation, Thresholds(stall_timeout_seconds=0))
+            return "status" if wrote else "finished"
 
         outcome, conflict = self._ensure_child(tracked, training, desired)
         child = tracked.child if conflict is None else None
@@ -256,6 +285,26 @@ class Reconciler:
         )
         wrote = self._write_status(tracked, previous, observation, thresholds)
         return outcome if outcome != "unchanged" or not wrote else "status"
+
+    def _finished_and_gone(
+        self, tracked: Tracked, previous: GpuTrainingStatus | None, training: GpuTraining
+    ) -> bool:
+        """Whether this GpuTraining finished with a PyTorchJob that is gone since.
+
+        Unseen is not gone: after a restart the GpuTraining's event can come before its job's,
+        so the job is asked for once before it counts as deleted.
+        """
+        if previous is None or previous.phase not in ("Succeeded", "Failed") or previous.pytorch_job is None:
+            return False
+        if tracked.child is not None:
+            return False
+        if not tracked.child_gone:
+            found = self.kube.get_pytorchjob(training.namespace or "default", training.name)
+            if found is not None and observe.owner_uid(found) == training.uid:
+                tracked.child = observe.slim_job(found)
+                return False
+            tracked.child_gone = True
+        return True
 
     def _view(self, tracked: Tracked) -> _SpecView:
         """Parse and render the GpuTraining, or reuse what its current generation gave."""
@@ -318,7 +367,8 @@ class Reconciler:
                 "it is left untouched: delete it or rename the GpuTraining"
             )
         if not observe.job_finished(child):
-            patch = _run_policy_patch(desired, child)
+            owned_by_kueue = training.spec.scheduling.queue_name is not None
+            patch = _run_policy_patch(desired, child, skip=("suspend",) if owned_by_kueue else ())
             if patch is not None:
                 tracked.child = observe.slim_job(self.kube.patch_pytorchjob(namespace, name, patch))
                 log.info("gputraining %s/%s: updated the PyTorchJob's runPolicy %s", namespace, name, patch)
@@ -387,7 +437,11 @@ class Reconciler:
                 for key, _ in group
             }
             for key, tracked in group:
-                observed = tuple(observe.pod_observation(pod, f.result()) for pod, f in futures[key])
+                try:
+                    observed = tuple(observe.pod_observation(pod, f.result()) for pod, f in futures[key])
+                except Exception:  # one training's odd pods must not stop the others' scrape
+                    log.exception("gputraining %s/%s: reading its pods failed", *key)
+                    continue
                 with tracked.lock:
                     tracked.pods = observed
         for key, tracked in items:
@@ -423,7 +477,7 @@ class Reconciler:
                 with urllib.request.urlopen(f"http://{ip}:{METRICS_PORT}/metrics", timeout=timeout) as reply:
                     text = reply.read().decode("utf-8", errors="replace")
             metrics = parse_metrics(text)
-        except (ApiError, OSError, ValueError) as exc:
+        except Exception as exc:  # whatever a pod serves, or fails to: no figures this tick
             # Not serving yet (starting, loading data) or gone: no figures this tick.
             log.debug("scraping %s: %s", meta.get("name"), exc)
             self.metrics.scrapes.labels(outcome="error").inc()
@@ -442,9 +496,13 @@ class Reconciler:
         self._events.shutdown(wait=True)
 
 
-def _run_policy_patch(desired: Mapping[str, Any], child: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The merge patch that brings the running job's mutable runPolicy fields to the spec's."""
+def _run_policy_patch(
+    desired: Mapping[str, Any], child: Mapping[str, Any], skip: tuple[str, ...] = ()
+) -> dict[str, Any] | None:
+    """The merge patch that brings the running job's mutable runPolicy fields to the spec's,
+    but those in ``skip`` (suspend, when Kueue owns it: undoing its suspension would release
+    queued and preempted jobs)."""
     want = desired["spec"]["runPolicy"]
     have = (child.get("spec") or {}).get("runPolicy") or {}
-    changes = {k: want.get(k) for k in MUTABLE_RUN_POLICY if want.get(k) != have.get(k)}
+    changes = {k: want.get(k) for k in MUTABLE_RUN_POLICY if k not in skip and want.get(k) != have.get(k)}
     return {"spec": {"runPolicy": changes}} if changes else None

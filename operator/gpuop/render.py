@@ -375,7 +375,11 @@ def _replica_specs(name: str, spec: GpuTrainingSpec, image: str) -> dict[str, An
 
 def _run_policy(spec: GpuTrainingSpec) -> dict[str, Any]:
     rp = spec.run_policy
-    out: dict[str, Any] = {"cleanPodPolicy": rp.clean_pod_policy, "suspend": rp.suspend}
+    # With a Kueue queue the job is made suspended and Kueue resumes it on admission (its
+    # webhook would suspend it anyway, and without the webhook an unsuspended job would start
+    # outside its quota); from then on suspend is Kueue's (gpuop.reconcile never patches it).
+    suspend = True if spec.scheduling.queue_name is not None else rp.suspend
+    out: dict[str, Any] = {"cleanPodPolicy": rp.clean_pod_policy, "suspend": suspend}
     if rp.backoff_limit is not None:
         out["backoffLimit"] = rp.backoff_limit
     if rp.active_deadline_seconds is not None:

@@ -27,7 +27,7 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal, NewType, TypeVar, Union, get_args, get_origin
 
-from gpuop.quantity import QUANTITY_PATTERN, is_quantity
+from gpuop.quantity import MAX_QUANTITY, QUANTITY_PATTERN, is_quantity, parse_quantity
 
 Quantity = NewType("Quantity", str)
 """A Kubernetes resource quantity (``2Gi``, ``500m``), kept as the user wrote it."""
@@ -287,10 +287,23 @@ def _decode_value(hint: Any, doc: FieldDoc, raw: Any, path: str, problems: list[
 
 
 def _decode_quantity(raw: Any, path: str, problems: list[Problem]) -> Quantity | None:
-    text = str(raw) if isinstance(raw, int) and not isinstance(raw, bool) else raw
-    if not isinstance(text, str) or not is_quantity(text):
+    is_integer = isinstance(raw, int) and not isinstance(raw, bool)
+    if is_integer and abs(raw) > MAX_QUANTITY:  # str() of a huge int is refused, and slow
+        text = None
+    else:
+        text = str(raw) if is_integer else raw
+        if not isinstance(text, str) or not is_quantity(text):
+            problems.append(
+                Problem(path, f"must be a Kubernetes quantity such as 512Mi or 2Gi (got {_show(raw)})")
+            )
+            return None
+        try:
+            parse_quantity(text)
+        except ValueError:
+            text = None
+    if text is None:
         problems.append(
-            Problem(path, f"must be a Kubernetes quantity such as 512Mi or 2Gi (got {_show(raw)})")
+            Problem(path, f"must be at most {MAX_QUANTITY}, Kubernetes' int64 (got {_show(raw)})")
         )
         return None
     return Quantity(text)
@@ -382,13 +395,21 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
+_SHOWN_CHARACTERS: Final = 80
+
+
 def _show(value: Any) -> str:
+    """A value as a message quotes it: shortened, so an error line stays a line."""
     if isinstance(value, str):
+        if len(value) > _SHOWN_CHARACTERS:
+            return f'"{value[: _SHOWN_CHARACTERS - 3]}..." ({len(value)} characters)'
         return f'"{value}"'
     if value is None:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, int) and value.bit_length() > 128:  # Python refuses to print huge ones
+        return f"a {value.bit_length()}-bit integer"
     if isinstance(value, Mapping):
         return "an object"
     if isinstance(value, list):

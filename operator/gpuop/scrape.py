@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -98,4 +98,18 @@ def parse_result(text: str) -> dict[str, Any] | None:
         return None
     if not isinstance(data, dict) or data.get("phase") not in ("Succeeded", "Failed"):
         return None
-    return {key: data.get(key) for key in RESULT_KEYS}
+    # The message is the container's to write (a custom image's too): a value of the wrong
+    # type is dropped here, at the edge, rather than break the status derivation later.
+    record: dict[str, Any] = {}
+    for key in RESULT_KEYS:
+        value = data.get(key)
+        if key in _TEXT_KEYS:
+            record[key] = value[:1024] if isinstance(value, str) else None
+        elif isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            record[key] = value
+        else:
+            record[key] = None
+    return record
+
+
+_TEXT_KEYS: Final = frozenset({"phase", "reason", "message"})

@@ -287,13 +287,16 @@ class RunPolicy:
         "Seconds the job may run before it is terminated.", default=None, minimum=1, maximum=2**31 - 1
     )
     ttl_seconds_after_finished: int | None = api_field(
-        "Seconds after the job finishes before its pods are deleted.",
+        "Seconds after the job finishes before Kubeflow deletes the PyTorchJob and its pods. "
+        "The GpuTraining keeps its status and result, and its job is never made again.",
         default=None,
         minimum=0,
         maximum=2**31 - 1,
     )
     suspend: bool = api_field(
-        "Suspend the job: its pods are deleted and re-created on resume.", default=False
+        "Suspend the job: its pods are deleted and re-created on resume. With "
+        "scheduling.queueName, Kueue suspends and resumes the job instead and this is ignored.",
+        default=False,
     )
     clean_pod_policy: Literal["None", "Running", "All"] = api_field(
         "Pods deleted when the job finishes: None keeps them (logs stay readable), Running "

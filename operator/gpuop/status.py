@@ -25,7 +25,7 @@ class Condition:
 
     type: str = api_field(
         "Condition type: Created, Running, Succeeded, Failed, Suspended, Restarting, InvalidSpec, "
-        "NameConflict, SpecNotApplied, Stalled or Underutilized.",
+        "NameConflict, SpecNotApplied, Stalled, Underutilized or JobDeleted.",
         max_length=64,
     )
     status: ConditionStatus = api_field("Whether the condition holds.")

@@ -13,6 +13,7 @@ from gputrain.metrics import Progress
 from support.apiserver import ApiServer
 from support.cluster import (
     JOBS,
+    PRINTER_COLUMNS,
     RUNNING,
     TRAININGS,
     Cluster,
@@ -97,17 +98,7 @@ def test_lifecycle_from_apply_to_succeeded(env: Cluster) -> None:
     assert env.writes() == before, env.operator_log()[-3000:]
 
     table = env.kubectl("get", "gputrainings").stdout.split("\n")
-    assert table[0].split() == [
-        "NAME",
-        "PHASE",
-        "WORKERS",
-        "GPUS",
-        "PROGRESS",
-        "LOSS",
-        "GPU-UTIL",
-        "ETA",
-        "AGE",
-    ]
+    assert table[0].split() == PRINTER_COLUMNS
     assert table[1].split()[:5] == ["mnist", "Succeeded", "2", "2", "100"]
 
     env.kubectl("delete", "gputraining", "mnist")

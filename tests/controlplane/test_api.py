@@ -22,13 +22,8 @@ from support.controlplane import ControlPlane
 from support.realcluster import OUR_CRD, Api
 from support.specs import EXAMPLES, load_example, minimal
 from unit.test_crd_agreement import IMMUTABLE_UPDATES, MUTABLE_UPDATES, NAMES_REFUSED
-from unit.test_spec import BAD_SPECS
+from unit.test_spec import BAD_SPECS, ONLY_GPUOP_VALIDATE
 
-# Bad specs the CRD cannot express, so only `gpuop validate` (and the operator's parse, which
-# fails the GpuTraining with the same line) refuses them; measured by the test below, which
-# fails if one of them starts being refused by the server or another one stops being. None
-# today: every rule of the model is in the CRD.
-ONLY_GPUOP_VALIDATE: frozenset[str] = frozenset()
 # Refused only because kubectl asks for strict field validation (its default): a client that
 # does not (--validate=false, most API libraries, older kubectl) gets the field pruned
 # silently, and the GpuTraining trains with defaults. `gpuop validate` refuses them always.

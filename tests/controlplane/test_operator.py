@@ -22,7 +22,7 @@ import yaml
 
 from gputrain.contract import METRICS_PORT
 from gputrain.metrics import MetricsServer, Progress
-from support.cluster import RUNNING, wait_for
+from support.cluster import PRINTER_COLUMNS, RUNNING, wait_for
 from support.controlplane import ControlPlane
 from support.faultproxy import FaultProxy
 from support.helm import CHART, RELEASE, RELEASE_NAMESPACE, helm
@@ -107,9 +107,9 @@ def clean_namespace(plane: ControlPlane, api: Api, installed: Installed) -> Iter
     wait_for("the children garbage-collected", lambda: _jobs(api) == [], timeout=90)
 
 
-def training(name: str, **spec: Any) -> dict[str, Any]:
+def training(name: str, namespace: str = NAMESPACE, **spec: Any) -> dict[str, Any]:
     body = minimal(workers=2, gpusPerWorker=1, **spec)
-    body["metadata"] = {"name": name, "namespace": NAMESPACE}
+    body["metadata"] = {"name": name, "namespace": namespace}
     return body
 
 
@@ -247,17 +247,7 @@ def test_lifecycle_as_the_charts_service_account(
     assert status["progress"]["accuracy"] == 0.955
 
     table = plane.kubectl("get", "gtr", "-n", NAMESPACE).stdout.splitlines()
-    assert table[0].split() == [
-        "NAME",
-        "PHASE",
-        "WORKERS",
-        "GPUS",
-        "PROGRESS",
-        "LOSS",
-        "GPU-UTIL",
-        "ETA",
-        "AGE",
-    ]
+    assert table[0].split() == PRINTER_COLUMNS
     row = table[1].split()
     assert row[:5] == ["mnist", "Succeeded", "2", "2", "100"]
     assert re.fullmatch(r"\d+s|\d+m\d*s?", row[-1]), row  # an age, not a timestamp
@@ -400,9 +390,7 @@ def test_without_the_peering_object_the_operator_says_so_and_runs_standalone(
     operator = OperatorProcess(plane.kubeconfig, tmp_path)
     try:
         operator.start("--namespace", "lonely", "--scrape-interval", "1", "--scrape-timeout", "0.5")
-        body = training("alone")
-        body["metadata"]["namespace"] = "lonely"
-        plane.kubectl("create", "-f", "-", input=json.dumps(body))
+        plane.kubectl("create", "-f", "-", input=json.dumps(training("alone", "lonely")))
         wait_for("its PyTorchJob", lambda: api.get("pytorchjobs", "alone", "lonely"), timeout=60)
     finally:
         operator.stop()
@@ -417,9 +405,7 @@ def test_a_required_peering_object_is_waited_for_with_a_warning(
     operator = OperatorProcess(plane.kubeconfig, tmp_path)
     try:
         operator.start("--namespace", "waiting", "--peering", "team-peering", "--priority", "5")
-        body = training("patient")
-        body["metadata"]["namespace"] = "waiting"
-        plane.kubectl("create", "-f", "-", input=json.dumps(body))
+        plane.kubectl("create", "-f", "-", input=json.dumps(training("patient", "waiting")))
         wait_for("the warning", lambda: re.search(
             r"WARNING.*waiting for KopfPeering/team-peering in waiting: peering 'team-peering' is required",
             operator.log()))  # fmt: skip
@@ -484,6 +470,87 @@ def test_two_replicas_under_the_charts_peering_one_works_and_the_other_takes_ove
             replica.stop()
     for replica in replicas.values():
         assert "Traceback" not in replica.log(), replica.log()[-3000:]
+
+
+def test_a_finished_training_is_never_run_again_when_kubeflow_deletes_its_job(
+    plane: ControlPlane, api: Api, operator: OperatorProcess, kubeflow: Kubeflow
+) -> None:
+    """Kubeflow deletes a finished PyTorchJob after runPolicy.ttlSecondsAfterFinished. Making it
+    again would train again on the GPUs: the status and result stay, the deletion is recorded."""
+    operator.start()
+    plane.kubectl(
+        "create", "-f", "-", input=json.dumps(training("ttl", runPolicy={"ttlSecondsAfterFinished": 60}))
+    )
+    job = wait_for("the PyTorchJob", lambda: api.get("pytorchjobs", "ttl", NAMESPACE), timeout=60)
+    kubeflow.job_status("ttl", "Created", "Running", startTime="2026-01-01T00:00:00Z")
+    pods = kubeflow.start_pods(job, RUNNING, gpu_percent=80.0)
+    for pod in pods:
+        kubeflow.finish_pod(pod, {"phase": "Succeeded", "step": 100, "totalSteps": 100, "accuracy": 0.97})
+    kubeflow.job_status("ttl", "Created", "Succeeded", startTime="2026-01-01T00:00:00Z",
+                        completionTime="2026-01-01T01:00:00Z")  # fmt: skip
+    done = wait_for("Succeeded", lambda: (s := _status(api, "ttl")).get("phase") == "Succeeded" and s)
+
+    api.delete("pytorchjobs", "ttl", NAMESPACE)  # what the TTL controller does
+    gone = wait_for("JobDeleted", lambda: (s := _status(api, "ttl")) and any(
+        c["type"] == "JobDeleted" for c in s.get("conditions", [])) and s)  # fmt: skip
+    time.sleep(3)  # three ticks
+    operator.kill()  # and a restart, which sees the GpuTraining before any job event
+    operator.start()
+    time.sleep(5)
+    assert api.get("pytorchjobs", "ttl", NAMESPACE) is None
+    after = _status(api, "ttl")
+    assert after["phase"] == "Succeeded"
+    for key in ("completionTime", "progress", "gpuHours", "pytorchJob"):
+        assert after[key] == done[key] == gone[key], key
+    assert after["progress"]["accuracy"] == 0.97
+    reasons = plane.kubectl("get", "events", "-n", NAMESPACE, "--field-selector", "involvedObject.name=ttl",
+                            "-o", "jsonpath={.items[*].reason}").stdout.split()  # fmt: skip
+    assert reasons.count("PyTorchJobDeleted") == 1
+    assert reasons.count("PyTorchJobCreated") == 1
+
+
+def test_one_poisonous_training_stops_no_other(
+    plane: ControlPlane, api: Api, operator: OperatorProcess
+) -> None:
+    """A memory the CRD's pattern admits but no int64 holds (the operator's exact arithmetic
+    once spent a minute of a core on it while every other training waited)."""
+    operator.start()
+    plane.kubectl(
+        "create", "-f", "-", input=json.dumps(training("poison", resources={"memory": "1e999999999"}))
+    )
+    for name in ("fine-a", "fine-b"):
+        plane.kubectl("create", "-f", "-", input=json.dumps(training(name)))
+    for name in ("fine-a", "fine-b"):
+        wait_for(f"{name} Created", lambda n=name: _phase(api, n, "Created"), timeout=30)
+    status = wait_for("poison Failed", lambda: (s := _status(api, "poison")).get("phase") == "Failed" and s)
+    assert status["message"] == (
+        'spec.resources.memory: must be at most 9223372036854775807, Kubernetes\' int64 (got "1e999999999")'
+    )
+    assert api.get("pytorchjobs", "poison", NAMESPACE) is None
+
+
+def test_with_a_queue_suspend_is_kueues(plane: ControlPlane, api: Api, operator: OperatorProcess) -> None:
+    """Kueue suspends a queued job and resumes it on admission, and suspends it again to preempt
+    it; the operator makes the job suspended and never undoes either. (Kueue itself does not
+    run here: the test writes what it writes.)"""
+    operator.start()
+    plane.kubectl(
+        "create", "-f", "-", input=json.dumps(training("queued", scheduling={"queueName": "team-a"}))
+    )
+    job = wait_for("the PyTorchJob", lambda: api.get("pytorchjobs", "queued", NAMESPACE), timeout=60)
+    assert job["spec"]["runPolicy"]["suspend"] is True
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+
+    def kueue_sets(suspend: bool) -> None:
+        api.request("PATCH", api.path("pytorchjobs", NAMESPACE, "queued"),
+                    {"spec": {"runPolicy": {"suspend": suspend}}}, "application/merge-patch+json")  # fmt: skip
+
+    for suspend in (False, True, False):  # admitted, preempted, admitted again
+        kueue_sets(suspend)
+        time.sleep(3)  # three ticks
+        stored = api.get("pytorchjobs", "queued", NAMESPACE)
+        assert stored is not None
+        assert stored["spec"]["runPolicy"]["suspend"] is suspend
 
 
 def _granted(plane: ControlPlane) -> set[tuple[str, str, str]]:

@@ -33,6 +33,8 @@ GPUOP = str(Path(sys.executable).with_name("gpuop"))
 # The kubectl built with the control plane: a machine need not have one installed.
 KUBECTL = str(ensure_binaries() / "kubectl")
 STAMP = "%Y-%m-%dT%H:%M:%SZ"
+# What `kubectl get gputrainings` prints as its header (the CRD's printer columns).
+PRINTER_COLUMNS = ["NAME", "PHASE", "WORKERS", "GPUS", "PROGRESS", "LOSS", "GPU-UTIL", "ETA", "AGE"]
 
 
 def wait_for(

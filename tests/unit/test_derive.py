@@ -16,7 +16,7 @@ from gpuop.derive import (
     status_patch,
 )
 from gpuop.schema import encode
-from gpuop.scrape import GpuFigures, TrainerMetrics
+from gpuop.scrape import GpuFigures, TrainerMetrics, parse_result
 from gpuop.status import GpuTrainingStatus
 
 T0 = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)
@@ -314,3 +314,56 @@ def test_a_fixed_field_changed_past_the_crd_is_reported_once_and_clears_when_rev
     assert still is changed
     reverted = derive_status(still, observe(30, pods=running_pods(100)), THRESHOLDS)
     assert types(reverted)["SpecNotApplied"] == "False"
+
+
+def _succeeded() -> GpuTrainingStatus:
+    result = {"phase": "Succeeded", "step": 1000, "totalSteps": 1000, "accuracy": 0.99, "loss": 0.01}
+    return derive_status(
+        None,
+        observe(
+            7200,
+            conditions=(JobCondition("Created", "True"), JobCondition("Succeeded", "True")),
+            job_completion_time="2026-11-21T14:00:00Z",
+            pods=(PodObservation("demo-master-0", "Succeeded", termination_message=json.dumps(result)),),
+        ),
+        THRESHOLDS,
+    )
+
+
+def test_a_finished_trainings_deleted_job_is_recorded_once_and_nothing_else_changes() -> None:
+    done = _succeeded()
+    gone = derive_status(
+        done, observe(9000, job_deleted=True, job_name=None, conditions=(), pods=()), THRESHOLDS
+    )
+    assert gone.phase == "Succeeded"
+    assert (gone.completion_time, gone.progress, gone.gpu_hours) == (
+        done.completion_time,
+        done.progress,
+        done.gpu_hours,
+    )
+    deleted = next(c for c in gone.conditions if c.type == "JobDeleted")
+    assert (deleted.status, deleted.reason) == ("True", "PyTorchJobDeleted")
+    assert "not made again" in (deleted.message or "")
+    assert [(e.type, e.reason) for e in events(done, gone)] == [("Normal", "PyTorchJobDeleted")]
+    later = derive_status(
+        gone, observe(99000, job_deleted=True, job_name=None, conditions=(), pods=()), THRESHOLDS
+    )
+    assert later is gone  # no second write, however long it stays gone
+
+
+def test_a_termination_message_with_wrong_types_is_read_without_them() -> None:
+    record = {"phase": "Succeeded", "loss": "not-a-number", "accuracy": float("nan"), "step": True,
+              "totalSteps": 100, "message": ["x"]}  # fmt: skip
+    parsed = parse_result(json.dumps(record))
+    assert parsed is not None
+    assert (parsed["loss"], parsed["accuracy"], parsed["step"], parsed["message"]) == (None, None, None, None)
+    assert parsed["totalSteps"] == 100
+    done = derive_status(
+        None,
+        observe(60, conditions=(JobCondition("Succeeded", "True"),),
+                pods=(PodObservation("demo-master-0", "Succeeded", termination_message=json.dumps(record)),)),
+        THRESHOLDS,
+    )  # fmt: skip
+    assert done.phase == "Succeeded"
+    assert done.progress is not None
+    assert done.progress.loss is None

@@ -342,3 +342,12 @@ def test_an_unreachable_server_gives_up_with_one_error(tmp_path: Path) -> None:
     with pytest.raises(ApiError) as error:
         kube.get_pytorchjob("default", "x")
     assert error.value.status == 0
+
+
+def test_with_a_queue_suspend_is_left_to_kueue() -> None:
+    queued = render_pytorchjob(parse(minimal(scheduling={"queueName": "team-a"})))
+    assert queued["spec"]["runPolicy"]["suspend"] is True  # Kueue resumes it on admission
+    assert queued["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    admitted = {"spec": {"runPolicy": {**queued["spec"]["runPolicy"], "suspend": False}}}
+    assert _run_policy_patch(queued, admitted, skip=("suspend",)) is None
+    assert _run_policy_patch(queued, admitted) == {"spec": {"runPolicy": {"suspend": True}}}

@@ -110,6 +110,8 @@ class Observation:
     pods: tuple[PodObservation, ...] = ()
     # The training finished and its PyTorchJob is gone since (Kubeflow's TTL, or by hand).
     job_deleted: bool = False
+    # Whether the trainer is ours (it publishes gputrain_* progress); a custom command may not.
+    reports_progress: bool = True
 
 
 @dataclass(frozen=True)
@@ -173,17 +175,17 @@ def _progress(previous: Progress | None, obs: Observation, phase: Phase, now: st
         metrics = _latest_metrics(obs)
         fresh = progress_from_metrics(metrics, now) if metrics is not None else previous
     if fresh is None:
-        if phase == "Running":  # no figures yet: start the stall clock all the same
+        # No figures yet: our trainer publishes them within seconds, so the stall clock starts
+        # all the same (a hang before step 1, in NCCL's init say, is a stall). A custom command
+        # may never publish any: no clock, no verdict, rather than a false Stalled.
+        if phase == "Running" and obs.reports_progress:
             return Progress(step_advanced_at=now)
         return None
     if previous is not None and _same_figures(previous, fresh):
         return previous
     advanced = now
-    if (
-        previous is not None
-        and previous.step_advanced_at is not None
-        and (fresh.step or 0) <= (previous.step or 0)
-    ):
+    # A step that went back is a restart from an older checkpoint: activity, not a stall.
+    if previous is not None and previous.step_advanced_at is not None and fresh.step == previous.step:
         advanced = previous.step_advanced_at
     return dataclasses.replace(fresh, updated_at=now, step_advanced_at=advanced)
 

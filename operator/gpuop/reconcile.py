@@ -277,6 +277,7 @@ class Reconciler:
             job_start_time=start,
             job_completion_time=completion,
             pods=pods if child is not None else (),
+            reports_progress=spec.command is None,
         )
         thresholds = Thresholds(
             stall_timeout_seconds=spec.stall_timeout_seconds,

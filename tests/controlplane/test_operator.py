@@ -228,6 +228,7 @@ def test_lifecycle_as_the_charts_service_account(
     assert status["phase"] == "Running"
     assert status["workers"] == {"ready": 2, "total": 2}
     assert status["gpu"]["utilizationPercent"] == 85.0
+    assert "accuracy" not in status["progress"]  # no evaluation yet: absent, not 0
 
     # A runPolicy change reaches the running job.
     plane.kubectl("patch", "gtr", "mnist", "-n", NAMESPACE, "--type=merge",

@@ -6,10 +6,13 @@ import subprocess
 import sys
 
 import pytest
+from prometheus_client import generate_latest
 
 from gpuop.render import trainer_settings
+from gpuop.scrape import parse_metrics
 from gpuop.spec import parse
 from gputrain.contract import ContractError, TrainerSettings, env_name
+from gputrain.metrics import MetricsServer, Progress
 from support.specs import minimal
 
 
@@ -52,3 +55,14 @@ def test_the_operator_never_imports_torch() -> None:
 def test_the_contract_imports_neither_torch_nor_kubernetes() -> None:
     loaded = _imported_after("import gputrain.contract")
     assert loaded.isdisjoint({"torch", "kopf", "kubernetes", "yaml", "gpuop"})
+
+
+def test_figures_not_published_yet_are_absent_not_zero() -> None:
+    """A status must not say "loss 0" or "accuracy 0" before the trainer has said anything."""
+    server = MetricsServer(None)
+    before = parse_metrics(generate_latest(server.registry).decode())
+    assert (before.step, before.loss, before.accuracy, before.estimated_remaining_seconds) == (None,) * 4
+    server.update(Progress(epoch=1, total_epochs=2, step=3, total_steps=10, loss=0.7, accuracy=None,
+                           samples_per_second=None, estimated_remaining_seconds=None))  # fmt: skip
+    after = parse_metrics(generate_latest(server.registry).decode())
+    assert (after.step, after.loss, after.accuracy, after.samples_per_second) == (3, 0.7, None, None)

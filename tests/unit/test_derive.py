@@ -367,3 +367,30 @@ def test_a_termination_message_with_wrong_types_is_read_without_them() -> None:
     assert done.phase == "Succeeded"
     assert done.progress is not None
     assert done.progress.loss is None
+
+
+def test_a_restart_from_an_older_checkpoint_restarts_the_stall_clock() -> None:
+    """The step goes back (the last checkpoint was older): that is the trainer working, not a
+    stall; the old clock would have said Stalled one tick after resuming."""
+    status = derive_status(None, observe(0, pods=running_pods(500)), THRESHOLDS)
+    status = derive_status(status, observe(899, pods=running_pods(500)), THRESHOLDS)
+    resumed = derive_status(status, observe(900, pods=running_pods(300)), THRESHOLDS)
+    assert "Stalled" not in types(resumed)
+    assert resumed.progress is not None
+    assert resumed.progress.step_advanced_at == "2026-11-21T12:15:00Z"
+    assert "Stalled" not in types(derive_status(resumed, observe(1700, pods=running_pods(300)), THRESHOLDS))
+    assert (
+        types(derive_status(resumed, observe(1800, pods=running_pods(300)), THRESHOLDS))["Stalled"] == "True"
+    )
+
+
+def test_a_custom_command_that_publishes_no_progress_is_never_called_stalled() -> None:
+    status = derive_status(None, observe(0, reports_progress=False), THRESHOLDS)
+    assert status.progress is None
+    later = derive_status(status, observe(10**5, reports_progress=False), THRESHOLDS)
+    assert "Stalled" not in types(later)
+    assert later.phase == "Running"
+    # One that does publish gputrain_* figures is watched like ours.
+    status = derive_status(None, observe(0, pods=running_pods(7), reports_progress=False), THRESHOLDS)
+    assert types(derive_status(status, observe(900, pods=running_pods(7), reports_progress=False),
+                               THRESHOLDS))["Stalled"] == "True"  # fmt: skip

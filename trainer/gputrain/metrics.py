@@ -9,6 +9,7 @@ the job's progress, and its own GPUs.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -102,6 +103,11 @@ class MetricsServer:
         self.gpu_util = gauge(Metric.GPU_UTILIZATION_PERCENT, "GPU utilization, percent", gpu)
         self.gpu_used = gauge(Metric.GPU_MEMORY_USED_BYTES, "GPU memory in use, bytes", gpu)
         self.gpu_total = gauge(Metric.GPU_MEMORY_TOTAL_BYTES, "GPU memory in all, bytes", gpu)
+        # A gauge that was never set reads 0, and a status would say "loss 0" before the first
+        # report: each starts as NaN, which readers (the operator's among them) skip as absent.
+        for unset in (self.epoch, self.total_epochs, self.step, self.total_steps, self.percent,
+                      self.loss, self.accuracy, self.samples, self.eta):  # fmt: skip
+            unset.set(math.nan)
         self.gpus = GpuMonitor()
         self.port: int | None = None
         self._server: Any = None

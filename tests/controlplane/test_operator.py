@@ -372,7 +372,11 @@ def test_api_faults_on_a_fifth_of_requests_every_job_converges_once(
         assert seen >= 150, seen
         assert 0.12 <= injected / seen <= 0.3, (seen, proxy.injected)
         assert {"500", "429", "409", "timeout", "lost-reply"} <= set(proxy.injected), proxy.injected
-        assert proxy.injected["cut"] >= 3, proxy.injected
+        # Watches are few and long: wait for three cuts, then prove the operator still sees
+        # what happens after them (its watches came back).
+        wait_for("three cut watches", lambda: proxy.injected["cut"] >= 3, timeout=120)
+        plane.kubectl("create", "-f", "-", input=json.dumps(training("after-cuts")))
+        wait_for("after-cuts Created", lambda: _phase(api, "after-cuts", "Created"), timeout=60)
     finally:
         operator.stop()
         proxy.close()

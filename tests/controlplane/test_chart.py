@@ -34,9 +34,9 @@ def prerequisites(plane: ControlPlane, crd_warnings: str) -> None:
 
 
 def test_helm_takes_over_a_hand_applied_crd_only_once_it_carries_helms_ownership(plane: ControlPlane) -> None:
-    """The CRD was applied with kubectl (the session's fixture did, as a user following the
-    README's `kubectl apply -f crds/` would): helm refuses to take it, and the documented
-    adoption (docs/operating.md) makes the same install pass."""
+    """The CRD was applied with kubectl (the session's fixture did, as a user who applied
+    crds/gputraining.yaml by hand first would): helm refuses to take it, and the adoption
+    docs/operating.md documents makes the same install pass."""
     refused = _helm(plane, "install", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace",
                     check=False)  # fmt: skip
     assert "gputrainings.gpuop.io" in refused

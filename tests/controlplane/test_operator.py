@@ -346,7 +346,9 @@ def test_api_faults_on_a_fifth_of_requests_every_job_converges_once(
         plane, RELEASE_NAMESPACE, installed.service_account, tmp_path / "sa"
     )
     token = json.loads(token_config.read_text())["users"][0]["user"]["token"]
-    proxy = FaultProxy(plane.server, plane.ca.cert, rate=0.2, watch_rate=0.5, seed=5)
+    # Every watch is cut after 0.5-3 s (a load balancer that drops long connections): at
+    # 50% an unlucky run ends with every stream on an uncut watch, held for minutes.
+    proxy = FaultProxy(plane.server, plane.ca.cert, rate=0.2, watch_rate=1.0, seed=5)
     config = tmp_path / "through-proxy"
     config.write_text(json.dumps({
         "apiVersion": "v1", "kind": "Config", "current-context": "c",
@@ -367,14 +369,14 @@ def test_api_faults_on_a_fifth_of_requests_every_job_converges_once(
         for name in names[:5]:
             wait_for(f"{name} Running", lambda n=name: _phase(api, n, "Running"), timeout=60)
         assert sorted(j["metadata"]["name"] for j in _jobs(api)) == names
-        injected = sum(proxy.injected.values())
-        seen = proxy.forwarded + injected - proxy.injected["lost-reply"]  # a lost reply was forwarded too
+        # The rate over the other requests (a lost reply and a cut watch were forwarded too).
+        injected = sum(proxy.injected.values()) - proxy.injected["cut"]
+        seen = proxy.forwarded - proxy.injected["cut"] + injected - proxy.injected["lost-reply"]
         assert seen >= 150, seen
         assert 0.12 <= injected / seen <= 0.3, (seen, proxy.injected)
         assert {"500", "429", "409", "timeout", "lost-reply"} <= set(proxy.injected), proxy.injected
-        # Watches are few and long: wait for three cuts, then prove the operator still sees
-        # what happens after them (its watches came back).
-        wait_for("three cut watches", lambda: proxy.injected["cut"] >= 3, timeout=120)
+        # Then prove the operator still sees what happens after the cuts (its watches came back).
+        assert proxy.injected["cut"] >= 3, proxy.injected
         plane.kubectl("create", "-f", "-", input=json.dumps(training("after-cuts")))
         wait_for("after-cuts Created", lambda: _phase(api, "after-cuts", "Created"), timeout=60)
     finally:

@@ -73,7 +73,7 @@ class LocalRun:
         env[env_name("checkpoint_dir")] = str(self.checkpoint_dir)
         env[env_name("output_dir")] = str(self.output_dir)
         env[env_name("metrics_port")] = str(self.metrics_port)
-        if self.training.spec.gpus_per_worker > 0 and "CUDA_VISIBLE_DEVICES" not in env:
+        if self.training.spec.uses_gpus and "CUDA_VISIBLE_DEVICES" not in env:
             # What the device plugin does in a pod: the run sees the GPUs it uses and no others,
             # so its NVML figures (and the status's GPU figures) are this run's, not the machine's.
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(self.processes))
@@ -114,7 +114,7 @@ def visible_gpus() -> int:
 def gpu_shortfall(run: LocalRun, available: int) -> str | None:
     """One line for a GPU run this machine cannot hold, else None."""
     spec = run.training.spec
-    if spec.gpus_per_worker == 0 or available >= run.processes:
+    if not spec.uses_gpus or available >= run.processes:
         return None
     return (
         f"spec.gpusPerWorker: {run.processes} GPU(s) needed here ({run.processes // spec.gpus_per_worker} "
@@ -184,7 +184,7 @@ def final_status(
         now=finished,
         generation=run.training.generation,
         workers_total=run.processes,
-        gpus=run.processes if run.training.spec.gpus_per_worker > 0 else 0,
+        gpus=run.processes if run.training.spec.uses_gpus else 0,
         job_name=run.training.name,
         job_conditions=(JobCondition("Created", "True"), outcome),
         job_start_time=started.strftime(TIME_FORMAT),

@@ -247,7 +247,7 @@ class Reconciler:
         if self._finished_and_gone(tracked, previous, training):
             observation = Observation(
                 now=now, generation=generation, workers_total=training.spec.workers,
-                gpus=training.spec.workers * training.spec.gpus_per_worker, job_deleted=True,
+                gpus=training.spec.total_gpus, job_deleted=True,
             )  # fmt: skip
             wrote = self._write_status(tracked, previous, observation, Thresholds(stall_timeout_seconds=0))
             return "status" if wrote else "finished"
@@ -269,7 +269,7 @@ class Reconciler:
             now=now,
             generation=generation,
             workers_total=spec.workers,
-            gpus=spec.workers * spec.gpus_per_worker,
+            gpus=spec.total_gpus,
             name_conflict=conflict,
             spec_not_applied=not_applied,
             job_name=training.name if child is not None else None,

@@ -98,7 +98,7 @@ def shm_size_bytes(spec: GpuTrainingSpec) -> int:
     sample = _SAMPLE_BYTES[spec.dataset.name] if spec.dataset is not None else _SAMPLE_BYTES["synthetic"]
     loader_workers = spec.dataset.loader_workers if spec.dataset is not None else 0
     in_flight = loader_workers * _PREFETCH_FACTOR * spec.training.batch_size * sample * 2
-    nccl = _NCCL_SHM_PER_PROCESS if spec.gpus_per_worker > 0 else 0
+    nccl = _NCCL_SHM_PER_PROCESS if spec.uses_gpus else 0
     wanted = max(_SHM_FLOOR, spec.processes_per_worker * (in_flight + nccl))
     size = -(-wanted // _SHM_STEP) * _SHM_STEP
     if spec.resources.memory is not None:
@@ -142,7 +142,7 @@ def trainer_settings(name: str, spec: GpuTrainingSpec) -> TrainerSettings:
 
 def nccl_env(spec: GpuTrainingSpec) -> dict[str, str]:
     """NCCL variables: the profile's, then NCCL_DEBUG, then the user's overrides. None on CPU."""
-    if spec.gpus_per_worker == 0:
+    if not spec.uses_gpus:
         return {}
     env = dict(NCCL_PROFILES[spec.nccl.profile])
     if spec.nccl.debug:
@@ -156,7 +156,7 @@ def trainer_env(name: str, spec: GpuTrainingSpec) -> list[dict[str, Any]]:
     env: dict[str, str] = dict(trainer_settings(name, spec).to_env())
     env.update(nccl_env(spec))
     user_names = {e.name for e in spec.env}
-    if spec.gpus_per_worker == 0 and spec.resources.cpu is not None and "OMP_NUM_THREADS" not in user_names:
+    if not spec.uses_gpus and spec.resources.cpu is not None and "OMP_NUM_THREADS" not in user_names:
         # torchrun sets OMP_NUM_THREADS=1 when unset, which starves a CPU (gloo) trainer.
         env["OMP_NUM_THREADS"] = str(max(1, int(parse_quantity(spec.resources.cpu))))
     if spec.elastic is not None:
@@ -210,7 +210,7 @@ def _resources(spec: GpuTrainingSpec) -> dict[str, Any]:
         requests["cpu"] = str(spec.resources.cpu)
     if spec.resources.memory is not None:
         requests["memory"] = limits["memory"] = str(spec.resources.memory)
-    if spec.gpus_per_worker > 0:
+    if spec.uses_gpus:
         limits[GPU_RESOURCE] = spec.gpus_per_worker
     if spec.nccl.efa_devices > 0:
         limits[EFA_RESOURCE] = spec.nccl.efa_devices
@@ -271,7 +271,7 @@ def _toleration(t: Toleration) -> dict[str, Any]:
 def _container(name: str, spec: GpuTrainingSpec, image: str, mounts: list[dict[str, Any]]) -> dict[str, Any]:
     command, args = _launch(spec)
     capabilities: dict[str, Any] = {"drop": ["ALL"]}
-    if spec.nccl.profile == "aks-infiniband" and spec.gpus_per_worker > 0:
+    if spec.nccl.profile == "aks-infiniband" and spec.uses_gpus:
         # RDMA pins (locks) buffer memory; without IPC_LOCK, ibv_reg_mr fails.
         capabilities["add"] = ["IPC_LOCK"]
     container: dict[str, Any] = {
@@ -309,7 +309,7 @@ def pod_template(name: str, spec: GpuTrainingSpec, image: str) -> dict[str, Any]
     volumes, mounts = _volumes(spec)
     node_selector = dict(spec.scheduling.node_selector)
     tolerations = [_toleration(t) for t in spec.scheduling.tolerations]
-    if spec.gpus_per_worker > 0:
+    if spec.uses_gpus:
         if spec.gpu_type is not None:
             node_selector[GPU_PRODUCT_LABEL] = spec.gpu_type
         # GPU node pools on EKS, GKE and AKS taint their nodes with nvidia.com/gpu.

@@ -483,7 +483,7 @@ class PodMetadata:
 
 
 def _fp16_needs_gpus(s: GpuTrainingSpec) -> str | None:
-    if s.training.precision == "fp16" and s.gpus_per_worker == 0:
+    if s.training.precision == "fp16" and not s.uses_gpus:
         return "fp16 needs GPUs (gpusPerWorker >= 1); use bf16 or fp32 on CPU"
     return None
 
@@ -647,13 +647,23 @@ class GpuTrainingSpec:
     )
 
     @property
+    def uses_gpus(self) -> bool:
+        """Whether the pods ask for GPUs (else CPU training with gloo)."""
+        return self.gpus_per_worker > 0
+
+    @property
+    def total_gpus(self) -> int:
+        """GPUs the whole job holds while it runs."""
+        return self.workers * self.gpus_per_worker
+
+    @property
     def processes_per_worker(self) -> int:
         """Training processes torchrun starts in each pod: one per GPU, one on CPU."""
         return max(1, self.gpus_per_worker)
 
     @property
     def backend(self) -> Literal["nccl", "gloo"]:
-        return "nccl" if self.gpus_per_worker > 0 else "gloo"
+        return "nccl" if self.uses_gpus else "gloo"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,8 +74,8 @@ def parse_quantity(value: str | int) -> Fraction:
             if abs(exponent) > _MAX_EXPONENT:
                 raise ValueError(f"quantity out of range: {text} (at most {MAX_QUANTITY})")
             exact = mantissa * Fraction(10) ** exponent
-    if abs(exact) > MAX_QUANTITY:
-        raise ValueError(f"quantity out of range: {value} (at most {MAX_QUANTITY})")
+    if abs(exact) > MAX_QUANTITY:  # not printed: Python refuses to print an integer this large
+        raise ValueError(f"quantity out of range (at most {MAX_QUANTITY})")
     return exact
 
 

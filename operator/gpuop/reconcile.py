@@ -478,8 +478,9 @@ class Reconciler:
                 with urllib.request.urlopen(f"http://{ip}:{METRICS_PORT}/metrics", timeout=timeout) as reply:
                     text = reply.read().decode("utf-8", errors="replace")
             metrics = parse_metrics(text)
-        except Exception as exc:  # whatever a pod serves, or fails to: no figures this tick
-            # Not serving yet (starting, loading data) or gone: no figures this tick.
+        except Exception as exc:
+            # Not serving yet (starting, loading data), gone, or serving anything at all: a pod's
+            # answer is untrusted input, and any failure means no figures this tick.
             log.debug("scraping %s: %s", meta.get("name"), exc)
             self.metrics.scrapes.labels(outcome="error").inc()
             return None

@@ -288,25 +288,19 @@ def _decode_value(hint: Any, doc: FieldDoc, raw: Any, path: str, problems: list[
 
 def _decode_quantity(raw: Any, path: str, problems: list[Problem]) -> Quantity | None:
     is_integer = isinstance(raw, int) and not isinstance(raw, bool)
-    if is_integer and abs(raw) > MAX_QUANTITY:  # str() of a huge int is refused, and slow
-        text = None
-    else:
-        text = str(raw) if is_integer else raw
-        if not isinstance(text, str) or not is_quantity(text):
-            problems.append(
-                Problem(path, f"must be a Kubernetes quantity such as 512Mi or 2Gi (got {_show(raw)})")
-            )
-            return None
-        try:
-            parse_quantity(text)
-        except ValueError:
-            text = None
-    if text is None:
+    if not is_integer and not (isinstance(raw, str) and is_quantity(raw)):
+        problems.append(
+            Problem(path, f"must be a Kubernetes quantity such as 512Mi or 2Gi (got {_show(raw)})")
+        )
+        return None
+    try:
+        parse_quantity(raw)  # bounded: a huge integer is refused before anything prints it
+    except ValueError:
         problems.append(
             Problem(path, f"must be at most {MAX_QUANTITY}, Kubernetes' int64 (got {_show(raw)})")
         )
         return None
-    return Quantity(text)
+    return Quantity(str(raw))
 
 
 def _decode_list(

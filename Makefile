@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HELM := $(BIN)/helm
 CHART := charts/gpu-training-operator
 
-.PHONY: test run lint typecheck unit crd crds e2e gpu clean controlplane controlplane-down controlplane-binaries
+.PHONY: test run lint typecheck unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,11 +23,13 @@ $(HELM): tests/support/fetch_helm.py | $(STAMP)
 # the Go modules in tests/controlplane/ into ~/.cache/gpuop (once per machine; see the script).
 CONTROLPLANE := PYTHONPATH=tests $(BIN)/python -m support.controlplane
 
-## test: set up .venv, helm and the control-plane binaries, run every check (lint, strict types,
-## the CRD is current, pytest: unit, chart, operator, trainer, and the real control-plane suite)
+## test: set up .venv, helm and the Go-built binaries, run every check (lint, strict types, the
+## CRD is current, pytest: unit, chart, operator, trainer, the real control-plane suite and the
+## local end-to-end chain)
 test: $(STAMP) $(HELM) controlplane-binaries lint typecheck crd unit
 
-## controlplane-binaries: build (or find cached) etcd, kube-apiserver, kube-controller-manager, kubectl
+## controlplane-binaries: build (or find cached) etcd, kube-apiserver, kube-controller-manager,
+## kubectl and the Kubeflow training-operator
 controlplane-binaries: $(STAMP)
 	$(CONTROLPLANE) build
 
@@ -54,6 +56,11 @@ crd: $(STAMP)
 
 unit: $(STAMP) $(HELM)
 	HELM=$(abspath $(HELM)) $(BIN)/pytest
+
+## e2e-local: only the local end-to-end chain (tests/e2e_local; `make test` runs it too): the real
+## control plane and Kubeflow training-operator, the chart, the operator, pods run by the node agent
+e2e-local: $(STAMP) $(HELM) controlplane-binaries
+	HELM=$(abspath $(HELM)) $(BIN)/pytest -m e2e_local tests/e2e_local
 
 ## e2e: the kind tests (need Docker and kind; they skip without them)
 e2e: $(STAMP) $(HELM)

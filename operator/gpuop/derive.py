@@ -80,6 +80,8 @@ class PodObservation:
     ready: bool = False
     termination_message: str | None = None
     metrics: TrainerMetrics | None = None
+    restarts: int = 0  # the trainer container's restartCount
+    trainer_started_at: str | None = None  # when its current container started, if running
 
 
 @dataclass(frozen=True)
@@ -256,6 +258,23 @@ def _merge_conditions(
     return tuple(sorted(merged.values(), key=lambda c: (order.get(c.type, len(order)), c.type)))
 
 
+def _restart_note(obs: Observation, progress: Progress | None) -> str | None:
+    """Why a running job is Restarting, if it is: a pod's trainer container was restarted in
+    place and the training has not advanced since. Kubeflow says nothing then: with restartPolicy
+    OnFailure kubelet restarts the container and the PyTorchJob stays Running (seen on the real
+    training-operator), while every rank waits for the restarted one to load its checkpoint."""
+    advanced = progress.step_advanced_at if progress is not None else None
+    for pod in sorted(obs.pods, key=lambda p: p.name):
+        if pod.phase != "Running" or pod.restarts == 0:
+            continue
+        down = pod.trainer_started_at is None  # exited, waiting to be started again
+        if down or advanced is None or advanced < str(pod.trainer_started_at):
+            return (
+                f"pod {pod.name}'s trainer restarted ({pod.restarts} so far); waiting for training to resume"
+            )
+    return None
+
+
 def _job_reason(obs: Observation, kind: str) -> tuple[str | None, str | None]:
     for condition in obs.job_conditions:
         if condition.type == kind:
@@ -272,6 +291,10 @@ def derive_status(
         return _job_deleted_after_finishing(previous, obs, now)
     phase = _phase(obs)
     before = previous or GpuTrainingStatus()
+    progress = _progress(before.progress, obs, phase, now)
+    restart_note = _restart_note(obs, progress) if phase == "Running" else None
+    if restart_note is not None:
+        phase = "Restarting"
     generation = obs.generation
 
     def condition(kind: str, status: ConditionStatus, reason: str | None, message: str | None) -> Condition:
@@ -281,7 +304,6 @@ def derive_status(
 
     wanted: list[Condition] = []
     message: str | None
-    progress = _progress(before.progress, obs, phase, now)
     gpu = _gpu(before.gpu, obs, thresholds, now)
     if obs.invalid_spec is not None:
         message = obs.invalid_spec
@@ -316,6 +338,8 @@ def derive_status(
             wanted.append(condition("Succeeded", "True", "TrainingSucceeded", message))
         elif phase in ("Suspended", "Restarting"):
             reason, text = _job_reason(obs, phase)
+            if restart_note is not None:
+                reason, text = "TrainerRestarted", restart_note
             message = text or message
             wanted.append(condition(phase, "True", reason or f"PyTorchJob{phase}", message))
         if phase == "Running":

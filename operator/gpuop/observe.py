@@ -108,17 +108,32 @@ def _termination_message(status: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _trainer_container(status: Mapping[str, Any]) -> tuple[int, str | None]:
+    """The trainer container's restartCount, and when it started if it is running."""
+    for container in status.get("containerStatuses") or ():
+        if container.get("name") == CONTAINER_NAME:
+            restarts = container.get("restartCount")
+            started = ((container.get("state") or {}).get("running") or {}).get("startedAt")
+            return (restarts if isinstance(restarts, int) else 0), (
+                started if isinstance(started, str) else None
+            )
+    return 0, None
+
+
 def pod_observation(pod: Mapping[str, Any], metrics: TrainerMetrics | None) -> PodObservation:
     status = pod.get("status") or {}
     ready = any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ()
     )
+    restarts, started = _trainer_container(status)
     return PodObservation(
         name=str((pod.get("metadata") or {}).get("name", "")),
         phase=str(status.get("phase", "Unknown")),
         ready=ready,
         termination_message=_termination_message(status),
         metrics=metrics,
+        restarts=restarts,
+        trainer_started_at=started,
     )
 
 

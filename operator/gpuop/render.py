@@ -373,6 +373,19 @@ def _replica_specs(name: str, spec: GpuTrainingSpec, image: str) -> dict[str, An
     return replicas
 
 
+def kubeflow_backoff_limit(restarts: int, pods: int) -> int:
+    """Kubeflow's backoffLimit for ``restarts`` restarts of the training.
+
+    The training-operator sums the restartCount of every container of every running pod and
+    fails the job once that sum reaches its backoffLimit (pkg/core/job.go, PastBackoffLimit).
+    One failure of a DDP job restarts every pod's container (a rank that dies takes its
+    peers' collectives with it), so it costs ``pods``, and reaching the limit is already
+    failure: ``restarts`` restarts need ``restarts * pods + 1``. Found on the real
+    training-operator: the kind example's ``backoffLimit: 2`` failed on its first restart.
+    """
+    return restarts * pods + 1
+
+
 def _run_policy(spec: GpuTrainingSpec) -> dict[str, Any]:
     rp = spec.run_policy
     # With a Kueue queue the job is made suspended and Kueue resumes it on admission (its
@@ -381,7 +394,7 @@ def _run_policy(spec: GpuTrainingSpec) -> dict[str, Any]:
     suspend = True if spec.scheduling.queue_name is not None else rp.suspend
     out: dict[str, Any] = {"cleanPodPolicy": rp.clean_pod_policy, "suspend": suspend}
     if rp.backoff_limit is not None:
-        out["backoffLimit"] = rp.backoff_limit
+        out["backoffLimit"] = kubeflow_backoff_limit(rp.backoff_limit, spec.workers)
     if rp.active_deadline_seconds is not None:
         out["activeDeadlineSeconds"] = rp.active_deadline_seconds
     if rp.ttl_seconds_after_finished is not None:

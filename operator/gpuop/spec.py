@@ -281,7 +281,12 @@ class RunPolicy:
     """How the PyTorchJob runs and is cleaned up (Kubeflow's runPolicy)."""
 
     backoff_limit: int | None = api_field(
-        "Pod restarts allowed before the job is marked Failed.", default=None, minimum=0, maximum=1000
+        "Times the training may fail and restart before it is marked Failed (0: never restart). One "
+        "failure restarts every pod's container, and Kubeflow counts container restarts over all pods, "
+        "so the PyTorchJob gets workers x this + 1.",
+        default=None,
+        minimum=0,
+        maximum=1000,
     )
     active_deadline_seconds: int | None = api_field(
         "Seconds the job may run before it is terminated.", default=None, minimum=1, maximum=2**31 - 1

@@ -13,7 +13,6 @@ import random
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,15 @@ from gputrain.metrics import MetricsServer, Progress
 from support.cluster import PRINTER_COLUMNS, RUNNING, wait_for
 from support.controlplane import ControlPlane
 from support.faultproxy import FaultProxy
-from support.helm import CHART, RELEASE, RELEASE_NAMESPACE, helm
-from support.realcluster import Api, OperatorProcess, service_account_kubeconfig
+from support.helm import RELEASE, RELEASE_NAMESPACE, helm
+from support.realcluster import (
+    Api,
+    Installed,
+    OperatorProcess,
+    install_chart,
+    service_account_kubeconfig,
+    uninstall_chart,
+)
 from support.specs import minimal
 
 NAMESPACE = "training"
@@ -41,50 +47,13 @@ def _helm(plane: ControlPlane, *args: str) -> str:
     return helm(*args, "--kubeconfig", str(plane.kubeconfig)).stdout
 
 
-@dataclass(frozen=True)
-class Installed:
-    """What the chart's Deployment would run: its container's environment and its ServiceAccount."""
-
-    env: dict[str, str]
-    service_account: str
-
-    @property
-    def user(self) -> str:
-        return f"system:serviceaccount:{RELEASE_NAMESPACE}:{self.service_account}"
-
-
-def _deployment(plane: ControlPlane) -> Installed:
-    manifest = _helm(plane, "get", "manifest", RELEASE, "-n", RELEASE_NAMESPACE)
-    deployment = next(d for d in yaml.safe_load_all(manifest) if d and d["kind"] == "Deployment")
-    pod = deployment["spec"]["template"]["spec"]
-    container = pod["containers"][0]
-    assert container["args"] == ["operator"]
-    env = {e["name"]: str(e["value"]) for e in container["env"] if "value" in e}
-    env["POD_ID"] = "gpu-training-operator-5d4f8-x2x9q"  # its pod's name: stable across restarts
-    return Installed(env, pod["serviceAccountName"])
-
-
 @pytest.fixture(scope="module")
 def installed(plane: ControlPlane, api: Api) -> Iterator[Installed]:
     """The chart installed (cluster-wide RBAC, peering) for this suite."""
-    plane.kubectl("label", "crd", "gputrainings.gpuop.io", "app.kubernetes.io/managed-by=Helm", "--overwrite")
-    plane.kubectl("annotate", "crd", "gputrainings.gpuop.io", f"meta.helm.sh/release-name={RELEASE}",
-                  f"meta.helm.sh/release-namespace={RELEASE_NAMESPACE}", "--overwrite")  # fmt: skip
-    sets = [arg for key, value in VALUES.items() for arg in ("--set-json", f"{key}={json.dumps(value)}")]
-    _helm(
-        plane,
-        "upgrade",
-        "--install",
-        RELEASE,
-        str(CHART),
-        "-n",
-        RELEASE_NAMESPACE,
-        "--create-namespace",
-        *sets,
-    )
+    installed = install_chart(plane, VALUES)
     plane.kubectl("create", "namespace", NAMESPACE)
-    yield _deployment(plane)
-    helm("uninstall", RELEASE, "-n", RELEASE_NAMESPACE, "--kubeconfig", str(plane.kubeconfig))
+    yield installed
+    uninstall_chart(plane)
 
 
 @pytest.fixture
@@ -595,9 +564,7 @@ def test_in_role_mode_the_operator_needs_nothing_cluster_scoped(
     """`watchNamespaces`: the chart makes Roles only, and the operator works with them under the
     real authorizer (Kopf's cluster scanning off; a KopfPeering in the namespace). Last in
     this module: it turns the release into Role mode."""
-    sets = [arg for key, value in {**VALUES, "watchNamespaces": [NAMESPACE]}.items()
-            for arg in ("--set-json", f"{key}={json.dumps(value)}")]  # fmt: skip
-    _helm(plane, "upgrade", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE, *sets)
+    role_mode = install_chart(plane, {**VALUES, "watchNamespaces": [NAMESPACE]})
     manifest = [
         d for d in yaml.safe_load_all(_helm(plane, "get", "manifest", RELEASE, "-n", RELEASE_NAMESPACE)) if d
     ]
@@ -605,7 +572,6 @@ def test_in_role_mode_the_operator_needs_nothing_cluster_scoped(
     assert "ClusterRole" not in kinds
     assert "ClusterRoleBinding" not in kinds
     assert {"Role", "RoleBinding", "KopfPeering"} <= kinds
-    role_mode = _deployment(plane)
     assert role_mode.env["GPUOP_NAMESPACES"] == NAMESPACE
     since = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
     config = service_account_kubeconfig(plane, RELEASE_NAMESPACE, role_mode.service_account, tmp_path / "sa")

@@ -25,18 +25,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import fcntl
-import hashlib
 import json
 import os
-import re
 import shutil
 import signal
 import socket
 import ssl
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 import urllib.error
@@ -46,11 +42,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Final
 
+from support import gobuild
+
 ROOT: Final = Path(__file__).resolve().parents[2]
 MODULE: Final = ROOT / "tests" / "controlplane"
 STATE: Final = ROOT / ".controlplane"
-# Binary name -> Go package; `go build -o DIR/` names a /vN package after its parent directory,
-# so etcd's (…/server/v3) comes out as "server" and is renamed.
+# Binary name -> Go package (etcd's comes out as "server" and is renamed: see support.gobuild).
 PACKAGES: Final = {
     "kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
     "kube-controller-manager": "k8s.io/kubernetes/cmd/kube-controller-manager",
@@ -72,44 +69,8 @@ def _say(message: str) -> None:
 
 def versions() -> dict[str, str]:
     """The pinned versions, read from the tools module: {"kubernetes": "v1.35.4", "etcd": ...}."""
-    text = (MODULE / "go.mod").read_text()
-    found = {}
-    for name, module in (("kubernetes", "k8s.io/kubernetes"), ("etcd", "go.etcd.io/etcd/server/v3")):
-        match = re.search(rf"^\s*{re.escape(module)}\s+(v\S+)", text, re.MULTILINE)
-        if match is None:
-            raise RuntimeError(f"{MODULE / 'go.mod'} does not require {module}")
-        found[name] = match.group(1)
-    return found
-
-
-def cache_root() -> Path:
-    """``$GPUOP_CACHE``, else ``$XDG_CACHE_HOME/gpuop``, else ``~/.cache/gpuop``."""
-    if os.environ.get("GPUOP_CACHE"):
-        return Path(os.environ["GPUOP_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpuop"
-
-
-def binaries_dir() -> Path:
-    """Where this go.mod + go.sum's binaries live (or will): outside the work tree, keyed by
-    the versions, the module files and the version stamps."""
-    digest = hashlib.sha256(_version_ldflags(versions()["kubernetes"]).encode())
-    for name in ("go.mod", "go.sum"):
-        digest.update((MODULE / name).read_bytes())
-    v = versions()
-    return cache_root() / "controlplane" / f"k8s-{v['kubernetes']}-etcd-{v['etcd']}-{digest.hexdigest()[:12]}"
-
-
-def ensure_binaries(say: Say = _say) -> Path:
-    """The cached binaries, built first when missing. Safe to call from several processes."""
-    target = binaries_dir()
-    if all((target / name).is_file() for name in PACKAGES):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with (target.parent / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same thing
-        if not all((target / name).is_file() for name in PACKAGES):
-            _build(target, say)
-    return target
+    return {"kubernetes": gobuild.required_version(MODULE, "k8s.io/kubernetes"),
+            "etcd": gobuild.required_version(MODULE, "go.etcd.io/etcd/server/v3")}  # fmt: skip
 
 
 def _version_ldflags(version: str) -> str:
@@ -124,40 +85,22 @@ def _version_ldflags(version: str) -> str:
     return " ".join(flags)
 
 
-def _build(target: Path, say: Say) -> None:
-    go = shutil.which("go")
-    if go is None:
-        raise RuntimeError("the control plane is built from Go modules and `go` is not on PATH (Go >= 1.25)")
+def recipe() -> gobuild.Recipe:
     v = versions()
-    say(
-        f"building kube-apiserver, kube-controller-manager, kubectl {v['kubernetes']} and etcd {v['etcd']} "
-        f"from their Go modules into {target} (once per machine: measured 5.6 min on 2 cores with "
-        "empty Go caches, 600 MB of modules downloaded)"
+    return gobuild.Recipe(
+        name="controlplane",
+        module=MODULE,
+        packages=PACKAGES,
+        label=f"k8s-{v['kubernetes']}-etcd-{v['etcd']}",
+        cold_cost="measured 5.6 min on 2 cores with empty Go caches, 600 MB of modules downloaded",
+        ldflags=_version_ldflags(v["kubernetes"]),
+        renames={"server": "etcd"},
     )
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-    env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=readonly"}
-    command = [go, "build", "-v", "-trimpath", f"-ldflags={_version_ldflags(v['kubernetes'])}",
-               "-o", f"{staging}/", *PACKAGES.values()]  # fmt: skip
-    started = time.monotonic()
-    process = subprocess.Popen(
-        command, cwd=MODULE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    assert process.stdout is not None
-    last_report, tail = started, []
-    for compiled, line in enumerate(process.stdout, 1):
-        tail = [*tail[-40:], line.rstrip()]
-        if time.monotonic() - last_report >= 30:
-            last_report = time.monotonic()
-            say(f"  {compiled} packages compiled, {last_report - started:.0f}s (now {line.strip()})")
-    if process.wait() != 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise RuntimeError("go build failed:\n" + "\n".join(tail))
-    (staging / "server").rename(staging / "etcd")
-    staging.rename(target)
-    for old in target.parent.glob("k8s-*"):  # other versions' binaries: 420 MB each
-        if old != target:
-            shutil.rmtree(old, ignore_errors=True)
-    say(f"built in {time.monotonic() - started:.0f}s")
+
+
+def ensure_binaries(say: Say = _say) -> Path:
+    """The cached binaries, built first when missing. Safe to call from several processes."""
+    return gobuild.ensure(recipe(), say)
 
 
 # -- certificates -------------------------------------------------------------------------
@@ -339,6 +282,10 @@ class ControlPlane:
             # chain (ServiceAccount, webhooks, ResourceQuota, PodSecurity...) plus NodeRestriction.
             "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
             "--allow-privileged=true", "--profiling=false", "--v=1",
+            # Webhooks and aggregated APIs are reached at their Service's endpoints, not its
+            # cluster IP: no kube-proxy runs here to route a cluster IP (the training-operator's
+            # webhook, served from the test host, is the one that needs it).
+            "--enable-aggregator-routing=true",
             # Every request at Metadata level, as a managed cluster's audit log has it: the
             # tests read who asked for what and what the authorizer answered.
             f"--audit-policy-file={self._audit_policy()}", f"--audit-log-path={self.audit_log}",
@@ -610,7 +557,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
+            from support import trainingoperator  # the other Go-built binary the tests run
+
             print(ensure_binaries())
+            print(trainingoperator.ensure_binary())
             return 0
         if args.command == "up":
             return up(args.dir.resolve())

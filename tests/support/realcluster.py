@@ -18,6 +18,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -26,6 +27,7 @@ import yaml
 from support.cluster import wait_for
 from support.controlplane import ControlPlane, kubeconfig
 from support.crdschema import ROOT
+from support.helm import CHART, RELEASE, RELEASE_NAMESPACE, helm, value_args
 
 GPUOP: Final = str(Path(sys.executable).with_name("gpuop"))
 KUBEFLOW_CRD: Final = ROOT / "tests" / "reference" / "kubeflow.org_pytorchjobs.yaml"
@@ -182,3 +184,38 @@ class OperatorProcess:
 
     def log(self) -> str:
         return "\n".join(p.read_text(errors="replace") for p in sorted(self.workdir.glob("operator-*.log")))
+
+
+@dataclass(frozen=True)
+class Installed:
+    """What the chart's Deployment would run: its container's environment and its ServiceAccount."""
+
+    env: dict[str, str]
+    service_account: str
+
+    @property
+    def user(self) -> str:
+        return f"system:serviceaccount:{RELEASE_NAMESPACE}:{self.service_account}"
+
+
+def install_chart(plane: ControlPlane, values: Mapping[str, Any]) -> Installed:
+    """``helm upgrade --install`` of the chart (adopting a CRD applied before it), and what its
+    Deployment would run; :class:`OperatorProcess` runs that with the ServiceAccount's token."""
+    plane.kubectl("label", "crd", "gputrainings.gpuop.io", "app.kubernetes.io/managed-by=Helm", "--overwrite")
+    plane.kubectl("annotate", "crd", "gputrainings.gpuop.io", f"meta.helm.sh/release-name={RELEASE}",
+                  f"meta.helm.sh/release-namespace={RELEASE_NAMESPACE}", "--overwrite")  # fmt: skip
+    config = ["--kubeconfig", str(plane.kubeconfig)]
+    helm("upgrade", "--install", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace",
+         *value_args(dict(values)), *config)  # fmt: skip
+    manifest = helm("get", "manifest", RELEASE, "-n", RELEASE_NAMESPACE, *config).stdout
+    deployment = next(d for d in yaml.safe_load_all(manifest) if d and d["kind"] == "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["args"] == ["operator"]
+    env = {e["name"]: str(e["value"]) for e in container["env"] if "value" in e}
+    env["POD_ID"] = "gpu-training-operator-5d4f8-x2x9q"  # its pod's name: stable across restarts
+    return Installed(env, pod["serviceAccountName"])
+
+
+def uninstall_chart(plane: ControlPlane) -> None:
+    helm("uninstall", RELEASE, "-n", RELEASE_NAMESPACE, "--kubeconfig", str(plane.kubeconfig))

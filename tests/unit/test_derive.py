@@ -394,3 +394,40 @@ def test_a_custom_command_that_publishes_no_progress_is_never_called_stalled() -
     status = derive_status(None, observe(0, pods=running_pods(7), reports_progress=False), THRESHOLDS)
     assert types(derive_status(status, observe(900, pods=running_pods(7), reports_progress=False),
                                THRESHOLDS))["Stalled"] == "True"  # fmt: skip
+
+
+def _restarted(started_at: str | None, step: int = 50) -> tuple[PodObservation, ...]:
+    """The master's trainer container restarted once; None: exited, not started again yet."""
+    return (
+        PodObservation(
+            "demo-master-0",
+            "Running",
+            started_at is not None,
+            metrics=metrics(step),
+            restarts=1,
+            trainer_started_at=started_at,
+        ),
+        PodObservation("demo-worker-0", "Running", True, metrics=metrics(step)),
+    )
+
+
+def test_a_trainer_restarted_in_place_is_restarting_until_the_step_moves_again() -> None:
+    """Kubeflow keeps an OnFailure job Running while kubelet restarts a container (the real
+    training-operator does): the status says Restarting until training advances past the restart."""
+    running = derive_status(None, observe(0, pods=running_pods(50)), THRESHOLDS)
+    table = [
+        # (seconds, pods, phase)
+        (10, _restarted(None), "Restarting"),  # exited, waiting to start again
+        (12, _restarted("2026-11-21T12:00:12Z"), "Restarting"),  # started, loading its checkpoint
+        (40, _restarted("2026-11-21T12:00:12Z", step=60), "Running"),  # training again
+        (70, _restarted("2026-11-21T12:00:12Z", step=70), "Running"),
+    ]
+    status = running
+    for seconds, pods, phase in table:
+        status = derive_status(status, observe(seconds, pods=pods), THRESHOLDS)
+        assert status.phase == phase, seconds
+        if phase == "Restarting":
+            restarting = next(c for c in status.conditions if c.type == "Restarting")
+            assert (restarting.reason, types(status)["Running"]) == ("TrainerRestarted", "False")
+            assert "demo-master-0's trainer restarted (1 so far)" in restarting.message
+    assert types(status)["Restarting"] == "False"

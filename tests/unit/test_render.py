@@ -15,6 +15,7 @@ from gpuop.quantity import GI, MI
 from gpuop.render import (
     CREATED_FROM_ANNOTATION,
     DEFAULT_TRAINER_IMAGE,
+    kubeflow_backoff_limit,
     render_pytorchjob,
     shm_size_bytes,
     trainer_settings,
@@ -393,3 +394,13 @@ def test_the_job_records_what_it_was_created_from_within_the_annotation_budget()
     assert "runPolicy" not in record  # mutable: patched onto the job, not fixed at creation
     huge = minimal(env=[{"name": f"BIG_{i}", "value": "x" * 30000} for i in range(3)])
     assert "annotations" not in render(huge)["metadata"]  # over 64 KiB: no record, the job still fits
+
+
+def test_backoff_limit_counts_restarts_of_the_training_not_of_containers() -> None:
+    """Kubeflow fails a job once the restartCounts of its running pods add up to backoffLimit,
+    and one DDP failure restarts every pod: N restarts of a W-pod training need N*W + 1."""
+    table = [(0, 2, 1), (1, 1, 2), (2, 2, 5), (3, 4, 13)]
+    for restarts, pods, limit in table:
+        assert kubeflow_backoff_limit(restarts, pods) == limit
+    job = render_pytorchjob(parse(minimal(workers=3, runPolicy={"backoffLimit": 2})))
+    assert job["spec"]["runPolicy"]["backoffLimit"] == 7

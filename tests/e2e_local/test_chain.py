@@ -1,0 +1,307 @@
+"""``kubectl apply -f examples/kind-cpu.yaml`` to Succeeded through the real training-operator,
+and what a platform team does to a running training: kill a trainer, suspend it, delete it.
+
+Assertions read what a user reads: ``kubectl get gtr -o json`` (polled into a timeline while
+the test acts), the PyTorchJob, pods and Services with kubectl, and events. The only thing the
+tests touch below the API is the trainer process they SIGKILL, as the kernel's OOM killer would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from support.cluster import wait_for
+from support.controlplane import ControlPlane
+from support.crdschema import ROOT
+from support.nodeagent import NodeAgent
+from support.realcluster import Api, OperatorProcess
+from support.trainingoperator import TrainingOperator
+
+NAMESPACE = "e2e"
+KIND_CPU = ROOT / "examples" / "kind-cpu.yaml"
+KIND_CPU_ELASTIC = ROOT / "examples" / "kind-cpu-elastic.yaml"
+
+
+def _get(plane: ControlPlane, kind: str, name: str) -> dict[str, Any] | None:
+    result = plane.kubectl("get", kind, name, "-n", NAMESPACE, "-o", "json", check=False)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def _names(plane: ControlPlane, kind: str, selector: str) -> list[str]:
+    out = plane.kubectl("get", kind, "-n", NAMESPACE, "-l", selector, "-o", "name").stdout
+    return sorted(out.split())
+
+
+class Timeline:
+    """``kubectl get gtr NAME -o json`` every half second, in a thread, until closed."""
+
+    def __init__(self, plane: ControlPlane, name: str) -> None:
+        self.plane, self.name = plane, name
+        self.seen: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            found = _get(self.plane, "gtr", self.name)
+            if found is not None:
+                self.seen.append(found.get("status", {}))
+
+    def phases(self) -> list[str]:
+        """The phases in order, repeats collapsed."""
+        out: list[str] = []
+        for status in self.seen:
+            if status.get("phase") and (not out or out[-1] != status["phase"]):
+                out.append(status["phase"])
+        return out
+
+    def conditions(self) -> set[str]:
+        return {c["type"] for s in self.seen for c in s.get("conditions", []) if c["status"] == "True"}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def namespace(plane: ControlPlane) -> str:
+    plane.kubectl("create", "namespace", NAMESPACE)
+    return NAMESPACE
+
+
+@pytest.fixture
+def timelines() -> Iterator[list[Timeline]]:
+    made: list[Timeline] = []
+    yield made
+    for timeline in made:
+        timeline.close()
+
+
+def _variant(tmp: Path, name: str, source: Path = KIND_CPU, **spec: Any) -> Path:
+    """The example under another name with some spec fields replaced (a longer run, a PVC)."""
+    doc = yaml.safe_load(source.read_text())
+    doc["metadata"]["name"] = name
+    for key, value in spec.items():
+        doc["spec"][key] = {**doc["spec"].get(key, {}), **value} if isinstance(value, dict) else value
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _start_long_training(plane: ControlPlane, name: str, tmp: Path) -> Timeline:
+    """The kind example for 40 epochs (about 15 s of training here), its checkpoints on a claim
+    so that they outlive its pods; applied, with a timeline of its status."""
+    claim = f"{name}-checkpoints"
+    plane.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}},
+    }))  # fmt: skip
+    spec = _variant(tmp, name, training={"epochs": 40}, checkpoint={"volume": {"claimName": claim}})
+    timeline = Timeline(plane, name)
+    plane.kubectl("apply", "-n", NAMESPACE, "-f", str(spec))
+    return timeline
+
+
+def _phase(plane: ControlPlane, name: str) -> str | None:
+    found = _get(plane, "gtr", name)
+    return found.get("status", {}).get("phase") if found else None
+
+
+def _trainer_pid(agent: NodeAgent, pod: str) -> int | None:
+    """The gputrain process torchrun started in the pod's container (not torchrun itself)."""
+    for pid in agent.processes(NAMESPACE, pod, "pytorch")[1:]:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"gputrain" in argv and not any(a.endswith(b"torchrun") for a in argv):
+            return pid
+    return None
+
+
+def _resumed_steps(agent: NodeAgent, pod: str) -> list[int]:
+    """The steps the trainer said it resumed from, in every attempt of the pod's containers."""
+    steps = []
+    for line in agent.logs(NAMESPACE, pod).splitlines():
+        if " resumed from " in line:
+            steps.append(int(line.rsplit("step ", 1)[1].split()[0].rstrip(",")))
+    return steps
+
+
+def _checkpointed_steps(agent: NodeAgent, pod: str) -> list[int]:
+    return [int(line.rsplit("at step ", 1)[1]) for line in agent.logs(NAMESPACE, pod).splitlines()
+            if " checkpoint " in line and "at step " in line]  # fmt: skip
+
+
+def _children_gone(plane: ControlPlane, name: str) -> bool:
+    selector = f"training.kubeflow.org/job-name={name}"
+    return (_get(plane, "pytorchjob", name) is None and not _names(plane, "pods", selector)
+            and not _names(plane, "services", selector))  # fmt: skip
+
+
+def test_the_kind_cpu_example_trains_to_succeeded_through_the_real_training_operator(
+    plane: ControlPlane,
+    api: Api,
+    agent: NodeAgent,
+    kubeflow: TrainingOperator,
+    operator: OperatorProcess,
+    timelines: list[Timeline],
+) -> None:
+    timelines.append(timeline := Timeline(plane, "kind-cpu"))
+    plane.kubectl("apply", "-n", NAMESPACE, "-f", str(KIND_CPU))
+    wait_for("kind-cpu Succeeded", lambda: _phase(plane, "kind-cpu") in ("Succeeded", "Failed"), timeout=180,
+             every=0.5)  # fmt: skip
+    gtr = _get(plane, "gtr", "kind-cpu")
+    assert gtr is not None
+    status = gtr["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    # The PyTorchJob's status is the real training-operator's, and so are the pods and Services.
+    job = _get(plane, "pytorchjob", "kind-cpu")
+    assert job is not None
+    assert {c["type"] for c in job["status"]["conditions"] if c["status"] == "True"} >= {
+        "Created",
+        "Succeeded",
+    }
+    assert job["status"]["replicaStatuses"]["Master"]["succeeded"] == 1
+    selector = "training.kubeflow.org/job-name=kind-cpu"
+    assert _names(plane, "services", selector) == ["service/kind-cpu-master-0", "service/kind-cpu-worker-0"]
+    # The final figures (the trainer's termination message); no GPU, no GPU hours.
+    assert status["progress"]["accuracy"] > 0.9
+    assert status["progress"]["percent"] == 100
+    assert status["gpuHours"] == 0
+    # While it trained, the status had its workers and progress from the pods' metrics.
+    running = [s for s in timeline.seen if s.get("phase") == "Running"]
+    assert running, timeline.phases()
+    assert any(s.get("workers", {}).get("ready") == 2 for s in running), running[-1]
+    assert "Stalled" not in timeline.conditions()
+    events = plane.kubectl("get", "events", "-n", NAMESPACE, "--field-selector",
+                           "involvedObject.name=kind-cpu", "-o", "json").stdout  # fmt: skip
+    reasons = {e["reason"] for e in json.loads(events)["items"]}
+    assert "SuccessfulCreatePod" in reasons  # the training-operator's
+    # Deleting the GpuTraining takes the PyTorchJob, its pods and Services with it.
+    plane.kubectl("delete", "gtr", "kind-cpu", "-n", NAMESPACE, "--wait=true")
+    wait_for("kind-cpu's children gone", lambda: _children_gone(plane, "kind-cpu"), timeout=60, every=0.5)
+
+
+def test_the_real_webhook_refuses_what_the_training_operator_refuses(
+    plane: ControlPlane, kubeflow: TrainingOperator
+) -> None:
+    """A name the API server takes but Kubeflow's webhook does not (DNS-1035: no leading digit)."""
+    job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "1-starts-with-a-digit"},
+           "spec": {"pytorchReplicaSpecs": {"Master": {"replicas": 1, "template": {"spec": {"containers": [
+               {"name": "pytorch", "image": "x", "command": ["true"]}]}}}}}}  # fmt: skip
+    refused = plane.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=json.dumps(job), check=False)
+    assert refused.returncode != 0
+    assert 'admission webhook "validator.pytorchjob.training-operator.kubeflow.org" denied' in refused.stderr
+
+
+def test_progress_then_a_killed_trainer_resumes_from_its_checkpoint(
+    plane: ControlPlane,
+    agent: NodeAgent,
+    operator: OperatorProcess,
+    timelines: list[Timeline],
+    tmp_path: Path,
+) -> None:
+    """SIGKILL the master's trainer mid-run: its container restarts in place, training goes on
+    from the newest checkpoint on the claim, and the status never says Stalled."""
+    name = "killed"
+    timelines.append(timeline := _start_long_training(plane, name, tmp_path))
+    pod = f"{name}-master-0"
+    # Progress advances while it trains: two scrapes with different steps, every figure there.
+    wait_for("two progress reports", lambda: len({s.get("progress", {}).get("step") for s in timeline.seen
+                                                   if s.get("progress", {}).get("step")}) >= 2, timeout=180)  # fmt: skip
+    progress = next(s["progress"] for s in reversed(timeline.seen) if s.get("progress", {}).get("step"))
+    assert {"step", "totalSteps", "percent", "loss", "samplesPerSecond", "eta"} <= set(progress), progress
+    wait_for("a checkpoint past the first epoch", lambda: len(_checkpointed_steps(agent, pod)) >= 2, timeout=120,
+             every=0.2)  # fmt: skip
+    pid = wait_for("the trainer process", lambda: _trainer_pid(agent, pod), timeout=10)
+    before_kill = max(_checkpointed_steps(agent, pod))
+    os.kill(pid, signal.SIGKILL)
+    wait_for("the container restarted", lambda: (_get(plane, "pod", pod) or {}).get("status", {}).get(
+        "containerStatuses", [{}])[0].get("restartCount", 0) >= 1, timeout=60)  # fmt: skip
+    wait_for(
+        f"{name} Succeeded", lambda: _phase(plane, name) in ("Succeeded", "Failed"), timeout=240, every=0.5
+    )
+    assert _phase(plane, name) == "Succeeded", timeline.phases()
+    resumed = _resumed_steps(agent, pod)
+    assert resumed, "the restarted trainer did not resume"
+    assert resumed[0] >= before_kill, (resumed, before_kill)
+    assert "Stalled" not in timeline.conditions()
+    phases = timeline.phases()
+    assert phases[-1] == "Succeeded"
+    assert "Failed" not in phases
+    # Kubeflow keeps the job Running through an in-place restart; ours says Restarting until
+    # the trainer advances again, then Running.
+    assert "Restarting" in phases, phases
+    assert phases[phases.index("Restarting") + 1] == "Running", phases
+
+
+def test_suspended_mid_run_its_pods_go_and_it_resumes_from_the_checkpoint(
+    plane: ControlPlane,
+    agent: NodeAgent,
+    operator: OperatorProcess,
+    timelines: list[Timeline],
+    tmp_path: Path,
+) -> None:
+    name = "paused"
+    timelines.append(timeline := _start_long_training(plane, name, tmp_path))
+    pod = f"{name}-master-0"
+    wait_for("a checkpoint past the first epoch", lambda: len(_checkpointed_steps(agent, pod)) >= 2, timeout=180,
+             every=0.2)  # fmt: skip
+    plane.kubectl(
+        "patch", "gtr", name, "-n", NAMESPACE, "--type=merge", "-p", '{"spec":{"runPolicy":{"suspend":true}}}'
+    )
+    wait_for(f"{name} Suspended", lambda: _phase(plane, name) == "Suspended", timeout=60, every=0.5)
+    wait_for(
+        "its pods gone",
+        lambda: not _names(plane, "pods", f"training.kubeflow.org/job-name={name}"),
+        timeout=60,
+    )
+    saved = max(_checkpointed_steps(agent, pod))
+    plane.kubectl(
+        "patch",
+        "gtr",
+        name,
+        "-n",
+        NAMESPACE,
+        "--type=merge",
+        "-p",
+        '{"spec":{"runPolicy":{"suspend":false}}}',
+    )
+    wait_for(
+        f"{name} Succeeded", lambda: _phase(plane, name) in ("Succeeded", "Failed"), timeout=240, every=0.5
+    )
+    assert _phase(plane, name) == "Succeeded", timeline.phases()
+    resumed = _resumed_steps(agent, pod)
+    assert resumed, "the resumed training started over"
+    assert resumed[-1] >= saved, (resumed, saved)
+    phases = timeline.phases()
+    assert phases.index("Suspended") < len(phases) - 1
+    assert "Stalled" not in timeline.conditions()
+
+
+def test_an_elastic_spec_rendezvous_through_the_worker_only_layout(
+    plane: ControlPlane, agent: NodeAgent, operator: OperatorProcess, timelines: list[Timeline]
+) -> None:
+    name = "kind-cpu-elastic"
+    timelines.append(timeline := Timeline(plane, name))
+    plane.kubectl("apply", "-n", NAMESPACE, "-f", str(KIND_CPU_ELASTIC))
+    wait_for(
+        f"{name} Succeeded", lambda: _phase(plane, name) in ("Succeeded", "Failed"), timeout=240, every=0.5
+    )
+    status = (_get(plane, "gtr", name) or {}).get("status", {})
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    assert _names(plane, "pods", f"training.kubeflow.org/job-name={name}") == [
+        f"pod/{name}-worker-0", f"pod/{name}-worker-1"]  # fmt: skip
+    assert status["progress"]["accuracy"] > 0.9
+    assert "Stalled" not in timeline.conditions()

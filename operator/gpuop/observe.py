@@ -95,29 +95,22 @@ def pod_ip(pod: Mapping[str, Any]) -> str | None:
     return ip if isinstance(ip, str) and ip and status.get("phase") == "Running" else None
 
 
-def _termination_message(status: Mapping[str, Any]) -> str | None:
+def _trainer_container(status: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The trainer container's entry of the pod's containerStatuses ({} when there is none)."""
     for container in status.get("containerStatuses") or ():
-        if container.get("name") != CONTAINER_NAME:
-            continue
-        # The current state first; after a restart the record is in lastState.
-        for state in (container.get("state"), container.get("lastState")):
-            terminated = (state or {}).get("terminated") or {}
-            message = terminated.get("message")
-            if isinstance(message, str) and message:
-                return message
+        if isinstance(container, Mapping) and container.get("name") == CONTAINER_NAME:
+            return container
+    return {}
+
+
+def _termination_message(container: Mapping[str, Any]) -> str | None:
+    # The current state first; after a restart the record is in lastState.
+    for state in (container.get("state"), container.get("lastState")):
+        terminated = (state or {}).get("terminated") or {}
+        message = terminated.get("message")
+        if isinstance(message, str) and message:
+            return message
     return None
-
-
-def _trainer_container(status: Mapping[str, Any]) -> tuple[int, str | None]:
-    """The trainer container's restartCount, and when it started if it is running."""
-    for container in status.get("containerStatuses") or ():
-        if container.get("name") == CONTAINER_NAME:
-            restarts = container.get("restartCount")
-            started = ((container.get("state") or {}).get("running") or {}).get("startedAt")
-            return (restarts if isinstance(restarts, int) else 0), (
-                started if isinstance(started, str) else None
-            )
-    return 0, None
 
 
 def pod_observation(pod: Mapping[str, Any], metrics: TrainerMetrics | None) -> PodObservation:
@@ -125,15 +118,17 @@ def pod_observation(pod: Mapping[str, Any], metrics: TrainerMetrics | None) -> P
     ready = any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ()
     )
-    restarts, started = _trainer_container(status)
+    trainer = _trainer_container(status)
+    restarts = trainer.get("restartCount")
+    started = ((trainer.get("state") or {}).get("running") or {}).get("startedAt")
     return PodObservation(
         name=str((pod.get("metadata") or {}).get("name", "")),
         phase=str(status.get("phase", "Unknown")),
         ready=ready,
-        termination_message=_termination_message(status),
+        termination_message=_termination_message(trainer),
         metrics=metrics,
-        restarts=restarts,
-        trainer_started_at=started,
+        restarts=restarts if isinstance(restarts, int) else 0,
+        trainer_started_at=started if isinstance(started, str) else None,
     )
 
 

@@ -15,13 +15,6 @@ from support import controlplane
 from support.realcluster import Api, install_crds
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    here = __file__.rsplit("/", 1)[0]
-    for item in items:
-        if str(item.path).startswith(here):
-            item.add_marker(pytest.mark.controlplane)
-
-
 @pytest.fixture(scope="session")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[controlplane.ControlPlane]:
     with controlplane.running(tmp_path_factory.mktemp("controlplane")) as running:

@@ -31,13 +31,6 @@ VALUES = {"operator.scrapeInterval": 1, "operator.scrapeTimeout": 0.8}
 NODES = [nodeagent.Node("node-a", cpu="4", memory="8Gi"), nodeagent.Node("node-b", cpu="4", memory="8Gi")]
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    here = __file__.rsplit("/", 1)[0]
-    for item in items:
-        if str(item.path).startswith(here):
-            item.add_marker(pytest.mark.e2e_local)
-
-
 @pytest.fixture(scope="session")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[controlplane.ControlPlane]:
     with controlplane.running(tmp_path_factory.mktemp("e2e-controlplane")) as running:

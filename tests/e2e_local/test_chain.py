@@ -112,6 +112,12 @@ def _start_long_training(plane: ControlPlane, name: str, tmp: Path) -> Timeline:
     return timeline
 
 
+def _wait_for_a_second_checkpoint(agent: NodeAgent, pod: str, timeout: float) -> None:
+    """One past the first epoch: something to resume from that is not the start."""
+    wait_for("a checkpoint past the first epoch", lambda: len(_checkpointed_steps(agent, pod)) >= 2,
+             timeout=timeout, every=0.2)  # fmt: skip
+
+
 def _phase(plane: ControlPlane, name: str) -> str | None:
     found = _get(plane, "gtr", name)
     return found.get("status", {}).get("phase") if found else None
@@ -222,8 +228,7 @@ def test_progress_then_a_killed_trainer_resumes_from_its_checkpoint(
                                                    if s.get("progress", {}).get("step")}) >= 2, timeout=180)  # fmt: skip
     progress = next(s["progress"] for s in reversed(timeline.seen) if s.get("progress", {}).get("step"))
     assert {"step", "totalSteps", "percent", "loss", "samplesPerSecond", "eta"} <= set(progress), progress
-    wait_for("a checkpoint past the first epoch", lambda: len(_checkpointed_steps(agent, pod)) >= 2, timeout=120,
-             every=0.2)  # fmt: skip
+    _wait_for_a_second_checkpoint(agent, pod, timeout=120)
     pid = wait_for("the trainer process", lambda: _trainer_pid(agent, pod), timeout=10)
     before_kill = max(_checkpointed_steps(agent, pod))
     os.kill(pid, signal.SIGKILL)
@@ -256,8 +261,7 @@ def test_suspended_mid_run_its_pods_go_and_it_resumes_from_the_checkpoint(
     name = "paused"
     timelines.append(timeline := _start_long_training(plane, name, tmp_path))
     pod = f"{name}-master-0"
-    wait_for("a checkpoint past the first epoch", lambda: len(_checkpointed_steps(agent, pod)) >= 2, timeout=180,
-             every=0.2)  # fmt: skip
+    _wait_for_a_second_checkpoint(agent, pod, timeout=180)
     plane.kubectl(
         "patch", "gtr", name, "-n", NAMESPACE, "--type=merge", "-p", '{"spec":{"runPolicy":{"suspend":true}}}'
     )

@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from gpuop.quantity import parse_quantity
 from support.realcluster import Api, HttpError
 
 AGENT_NAME: Final = "gpuop-node-agent"
@@ -86,16 +87,10 @@ def _run(*command: str) -> None:
 
 # -- quantities and env ----------------------------------------------------------------------
 
-_SUFFIX: Final = {"": 1, "m": 0.001, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
-                  "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}  # fmt: skip
 
-
-def quantity(text: str | int | float) -> float:
-    """A Kubernetes quantity as a number (cpu in cores, memory in bytes)."""
-    match = re.fullmatch(r"([0-9.]+(?:[eE][0-9]+)?)([a-zA-Z]*)", str(text).strip())
-    if match is None or match.group(2) not in _SUFFIX:
-        raise ValueError(f"not a quantity: {text!r}")
-    return float(match.group(1)) * _SUFFIX[match.group(2)]
+def quantity(value: str | int) -> float:
+    """A Kubernetes quantity as a number (cpu in cores, memory in bytes), by the operator's parser."""
+    return float(parse_quantity(value))
 
 
 def expand(text: str, values: Mapping[str, str]) -> str:
@@ -654,6 +649,21 @@ class PodRuntime(threading.Thread):
             "message": f"back-off {delay:g}s restarting failed container",
         }
 
+    def _may_start(self, state: ContainerState) -> bool:
+        """Whether a container that is not running starts now (counting a restart when it ran
+        before): never after CreateContainerError or an exit its restartPolicy keeps (init
+        containers included: under Never a failed one is not run again), else once its back-off
+        is over."""
+        if state.terminated is not None and not self._restarts(state.terminated["exitCode"]):
+            return False
+        if state.waiting and state.waiting["reason"] == "CreateContainerError":
+            return False
+        if time.monotonic() < state.next_start:
+            return False
+        if state.terminated is not None:
+            state.last_terminated, state.restart_count = state.terminated, state.restart_count + 1
+        return True
+
     def _restarts(self, code: int) -> bool:
         policy = self.spec.get("restartPolicy", "Always")
         return policy == "Always" or (policy == "OnFailure" and code != 0)
@@ -664,12 +674,7 @@ class PodRuntime(threading.Thread):
             if state.terminated and state.terminated["exitCode"] == 0:
                 continue
             if state.run is None:
-                if (time.monotonic() >= state.next_start and not state.waiting) or (
-                    state.waiting and state.waiting["reason"] == "CrashLoopBackOff"
-                    and time.monotonic() >= state.next_start
-                ):  # fmt: skip
-                    if state.terminated is not None:
-                        state.last_terminated, state.restart_count = state.terminated, state.restart_count + 1
+                if self._may_start(state):
                     self._start(container, state)
                 return
             code = state.run.exit_code()
@@ -694,13 +699,7 @@ class PodRuntime(threading.Thread):
                 if self._restarts(code):
                     self._backoff(state)
                 continue
-            if state.terminated is not None and not self._restarts(state.terminated["exitCode"]):
-                continue
-            if state.waiting and state.waiting["reason"] == "CreateContainerError":
-                continue
-            if time.monotonic() >= state.next_start:
-                if state.terminated is not None:
-                    state.last_terminated, state.restart_count = state.terminated, state.restart_count + 1
+            if self._may_start(state):
                 self._start(container, state)
 
     def _stop_all(self, grace: float) -> None:
@@ -734,9 +733,7 @@ class PodRuntime(threading.Thread):
                 return "Succeeded"
             if self.spec.get("restartPolicy", "Always") == "Never":
                 return "Failed"
-        if any(s.restart_count or s.run for s in states) or any(s.waiting for s in states):
-            return "Running" if any(s.restart_count for s in states) else "Pending"
-        return "Pending"
+        return "Running" if any(s.restart_count for s in states) else "Pending"
 
     def _statuses(
         self, specs: list[dict[str, Any]], states: Mapping[str, ContainerState]

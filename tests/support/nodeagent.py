@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from gpuop.quantity import parse_quantity
+from support.crdschema import ROOT
 from support.realcluster import Api, HttpError
 
 AGENT_NAME: Final = "gpuop-node-agent"
@@ -219,11 +220,11 @@ def _exposed_tree(needed: list[Path]) -> list[tuple[str, str]]:
             entries.append(("link", f"{entry}\0{os.readlink(entry)}"))
         elif entry.is_dir() and entry.stat().st_mode & 0o001:
             entries.append(("bind", str(entry)))
-    shown = {value for kind, value in entries if kind == "bind"}
-    for path in needed:
-        top = f"/{path.parts[1]}" if len(path.parts) > 1 else "/"
-        if top not in shown:
+    shown = {Path(value) for kind, value in entries if kind == "bind"}
+    for path in sorted(set(needed), key=lambda p: len(p.parts)):  # a parent first: it covers its children
+        if not any(path.is_relative_to(visible) for visible in shown):
             entries.append(("expose", str(path)))
+            shown.add(path)
     return entries
 
 
@@ -267,7 +268,9 @@ class ContainerLauncher:
     def __init__(self, venv_bin: Path, shims: Path) -> None:
         self.venv_bin = venv_bin
         self.shims = shims
-        needed = [Path(p).resolve() for p in (sys.base_prefix, sys.prefix, venv_bin)]
+        # The interpreter, the venv, and the work tree: the venv's editable install imports
+        # gputrain and gpuop from it (a clean clone under /tmp found the work tree missing).
+        needed = [Path(p).resolve() for p in (sys.base_prefix, sys.prefix, venv_bin, ROOT)]
         self.tree = _exposed_tree(needed)
 
     def path(self) -> str:

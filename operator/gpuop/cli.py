@@ -18,9 +18,10 @@ from typing import Any
 import yaml
 
 from gpuop.apidoc import api_reference
+from gpuop.backends import render_job
 from gpuop.crd import build_crd, crd_yaml
 from gpuop.documents import Document, DocumentError, read_documents
-from gpuop.render import DEFAULT_TRAINER_IMAGE, render_pytorchjob
+from gpuop.render import DEFAULT_TRAINER_IMAGE
 from gpuop.schema import SpecError
 from gpuop.scrape import TrainerMetrics
 from gpuop.settings import SettingsError, add_arguments, from_arguments
@@ -76,8 +77,19 @@ def _dump(objects: list[dict[str, Any]], output: str) -> str:
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
-    jobs = [render_pytorchjob(training, default_image=args.image) for _, training in _load(args.filename)]
-    sys.stdout.write(_dump(jobs, args.output))
+    objects: list[dict[str, Any]] = []
+    lines: list[str] = []
+    for document, training in _load(args.filename):
+        # Without a cluster there is nothing to discover: auto renders what it prefers.
+        requested = training.spec.backend
+        backend = args.backend or (requested if requested != "auto" else "pytorchjob")
+        try:
+            objects += render_job(training, backend, default_image=args.image)
+        except SpecError as exc:
+            lines.extend(f"{document.where(p.path)}: {p} (--backend {backend})" for p in exc.problems)
+    if lines:
+        raise _BadInputError(lines)
+    sys.stdout.write(_dump(objects, args.output))
     return EXIT_OK
 
 
@@ -128,7 +140,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     log_path = run.workdir / training.name / "trainer.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(
-        f"training {training.name}: {run.processes} process(es), backend {training.spec.backend}; "
+        f"training {training.name}: {run.processes} process(es), "
+        f"backend {training.spec.distributed_backend}; "
         f"trainer log: {log_path}",
         file=sys.stderr,
     )
@@ -202,9 +215,18 @@ def build_parser() -> argparse.ArgumentParser:
             help="GpuTraining manifest (YAML, several documents allowed; - for stdin); repeatable",
         )
 
-    render = commands.add_parser("render", help="print the Kubeflow PyTorchJob for each GpuTraining")
+    render = commands.add_parser(
+        "render",
+        help="print the Kubeflow job for each GpuTraining: a PyTorchJob, or a TrainingRuntime and TrainJob",
+    )
     add_files(render)
     render.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml", help="output format")
+    render.add_argument(
+        "--backend",
+        choices=("pytorchjob", "trainjob"),
+        help="the Kubeflow API to render for (default: spec.backend; pytorchjob for auto, as on a "
+        "cluster that serves both)",
+    )
     render.add_argument(
         "--image",
         default=DEFAULT_TRAINER_IMAGE,

@@ -4,10 +4,10 @@ Handlers only forward watch events to :class:`~gpuop.reconcile.Reconciler`; Kopf
 the watching, the per-object serialisation of events, peering between replicas and the
 liveness endpoint.
 
-No finalizer: the PyTorchJob carries an ownerReference with ``controller: true``, so the
-API server's garbage collector deletes it (and the training-operator's pods and services
-under it) when the GpuTraining goes. Nothing the operator makes lives outside that tree,
-so there is nothing a finalizer would have to clean, and none would only delay deletion
+No finalizer: the PyTorchJob (or TrainJob and its TrainingRuntime) carries an ownerReference
+with ``controller: true``, so the API server's garbage collector deletes it (and the pods and
+services Kubeflow made under it) when the GpuTraining goes. Nothing the operator makes lives
+outside that tree, so there is nothing a finalizer would have to clean, and none would only delay deletion
 whenever the operator is down.
 """
 
@@ -26,9 +26,10 @@ from typing import Any, Final
 import kopf
 
 from gpuop import observe
+from gpuop.backends import APIS
 from gpuop.kube import ApiError, Kube
 from gpuop.reconcile import Reconciler
-from gpuop.render import PYTORCHJOB_API_VERSION, TRAINING_LABEL
+from gpuop.render import TRAINING_LABEL
 from gpuop.settings import OperatorSettings
 from gpuop.spec import GROUP, PLURAL, VERSION
 from gpuop.telemetry import OperatorMetrics
@@ -144,15 +145,21 @@ async def _warn_while_peering_missing(kube: Kube, settings: OperatorSettings) ->
 def build_registry(reconciler: Reconciler, settings: OperatorSettings) -> kopf.OperatorRegistry:
     """The Kopf handlers, on a registry of their own (tests run several operators)."""
     registry = kopf.OperatorRegistry()
-    group, version = PYTORCHJOB_API_VERSION.split("/")
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     def training_event(event: kopf.RawEvent, **_: Any) -> None:
         reconciler.training_event(event.get("type"), dict(event["object"]))
 
-    @kopf.on.event(group, version, "pytorchjobs", labels={TRAINING_LABEL: kopf.PRESENT}, registry=registry)
     def job_event(event: kopf.RawEvent, **_: Any) -> None:
         reconciler.job_event(event.get("type"), dict(event["object"]))
+
+    # Both job APIs, whichever the cluster serves: Kopf warns about one that is not there (and,
+    # watching cluster-wide, starts watching it when its CRD appears).
+    for api in APIS.values():
+        kopf.on.event(
+            api.group, api.version, api.plural, id=f"{api.backend}_event",
+            labels={TRAINING_LABEL: kopf.PRESENT}, registry=registry,
+        )(job_event)  # fmt: skip
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:

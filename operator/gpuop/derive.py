@@ -1,6 +1,6 @@
 """What the operator observed -> the GpuTraining status. Pure: no clock, no API calls.
 
-The operator gathers an :class:`Observation` (the PyTorchJob's conditions, the training
+The operator gathers an :class:`Observation` (the job's conditions, the training
 pods, their scraped metrics and termination messages, the time) and hands it here with the
 status it last wrote. :func:`derive_status` decides the phase and conditions;
 :func:`status_patch` says whether anything changed, so an unchanged job costs no write.
@@ -20,7 +20,7 @@ from typing import Any, Final
 
 from gpuop.schema import SpecError, decode, encode
 from gpuop.scrape import TrainerMetrics, parse_result
-from gpuop.spec import MUTABLE_SPEC_FIELDS
+from gpuop.spec import MUTABLE_SPEC_FIELDS, JobBackend
 from gpuop.status import (
     Condition,
     ConditionStatus,
@@ -36,6 +36,7 @@ from gpuop.status import (
 )
 
 _ALARMS: Final = (
+    "BackendUnavailable",
     "Failed",
     "InvalidSpec",
     "Stalled",
@@ -46,7 +47,15 @@ _ALARMS: Final = (
 )
 # Conditions that turn False (reason Cleared) when they stop holding, instead of vanishing.
 _CLEARABLE: Final = frozenset(
-    {"Suspended", "Restarting", "Stalled", "Underutilized", "NameConflict", "SpecNotApplied"}
+    {
+        "Suspended",
+        "Restarting",
+        "Stalled",
+        "Underutilized",
+        "NameConflict",
+        "SpecNotApplied",
+        "BackendUnavailable",
+    }
 )
 # Kubeflow v1 job condition types, most decisive first: the first True one is the phase.
 _JOB_PHASES: Final[tuple[Phase, ...]] = (
@@ -63,12 +72,13 @@ TIME_FORMAT: Final = "%Y-%m-%dT%H:%M:%SZ"
 
 @dataclass(frozen=True)
 class JobCondition:
-    """One condition from the PyTorchJob's status."""
+    """One condition of the job, in the PyTorchJob's terms (:func:`gpuop.observe.job_conditions`)."""
 
     type: str
     status: str
     reason: str | None = None
     message: str | None = None
+    last_transition_time: str | None = None
 
 
 @dataclass(frozen=True)
@@ -102,15 +112,22 @@ class Observation:
     workers_total: int
     gpus: int
     invalid_spec: str | None = None  # the parse error, for a spec that got past the CRD
-    name_conflict: str | None = None  # a PyTorchJob of our name that is not ours (never touched)
-    # Fixed fields changed since the PyTorchJob was made (past a CRD without transition rules).
+    name_conflict: str | None = None  # a job of our name that is not ours (never touched)
+    # Fixed fields changed since the job was made (past a CRD without transition rules).
     spec_not_applied: tuple[str, ...] = ()
-    job_name: str | None = None  # None until the PyTorchJob exists
+    # What may change on the job, for the SpecNotApplied message.
+    mutable_fields: tuple[str, ...] = tuple(f"spec.{f}" for f in MUTABLE_SPEC_FIELDS)
+    backend: JobBackend | None = None  # once chosen
+    job_kind: str = "PyTorchJob"  # the backend's kind: PyTorchJob or TrainJob
+    # Why this backend, when chosen now (None: as status already says).
+    backend_choice: tuple[str, str] | None = None  # (reason, message)
+    backend_unavailable: tuple[str, str] | None = None  # (reason, message): none can run it here
+    job_name: str | None = None  # None until the job exists
     job_conditions: tuple[JobCondition, ...] = ()
     job_start_time: str | None = None
     job_completion_time: str | None = None
     pods: tuple[PodObservation, ...] = ()
-    # The training finished and its PyTorchJob is gone since (Kubeflow's TTL, or by hand).
+    # The training finished and its job is gone since (Kubeflow's TTL, or by hand).
     job_deleted: bool = False
     # Whether the trainer is ours (it publishes gputrain_* progress); a custom command may not.
     reports_progress: bool = True
@@ -211,14 +228,15 @@ def _gpu(previous: GpuUsage | None, obs: Observation, thresholds: Thresholds, no
 def _job_deleted_after_finishing(
     previous: GpuTrainingStatus, obs: Observation, now: str
 ) -> GpuTrainingStatus:
-    """A finished training whose PyTorchJob is gone: all it reported stays, and the deletion is
+    """A finished training whose job is gone: all it reported stays, and the deletion is
     recorded once (the job is never made again: that would train again on the GPUs)."""
     if any(c.type == "JobDeleted" for c in previous.conditions):
         return previous
+    kind = obs.job_kind
     deleted = Condition(
-        type="JobDeleted", status="True", reason="PyTorchJobDeleted",
-        message=f"PyTorchJob {previous.pytorch_job} was deleted after the training finished "
-        "(Kubeflow's runPolicy.ttlSecondsAfterFinished, or by hand); it is not made again, and "
+        type="JobDeleted", status="True", reason=f"{kind}Deleted",
+        message=f"{kind} {previous.pytorch_job or previous.train_job} was deleted after the training "
+        "finished (Kubeflow's runPolicy.ttlSecondsAfterFinished, or by hand); it is not made again, and "
         "this status keeps the result",
         last_transition_time=now, observed_generation=obs.generation,
     )  # fmt: skip
@@ -261,7 +279,7 @@ def _merge_conditions(
 def _restart_note(obs: Observation, progress: Progress | None) -> str | None:
     """Why a running job is Restarting, if it is: a pod's trainer container was restarted in
     place and the training has not advanced since. Kubeflow says nothing then: with restartPolicy
-    OnFailure kubelet restarts the container and the PyTorchJob stays Running (seen on the real
+    OnFailure kubelet restarts the container and the job stays Running (seen on the real
     training-operator), while every rank waits for the restarted one to load its checkpoint."""
     advanced = progress.step_advanced_at if progress is not None else None
     for pod in sorted(obs.pods, key=lambda p: p.name):
@@ -272,6 +290,16 @@ def _restart_note(obs: Observation, progress: Progress | None) -> str | None:
             return (
                 f"pod {pod.name}'s trainer restarted ({pod.restarts} so far); waiting for training to resume"
             )
+    return None
+
+
+def _backend_selected(before: GpuTrainingStatus, obs: Observation) -> tuple[str, str] | None:
+    """Why the training runs on its backend: as chosen now, else as said when it was chosen."""
+    if obs.backend_choice is not None:
+        return obs.backend_choice
+    earlier = next((c for c in before.conditions if c.type == "BackendSelected" and c.status == "True"), None)
+    if earlier is not None and earlier.reason is not None and earlier.message is not None:
+        return earlier.reason, earlier.message
     return None
 
 
@@ -290,7 +318,9 @@ def derive_status(
     if obs.job_deleted and previous is not None and previous.phase in _TERMINAL:
         return _job_deleted_after_finishing(previous, obs, now)
     phase = _phase(obs)
+    kind = obs.job_kind
     before = previous or GpuTrainingStatus()
+    selected = _backend_selected(before, obs)
     progress = _progress(before.progress, obs, phase, now)
     restart_note = _restart_note(obs, progress) if phase == "Running" else None
     if restart_note is not None:
@@ -315,13 +345,17 @@ def derive_status(
         message = obs.name_conflict
         wanted.append(condition("NameConflict", "True", "NameConflict", obs.name_conflict))
     elif phase == "Pending":
-        message = "waiting for the PyTorchJob to be created"
+        message = f"waiting for the {kind} to be created"
+        if obs.backend_unavailable is not None:
+            message = obs.backend_unavailable[1]
+            wanted.append(condition("BackendUnavailable", "True", *obs.backend_unavailable))
     else:
-        wanted.append(condition("Created", "True", "PyTorchJobCreated", f"PyTorchJob {obs.job_name} created"))
+        why = f" ({selected[1]})" if selected is not None else ""
+        wanted.append(condition("Created", "True", f"{kind}Created", f"{kind} {obs.job_name} created{why}"))
         wanted.append(
             condition("Running", "True" if phase == "Running" else "False", *_job_reason(obs, "Running"))
         )
-        message = f"PyTorchJob {obs.job_name} is {phase.lower()}"
+        message = f"{kind} {obs.job_name} is {phase.lower()}"
         if phase == "Failed":
             record = _trainer_record(obs, "Failed")
             earlier = next((c for c in before.conditions if c.type == "Failed" and c.status == "True"), None)
@@ -331,8 +365,8 @@ def derive_status(
                 reason, text = earlier.reason, earlier.message
             else:
                 reason, text = _job_reason(obs, "Failed")
-            message = text or "the PyTorchJob failed"
-            wanted.append(condition("Failed", "True", reason or "PyTorchJobFailed", message))
+            message = text or f"the {kind} failed"
+            wanted.append(condition("Failed", "True", reason or f"{kind}Failed", message))
         elif phase == "Succeeded":
             message = "training finished"
             wanted.append(condition("Succeeded", "True", "TrainingSucceeded", message))
@@ -341,7 +375,7 @@ def derive_status(
             if restart_note is not None:
                 reason, text = "TrainerRestarted", restart_note
             message = text or message
-            wanted.append(condition(phase, "True", reason or f"PyTorchJob{phase}", message))
+            wanted.append(condition(phase, "True", reason or f"{kind}{phase}", message))
         if phase == "Running":
             wanted += _running_alarms(progress, gpu, thresholds, obs.now, condition)
         if obs.spec_not_applied:
@@ -350,13 +384,14 @@ def derive_status(
                     "SpecNotApplied",
                     "True",
                     "FixedFieldChanged",
-                    f"{', '.join(obs.spec_not_applied)} changed after the PyTorchJob was created and "
-                    f"cannot change on it (only {' and '.join(f'spec.{f}' for f in MUTABLE_SPEC_FIELDS)} "
-                    "can); the job runs as created: change it back, or delete the GpuTraining and "
-                    "create it again",
+                    f"{', '.join(obs.spec_not_applied)} changed after the {kind} was created and "
+                    f"cannot change on it (only {' and '.join(obs.mutable_fields)} can); the job runs "
+                    "as created: change it back, or delete the GpuTraining and create it again",
                 )
             )
 
+    if selected is not None:
+        wanted.insert(0, condition("BackendSelected", "True", *selected))
     conditions = _merge_conditions(before.conditions, wanted, set(_CLEARABLE), now)
     ready = sum(1 for p in obs.pods if p.ready and p.phase == "Running")
     start = obs.job_start_time or before.start_time
@@ -368,7 +403,9 @@ def derive_status(
         phase=phase,
         conditions=conditions,
         observed_generation=generation,
-        pytorch_job=obs.job_name,
+        backend=obs.backend if obs.backend is not None else before.backend,
+        pytorch_job=obs.job_name if kind == "PyTorchJob" else None,
+        train_job=obs.job_name if kind == "TrainJob" else None,
         workers=WorkerCounts(ready=ready, total=obs.workers_total),
         progress=progress,
         gpu=gpu,
@@ -443,6 +480,9 @@ def events(previous: GpuTrainingStatus | None, new: GpuTrainingStatus) -> list[E
     before = {c.type: c.status for c in (previous.conditions if previous else ())}
     out: list[Event] = []
     for c in new.conditions:
+        # The Created event says why this backend; BackendSelected, True with it, would repeat it.
+        if c.type == "BackendSelected":
+            continue
         if c.status == "True" and before.get(c.type) != "True":
             kind = "Warning" if c.type in _ALARMS else "Normal"
             event = Event(kind, c.reason or c.type, c.message or c.type)

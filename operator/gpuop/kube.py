@@ -25,14 +25,13 @@ import urllib3
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
-from gpuop.render import PYTORCHJOB_API_VERSION, TRAINING_LABEL
+from gpuop.render import TRAINING_LABEL
 from gpuop.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
 
 log = logging.getLogger(__name__)
 
 USER_AGENT: Final = "gpuop-operator/0.1"
 RETRIED_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
-_PYTORCHJOBS: Final = f"/apis/{PYTORCHJOB_API_VERSION}/namespaces/{{ns}}/pytorchjobs"
 _TRAININGS: Final = f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/{PLURAL}"
 _MERGE_PATCH: Final = "application/merge-patch+json"
 
@@ -183,13 +182,7 @@ class Kube:
             raise error
         raise AssertionError("unreachable: the loop returns or raises")
 
-    # -- PyTorchJobs ----------------------------------------------------------------------
-
-    def create_pytorchjob(self, job: Mapping[str, Any]) -> dict[str, Any]:
-        """Create it; ApiError 409 AlreadyExists when a job of that name is there."""
-        ns = job["metadata"]["namespace"]
-        created: dict[str, Any] = self._request("POST", _PYTORCHJOBS.format(ns=ns), body=job)
-        return created
+    # -- Kubeflow jobs (PyTorchJob, TrainJob) and the TrainJob's TrainingRuntime ---------
 
     def _get_or_none(self, path: str) -> dict[str, Any] | None:
         try:
@@ -200,14 +193,32 @@ class Kube:
             raise
         return body
 
-    def get_pytorchjob(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return self._get_or_none(f"{_PYTORCHJOBS.format(ns=namespace)}/{name}")
+    def create_object(self, obj: Mapping[str, Any], plural: str) -> dict[str, Any]:
+        """Create a namespaced custom object; ApiError 409 AlreadyExists when its name is taken."""
+        path = _objects(str(obj["apiVersion"]), plural, obj["metadata"]["namespace"])
+        created: dict[str, Any] = self._request("POST", path, body=obj)
+        return created
 
-    def patch_pytorchjob(self, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
-        job: dict[str, Any] = self._request(
-            "PATCH", f"{_PYTORCHJOBS.format(ns=namespace)}/{name}", body=patch, content_type=_MERGE_PATCH
+    def get_object(self, api_version: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._get_or_none(f"{_objects(api_version, plural, namespace)}/{name}")
+
+    def patch_object(
+        self, api_version: str, plural: str, namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        obj: dict[str, Any] = self._request(
+            "PATCH",
+            f"{_objects(api_version, plural, namespace)}/{name}",
+            body=patch,
+            content_type=_MERGE_PATCH,
         )
-        return job
+        return obj
+
+    def served_resources(self, api_version: str) -> frozenset[str]:
+        """The resources (plurals) the API server serves in a group/version; none when it is not
+        there at all. Discovery is open to every authenticated client (system:discovery)."""
+        reply = self._get_or_none(f"/apis/{api_version}")
+        resources = (reply or {}).get("resources") or ()
+        return frozenset(str(r.get("name")) for r in resources if isinstance(r, Mapping))
 
     # -- GpuTrainings ---------------------------------------------------------------------
 
@@ -297,6 +308,10 @@ class Kube:
             "count": 1,
         }
         self._request("POST", f"/api/v1/namespaces/{ns}/events", body=event)
+
+
+def _objects(api_version: str, plural: str, namespace: str) -> str:
+    return f"/apis/{api_version}/namespaces/{namespace}/{plural}"
 
 
 def _kind_of(path: str) -> str:

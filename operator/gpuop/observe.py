@@ -1,4 +1,4 @@
-"""API objects as the operator reads them: a PyTorchJob, a pod, a peering object. Pure.
+"""API objects as the operator reads them: a PyTorchJob or TrainJob, a pod, a peering object. Pure.
 
 Each function takes the JSON the API server returned and keeps only what the status
 derivation needs, so :mod:`gpuop.derive` never sees the shape of a Kubernetes object and
@@ -7,21 +7,30 @@ these readings are unit-tested on plain dicts.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Final
 
 from gpuop.derive import JobCondition, PodObservation
 from gpuop.render import CONTAINER_NAME, CREATED_FROM_ANNOTATION, TRAINING_LABEL
 from gpuop.scrape import TrainerMetrics
+from gpuop.trainjob import NODE, TRAINJOB_KIND
 
 _TERMINAL = ("Succeeded", "Failed")
 
 
 def job_conditions(job: Mapping[str, Any] | None) -> tuple[JobCondition, ...]:
-    """The PyTorchJob's status.conditions (the training-operator's Created, Running, ...)."""
+    """The job's conditions in the PyTorchJob's terms (Created, Running, Suspended, Restarting,
+    Succeeded, Failed), whichever kind it is."""
     if not job:
         return ()
+    if job.get("kind") == TRAINJOB_KIND:
+        return _trainjob_conditions(job)
+    return _conditions(job)
+
+
+def _conditions(job: Mapping[str, Any]) -> tuple[JobCondition, ...]:
     out = []
     for c in (job.get("status") or {}).get("conditions") or ():
         if isinstance(c, Mapping) and isinstance(c.get("type"), str):
@@ -31,8 +40,39 @@ def job_conditions(job: Mapping[str, Any] | None) -> tuple[JobCondition, ...]:
                     status=str(c.get("status", "Unknown")),
                     reason=c.get("reason"),
                     message=c.get("message"),
+                    last_transition_time=c.get("lastTransitionTime"),
                 )
             )
+    return tuple(out)
+
+
+# A TrainJob says Complete where a PyTorchJob says Succeeded; Suspended and Failed are alike.
+_TRAINJOB_TYPES: Final = {"Complete": "Succeeded", "Failed": "Failed", "Suspended": "Suspended"}
+
+
+def _trainjob_conditions(job: Mapping[str, Any]) -> tuple[JobCondition, ...]:
+    """A TrainJob's status as PyTorchJob conditions. Trainer v2 has no Created or Running
+    condition: the job exists, so it is created, and it runs while a child Job is ready (all its
+    pods running), which ``status.jobsStatus`` counts."""
+    out = [JobCondition(type="Created", status="True", reason="TrainJobCreated")]
+    for c in _conditions(job):
+        kind = _TRAINJOB_TYPES.get(c.type)
+        if kind is not None:
+            out.append(dataclasses.replace(c, type=kind))
+    jobs = [j for j in (job.get("status") or {}).get("jobsStatus") or () if isinstance(j, Mapping)]
+    ready = sum(j.get("ready") or 0 for j in jobs if isinstance(j.get("ready"), int))
+    finished_or_suspended = any(
+        c.status == "True" for c in out if c.type in ("Succeeded", "Failed", "Suspended")
+    )
+    running = ready > 0 and not finished_or_suspended
+    out.append(
+        JobCondition(
+            type="Running",
+            status="True" if running else "False",
+            reason="JobsReady" if running else "JobsNotReady",
+            message=f"{ready} of {len(jobs)} child Jobs ready" if jobs else None,
+        )
+    )
     return tuple(out)
 
 
@@ -41,8 +81,20 @@ def job_finished(job: Mapping[str, Any] | None) -> bool:
 
 
 def job_times(job: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
+    """When the job started and finished, as far as it says (a TrainJob records neither: its
+    finish is when its Complete or Failed condition turned True)."""
     status = (job or {}).get("status") or {}
-    return status.get("startTime"), status.get("completionTime")
+    start, completion = status.get("startTime"), status.get("completionTime")
+    if completion is None:
+        completion = next(
+            (
+                c.last_transition_time
+                for c in job_conditions(job)
+                if c.type in _TERMINAL and c.status == "True"
+            ),
+            None,
+        )
+    return start, completion
 
 
 def created_from(job: Mapping[str, Any] | None) -> str | None:
@@ -63,14 +115,20 @@ def slim_job(job: Mapping[str, Any]) -> dict[str, Any]:
     record = created_from(job)
     if record is not None:
         kept["annotations"] = {CREATED_FROM_ANNOTATION: record}
+    spec = job.get("spec") or {}
     return {
+        "apiVersion": job.get("apiVersion"),
+        "kind": job.get("kind"),
         "metadata": kept,
-        "spec": {"runPolicy": (job.get("spec") or {}).get("runPolicy") or {}},
+        "spec": {key: spec[key] for key in _KEPT_SPEC if key in spec},
         "status": job.get("status") or {},
     }
 
 
 _KEPT_METADATA = ("name", "namespace", "uid", "resourceVersion", "labels", "ownerReferences")
+# What the operator may patch: a PyTorchJob's runPolicy, a TrainJob's suspend (and its
+# activeDeadlineSeconds, immutable there, to say when a change was not applied).
+_KEPT_SPEC = ("runPolicy", "suspend", "activeDeadlineSeconds")
 
 
 def owner_uid(obj: Mapping[str, Any]) -> str | None:
@@ -98,7 +156,7 @@ def pod_ip(pod: Mapping[str, Any]) -> str | None:
 def _trainer_container(status: Mapping[str, Any]) -> Mapping[str, Any]:
     """The trainer container's entry of the pod's containerStatuses ({} when there is none)."""
     for container in status.get("containerStatuses") or ():
-        if isinstance(container, Mapping) and container.get("name") == CONTAINER_NAME:
+        if isinstance(container, Mapping) and container.get("name") in (CONTAINER_NAME, NODE):
             return container
     return {}
 

@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from gpuop import observe
+from gpuop.backends import APIS, PYTORCHJOB, RUNTIME_PLURAL, TRAINJOB, Choice, JobApi, choose, render_job
 from gpuop.derive import (
     Event,
     Observation,
@@ -37,11 +38,18 @@ from gpuop.derive import (
     status_patch,
 )
 from gpuop.kube import ApiError, Kube
-from gpuop.render import render_pytorchjob
 from gpuop.schema import SpecError
 from gpuop.scrape import TrainerMetrics, parse_metrics
 from gpuop.settings import OperatorSettings
-from gpuop.spec import GpuTraining, fixed_spec_changes, parse
+from gpuop.spec import (
+    MUTABLE_SPEC_FIELDS,
+    TRAINJOB_MUTABLE_FIELDS,
+    GpuTraining,
+    JobBackend,
+    fixed_spec_changes,
+    parse,
+    trainjob_gaps,
+)
 from gpuop.status import GpuTrainingStatus
 from gpuop.telemetry import OperatorMetrics
 from gputrain.contract import METRICS_PORT
@@ -52,6 +60,9 @@ Key = tuple[str, str]  # (namespace, name)
 # The fields of a running PyTorchJob the training-operator acts on when they change.
 MUTABLE_RUN_POLICY: Final = ("suspend", "activeDeadlineSeconds", "ttlSecondsAfterFinished", "backoffLimit")
 _ACTIVE_PHASES: Final = ("Created", "Running", "Restarting")
+# How long a discovery answer (which job APIs the cluster serves) is trusted. It is only asked
+# while some training has no job yet, so a Kubeflow installed meanwhile is found this soon.
+DISCOVERY_TTL_SECONDS: Final = 30.0
 
 
 @dataclass(frozen=True)
@@ -62,9 +73,16 @@ class _SpecView:
     version: tuple[str, int] | None  # uid, metadata.generation (None: not cacheable)
     training: GpuTraining | None
     invalid: str | None  # the parse error, when it did not parse
-    desired: dict[str, Any] | None  # the rendered PyTorchJob
+    # The objects to create per backend (the job last), rendered when first asked for.
+    rendered: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     # Fixed fields changed, by the child's created-from record: filled in as records are met.
     not_applied: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def objects(self, backend: JobBackend, default_image: str) -> list[dict[str, Any]]:
+        assert self.training is not None  # rendered only when it parsed
+        if backend not in self.rendered:
+            self.rendered[backend] = render_job(self.training, backend, default_image=default_image)
+        return self.rendered[backend]
 
 
 @dataclass
@@ -130,6 +148,8 @@ class Reconciler:
         # GpuTrainings should get its PyTorchJobs before its "created" Events.
         self._events = ThreadPoolExecutor(2, thread_name_prefix="events")
         self._via_proxy = settings.scrapes_via_proxy(kube.in_cluster)
+        self._served: tuple[float, frozenset[JobBackend]] | None = None  # (monotonic time, answer)
+        self._served_lock = threading.Lock()
 
     # -- watch events ---------------------------------------------------------------------
 
@@ -242,17 +262,28 @@ class Reconciler:
             )
             self._write_status(tracked, previous, observation, Thresholds(stall_timeout_seconds=0))
             return "invalid"
-        training, desired = view.training, view.desired
-        assert desired is not None  # rendered whenever it parsed
-        if self._finished_and_gone(tracked, previous, training):
+        training = view.training
+        spec = training.spec
+        api, choice = self._backend(tracked, previous, training)
+        if api is None:
+            # No job API here can run it: said once in status, then only discovery is asked again.
+            assert choice is not None
             observation = Observation(
-                now=now, generation=generation, workers_total=training.spec.workers,
-                gpus=training.spec.total_gpus, job_deleted=True,
+                now=now, generation=generation, workers_total=spec.workers, gpus=spec.total_gpus,
+                backend_unavailable=(choice.reason, choice.message),
+            )  # fmt: skip
+            wrote = self._write_status(tracked, previous, observation, Thresholds(stall_timeout_seconds=0))
+            return "status" if wrote else "waiting"
+        if self._finished_and_gone(tracked, previous, training, api):
+            observation = Observation(
+                now=now, generation=generation, workers_total=spec.workers, gpus=spec.total_gpus,
+                backend=api.backend, job_kind=api.kind, job_deleted=True,
             )  # fmt: skip
             wrote = self._write_status(tracked, previous, observation, Thresholds(stall_timeout_seconds=0))
             return "status" if wrote else "finished"
 
-        outcome, conflict = self._ensure_child(tracked, training, desired)
+        objects = view.objects(api.backend, self.settings.trainer_image)
+        outcome, conflict = self._ensure_child(tracked, training, api, objects)
         child = tracked.child if conflict is None else None
         pods = tracked.pods
         if (
@@ -263,7 +294,6 @@ class Reconciler:
         ):
             pods = tracked.pods = self._final_pods(training)
         start, completion = observe.job_times(child)
-        spec = training.spec
         not_applied = self._not_applied(view, child)
         observation = Observation(
             now=now,
@@ -272,6 +302,10 @@ class Reconciler:
             gpus=spec.total_gpus,
             name_conflict=conflict,
             spec_not_applied=not_applied,
+            mutable_fields=_mutable_fields(api),
+            backend=api.backend,
+            job_kind=api.kind,
+            backend_choice=(choice.reason, choice.message) if choice is not None else None,
             job_name=training.name if child is not None else None,
             job_conditions=observe.job_conditions(child),
             job_start_time=start,
@@ -287,20 +321,59 @@ class Reconciler:
         wrote = self._write_status(tracked, previous, observation, thresholds)
         return outcome if outcome != "unchanged" or not wrote else "status"
 
-    def _finished_and_gone(
+    def _backend(
         self, tracked: Tracked, previous: GpuTrainingStatus | None, training: GpuTraining
+    ) -> tuple[JobApi | None, Choice | None]:
+        """The job API this training runs on, and the choice when it is made now.
+
+        Chosen once: a training whose status (or job) names its backend keeps it, whatever the
+        cluster serves since; a training on it never moves mid-run.
+        """
+        if previous is not None and previous.backend is not None:
+            return APIS[previous.backend], None
+        if previous is not None and previous.pytorch_job is not None:  # written before backends
+            return PYTORCHJOB, None
+        if tracked.child is not None:
+            return (TRAINJOB if tracked.child.get("kind") == TRAINJOB.kind else PYTORCHJOB), None
+        choice = choose(training.spec.backend, self._served_backends(), trainjob_gaps(training.spec))
+        return (APIS[choice.backend] if choice.backend is not None else None), choice
+
+    def _served_backends(self) -> frozenset[JobBackend]:
+        """The job APIs the cluster serves, from discovery, asked at most every DISCOVERY_TTL_SECONDS.
+
+        A TrainJob counts only beside its TrainingRuntime (one API group, one request).
+        """
+        with self._served_lock:
+            cached = self._served
+            if cached is not None and time.monotonic() - cached[0] < DISCOVERY_TTL_SECONDS:
+                return cached[1]
+        served: set[JobBackend] = set()
+        if PYTORCHJOB.plural in self.kube.served_resources(PYTORCHJOB.api_version):
+            served.add("pytorchjob")
+        if {TRAINJOB.plural, RUNTIME_PLURAL} <= self.kube.served_resources(TRAINJOB.api_version):
+            served.add("trainjob")
+        answer = frozenset(served)
+        with self._served_lock:
+            self._served = (time.monotonic(), answer)
+        return answer
+
+    def _finished_and_gone(
+        self, tracked: Tracked, previous: GpuTrainingStatus | None, training: GpuTraining, api: JobApi
     ) -> bool:
-        """Whether this GpuTraining finished with a PyTorchJob that is gone since.
+        """Whether this GpuTraining finished with a job that is gone since.
 
         Unseen is not gone: after a restart the GpuTraining's event can come before its job's,
         so the job is asked for once before it counts as deleted.
         """
-        if previous is None or previous.phase not in ("Succeeded", "Failed") or previous.pytorch_job is None:
+        if previous is None or previous.phase not in ("Succeeded", "Failed"):
+            return False
+        if previous.pytorch_job is None and previous.train_job is None:
             return False
         if tracked.child is not None:
             return False
         if not tracked.child_gone:
-            found = self.kube.get_pytorchjob(training.namespace or "default", training.name)
+            namespace = training.namespace or "default"
+            found = self.kube.get_object(api.api_version, api.plural, namespace, training.name)
             if found is not None and observe.owner_uid(found) == training.uid:
                 tracked.child = observe.slim_job(found)
                 return False
@@ -308,19 +381,16 @@ class Reconciler:
         return True
 
     def _view(self, tracked: Tracked) -> _SpecView:
-        """Parse and render the GpuTraining, or reuse what its current generation gave."""
+        """Parse the GpuTraining, or reuse what its current generation gave."""
         meta = tracked.body.get("metadata") or {}
         uid, generation = meta.get("uid"), meta.get("generation")
         version = (str(uid), generation) if uid and isinstance(generation, int) else None
         if version is not None and tracked.view is not None and tracked.view.version == version:
             return tracked.view
         try:
-            training = parse(tracked.body)
+            view = _SpecView(version, parse(tracked.body), None)
         except SpecError as exc:
-            view = _SpecView(version, None, "; ".join(str(p) for p in exc.problems), None)
-        else:
-            desired = render_pytorchjob(training, default_image=self.settings.trainer_image)
-            view = _SpecView(version, training, None, desired)
+            view = _SpecView(version, None, "; ".join(str(p) for p in exc.problems))
         if version is not None:
             tracked.view = view
         return view
@@ -335,44 +405,56 @@ class Reconciler:
             view.not_applied[record] = fixed_spec_changes(record, view.training.spec)
         return view.not_applied[record]
 
+    def _create_or_adopt(
+        self, api_version: str, plural: str, desired: dict[str, Any]
+    ) -> tuple[dict[str, Any], str]:
+        """Create an object, or find the one of its name (ours from an earlier life: the operator
+        restarted mid-reconcile, or a retried create had succeeded; or someone else's)."""
+        meta = desired["metadata"]
+        try:
+            return self.kube.create_object(desired, plural), "created"
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            found = self.kube.get_object(api_version, plural, meta["namespace"], meta["name"])
+            if found is None:  # deleted in between: the next call creates it
+                raise
+            return found, "adopted"
+
     def _ensure_child(
-        self, tracked: Tracked, training: GpuTraining, desired: dict[str, Any]
+        self, tracked: Tracked, training: GpuTraining, api: JobApi, objects: list[dict[str, Any]]
     ) -> tuple[str, str | None]:
-        """Create the PyTorchJob, adopt ours, or refuse a stranger's. Returns (outcome, conflict)."""
+        """Create the job (a TrainJob after its TrainingRuntime), adopt ours, or refuse a
+        stranger's. Returns (outcome, conflict)."""
         uid = training.uid
-        namespace, name = desired["metadata"].get("namespace") or "default", training.name
-        desired["metadata"]["namespace"] = namespace
+        namespace, name = objects[-1]["metadata"].get("namespace") or "default", training.name
+        for obj in objects:
+            obj["metadata"]["namespace"] = namespace
+        desired = objects[-1]
         outcome = "unchanged"
         if tracked.child is None:
-            try:
-                tracked.child = observe.slim_job(self.kube.create_pytorchjob(desired))
-                outcome = "created"
-                log.info("gputraining %s/%s: created PyTorchJob %s", namespace, name, name)
-            except ApiError as exc:
-                if exc.status != 409:
-                    raise
-                # Ours from an earlier life (the operator restarted mid-reconcile, or a
-                # retried create that had succeeded), or someone else's.
-                found = self.kube.get_pytorchjob(namespace, name)
-                if found is None:  # deleted in between: the next call creates it
-                    raise
-                tracked.child = observe.slim_job(found)
-                outcome = "adopted"
+            for companion in objects[:-1]:  # the TrainJob's runtime: the webhook wants it first
+                made, _ = self._create_or_adopt(companion["apiVersion"], RUNTIME_PLURAL, companion)
+                if observe.owner_uid(made) != uid:
+                    return "conflict", _conflict(str(made.get("kind")), name)
+            made, outcome = self._create_or_adopt(api.api_version, api.plural, desired)
+            tracked.child = observe.slim_job(made)
+            if outcome == "created":
+                log.info("gputraining %s/%s: created %s %s", namespace, name, api.kind, name)
         child = tracked.child
         if observe.owner_uid(child) != uid:
             # Forget it: a stranger may not carry our label, so no event would say it left;
             # each tick asks again (409 + GET) until the name is free.
             tracked.child = None
-            return "conflict", (
-                f"a PyTorchJob named {name} already exists and is not owned by this GpuTraining; "
-                "it is left untouched: delete it or rename the GpuTraining"
-            )
+            return "conflict", _conflict(api.kind, name)
         if not observe.job_finished(child):
             owned_by_kueue = training.spec.scheduling.queue_name is not None
-            patch = _run_policy_patch(desired, child, skip=("suspend",) if owned_by_kueue else ())
+            patch = _mutable_patch(api, desired, child, skip=("suspend",) if owned_by_kueue else ())
             if patch is not None:
-                tracked.child = observe.slim_job(self.kube.patch_pytorchjob(namespace, name, patch))
-                log.info("gputraining %s/%s: updated the PyTorchJob's runPolicy %s", namespace, name, patch)
+                tracked.child = observe.slim_job(
+                    self.kube.patch_object(api.api_version, api.plural, namespace, name, patch)
+                )
+                log.info("gputraining %s/%s: updated the %s: %s", namespace, name, api.kind, patch)
                 outcome = "updated" if outcome == "unchanged" else outcome
         return outcome, None
 
@@ -498,13 +580,31 @@ class Reconciler:
         self._events.shutdown(wait=True)
 
 
-def _run_policy_patch(
-    desired: Mapping[str, Any], child: Mapping[str, Any], skip: tuple[str, ...] = ()
+def _conflict(kind: str, name: str) -> str:
+    return (
+        f"a {kind} named {name} already exists and is not owned by this GpuTraining; it is left "
+        "untouched: delete it or rename the GpuTraining"
+    )
+
+
+def _mutable_fields(api: JobApi) -> tuple[str, ...]:
+    fields = TRAINJOB_MUTABLE_FIELDS if api is TRAINJOB else MUTABLE_SPEC_FIELDS
+    return tuple(f"spec.{f}" for f in fields)
+
+
+def _mutable_patch(
+    api: JobApi, desired: Mapping[str, Any], child: Mapping[str, Any], skip: tuple[str, ...] = ()
 ) -> dict[str, Any] | None:
-    """The merge patch that brings the running job's mutable runPolicy fields to the spec's,
-    but those in ``skip`` (suspend, when Kueue owns it: undoing its suspension would release
-    queued and preempted jobs)."""
-    want = desired["spec"]["runPolicy"]
-    have = (child.get("spec") or {}).get("runPolicy") or {}
-    changes = {k: want.get(k) for k in MUTABLE_RUN_POLICY if k not in skip and want.get(k) != have.get(k)}
-    return {"spec": {"runPolicy": changes}} if changes else None
+    """The merge patch that brings the running job's mutable fields to the spec's, but those in
+    ``skip`` (suspend, when Kueue owns it: undoing its suspension would release queued and
+    preempted jobs). A PyTorchJob's runPolicy; a TrainJob's suspend, its only mutable one."""
+    if api is TRAINJOB:
+        want, have = desired["spec"], child.get("spec") or {}
+        fields: tuple[str, ...] = ("suspend",)
+    else:
+        want, have = desired["spec"]["runPolicy"], (child.get("spec") or {}).get("runPolicy") or {}
+        fields = MUTABLE_RUN_POLICY
+    changes = {k: want.get(k) for k in fields if k not in skip and want.get(k) != have.get(k)}
+    if not changes:
+        return None
+    return {"spec": changes} if api is TRAINJOB else {"spec": {"runPolicy": changes}}

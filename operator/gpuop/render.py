@@ -20,6 +20,7 @@ from gpuop.spec import (
     KIND,
     GpuTraining,
     GpuTrainingSpec,
+    JobBackend,
     Toleration,
     VolumeSource,
     fixed_spec_record,
@@ -135,7 +136,7 @@ def trainer_settings(name: str, spec: GpuTrainingSpec) -> TrainerSettings:
         checkpoint_every_steps=spec.checkpoint.every_steps,
         checkpoint_keep=spec.checkpoint.keep,
         output_dir=f"{spec.output.path.rstrip('/')}/{name}",
-        backend=spec.backend,
+        backend=spec.distributed_backend,
         metrics_port=METRICS_PORT,
     )
 
@@ -203,7 +204,7 @@ def _launch(spec: GpuTrainingSpec) -> tuple[list[str], list[str] | None]:
     return ["torchrun"], args
 
 
-def _resources(spec: GpuTrainingSpec) -> dict[str, Any]:
+def resources(spec: GpuTrainingSpec) -> dict[str, Any]:
     requests: dict[str, str] = {}
     limits: dict[str, str | int] = {}
     if spec.resources.cpu is not None:
@@ -238,21 +239,21 @@ def _mount(name: str, path: str, claim: VolumeSource | None, read_only: bool = F
     return mount
 
 
-def _volumes(spec: GpuTrainingSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def volumes(spec: GpuTrainingSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Volumes and the container's mounts: shm, checkpoints, output, and the dataset."""
     shm = format_bytes(shm_size_bytes(spec))
-    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]
+    pod_volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
     for name, claim, path in (
         ("checkpoints", spec.checkpoint.volume, spec.checkpoint.path),
         ("output", spec.output.volume, spec.output.path),
     ):
-        volumes.append({"name": name, **(_claim(claim, False) if claim else {"emptyDir": {}})})
+        pod_volumes.append({"name": name, **(_claim(claim, False) if claim else {"emptyDir": {}})})
         mounts.append(_mount(name, path, claim))
     if spec.dataset is not None and spec.dataset.volume is not None:
-        volumes.append({"name": "data", **_claim(spec.dataset.volume, True)})
+        pod_volumes.append({"name": "data", **_claim(spec.dataset.volume, True)})
         mounts.append(_mount("data", spec.dataset.path, spec.dataset.volume, read_only=True))
-    return volumes, mounts
+    return pod_volumes, mounts
 
 
 def _toleration(t: Toleration) -> dict[str, Any]:
@@ -268,14 +269,59 @@ def _toleration(t: Toleration) -> dict[str, Any]:
     return out
 
 
-def _container(name: str, spec: GpuTrainingSpec, image: str, mounts: list[dict[str, Any]]) -> dict[str, Any]:
-    command, args = _launch(spec)
+def container_security_context(spec: GpuTrainingSpec) -> dict[str, Any]:
+    """The trainer container's: no privilege escalation, no capabilities (IPC_LOCK for RDMA)."""
     capabilities: dict[str, Any] = {"drop": ["ALL"]}
     if spec.nccl.profile == "aks-infiniband" and spec.uses_gpus:
         # RDMA pins (locks) buffer memory; without IPC_LOCK, ibv_reg_mr fails.
         capabilities["add"] = ["IPC_LOCK"]
+    return {"allowPrivilegeEscalation": False, "capabilities": capabilities, "runAsNonRoot": True}
+
+
+def pod_security_context() -> dict[str, Any]:
+    """The pod's: Kubernetes' restricted profile, as a fixed non-root user."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,  # so the checkpoint and output volumes are writable
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def placement(spec: GpuTrainingSpec) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    """The pods' nodeSelector and tolerations: the user's, plus what GPUs need."""
+    node_selector = dict(spec.scheduling.node_selector)
+    tolerations = [_toleration(t) for t in spec.scheduling.tolerations]
+    if spec.uses_gpus:
+        if spec.gpu_type is not None:
+            node_selector[GPU_PRODUCT_LABEL] = spec.gpu_type
+        # GPU node pools on EKS, GKE and AKS taint their nodes with nvidia.com/gpu.
+        tolerations.insert(0, {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    return node_selector, tolerations
+
+
+def pod_metadata(name: str, spec: GpuTrainingSpec) -> dict[str, Any]:
+    """The pods' labels and annotations: the user's, and ours, which win."""
+    metadata: dict[str, Any] = {"labels": {**spec.pod_metadata.labels, **labels(name)}}
+    if spec.pod_metadata.annotations:
+        metadata["annotations"] = dict(spec.pod_metadata.annotations)
+    return metadata
+
+
+def trainer_container(
+    name: str,
+    spec: GpuTrainingSpec,
+    image: str,
+    *,
+    container_name: str,
+    launch: tuple[list[str], list[str] | None],
+    ports: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The training container, either backend: each names it and launches torchrun its way."""
+    command, args = launch
     container: dict[str, Any] = {
-        "name": CONTAINER_NAME,
+        "name": container_name,
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         "command": command,
@@ -285,17 +331,10 @@ def _container(name: str, spec: GpuTrainingSpec, image: str, mounts: list[dict[s
     container.update(
         {
             "env": trainer_env(name, spec),
-            "ports": [
-                {"name": RENDEZVOUS_PORT_NAME, "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"},
-                {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"},
-            ],
-            "resources": _resources(spec),
-            "volumeMounts": mounts,
-            "securityContext": {
-                "allowPrivilegeEscalation": False,
-                "capabilities": capabilities,
-                "runAsNonRoot": True,
-            },
+            "ports": ports,
+            "resources": resources(spec),
+            "volumeMounts": volumes(spec)[1],
+            "securityContext": container_security_context(spec),
             "terminationMessagePath": TERMINATION_LOG,
             # A trainer that dies before writing its result still leaves its last log lines.
             "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -304,24 +343,11 @@ def _container(name: str, spec: GpuTrainingSpec, image: str, mounts: list[dict[s
     return container
 
 
-def pod_template(name: str, spec: GpuTrainingSpec, image: str) -> dict[str, Any]:
-    """The pod template shared by Master and Worker."""
-    volumes, mounts = _volumes(spec)
-    node_selector = dict(spec.scheduling.node_selector)
-    tolerations = [_toleration(t) for t in spec.scheduling.tolerations]
-    if spec.uses_gpus:
-        if spec.gpu_type is not None:
-            node_selector[GPU_PRODUCT_LABEL] = spec.gpu_type
-        # GPU node pools on EKS, GKE and AKS taint their nodes with nvidia.com/gpu.
-        tolerations.insert(0, {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+def pod_template(name: str, spec: GpuTrainingSpec, container: dict[str, Any]) -> dict[str, Any]:
+    """The pod template around the training container, either backend."""
+    node_selector, tolerations = placement(spec)
     pod: dict[str, Any] = {
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
-            "fsGroup": RUN_AS_USER,  # so the checkpoint and output volumes are writable
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(),
         # The trainer never calls the Kubernetes API.
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -337,13 +363,21 @@ def pod_template(name: str, spec: GpuTrainingSpec, image: str) -> dict[str, Any]
         pod["tolerations"] = tolerations
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
-    pod["containers"] = [_container(name, spec, image, mounts)]
-    pod["volumes"] = volumes
+    pod["containers"] = [container]
+    pod["volumes"] = volumes(spec)[0]
+    return {"metadata": pod_metadata(name, spec), "spec": pod}
 
-    metadata: dict[str, Any] = {"labels": {**spec.pod_metadata.labels, **labels(name)}}
-    if spec.pod_metadata.annotations:
-        metadata["annotations"] = dict(spec.pod_metadata.annotations)
-    return {"metadata": metadata, "spec": pod}
+
+def _pytorchjob_pod_template(name: str, spec: GpuTrainingSpec, image: str) -> dict[str, Any]:
+    """The pod template shared by Master and Worker."""
+    ports = [
+        {"name": RENDEZVOUS_PORT_NAME, "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"},
+        {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"},
+    ]
+    container = trainer_container(
+        name, spec, image, container_name=CONTAINER_NAME, launch=_launch(spec), ports=ports
+    )
+    return pod_template(name, spec, container)
 
 
 def _replica_specs(name: str, spec: GpuTrainingSpec, image: str) -> dict[str, Any]:
@@ -358,17 +392,21 @@ def _replica_specs(name: str, spec: GpuTrainingSpec, image: str) -> dict[str, An
             "Worker": {
                 "replicas": spec.workers,
                 "restartPolicy": restart,
-                "template": pod_template(name, spec, image),
+                "template": _pytorchjob_pod_template(name, spec, image),
             }
         }
     replicas = {
-        "Master": {"replicas": 1, "restartPolicy": restart, "template": pod_template(name, spec, image)}
+        "Master": {
+            "replicas": 1,
+            "restartPolicy": restart,
+            "template": _pytorchjob_pod_template(name, spec, image),
+        }
     }
     if spec.workers > 1:
         replicas["Worker"] = {
             "replicas": spec.workers - 1,
             "restartPolicy": restart,
-            "template": pod_template(name, spec, image),
+            "template": _pytorchjob_pod_template(name, spec, image),
         }
     return replicas
 
@@ -386,13 +424,19 @@ def kubeflow_backoff_limit(restarts: int, pods: int) -> int:
     return restarts * pods + 1
 
 
+def job_suspended(spec: GpuTrainingSpec) -> bool:
+    """Whether the job is made suspended.
+
+    With a Kueue queue it always is, and Kueue resumes it on admission (its webhook would
+    suspend it anyway, and without the webhook an unsuspended job would start outside its
+    quota); from then on suspend is Kueue's (gpuop.reconcile never patches it).
+    """
+    return True if spec.scheduling.queue_name is not None else spec.run_policy.suspend
+
+
 def _run_policy(spec: GpuTrainingSpec) -> dict[str, Any]:
     rp = spec.run_policy
-    # With a Kueue queue the job is made suspended and Kueue resumes it on admission (its
-    # webhook would suspend it anyway, and without the webhook an unsuspended job would start
-    # outside its quota); from then on suspend is Kueue's (gpuop.reconcile never patches it).
-    suspend = True if spec.scheduling.queue_name is not None else rp.suspend
-    out: dict[str, Any] = {"cleanPodPolicy": rp.clean_pod_policy, "suspend": suspend}
+    out: dict[str, Any] = {"cleanPodPolicy": rp.clean_pod_policy, "suspend": job_suspended(spec)}
     if rp.backoff_limit is not None:
         out["backoffLimit"] = kubeflow_backoff_limit(rp.backoff_limit, spec.workers)
     if rp.active_deadline_seconds is not None:
@@ -423,19 +467,17 @@ def owner_reference(training: GpuTraining) -> dict[str, Any] | None:
     }
 
 
-def render_pytorchjob(training: GpuTraining, *, default_image: str = DEFAULT_TRAINER_IMAGE) -> dict[str, Any]:
-    """The PyTorchJob for a GpuTraining."""
+def job_metadata(training: GpuTraining, backend: JobBackend = "pytorchjob") -> dict[str, Any]:
+    """The job's metadata, either kind: our labels, Kueue's queue, the record, the owner."""
     spec = training.spec
-    name = training.name
-    image = spec.image or default_image
-    metadata: dict[str, Any] = {"name": name}
+    metadata: dict[str, Any] = {"name": training.name}
     if training.namespace is not None:
         metadata["namespace"] = training.namespace
-    job_labels = labels(name)
+    job_labels = labels(training.name)
     if spec.scheduling.queue_name is not None:
         job_labels[QUEUE_LABEL] = spec.scheduling.queue_name
     metadata["labels"] = job_labels
-    created_from = fixed_spec_record(spec)
+    created_from = fixed_spec_record(spec, backend)
     # Annotations share a 256 KiB budget; a spec with huge env values goes without the record
     # (and without the SpecNotApplied check) rather than fail to create its job.
     if len(created_from) <= _CREATED_FROM_MAX_BYTES:
@@ -443,6 +485,15 @@ def render_pytorchjob(training: GpuTraining, *, default_image: str = DEFAULT_TRA
     owner = owner_reference(training)
     if owner is not None:
         metadata["ownerReferences"] = [owner]
+    return metadata
+
+
+def render_pytorchjob(training: GpuTraining, *, default_image: str = DEFAULT_TRAINER_IMAGE) -> dict[str, Any]:
+    """The PyTorchJob for a GpuTraining."""
+    spec = training.spec
+    name = training.name
+    image = spec.image or default_image
+    metadata = job_metadata(training)
 
     job_spec: dict[str, Any] = {
         # The webhook forbids elasticPolicy.nProcPerNode beside this; we only set this one.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, Final, Literal
 
@@ -58,9 +58,14 @@ RESERVED_ENV_NAMES: Final = (
 # PyTorchJob (runPolicy) or reads them on every check (stallTimeoutSeconds). Anything else
 # would need new pods, and the CRD's transition rules refuse the change.
 MUTABLE_SPEC_FIELDS: Final = ("runPolicy", "stallTimeoutSeconds")
+# The same for a training on a TrainJob (see fixed_spec).
+TRAINJOB_MUTABLE_FIELDS: Final = ("runPolicy.suspend", "stallTimeoutSeconds")
 RESERVED_ENV_PREFIXES: Final = ("GPUTRAIN_", "PET_", "TORCHELASTIC_", "NCCL_")
 NCCL_ENV_PATTERN: Final = r"^(NCCL|TORCH_NCCL|FI|UCX)_[A-Z0-9_]+$"
 ENV_NAME_PATTERN: Final = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+Backend = Literal["auto", "pytorchjob", "trainjob"]
+JobBackend = Literal["pytorchjob", "trainjob"]  # what auto resolves to
 
 _K8S_NAME: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 _K8S_NAME_HINT: Final = "a lowercase DNS name such as my-claim"
@@ -487,6 +492,65 @@ class PodMetadata:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _TrainJobGap:
+    """A spec field a Kubeflow Trainer v2 TrainJob cannot carry per job (v2.3.0)."""
+
+    field: str  # relative to spec, as the CRD's fieldPath wants it
+    cel: str  # true when the spec uses the field
+    used: Callable[[GpuTrainingSpec], bool]
+    why: str
+
+    def rule(self) -> Rule:
+        refusal = f"cannot be used with backend trainjob: {self.why}"
+        return Rule(
+            cel=f"self.backend != 'trainjob' || !({self.cel})",
+            message=f"spec{self.field} {refusal}",
+            check=lambda s: refusal if s.backend == "trainjob" and self.used(s) else None,
+            field=self.field,
+        )
+
+
+# What neither a TrainJob nor the TrainingRuntime made for it can say (Trainer v2.3.0).
+TRAINJOB_GAPS: Final = (
+    _TrainJobGap(
+        ".elastic", "has(self.elastic)", lambda s: s.elastic is not None,
+        "Trainer v2 has no elastic PyTorch yet; use backend pytorchjob or drop elastic",
+    ),
+    _TrainJobGap(
+        ".scheduling.gang", "self.scheduling.gang", lambda s: s.scheduling.gang,
+        "Trainer v2 gangs pods through a podGroupPolicy plugin chosen per cluster; use backend "
+        "pytorchjob, or Kueue (scheduling.queueName), which admits the job whole",
+    ),
+    _TrainJobGap(
+        ".runPolicy.ttlSecondsAfterFinished", "has(self.runPolicy.ttlSecondsAfterFinished)",
+        lambda s: s.run_policy.ttl_seconds_after_finished is not None,
+        "a TrainJob has no time-to-live (its JobSet's would delete the pods, not the TrainJob); use "
+        "backend pytorchjob or drop it",
+    ),
+    _TrainJobGap(
+        ".runPolicy.cleanPodPolicy", "self.runPolicy.cleanPodPolicy != 'None'",
+        lambda s: s.run_policy.clean_pod_policy != "None",
+        "a TrainJob's Jobs keep their finished pods, as cleanPodPolicy None; use backend pytorchjob "
+        "or drop it",
+    ),
+)  # fmt: skip
+
+
+def trainjob_gaps(spec: GpuTrainingSpec) -> tuple[str, ...]:
+    """The fields this spec uses that a TrainJob cannot carry, e.g. ``spec.elastic``."""
+    return tuple(f"spec{gap.field}" for gap in TRAINJOB_GAPS if gap.used(spec))
+
+
+def trainjob_problems(spec: GpuTrainingSpec) -> list[Problem]:
+    """:func:`trainjob_gaps` with the reason and the fix, one line each."""
+    return [
+        Problem(f"spec{gap.field}", f"cannot be used with backend trainjob: {gap.why}")
+        for gap in TRAINJOB_GAPS
+        if gap.used(spec)
+    ]
+
+
 def _fp16_needs_gpus(s: GpuTrainingSpec) -> str | None:
     if s.training.precision == "fp16" and not s.uses_gpus:
         return "fp16 needs GPUs (gpusPerWorker >= 1); use bf16 or fp32 on CPU"
@@ -529,6 +593,13 @@ def _efa_needs_profile(s: GpuTrainingSpec) -> str | None:
 class GpuTrainingSpec:
     """What to train, on how many GPUs, and how."""
 
+    backend: Backend = api_field(
+        "The Kubeflow API that runs the training: pytorchjob (the v1 training-operator's "
+        "PyTorchJob), trainjob (Kubeflow Trainer v2's TrainJob, against the operator's "
+        "ClusterTrainingRuntime), or auto: what the cluster serves, PyTorchJob when it serves "
+        "both. Chosen once, when the job is made; status.backend says which and why.",
+        default="auto",
+    )
     image: str | None = api_field(
         "Container image of the trainer. Defaults to the operator's configured trainer image.",
         default=None,
@@ -649,6 +720,7 @@ class GpuTrainingSpec:
             check=_shm_within_memory,
             field=".shmSize",
         ),
+        *(gap.rule() for gap in TRAINJOB_GAPS),
     )
 
     @property
@@ -667,7 +739,8 @@ class GpuTrainingSpec:
         return max(1, self.gpus_per_worker)
 
     @property
-    def backend(self) -> Literal["nccl", "gloo"]:
+    def distributed_backend(self) -> Literal["nccl", "gloo"]:
+        """torch.distributed's backend: NCCL between GPUs, gloo on CPU."""
         return "nccl" if self.uses_gpus else "gloo"
 
 
@@ -764,14 +837,21 @@ def _check_name(name: object) -> list[Problem]:
 # Fields fixed at creation: what the PyTorchJob was made from, and what changed since.
 
 
-def fixed_spec(spec: GpuTrainingSpec) -> dict[str, Any]:
-    """The spec without its mutable fields, as JSON: what a created PyTorchJob is made of."""
-    return {k: v for k, v in encode(spec).items() if k not in MUTABLE_SPEC_FIELDS}
+def fixed_spec(spec: GpuTrainingSpec, backend: JobBackend = "pytorchjob") -> dict[str, Any]:
+    """The spec without what may change on a made job, as JSON: what the job is made of.
+
+    A TrainJob takes less: of runPolicy only suspend (its activeDeadlineSeconds is immutable,
+    and backoffLimit is in its TrainingRuntime, made once).
+    """
+    document = {k: v for k, v in encode(spec).items() if k not in MUTABLE_SPEC_FIELDS}
+    if backend == "trainjob":
+        document["runPolicy"] = {k: v for k, v in encode(spec.run_policy).items() if k != "suspend"}
+    return document
 
 
-def fixed_spec_record(spec: GpuTrainingSpec) -> str:
-    """:func:`fixed_spec` as the compact JSON a PyTorchJob carries (read by :func:`fixed_spec_changes`)."""
-    return json.dumps(fixed_spec(spec), separators=(",", ":"), sort_keys=True)
+def fixed_spec_record(spec: GpuTrainingSpec, backend: JobBackend = "pytorchjob") -> str:
+    """:func:`fixed_spec` as the compact JSON a job carries (read by :func:`fixed_spec_changes`)."""
+    return json.dumps(fixed_spec(spec, backend), separators=(",", ":"), sort_keys=True)
 
 
 def fixed_spec_changes(record: str, spec: GpuTrainingSpec) -> tuple[str, ...]:
@@ -796,6 +876,9 @@ def fixed_spec_changes(record: str, spec: GpuTrainingSpec) -> tuple[str, ...]:
         key = json_name(field.name)
         if key not in MUTABLE_SPEC_FIELDS:
             _diff(getattr(before, field.name), getattr(spec, field.name), f"spec.{key}", changes)
+    if "runPolicy" in created_from:  # a TrainJob's record: of runPolicy, only suspend may change
+        made = dataclasses.replace(before.run_policy, suspend=spec.run_policy.suspend)
+        _diff(made, spec.run_policy, "spec.runPolicy", changes)
     return tuple(changes)
 
 

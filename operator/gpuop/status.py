@@ -25,7 +25,8 @@ class Condition:
 
     type: str = api_field(
         "Condition type: Created, Running, Succeeded, Failed, Suspended, Restarting, InvalidSpec, "
-        "NameConflict, SpecNotApplied, Stalled, Underutilized or JobDeleted.",
+        "NameConflict, SpecNotApplied, Stalled, Underutilized, JobDeleted, BackendSelected or "
+        "BackendUnavailable.",
         max_length=64,
     )
     status: ConditionStatus = api_field("Whether the condition holds.")
@@ -125,7 +126,8 @@ class GpuTrainingStatus:
     """What the operator observed."""
 
     phase: Phase | None = api_field(
-        "Pending, Created (PyTorchJob made), Running, Restarting, Suspended, Succeeded or Failed.",
+        "Pending, Created (PyTorchJob or TrainJob made), Running, Restarting, Suspended, Succeeded "
+        "or Failed.",
         default=None,
     )
     conditions: tuple[Condition, ...] = api_field(
@@ -134,8 +136,16 @@ class GpuTrainingStatus:
     observed_generation: int | None = api_field(
         "The metadata.generation the status describes.", default=None, minimum=0
     )
+    backend: Literal["pytorchjob", "trainjob"] | None = api_field(
+        "The Kubeflow API the training runs on, chosen once when its job is made (the "
+        "BackendSelected condition says why).",
+        default=None,
+    )
     pytorch_job: str | None = api_field(
-        "Name of the PyTorchJob that runs the training.", default=None, max_length=253
+        "Name of the PyTorchJob that runs the training (backend pytorchjob).", default=None, max_length=253
+    )
+    train_job: str | None = api_field(
+        "Name of the TrainJob that runs the training (backend trainjob).", default=None, max_length=253
     )
     workers: WorkerCounts | None = api_field("Worker pods ready and asked for.", default=None)
     progress: Progress | None = api_field("Training progress.", default=None)

@@ -1,4 +1,4 @@
-"""Checks a rendered PyTorchJob the way a cluster would, without one.
+"""Checks a rendered PyTorchJob or TrainJob the way a cluster would, without one.
 
 1. The openAPIV3Schema of the real Kubeflow training-operator v1.9.4 PyTorchJob CRD
    (``tests/reference/kubeflow.org_pytorchjobs.yaml``), strict about unknown fields: the API
@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 from typing import Any
@@ -91,4 +92,79 @@ def all_errors(job: dict[str, Any]) -> list[str]:
     errors += webhook_errors(job)
     for version in KUBERNETES_VERSIONS:
         errors += pod_template_errors(job, version)
+    return errors
+
+
+# -- Kubeflow Trainer v2.3.0 ---------------------------------------------------------------
+
+_PET_ENV = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+
+
+@functools.cache
+def trainjob_schema() -> dict[str, Any]:
+    return load_schema(REFERENCE / "trainer.kubeflow.org_trainjobs.yaml", "v1alpha1")
+
+
+@functools.cache
+def runtime_schema() -> dict[str, Any]:
+    return load_schema(REFERENCE / "trainer.kubeflow.org_trainingruntimes.yaml", "v1alpha1")
+
+
+def trainer_webhook_errors(job: dict[str, Any], runtime: dict[str, Any]) -> list[str]:
+    """What Trainer v2.3.0's webhooks would refuse (pkg/webhooks/: the TrainJob's runtime must
+    exist, torchrun's variables are reserved; a runtime's trainer job has one replica and a
+    container named node)."""
+    errors = []
+    ref = job["spec"]["runtimeRef"]
+    if (ref.get("kind"), ref.get("name")) != (runtime["kind"], runtime["metadata"]["name"]):
+        errors.append(
+            f"spec.runtimeRef: {ref}: specified trainingRuntime must be created before the TrainJob"
+        )
+    reserved = sorted({e["name"] for e in job["spec"].get("trainer", {}).get("env", [])} & set(_PET_ENV))
+    if reserved:
+        errors.append(f"spec.trainer.env: must not have reserved envs, invalid envs configured: {reserved}")
+    for rjob in runtime["spec"]["template"]["spec"]["replicatedJobs"]:
+        if (rjob["template"].get("metadata") or {}).get("labels", {}).get(
+            "trainer.kubeflow.org/trainjob-ancestor-step"
+        ) == "trainer":
+            if rjob.get("replicas", 1) != 1:
+                errors.append(f"replicatedJobs[{rjob['name']}].replicas: must be 1")
+            names = [c["name"] for c in rjob["template"]["spec"]["template"]["spec"]["containers"]]
+            if "node" not in names:
+                errors.append(f"replicatedJobs[{rjob['name']}]: no container named node (got {names})")
+    return errors
+
+
+def merged_pod_template(job: dict[str, Any], runtime: dict[str, Any]) -> dict[str, Any]:
+    """The node pod template Trainer v2 makes from the runtime and the TrainJob's trainer: an
+    approximation for schema checks only (the real merge runs in the end-to-end suite)."""
+    rjob = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]
+    template = copy.deepcopy(rjob["template"]["spec"]["template"])
+    node = next(c for c in template["spec"]["containers"] if c["name"] == "node")
+    trainer = job["spec"]["trainer"]
+    for key in ("image", "command", "args", "env"):
+        if key in trainer:
+            node[key] = copy.deepcopy(trainer[key])
+    if "resourcesPerNode" in trainer:
+        node["resources"] = copy.deepcopy(trainer["resourcesPerNode"])
+    return template
+
+
+def trainjob_errors(job: dict[str, Any], runtime: dict[str, Any]) -> list[str]:
+    """Every problem a Trainer v2.3.0 cluster would have with ``job`` on ``runtime``: both CRDs'
+    schemas, the webhooks' rules, the merged pod template on the core schemas."""
+    errors = validate(trainjob_schema(), job, defaults=False)
+    errors += validate(runtime_schema(), runtime, defaults=False)
+    errors += trainer_webhook_errors(job, runtime)
+    pod_template = {
+        "apiVersion": "v1",
+        "kind": "PodTemplate",
+        "metadata": {"name": f"{job['metadata']['name']}-node"},
+        "template": merged_pod_template(job, runtime),
+    }
+    for version in KUBERNETES_VERSIONS:
+        try:
+            kubernetes_validate.validate(pod_template, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"node (Kubernetes {version}): {exc.message} at {list(exc.path)}")
     return errors

@@ -125,6 +125,7 @@ IMMUTABLE_UPDATES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("imagePullSecrets", {}, {"imagePullSecrets": ["regcred"]}),
     ("podMetadata", {}, {"podMetadata": {"labels": {"team": "a"}}}),
     ("terminationGracePeriodSeconds", {}, {"terminationGracePeriodSeconds": 30}),
+    ("backend", {}, {"backend": "trainjob"}),
 ]
 MUTABLE_UPDATES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("suspend", {}, {"runPolicy": {"suspend": True}}),

@@ -15,12 +15,14 @@ import pytest
 from kubernetes import client as k8s_client
 
 from gpuop import observe
+from gpuop.backends import PYTORCHJOB, TRAINJOB
 from gpuop.controller import check_peering, leadership
 from gpuop.kube import ApiError, Backoff, Kube
-from gpuop.reconcile import _run_policy_patch
+from gpuop.reconcile import _mutable_patch
 from gpuop.render import render_pytorchjob
 from gpuop.settings import OperatorSettings, SettingsError, add_arguments, from_arguments
 from gpuop.spec import parse
+from gpuop.trainjob import render_trainjob
 from support.apiserver import ApiServer, RunningApiServer
 from support.specs import minimal
 
@@ -199,11 +201,13 @@ def test_run_policy_patch_changes_only_what_differs() -> None:
         "spec": {"runPolicy": {"suspend": True, "cleanPodPolicy": "None", "activeDeadlineSeconds": 60}}
     }
     child = {"spec": {"runPolicy": {"suspend": False, "cleanPodPolicy": "All", "backoffLimit": 3}}}
-    assert _run_policy_patch(desired, child) == {
+    assert _mutable_patch(PYTORCHJOB, desired, child) == {
         "spec": {"runPolicy": {"suspend": True, "activeDeadlineSeconds": 60, "backoffLimit": None}}
     }
     assert (
-        _run_policy_patch(desired, {"spec": {"runPolicy": {"suspend": True, "activeDeadlineSeconds": 60}}})
+        _mutable_patch(
+            PYTORCHJOB, desired, {"spec": {"runPolicy": {"suspend": True, "activeDeadlineSeconds": 60}}}
+        )
         is None
     )
 
@@ -301,7 +305,7 @@ def test_the_client_retries_faults_until_it_gets_through(api: RunningApiServer) 
     api.server.faults.rate = 0.5
     api.server.faults.statuses = (500, 502, 503, 504, 429)
     for i in range(10):
-        kube.create_pytorchjob(_job(f"j{i}"))
+        kube.create_object(_job(f"j{i}"), "pytorchjobs")
     assert api.server.faults.injected >= 3
     codes = {code for (_, code) in kube.requests.counts}
     assert 201 in codes
@@ -326,12 +330,12 @@ def test_a_409_on_a_status_patch_is_retried(api: RunningApiServer) -> None:
 
 def test_errors_that_mean_something_are_not_retried(api: RunningApiServer) -> None:
     kube = _kube(api)
-    kube.create_pytorchjob(_job("once"))
+    kube.create_object(_job("once"), "pytorchjobs")
     with pytest.raises(ApiError) as error:
-        kube.create_pytorchjob(_job("once"))
+        kube.create_object(_job("once"), "pytorchjobs")
     assert error.value.status == 409
     assert error.value.reason == "AlreadyExists"
-    assert kube.get_pytorchjob("default", "nothing") is None
+    assert kube.get_object("kubeflow.org/v1", "pytorchjobs", "default", "nothing") is None
     assert sum(n for (verb, _), n in kube.requests.counts.items() if verb.startswith("POST")) == 2
 
 
@@ -340,7 +344,7 @@ def test_an_unreachable_server_gives_up_with_one_error(tmp_path: Path) -> None:
     configuration.host = "http://127.0.0.1:9"  # discard: nothing listens
     kube = Kube(k8s_client.ApiClient(configuration), backoff=Backoff(attempts=2, base_seconds=0.001))
     with pytest.raises(ApiError) as error:
-        kube.get_pytorchjob("default", "x")
+        kube.get_object("kubeflow.org/v1", "pytorchjobs", "default", "x")
     assert error.value.status == 0
 
 
@@ -349,5 +353,15 @@ def test_with_a_queue_suspend_is_left_to_kueue() -> None:
     assert queued["spec"]["runPolicy"]["suspend"] is True  # Kueue resumes it on admission
     assert queued["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
     admitted = {"spec": {"runPolicy": {**queued["spec"]["runPolicy"], "suspend": False}}}
-    assert _run_policy_patch(queued, admitted, skip=("suspend",)) is None
-    assert _run_policy_patch(queued, admitted) == {"spec": {"runPolicy": {"suspend": True}}}
+    assert _mutable_patch(PYTORCHJOB, queued, admitted, skip=("suspend",)) is None
+    assert _mutable_patch(PYTORCHJOB, queued, admitted) == {"spec": {"runPolicy": {"suspend": True}}}
+
+
+def test_a_trainjob_is_patched_only_in_suspend() -> None:
+    """Trainer v2's TrainJob: suspend is its one mutable field (activeDeadlineSeconds is
+    immutable there, and is reported as not applied instead of patched into a 422)."""
+    desired = render_trainjob(parse(minimal(runPolicy={"suspend": True, "activeDeadlineSeconds": 60})))
+    made = {"spec": {"suspend": False, "activeDeadlineSeconds": 30}}
+    assert _mutable_patch(TRAINJOB, desired, made) == {"spec": {"suspend": True}}
+    assert _mutable_patch(TRAINJOB, desired, made, skip=("suspend",)) is None
+    assert _mutable_patch(TRAINJOB, desired, {"spec": {"suspend": True}}) is None

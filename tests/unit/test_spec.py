@@ -10,6 +10,7 @@ import pytest
 
 from gpuop.schema import SpecError
 from gpuop.spec import (
+    TRAINJOB_GAPS,
     Dataset,
     GpuTrainingSpec,
     Model,
@@ -35,7 +36,7 @@ def test_minimal_spec_gets_the_documented_defaults() -> None:
     assert (training.name, training.namespace, training.uid) == ("demo", "ml", None)
     assert spec.workers == 1
     assert spec.gpus_per_worker == 1
-    assert spec.backend == "nccl"
+    assert spec.distributed_backend == "nccl"
     assert spec.model.name == "cnn"
     assert spec.dataset == Dataset(name="mnist", path="/data", volume=None, loader_workers=4)
     assert spec.training == Training(
@@ -72,7 +73,7 @@ def test_parsed_spec_is_frozen() -> None:
 
 def test_cpu_mode_uses_gloo_and_one_process_per_pod() -> None:
     spec = parse(minimal(gpusPerWorker=0)).spec
-    assert (spec.backend, spec.processes_per_worker) == ("gloo", 1)
+    assert (spec.distributed_backend, spec.processes_per_worker) == ("gloo", 1)
     assert parse(minimal(gpusPerWorker=4)).spec.processes_per_worker == 4
 
 
@@ -104,6 +105,12 @@ def test_custom_command_needs_no_dataset() -> None:
 # fails that GpuTraining alone with the same line) refuses them. Measured against the real API
 # server (tests/controlplane/test_api.py fails when one of them starts being refused there, or
 # another stops being): quantities whose value no int64 holds pass the CRD's pattern.
+# One line each, naming the field: what a TrainJob cannot carry (the elastic case is spelled
+# out in full above).
+TRAINJOB_REFUSES: dict[str, str] = {
+    gap.field.rsplit(".", 1)[1]: f"spec{gap.field}: cannot be used with backend trainjob: {gap.why}"
+    for gap in TRAINJOB_GAPS
+}
 ONLY_GPUOP_VALIDATE: frozenset[str] = frozenset({"memory out of range", "shm out of range"})
 
 BAD_SPECS: list[tuple[str, dict[str, Any], list[str]]] = [
@@ -244,6 +251,30 @@ BAD_SPECS: list[tuple[str, dict[str, Any], list[str]]] = [
         "efa without the efa profile",
         {"nccl": {"efaDevices": 4}},
         ['spec.nccl.efaDevices: efaDevices needs profile eks-efa (got "none")'],
+    ),
+    (
+        "bad backend",
+        {"backend": "tfjob"},
+        ['spec.backend: must be one of auto, pytorchjob, trainjob (got "tfjob")'],
+    ),
+    (
+        "elastic on trainjob",
+        {"backend": "trainjob", "elastic": {"maxWorkers": 2}},
+        [
+            "spec.elastic: cannot be used with backend trainjob: Trainer v2 has no elastic PyTorch yet; "
+            "use backend pytorchjob or drop elastic"
+        ],
+    ),
+    ("gang on trainjob", {"backend": "trainjob", "scheduling": {"gang": True}}, [TRAINJOB_REFUSES["gang"]]),
+    (
+        "ttl on trainjob",
+        {"backend": "trainjob", "runPolicy": {"ttlSecondsAfterFinished": 60}},
+        [TRAINJOB_REFUSES["ttlSecondsAfterFinished"]],
+    ),
+    (
+        "clean pod policy on trainjob",
+        {"backend": "trainjob", "runPolicy": {"cleanPodPolicy": "All"}},
+        [TRAINJOB_REFUSES["cleanPodPolicy"]],
     ),
     (
         "bad nccl profile",

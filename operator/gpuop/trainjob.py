@@ -1,0 +1,134 @@
+"""GpuTraining -> Kubeflow Trainer v2: a TrainJob and the TrainingRuntime made for it. Pure.
+
+Each GpuTraining gets a namespaced **TrainingRuntime** of its own name, owned by it like the
+TrainJob, rather than one shared ClusterTrainingRuntime plus ``runtimePatches``. A TrainJob
+(v2.3.0) and its patches cannot say several things the PyTorchJob path guarantees: the Job's
+backoffLimit (spec.runPolicy.backoffLimit), the pods' priorityClassName, the container's
+metrics port and termination-message file. A runtime per job can: its pod template is the
+very one the PyTorchJob's replicas get, from the same functions in :mod:`gpuop.render`. The
+runtime is fixed once made, like the GpuTraining's fixed fields.
+
+* The **TrainingRuntime** (:func:`render_runtime`) carries the pod: volumes (the sized
+  /dev/shm, checkpoints, output, data), placement, security contexts, ports, the
+  termination message, ``restartPolicy: OnFailure`` (a failed trainer restarts in place and
+  keeps its emptyDir checkpoints) and the Job's backoffLimit.
+* The **TrainJob** (:func:`render_trainjob`) carries what Kubeflow's SDK and UI show as the
+  trainer: image, command, args, env, numNodes, numProcPerNode, resourcesPerNode; and
+  suspend, activeDeadlineSeconds, our labels (Kueue's queue among them), owner and record.
+
+What Trainer v2 adds to the container and so must not be rendered here: PET_NNODES,
+PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT (torchrun reads
+them), and the trainer port 29500. What neither object can carry is refused by the spec
+model (:data:`gpuop.spec.TRAINJOB_GAPS`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from gpuop import render
+from gpuop.schema import SpecError
+from gpuop.spec import GpuTraining, GpuTrainingSpec, trainjob_problems
+from gputrain.contract import METRICS_PORT, METRICS_PORT_NAME
+
+TRAINER_GROUP: Final = "trainer.kubeflow.org"
+TRAINJOB_API_VERSION: Final = f"{TRAINER_GROUP}/v1alpha1"
+TRAINJOB_KIND: Final = "TrainJob"
+RUNTIME_KIND: Final = "TrainingRuntime"
+# The replicated job and container Trainer's torch plugin injects its PET_* variables into.
+NODE: Final = "node"
+_ANCESTOR_LABEL: Final = "trainer.kubeflow.org/trainjob-ancestor-step"
+_FRAMEWORK_LABEL: Final = "trainer.kubeflow.org/framework"
+
+
+def _launch(spec: GpuTrainingSpec) -> tuple[list[str], list[str] | None]:
+    """Command and args: torchrun takes nodes, rank, processes and the master from PET_*."""
+    if spec.command is not None:
+        return list(spec.command), list(spec.args) if spec.args is not None else None
+    return ["torchrun"], ["-m", "gputrain"]
+
+
+def _refuse_gaps(spec: GpuTrainingSpec) -> None:
+    problems = trainjob_problems(spec)
+    if problems:
+        raise SpecError(problems)
+
+
+def render_runtime(
+    training: GpuTraining, *, default_image: str = render.DEFAULT_TRAINER_IMAGE
+) -> dict[str, Any]:
+    """The TrainingRuntime of one GpuTraining's TrainJob; raises SpecError for what it cannot say."""
+    spec = training.spec
+    _refuse_gaps(spec)
+    name = training.name
+    ports = [{"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"}]
+    # The TrainJob's trainer overrides image, command, args, env and resources; they are
+    # rendered here too because a pod template must be whole, and they agree by construction.
+    container = render.trainer_container(
+        name, spec, spec.image or default_image, container_name=NODE, launch=_launch(spec), ports=ports
+    )
+    template = render.pod_template(name, spec, container)
+    template["spec"] = {"restartPolicy": "OnFailure", **template["spec"]}
+    job: dict[str, Any] = {"template": template}
+    if spec.run_policy.backoff_limit is not None:
+        # The Job controller, like the training-operator, sums every container's restarts.
+        job = {
+            "backoffLimit": render.kubeflow_backoff_limit(spec.run_policy.backoff_limit, spec.workers),
+            **job,
+        }
+    metadata = render.job_metadata(training, "trainjob")
+    metadata["labels"] = {**render.labels(name), _FRAMEWORK_LABEL: "torch"}
+    metadata.pop("annotations", None)  # the TrainJob carries the record
+    return {
+        "apiVersion": TRAINJOB_API_VERSION,
+        "kind": RUNTIME_KIND,
+        "metadata": metadata,
+        "spec": {
+            "mlPolicy": {"numNodes": spec.workers, "torch": {}},
+            "template": {
+                "spec": {
+                    "replicatedJobs": [
+                        {
+                            "name": NODE,
+                            "replicas": 1,
+                            "template": {"metadata": {"labels": {_ANCESTOR_LABEL: "trainer"}}, "spec": job},
+                        }
+                    ]
+                }
+            },
+        },
+    }
+
+
+def render_trainjob(
+    training: GpuTraining, *, default_image: str = render.DEFAULT_TRAINER_IMAGE
+) -> dict[str, Any]:
+    """The TrainJob of a GpuTraining, on the runtime :func:`render_runtime` makes for it."""
+    spec = training.spec
+    _refuse_gaps(spec)
+    command, args = _launch(spec)
+    trainer: dict[str, Any] = {"image": spec.image or default_image, "command": command}
+    if args is not None:
+        trainer["args"] = args
+    trainer.update(
+        {
+            "env": render.trainer_env(training.name, spec),
+            "numNodes": spec.workers,
+            # Always set: left out, Trainer v2 starts one process per CPU core on a CPU job.
+            "numProcPerNode": spec.processes_per_worker,
+            "resourcesPerNode": render.resources(spec),
+        }
+    )
+    job_spec: dict[str, Any] = {
+        "runtimeRef": {"apiGroup": TRAINER_GROUP, "kind": RUNTIME_KIND, "name": training.name},
+        "suspend": render.job_suspended(spec),
+        "trainer": trainer,
+    }
+    if spec.run_policy.active_deadline_seconds is not None:
+        job_spec["activeDeadlineSeconds"] = spec.run_policy.active_deadline_seconds
+    return {
+        "apiVersion": TRAINJOB_API_VERSION,
+        "kind": TRAINJOB_KIND,
+        "metadata": render.job_metadata(training, "trainjob"),
+        "spec": job_spec,
+    }

@@ -1,0 +1,174 @@
+"""Backends: which Kubeflow API a training gets, a TrainJob read as job conditions, and the status
+and events that say so. Table-driven, no cluster."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from gpuop import observe
+from gpuop.backends import Choice, choose
+from gpuop.derive import JobCondition, Observation, Thresholds, derive_status, events
+from gpuop.spec import JobBackend
+
+BOTH: frozenset[JobBackend] = frozenset({"pytorchjob", "trainjob"})
+V1: frozenset[JobBackend] = frozenset({"pytorchjob"})
+V2: frozenset[JobBackend] = frozenset({"trainjob"})
+NONE: frozenset[JobBackend] = frozenset()
+
+CHOICES: list[tuple[str, str, frozenset[JobBackend], tuple[str, ...], JobBackend | None, str]] = [
+    ("auto on both prefers v1", "auto", BOTH, (), "pytorchjob", "Auto"),
+    ("auto on v1", "auto", V1, ("spec.elastic",), "pytorchjob", "Auto"),
+    ("auto on v2", "auto", V2, (), "trainjob", "Auto"),
+    ("auto on v2 with elastic", "auto", V2, ("spec.elastic",), None, "Unsupported"),
+    ("auto on nothing", "auto", NONE, (), None, "NotServed"),
+    ("explicit v2 served", "trainjob", BOTH, (), "trainjob", "Requested"),
+    ("explicit v1 served", "pytorchjob", V1, (), "pytorchjob", "Requested"),
+    ("explicit v2 missing", "trainjob", V1, (), None, "NotServed"),
+    ("explicit v1 missing", "pytorchjob", V2, (), None, "NotServed"),
+    ("explicit v1 on nothing", "pytorchjob", NONE, (), None, "NotServed"),
+]
+
+
+@pytest.mark.parametrize(
+    ("requested", "served", "gaps", "backend", "reason"),
+    [c[1:] for c in CHOICES],
+    ids=[c[0] for c in CHOICES],
+)
+def test_choose(
+    requested: Any,
+    served: frozenset[JobBackend],
+    gaps: tuple[str, ...],
+    backend: JobBackend | None,
+    reason: str,
+) -> None:
+    choice = choose(requested, served, gaps)
+    assert (choice.backend, choice.reason) == (backend, reason)
+    assert "\n" not in choice.message
+
+
+def test_refusals_name_the_fix() -> None:
+    assert choose("trainjob", V1, ()).message == (
+        "spec.backend is trainjob, but the cluster serves no TrainJob (trainer.kubeflow.org/v1alpha1): "
+        "install Kubeflow Trainer v2 or set spec.backend to auto or pytorchjob"
+    )
+    assert choose("pytorchjob", NONE, ()).message == (
+        "spec.backend is pytorchjob, but the cluster serves no PyTorchJob (kubeflow.org/v1): install the "
+        "Kubeflow training-operator v1"
+    )
+    assert "spec.elastic" in choose("auto", V2, ("spec.elastic",)).message
+
+
+def trainjob(conditions: list[dict[str, str]], jobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"kind": "TrainJob", "status": {"conditions": conditions, "jobsStatus": jobs or []}}
+
+
+def true(kind: str, reason: str = "", at: str = "2026-11-22T10:00:00Z") -> dict[str, str]:
+    return {"type": kind, "status": "True", "reason": reason, "message": kind, "lastTransitionTime": at}
+
+
+NODE_READY = [{"name": "node", "ready": 1, "active": 1, "succeeded": 0, "failed": 0, "suspended": 0}]
+NODE_PENDING = [{"name": "node", "ready": 0, "active": 1, "succeeded": 0, "failed": 0, "suspended": 0}]
+TRAINJOB_STATES: list[tuple[str, dict[str, Any], set[str]]] = [
+    ("just made", trainjob([]), {"Created"}),
+    ("pods pending", trainjob([], NODE_PENDING), {"Created"}),
+    ("all pods ready", trainjob([], NODE_READY), {"Created", "Running"}),
+    ("suspended", trainjob([true("Suspended", "Suspended")]), {"Created", "Suspended"}),
+    ("resumed", trainjob([{"type": "Suspended", "status": "False", "reason": "Resumed"}], NODE_READY),
+     {"Created", "Running"}),
+    ("complete", trainjob([true("Complete")], NODE_READY), {"Created", "Succeeded"}),
+    ("failed", trainjob([true("Failed", "DeadlineExceeded")], NODE_READY), {"Created", "Failed"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("job", "holding"), [c[1:] for c in TRAINJOB_STATES], ids=[c[0] for c in TRAINJOB_STATES]
+)
+def test_trainjob_states_read_as_job_conditions(job: dict[str, Any], holding: set[str]) -> None:
+    assert {c.type for c in observe.job_conditions(job) if c.status == "True"} == holding
+
+
+def test_a_trainjob_finishes_when_its_condition_turned_true() -> None:
+    job = trainjob([true("Complete", at="2026-11-22T10:05:00Z")])
+    assert observe.job_finished(job)
+    assert observe.job_times(job) == (None, "2026-11-22T10:05:00Z")
+    failed = trainjob([true("Failed", "DeadlineExceeded")])
+    assert next(c for c in observe.job_conditions(failed) if c.type == "Failed").reason == "DeadlineExceeded"
+
+
+def test_slim_job_keeps_what_the_patch_and_status_read() -> None:
+    job = {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
+        "metadata": {"name": "t", "managedFields": [{}] * 10},
+        "spec": {"suspend": True, "activeDeadlineSeconds": 5, "trainer": {"env": [{}] * 100}},
+        "status": {"conditions": []},
+    }  # fmt: skip
+    slim = observe.slim_job(job)
+    assert slim["kind"] == "TrainJob"
+    assert slim["spec"] == {"suspend": True, "activeDeadlineSeconds": 5}
+    assert "managedFields" not in slim["metadata"]
+
+
+NOW = datetime(2026, 11, 22, 10, 0, 0, tzinfo=UTC)
+NO_ALARMS = Thresholds(stall_timeout_seconds=0)
+
+
+def test_no_backend_here_is_pending_with_one_warning_and_clears_when_one_appears() -> None:
+    choice = choose("trainjob", V1, ())
+    waiting = Observation(
+        now=NOW, generation=1, workers_total=1, gpus=0, backend_unavailable=(choice.reason, choice.message)
+    )
+    status = derive_status(None, waiting, NO_ALARMS)
+    assert (status.phase, status.message, status.backend) == ("Pending", choice.message, None)
+    assert [(e.type, e.reason) for e in events(None, status)] == [("Warning", "NotServed")]
+    assert derive_status(status, waiting, NO_ALARMS) is status  # no write while it waits
+
+    chosen = choose("trainjob", BOTH, ())
+    made = Observation(
+        now=NOW, generation=1, workers_total=1, gpus=0, backend="trainjob", job_kind="TrainJob",
+        backend_choice=(chosen.reason, chosen.message), job_name="t",
+        job_conditions=observe.job_conditions(trainjob([])),
+    )  # fmt: skip
+    after = derive_status(status, made, NO_ALARMS)
+    assert (after.phase, after.backend, after.train_job, after.pytorch_job) == (
+        "Created",
+        "trainjob",
+        "t",
+        None,
+    )
+    kinds = {c.type: (c.status, c.reason) for c in after.conditions}
+    assert kinds["BackendUnavailable"] == ("False", "Cleared")
+    assert kinds["BackendSelected"] == ("True", "Requested")
+    created = [e for e in events(status, after) if e.reason == "TrainJobCreated"]
+    assert created[0].message == f"TrainJob t created ({chosen.message})"
+    assert not [e for e in events(status, after) if e.reason == "Requested"]  # said once, in Created
+
+    # Chosen once: later observations carry no choice, and the status keeps why.
+    later = derive_status(after, Observation(**{**made.__dict__, "backend_choice": None}), NO_ALARMS)
+    assert later is after
+
+
+def test_a_trainjob_runs_succeeds_and_says_its_kind() -> None:
+    choice = Choice("trainjob", "Auto", "spec.backend is auto; the cluster serves TrainJob and no PyTorchJob")
+
+    def seen(job: dict[str, Any]) -> Observation:
+        return Observation(
+            now=NOW, generation=1, workers_total=2, gpus=0, backend="trainjob", job_kind="TrainJob",
+            backend_choice=(choice.reason, choice.message), job_name="t",
+            job_conditions=observe.job_conditions(job),
+        )  # fmt: skip
+
+    running = derive_status(None, seen(trainjob([], NODE_READY)), NO_ALARMS)
+    assert (running.phase, running.message) == ("Running", "TrainJob t is running")
+    failed = derive_status(running, seen(trainjob([true("Failed", "DeadlineExceeded")])), NO_ALARMS)
+    assert failed.phase == "Failed"
+    assert next(c for c in failed.conditions if c.type == "Failed").reason == "DeadlineExceeded"
+
+
+def test_job_conditions_of_a_pytorchjob_are_as_kubeflow_wrote_them() -> None:
+    job = {"kind": "PyTorchJob", "status": {"conditions": [true("Running", "PyTorchJobRunning")]}}
+    assert observe.job_conditions(job) == (
+        JobCondition("Running", "True", "PyTorchJobRunning", "Running", "2026-11-22T10:00:00Z"),
+    )

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
+from gpuop.backends import render_job
+from gpuop.spec import parse
 from gputrain.contract import METRICS_PORT
 from gputrain.metrics import MetricsServer, Progress
 from support.cluster import PRINTER_COLUMNS, RUNNING, wait_for
@@ -170,7 +172,9 @@ def _phase(api: Api, name: str, phase: str) -> bool:
 
 
 def _jobs(api: Api) -> list[dict[str, Any]]:
-    return api.list("pytorchjobs", NAMESPACE)
+    return [
+        obj for kind in ("pytorchjobs", "trainjobs", "trainingruntimes") for obj in api.list(kind, NAMESPACE)
+    ]
 
 
 def _forbidden(plane: ControlPlane, user: str) -> list[dict[str, Any]]:
@@ -234,6 +238,102 @@ def test_lifecycle_as_the_charts_service_account(
     wait_for("the PyTorchJob garbage-collected", lambda: api.get("pytorchjobs", "mnist", NAMESPACE) is None,
              timeout=60)  # fmt: skip
     wait_for("its pods garbage-collected", lambda: api.list("pods", NAMESPACE) == [], timeout=60)
+
+
+def _trainjob_status(api: Api, name: str, conditions: dict[str, str], ready: int = 0) -> None:
+    """What Trainer v2 writes into a TrainJob's status (the test plays its controller here)."""
+    now = time.strftime(STAMP, time.gmtime())
+    status = {
+        "conditions": [{"type": kind, "status": state, "reason": kind if state == "True" else "Resumed",
+                        "message": f"{kind} {state}", "lastTransitionTime": now}
+                       for kind, state in conditions.items()],
+        "jobsStatus": [{"name": "node", "ready": ready, "active": 1 if ready else 0, "succeeded": 0, "failed": 0,
+                        "suspended": 0}],
+    }  # fmt: skip
+    api.patch_status("trainjobs", name, status, NAMESPACE)
+
+
+def test_a_trainjob_training_as_the_charts_service_account(
+    plane: ControlPlane, api: Api, installed: Installed, operator: OperatorProcess
+) -> None:
+    """backend trainjob: the TrainingRuntime, then the TrainJob, made by the chart's
+    ServiceAccount and accepted by Trainer v2.3.0's CRDs; suspend patched through; Trainer's
+    status read into phases; the GC takes both with the GpuTraining. (Trainer's controller does
+    not run in this suite: the test writes its status. tests/e2e_local runs the real one.)"""
+    operator.start()
+    plane.kubectl("create", "-f", "-", input=json.dumps(training("tj", backend="trainjob")))
+    job = wait_for("the TrainJob", lambda: api.get("trainjobs", "tj", NAMESPACE), timeout=60)
+    runtime = api.get("trainingruntimes", "tj", NAMESPACE)
+    assert runtime is not None
+    uid = api.get("gputrainings", "tj", NAMESPACE)["metadata"]["uid"]
+    assert [o["uid"] for o in job["metadata"]["ownerReferences"]] == [uid]
+    assert [o["uid"] for o in runtime["metadata"]["ownerReferences"]] == [uid]
+    assert job["spec"]["runtimeRef"] == {
+        "apiGroup": "trainer.kubeflow.org",
+        "kind": "TrainingRuntime",
+        "name": "tj",
+    }
+    assert job["spec"]["managedBy"] == "trainer.kubeflow.org/trainjob-controller"  # the CRD's default
+    status = wait_for("Created", lambda: (s := _status(api, "tj")).get("phase") == "Created" and s)
+    assert (status["backend"], status["trainJob"]) == ("trainjob", "tj")
+    assert "pytorchJob" not in status
+    selected = next(c for c in status["conditions"] if c["type"] == "BackendSelected")
+    assert (selected["reason"], selected["message"]) == (
+        "Requested",
+        "spec.backend is trainjob; the cluster serves TrainJob",
+    )
+
+    plane.kubectl(
+        "patch",
+        "gtr",
+        "tj",
+        "-n",
+        NAMESPACE,
+        "--type=merge",
+        "-p",
+        '{"spec": {"runPolicy": {"suspend": true}}}',
+    )
+    wait_for(
+        "the TrainJob suspended", lambda: api.get("trainjobs", "tj", NAMESPACE)["spec"]["suspend"] is True
+    )
+    _trainjob_status(api, "tj", {"Suspended": "True"})
+    wait_for("Suspended", lambda: _phase(api, "tj", "Suspended"))
+    plane.kubectl(
+        "patch",
+        "gtr",
+        "tj",
+        "-n",
+        NAMESPACE,
+        "--type=merge",
+        "-p",
+        '{"spec": {"runPolicy": {"suspend": false}}}',
+    )
+    wait_for(
+        "the TrainJob resumed", lambda: api.get("trainjobs", "tj", NAMESPACE)["spec"]["suspend"] is False
+    )
+    _trainjob_status(api, "tj", {"Suspended": "False"}, ready=1)
+    wait_for("Running", lambda: _phase(api, "tj", "Running"))
+    _trainjob_status(api, "tj", {"Suspended": "False", "Complete": "True"}, ready=1)
+    status = wait_for("Succeeded", lambda: (s := _status(api, "tj")).get("phase") == "Succeeded" and s)
+    assert status["completionTime"]
+
+    # Names taken by strangers, either object: refused, never touched.
+    for kind, name in (("trainjobs", "taken"), ("trainingruntimes", "taken-rt")):
+        stranger = render_job(parse(training(name, backend="trainjob")), "trainjob", default_image="x")
+        api.create(kind, next(o for o in stranger if o["kind"].lower() + "s" == kind), NAMESPACE)
+        plane.kubectl("create", "-f", "-", input=json.dumps(training(name, backend="trainjob")))
+    for name, kind in (("taken", "TrainJob"), ("taken-rt", "TrainingRuntime")):
+        conflict = wait_for(f"{name}'s NameConflict", lambda n=name: next(
+            (c for c in _status(api, n).get("conditions", []) if c["type"] == "NameConflict"), None), timeout=30)  # fmt: skip
+        assert conflict["message"].startswith(f"a {kind} named {name} already exists and is not owned")
+    assert api.get("trainjobs", "taken-rt", NAMESPACE) is None  # no TrainJob on a stranger's runtime
+    api.delete("trainjobs", "taken", NAMESPACE)
+    api.delete("trainingruntimes", "taken-rt", NAMESPACE)
+
+    assert _forbidden(plane, installed.user) == []
+    plane.kubectl("delete", "gtr", "tj", "-n", NAMESPACE)
+    wait_for("the TrainJob and its runtime garbage-collected", lambda: api.get("trainjobs", "tj", NAMESPACE) is None
+             and api.get("trainingruntimes", "tj", NAMESPACE) is None, timeout=60)  # fmt: skip
 
 
 def test_a_call_outside_the_charts_rules_is_refused_by_the_real_authorizer(

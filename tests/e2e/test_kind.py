@@ -1,4 +1,4 @@
-"""End to end on kind, CPU/gloo: the images, the Kubeflow training-operator, `helm install`,
+"""End to end on kind, CPU/gloo: the images, the Kubeflow training-operator and Trainer v2, `helm install`,
 `kubectl apply -f examples/kind-cpu.yaml`, a real 2-pod DDP run to Succeeded, and deletion.
 
 Needs Docker, kind, kubectl and network access (Kubeflow's manifests); skips with the reason
@@ -26,6 +26,9 @@ pytestmark = pytest.mark.e2e
 
 CLUSTER = "gpuop"  # kind-config.yaml's name
 KUBEFLOW = "github.com/kubeflow/trainer.git/manifests/overlays/standalone?ref=v1.9.4"
+# Kubeflow Trainer v2 with its JobSet (manifests/third-party/jobset), beside the v1 operator: a
+# cluster that serves both, where auto picks PyTorchJob and backend: trainjob picks Trainer.
+TRAINER_V2 = "github.com/kubeflow/trainer.git/manifests/overlays/manager?ref=v2.3.0"
 OPERATOR_IMAGE = "gpu-training-operator/operator:e2e"
 TRAINER_IMAGE = "gpu-training-operator/trainer-cpu:dev"  # what examples/kind-cpu.yaml names
 NAMESPACE = "gpuop-system"
@@ -92,13 +95,20 @@ def kind_cluster() -> Iterator[None]:
             "--timeout=300s",
             timeout=330,
         )
+        kubectl("apply", "--server-side", "-k", TRAINER_V2, timeout=300)
+        for deployment in ("kubeflow-trainer-controller-manager", "jobset-controller-manager"):
+            kubectl("-n", "kubeflow-system", "rollout", "status", f"deployment/{deployment}", "--timeout=300s",
+                    timeout=330)  # fmt: skip
         yield
     finally:
         if not os.environ.get("GPUOP_E2E_KEEP"):
             sh("kind", "delete", "cluster", "--name", CLUSTER, timeout=300)
 
 
-def test_install_train_on_cpu_and_delete(kind_cluster: None) -> None:
+@pytest.mark.parametrize("backend", ["auto", "trainjob"])
+def test_install_train_on_cpu_and_delete(kind_cluster: None, backend: str) -> None:
+    """The kind example on either Kubeflow: auto (PyTorchJob, the cluster serving both) and
+    backend trainjob (Trainer v2's TrainJob), each from helm install to helm uninstall."""
     sh(
         str(helm_binary()), "--kube-context", f"kind-{CLUSTER}", "install", "gpuop", str(CHART),
         "--namespace", NAMESPACE, "--create-namespace", "--wait", "--timeout", "5m",
@@ -107,8 +117,10 @@ def test_install_train_on_cpu_and_delete(kind_cluster: None) -> None:
         timeout=400,
     )  # fmt: skip
     example = yaml.safe_load((ROOT / "examples" / "kind-cpu.yaml").read_text())
+    example["spec"]["backend"] = backend
     name = example["metadata"]["name"]
-    kubectl("apply", "-f", str(ROOT / "examples" / "kind-cpu.yaml"))
+    kubectl("apply", "-f", "-", input=yaml.safe_dump(example))
+    kind = "trainjobs" if backend == "trainjob" else "pytorchjobs"
 
     def status() -> dict[str, Any]:
         return dict(json.loads(kubectl("get", "gputraining", name, "-o", "json")).get("status") or {})
@@ -117,6 +129,7 @@ def test_install_train_on_cpu_and_delete(kind_cluster: None) -> None:
     final = wait_until("Succeeded", lambda: (s := status()).get("phase") == "Succeeded" and s, 1200)
     assert final["progress"]["percent"] == 100, final
     assert final["completionTime"], final
+    assert final["backend"] == ("trainjob" if backend == "trainjob" else "pytorchjob"), final
 
     table = kubectl("get", "gputrainings")
     crd = yaml.safe_load((ROOT / "crds" / "gputraining.yaml").read_text())
@@ -129,7 +142,7 @@ def test_install_train_on_cpu_and_delete(kind_cluster: None) -> None:
     assert "Succeeded" in table.splitlines()[1]
 
     kubectl("delete", "gputraining", name, "--wait=true", timeout=300)
-    wait_until("the PyTorchJob gone", lambda: kubectl("get", "pytorchjobs", "-o", "name").strip() == "", 300)
+    wait_until("the job gone", lambda: kubectl("get", kind, "-o", "name").strip() == "", 300)
     wait_until(
         "the pods gone",
         lambda: kubectl("get", "pods", "-l", f"gpuop.io/gputraining={name}", "-o", "name").strip() == "",

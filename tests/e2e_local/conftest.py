@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from support import controlplane, nodeagent, trainingoperator
+from support import controlplane, nodeagent, trainerv2, trainingoperator
 from support.helm import RELEASE_NAMESPACE
 from support.realcluster import (
     Api,
@@ -56,13 +56,32 @@ def kubeflow(
     api: Api,
     agent: nodeagent.NodeAgent,
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[trainingoperator.TrainingOperator]:
-    process = trainingoperator.TrainingOperator(
+) -> Iterator[trainingoperator.WebhookedController]:
+    process = trainingoperator.training_operator(
         plane, api, agent.host_ip, tmp_path_factory.mktemp("kubeflow")
     )
     process.start()
     yield process
     process.stop()
+
+
+@pytest.fixture(scope="session")
+def trainer(
+    plane: controlplane.ControlPlane,
+    api: Api,
+    agent: nodeagent.NodeAgent,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[list[trainingoperator.WebhookedController]]:
+    """Kubeflow Trainer v2 and JobSet, beside the training-operator: a cluster that serves both."""
+    install_crds(plane, [trainerv2.JOBSET_CRD])
+    processes = trainerv2.trainer_and_jobset(plane, api, agent.host_ip, tmp_path_factory.mktemp("trainer"))
+    try:
+        for process in processes:
+            process.start()
+        yield processes
+    finally:
+        for process in reversed(processes):
+            process.stop()
 
 
 @pytest.fixture(scope="session")
@@ -74,7 +93,7 @@ def installed(plane: controlplane.ControlPlane, api: Api) -> Installed:
 def operator(
     plane: controlplane.ControlPlane,
     installed: Installed,
-    kubeflow: trainingoperator.TrainingOperator,
+    kubeflow: trainingoperator.WebhookedController,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[OperatorProcess]:
     """``gpuop operator`` with the chart's environment and its ServiceAccount's token."""

@@ -24,7 +24,7 @@ from support.controlplane import ControlPlane
 from support.crdschema import ROOT
 from support.nodeagent import NodeAgent
 from support.realcluster import Api, OperatorProcess
-from support.trainingoperator import TrainingOperator
+from support.trainingoperator import WebhookedController as TrainingOperator
 
 NAMESPACE = "e2e"
 KIND_CPU = ROOT / "examples" / "kind-cpu.yaml"
@@ -309,3 +309,49 @@ def test_an_elastic_spec_rendezvous_through_the_worker_only_layout(
         f"pod/{name}-worker-0", f"pod/{name}-worker-1"]  # fmt: skip
     assert status["progress"]["accuracy"] > 0.9
     assert "Stalled" not in timeline.conditions()
+
+
+def test_the_kind_cpu_example_trains_to_succeeded_on_trainer_v2(
+    plane: ControlPlane,
+    agent: NodeAgent,
+    trainer: list[TrainingOperator],
+    operator: OperatorProcess,
+    timelines: list[Timeline],
+    tmp_path: Path,
+) -> None:
+    """The same example with ``backend: trainjob``, through the real Trainer v2.3.0 and JobSet
+    v0.12.0 (controllers and webhooks): TrainingRuntime + TrainJob -> JobSet -> Job -> pods, with
+    torchrun's rendezvous from Trainer's PET_* variables over JobSet's headless Service."""
+    spec = _variant(tmp_path, "kind-cpu-v2", backend="trainjob")
+    timelines.append(timeline := Timeline(plane, "kind-cpu-v2"))
+    plane.kubectl("apply", "-n", NAMESPACE, "-f", str(spec))
+    wait_for("kind-cpu-v2 finished", lambda: _phase(plane, "kind-cpu-v2") in ("Succeeded", "Failed"),
+             timeout=240, every=0.5)  # fmt: skip
+    status = _get(plane, "gtr", "kind-cpu-v2")["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    assert (status["backend"], status["trainJob"]) == ("trainjob", "kind-cpu-v2")
+    # Trainer's own objects and status: the TrainJob Complete, its JobSet, the Job's pods.
+    job = _get(plane, "trainjob", "kind-cpu-v2")
+    assert job is not None
+    assert {c["type"] for c in job["status"]["conditions"] if c["status"] == "True"} == {"Complete"}
+    assert _get(plane, "jobset", "kind-cpu-v2") is not None
+    pods = _names(plane, "pods", "jobset.sigs.k8s.io/jobset-name=kind-cpu-v2")
+    assert len(pods) == 2, pods
+    # The final figures came from the trainers' termination messages, as on the v1 path.
+    assert status["progress"]["percent"] == 100
+    assert status["progress"]["accuracy"] > 0.9
+    running = [s for s in timeline.seen if s.get("phase") == "Running"]
+    assert running, timeline.phases()
+    assert any(s.get("progress", {}).get("step") for s in running), running[-1]  # scraped while running
+    assert any(s.get("workers", {}).get("ready") == 2 for s in running), running[-1]
+    # The pods are the restricted ones we render, with Trainer's rendezvous variables added.
+    pod = json.loads(plane.kubectl("get", pods[0], "-n", NAMESPACE, "-o", "json").stdout)
+    container = pod["spec"]["containers"][0]
+    env = {e["name"] for e in container["env"]}
+    assert {"PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "GPUTRAIN_JOB_NAME"} <= env
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["restartPolicy"] == "OnFailure"
+    assert {v["name"] for v in pod["spec"]["volumes"]} >= {"dshm", "checkpoints", "output"}
+    plane.kubectl("delete", "gtr", "kind-cpu-v2", "-n", NAMESPACE, "--wait=true")
+    wait_for("kind-cpu-v2's children gone", lambda: _get(plane, "trainjob", "kind-cpu-v2") is None
+             and not _names(plane, "pods", "jobset.sigs.k8s.io/jobset-name=kind-cpu-v2"), timeout=90)  # fmt: skip

@@ -14,8 +14,8 @@ What it does, as a kubelet would:
   reaches pods through the bridge, so the API server's pod proxy and the operator's scrapes work;
 - resolves names as cluster DNS would for what these pods need: each pod's /etc/hosts maps its
   own hostname and every selector Service of its namespace (short name and
-  ``name.ns.svc.cluster.local``) to the IPs of the pods it selects, rewritten in place as pods
-  come and go;
+  ``name.ns.svc.cluster.local``) to the IPs of the pods it selects, and a pod with hostname and
+  subdomain (JobSet's) as ``hostname.subdomain``, rewritten in place as pods come and go;
 - builds each container's command, args and env by Kubernetes' rules: ``$(VAR)`` expansion from
   the env defined earlier, ``$$`` escapes, fieldRef, resourceFieldRef, configMapKeyRef,
   secretKeyRef and envFrom;
@@ -1005,6 +1005,13 @@ class NodeAgent:
                     name = service["metadata"]["name"]
                     lines.append(f"{pod['status']['podIP']}\t{name} {name}.{ns} {name}.{ns}.svc "
                                  f"{name}.{ns}.svc.cluster.local")  # fmt: skip
+                    # A pod with hostname and subdomain (JobSet's, under its headless Service) is
+                    # also <hostname>.<subdomain>[.<ns>[.svc[.cluster.local]]].
+                    host = pod["spec"].get("hostname")
+                    if host and pod["spec"].get("subdomain") == name:
+                        own = f"{host}.{name}"
+                        lines.append(f"{pod['status']['podIP']}\t{own} {own}.{ns} {own}.{ns}.svc "
+                                     f"{own}.{ns}.svc.cluster.local")  # fmt: skip
         text = "\n".join(lines) + "\n"
         path = runtime.dir / "hosts"
         if path.exists() and path.read_text() == text:

@@ -31,6 +31,11 @@ from support.helm import CHART, RELEASE, RELEASE_NAMESPACE, helm, value_args
 
 GPUOP: Final = str(Path(sys.executable).with_name("gpuop"))
 KUBEFLOW_CRD: Final = ROOT / "tests" / "reference" / "kubeflow.org_pytorchjobs.yaml"
+# Kubeflow Trainer v2.3.0's CRDs: the TrainJob and both runtime kinds, as its release installs them.
+TRAINER_CRDS: Final = tuple(
+    ROOT / "tests" / "reference" / f"trainer.kubeflow.org_{plural}.yaml"
+    for plural in ("trainjobs", "trainingruntimes", "clustertrainingruntimes")
+)
 OUR_CRD: Final = ROOT / "crds" / "gputraining.yaml"
 PEERING_CRDS: Final = ROOT / "charts" / "gpu-training-operator" / "crds" / "kopf-peerings.yaml"
 
@@ -38,6 +43,8 @@ PEERING_CRDS: Final = ROOT / "charts" / "gpu-training-operator" / "crds" / "kopf
 PATHS: Final = {
     "gputrainings": "/apis/gpuop.io/v1alpha1",
     "pytorchjobs": "/apis/kubeflow.org/v1",
+    "trainjobs": "/apis/trainer.kubeflow.org/v1alpha1",
+    "trainingruntimes": "/apis/trainer.kubeflow.org/v1alpha1",
     "pods": "/api/v1",
     "events": "/api/v1",
     "serviceaccounts": "/api/v1",
@@ -127,7 +134,9 @@ def apply_file(plane: ControlPlane, path: Path) -> str:
     return result.stderr
 
 
-def install_crds(plane: ControlPlane, paths: Iterable[Path] = (OUR_CRD, KUBEFLOW_CRD, PEERING_CRDS)) -> str:
+def install_crds(
+    plane: ControlPlane, paths: Iterable[Path] = (OUR_CRD, KUBEFLOW_CRD, *TRAINER_CRDS, PEERING_CRDS)
+) -> str:
     """Create the CRDs and wait until each is Established; returns kubectl's warnings, if any."""
     paths = list(paths)
     warnings = "".join(apply_file(plane, path) for path in paths)

@@ -68,6 +68,24 @@ def test_render_several_files_and_an_image(capsys: pytest.CaptureFixture[str], t
     )
 
 
+def test_render_for_trainer_v2_prints_the_runtime_then_the_trainjob(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = write(tmp_path, GOOD.format(name="a"))
+    code, out, err = run(capsys, "render", "-f", path, "--backend", "trainjob")
+    assert (code, err) == (0, "")
+    assert [(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(out)] == [
+        ("TrainingRuntime", "a"),
+        ("TrainJob", "a"),
+    ]
+    elastic = write(tmp_path, (ROOT / "examples" / "kind-cpu-elastic.yaml").read_text(), "e.yaml")
+    code, out, err = run(capsys, "render", "-f", elastic, "--backend", "trainjob")
+    assert (code, out) == (2, "")
+    assert err.startswith(f"error: {elastic}:")
+    assert "spec.elastic: cannot be used with backend trainjob" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_validate(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = write(tmp_path, GOOD.format(name="a"))
     assert run(capsys, "validate", "-f", path) == (0, f"{path}: gputraining/a is valid\n", "")

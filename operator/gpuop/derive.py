@@ -20,7 +20,7 @@ from typing import Any, Final
 
 from gpuop.schema import SpecError, decode, encode
 from gpuop.scrape import TrainerMetrics, parse_result
-from gpuop.spec import MUTABLE_SPEC_FIELDS, JobBackend
+from gpuop.spec import JOB_KINDS, MUTABLE_SPEC_FIELDS, TRAINJOB_MUTABLE_FIELDS, JobBackend
 from gpuop.status import (
     Condition,
     ConditionStatus,
@@ -115,10 +115,7 @@ class Observation:
     name_conflict: str | None = None  # a job of our name that is not ours (never touched)
     # Fixed fields changed since the job was made (past a CRD without transition rules).
     spec_not_applied: tuple[str, ...] = ()
-    # What may change on the job, for the SpecNotApplied message.
-    mutable_fields: tuple[str, ...] = tuple(f"spec.{f}" for f in MUTABLE_SPEC_FIELDS)
     backend: JobBackend | None = None  # once chosen
-    job_kind: str = "PyTorchJob"  # the backend's kind: PyTorchJob or TrainJob
     # Why this backend, when chosen now (None: as status already says).
     backend_choice: tuple[str, str] | None = None  # (reason, message)
     backend_unavailable: tuple[str, str] | None = None  # (reason, message): none can run it here
@@ -232,7 +229,7 @@ def _job_deleted_after_finishing(
     recorded once (the job is never made again: that would train again on the GPUs)."""
     if any(c.type == "JobDeleted" for c in previous.conditions):
         return previous
-    kind = obs.job_kind
+    kind = _kind(obs)
     deleted = Condition(
         type="JobDeleted", status="True", reason=f"{kind}Deleted",
         message=f"{kind} {previous.pytorch_job or previous.train_job} was deleted after the training "
@@ -293,6 +290,17 @@ def _restart_note(obs: Observation, progress: Progress | None) -> str | None:
     return None
 
 
+def _kind(obs: Observation) -> str:
+    """The kind of the training's job (PyTorchJob until a backend is chosen)."""
+    return JOB_KINDS[obs.backend or "pytorchjob"]
+
+
+def _mutable_fields(obs: Observation) -> tuple[str, ...]:
+    """What may change once the job is made, for the SpecNotApplied message."""
+    fields = TRAINJOB_MUTABLE_FIELDS if obs.backend == "trainjob" else MUTABLE_SPEC_FIELDS
+    return tuple(f"spec.{f}" for f in fields)
+
+
 def _backend_selected(before: GpuTrainingStatus, obs: Observation) -> tuple[str, str] | None:
     """Why the training runs on its backend: as chosen now, else as said when it was chosen."""
     if obs.backend_choice is not None:
@@ -318,7 +326,7 @@ def derive_status(
     if obs.job_deleted and previous is not None and previous.phase in _TERMINAL:
         return _job_deleted_after_finishing(previous, obs, now)
     phase = _phase(obs)
-    kind = obs.job_kind
+    kind = _kind(obs)
     before = previous or GpuTrainingStatus()
     selected = _backend_selected(before, obs)
     progress = _progress(before.progress, obs, phase, now)
@@ -385,7 +393,7 @@ def derive_status(
                     "True",
                     "FixedFieldChanged",
                     f"{', '.join(obs.spec_not_applied)} changed after the {kind} was created and "
-                    f"cannot change on it (only {' and '.join(obs.mutable_fields)} can); the job runs "
+                    f"cannot change on it (only {' and '.join(_mutable_fields(obs))} can); the job runs "
                     "as created: change it back, or delete the GpuTraining and create it again",
                 )
             )

@@ -315,14 +315,17 @@ def _objects(api_version: str, plural: str, namespace: str) -> str:
 
 
 def _kind_of(path: str) -> str:
-    """The resource a path names, for request metrics: pytorchjobs, gputrainings/status, pods."""
+    """The resource a path names, for request metrics: pytorchjobs, gputrainings/status, pods;
+    discovery for a group/version's resource list (which job APIs the cluster serves)."""
     parts = [p for p in path.split("?")[0].split("/") if p]
     if "namespaces" in parts:
         rest = parts[parts.index("namespaces") + 2 :]
+        if not rest:
+            return "namespaces"
     else:
         rest = parts[3:] if parts[:1] == ["apis"] else parts[2:]
-    if not rest:
-        return "namespaces"
+        if not rest:
+            return "discovery"
     resource = rest[0]
     if len(rest) >= 3:
         sub = rest[2]

@@ -42,8 +42,6 @@ from gpuop.schema import SpecError
 from gpuop.scrape import TrainerMetrics, parse_metrics
 from gpuop.settings import OperatorSettings
 from gpuop.spec import (
-    MUTABLE_SPEC_FIELDS,
-    TRAINJOB_MUTABLE_FIELDS,
     GpuTraining,
     JobBackend,
     fixed_spec_changes,
@@ -277,7 +275,7 @@ class Reconciler:
         if self._finished_and_gone(tracked, previous, training, api):
             observation = Observation(
                 now=now, generation=generation, workers_total=spec.workers, gpus=spec.total_gpus,
-                backend=api.backend, job_kind=api.kind, job_deleted=True,
+                backend=api.backend, job_deleted=True,
             )  # fmt: skip
             wrote = self._write_status(tracked, previous, observation, Thresholds(stall_timeout_seconds=0))
             return "status" if wrote else "finished"
@@ -302,9 +300,7 @@ class Reconciler:
             gpus=spec.total_gpus,
             name_conflict=conflict,
             spec_not_applied=not_applied,
-            mutable_fields=_mutable_fields(api),
             backend=api.backend,
-            job_kind=api.kind,
             backend_choice=(choice.reason, choice.message) if choice is not None else None,
             job_name=training.name if child is not None else None,
             job_conditions=observe.job_conditions(child),
@@ -585,11 +581,6 @@ def _conflict(kind: str, name: str) -> str:
         f"a {kind} named {name} already exists and is not owned by this GpuTraining; it is left "
         "untouched: delete it or rename the GpuTraining"
     )
-
-
-def _mutable_fields(api: JobApi) -> tuple[str, ...]:
-    fields = TRAINJOB_MUTABLE_FIELDS if api is TRAINJOB else MUTABLE_SPEC_FIELDS
-    return tuple(f"spec.{f}" for f in fields)
 
 
 def _mutable_patch(

@@ -17,6 +17,7 @@ from typing import Any, Final
 from gpuop.quantity import MI, format_bytes, parse_quantity
 from gpuop.spec import (
     API_VERSION,
+    JOB_KINDS,
     KIND,
     GpuTraining,
     GpuTrainingSpec,
@@ -35,7 +36,7 @@ from gputrain.contract import (
 )
 
 PYTORCHJOB_API_VERSION: Final = "kubeflow.org/v1"
-PYTORCHJOB_KIND: Final = "PyTorchJob"
+PYTORCHJOB_KIND: Final = JOB_KINDS["pytorchjob"]
 CONTAINER_NAME: Final = "pytorch"  # the training-operator finds its container by this name
 DEFAULT_TRAINER_IMAGE: Final = "ghcr.io/gpu-training-operator/trainer:0.1.0"
 GPU_RESOURCE: Final = "nvidia.com/gpu"
@@ -467,25 +468,33 @@ def owner_reference(training: GpuTraining) -> dict[str, Any] | None:
     }
 
 
-def job_metadata(training: GpuTraining, backend: JobBackend = "pytorchjob") -> dict[str, Any]:
-    """The job's metadata, either kind: our labels, Kueue's queue, the record, the owner."""
-    spec = training.spec
+def object_metadata(
+    training: GpuTraining, object_labels: dict[str, str], annotations: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """The metadata of an object made for a training: its name and namespace, owned by it."""
     metadata: dict[str, Any] = {"name": training.name}
     if training.namespace is not None:
         metadata["namespace"] = training.namespace
-    job_labels = labels(training.name)
-    if spec.scheduling.queue_name is not None:
-        job_labels[QUEUE_LABEL] = spec.scheduling.queue_name
-    metadata["labels"] = job_labels
-    created_from = fixed_spec_record(spec, backend)
-    # Annotations share a 256 KiB budget; a spec with huge env values goes without the record
-    # (and without the SpecNotApplied check) rather than fail to create its job.
-    if len(created_from) <= _CREATED_FROM_MAX_BYTES:
-        metadata["annotations"] = {CREATED_FROM_ANNOTATION: created_from}
+    metadata["labels"] = object_labels
+    if annotations:
+        metadata["annotations"] = annotations
     owner = owner_reference(training)
     if owner is not None:
         metadata["ownerReferences"] = [owner]
     return metadata
+
+
+def job_metadata(training: GpuTraining, backend: JobBackend = "pytorchjob") -> dict[str, Any]:
+    """The job's metadata, either kind: our labels, Kueue's queue, the record, the owner."""
+    spec = training.spec
+    job_labels = labels(training.name)
+    if spec.scheduling.queue_name is not None:
+        job_labels[QUEUE_LABEL] = spec.scheduling.queue_name
+    created_from = fixed_spec_record(spec, backend)
+    # Annotations share a 256 KiB budget; a spec with huge env values goes without the record
+    # (and without the SpecNotApplied check) rather than fail to create its job.
+    record = {CREATED_FROM_ANNOTATION: created_from} if len(created_from) <= _CREATED_FROM_MAX_BYTES else None
+    return object_metadata(training, job_labels, record)
 
 
 def render_pytorchjob(training: GpuTraining, *, default_image: str = DEFAULT_TRAINER_IMAGE) -> dict[str, Any]:

@@ -66,6 +66,10 @@ ENV_NAME_PATTERN: Final = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 Backend = Literal["auto", "pytorchjob", "trainjob"]
 JobBackend = Literal["pytorchjob", "trainjob"]  # what auto resolves to
+# The kind each backend makes, as its CRD names it.
+JOB_KINDS: Final[Mapping[JobBackend, str]] = MappingProxyType(
+    {"pytorchjob": "PyTorchJob", "trainjob": "TrainJob"}
+)
 
 _K8S_NAME: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 _K8S_NAME_HINT: Final = "a lowercase DNS name such as my-claim"

@@ -28,12 +28,12 @@ from typing import Any, Final
 
 from gpuop import render
 from gpuop.schema import SpecError
-from gpuop.spec import GpuTraining, GpuTrainingSpec, trainjob_problems
+from gpuop.spec import JOB_KINDS, GpuTraining, GpuTrainingSpec, trainjob_problems
 from gputrain.contract import METRICS_PORT, METRICS_PORT_NAME
 
 TRAINER_GROUP: Final = "trainer.kubeflow.org"
 TRAINJOB_API_VERSION: Final = f"{TRAINER_GROUP}/v1alpha1"
-TRAINJOB_KIND: Final = "TrainJob"
+TRAINJOB_KIND: Final = JOB_KINDS["trainjob"]
 RUNTIME_KIND: Final = "TrainingRuntime"
 # The replicated job and container Trainer's torch plugin injects its PET_* variables into.
 NODE: Final = "node"
@@ -76,9 +76,8 @@ def render_runtime(
             "backoffLimit": render.kubeflow_backoff_limit(spec.run_policy.backoff_limit, spec.workers),
             **job,
         }
-    metadata = render.job_metadata(training, "trainjob")
-    metadata["labels"] = {**render.labels(name), _FRAMEWORK_LABEL: "torch"}
-    metadata.pop("annotations", None)  # the TrainJob carries the record
+    # The TrainJob carries Kueue's queue and the record; the runtime is only its pod template.
+    metadata = render.object_metadata(training, {**render.labels(name), _FRAMEWORK_LABEL: "torch"})
     return {
         "apiVersion": TRAINJOB_API_VERSION,
         "kind": RUNTIME_KIND,

@@ -240,6 +240,12 @@ def test_lifecycle_as_the_charts_service_account(
     wait_for("its pods garbage-collected", lambda: api.list("pods", NAMESPACE) == [], timeout=60)
 
 
+def _set_suspend(plane: ControlPlane, name: str, suspend: bool) -> None:
+    """``kubectl patch`` of the GpuTraining's runPolicy.suspend, as a user suspends or resumes."""
+    patch = json.dumps({"spec": {"runPolicy": {"suspend": suspend}}})
+    plane.kubectl("patch", "gtr", name, "-n", NAMESPACE, "--type=merge", "-p", patch)
+
+
 def _trainjob_status(api: Api, name: str, conditions: dict[str, str], ready: int = 0) -> None:
     """What Trainer v2 writes into a TrainJob's status (the test plays its controller here)."""
     now = time.strftime(STAMP, time.gmtime())
@@ -283,31 +289,13 @@ def test_a_trainjob_training_as_the_charts_service_account(
         "spec.backend is trainjob; the cluster serves TrainJob",
     )
 
-    plane.kubectl(
-        "patch",
-        "gtr",
-        "tj",
-        "-n",
-        NAMESPACE,
-        "--type=merge",
-        "-p",
-        '{"spec": {"runPolicy": {"suspend": true}}}',
-    )
+    _set_suspend(plane, "tj", True)
     wait_for(
         "the TrainJob suspended", lambda: api.get("trainjobs", "tj", NAMESPACE)["spec"]["suspend"] is True
     )
     _trainjob_status(api, "tj", {"Suspended": "True"})
     wait_for("Suspended", lambda: _phase(api, "tj", "Suspended"))
-    plane.kubectl(
-        "patch",
-        "gtr",
-        "tj",
-        "-n",
-        NAMESPACE,
-        "--type=merge",
-        "-p",
-        '{"spec": {"runPolicy": {"suspend": false}}}',
-    )
+    _set_suspend(plane, "tj", False)
     wait_for(
         "the TrainJob resumed", lambda: api.get("trainjobs", "tj", NAMESPACE)["spec"]["suspend"] is False
     )

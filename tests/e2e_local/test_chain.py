@@ -24,7 +24,7 @@ from support.controlplane import ControlPlane
 from support.crdschema import ROOT
 from support.nodeagent import NodeAgent
 from support.realcluster import Api, OperatorProcess
-from support.trainingoperator import WebhookedController as TrainingOperator
+from support.trainingoperator import WebhookedController
 
 NAMESPACE = "e2e"
 KIND_CPU = ROOT / "examples" / "kind-cpu.yaml"
@@ -159,7 +159,7 @@ def test_the_kind_cpu_example_trains_to_succeeded_through_the_real_training_oper
     plane: ControlPlane,
     api: Api,
     agent: NodeAgent,
-    kubeflow: TrainingOperator,
+    kubeflow: WebhookedController,
     operator: OperatorProcess,
     timelines: list[Timeline],
 ) -> None:
@@ -200,7 +200,7 @@ def test_the_kind_cpu_example_trains_to_succeeded_through_the_real_training_oper
 
 
 def test_the_real_webhook_refuses_what_the_training_operator_refuses(
-    plane: ControlPlane, kubeflow: TrainingOperator
+    plane: ControlPlane, kubeflow: WebhookedController
 ) -> None:
     """A name the API server takes but Kubeflow's webhook does not (DNS-1035: no leading digit)."""
     job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "1-starts-with-a-digit"},
@@ -314,7 +314,7 @@ def test_an_elastic_spec_rendezvous_through_the_worker_only_layout(
 def test_the_kind_cpu_example_trains_to_succeeded_on_trainer_v2(
     plane: ControlPlane,
     agent: NodeAgent,
-    trainer: list[TrainingOperator],
+    trainer: list[WebhookedController],
     operator: OperatorProcess,
     timelines: list[Timeline],
     tmp_path: Path,

@@ -127,7 +127,7 @@ def test_no_backend_here_is_pending_with_one_warning_and_clears_when_one_appears
 
     chosen = choose("trainjob", BOTH, ())
     made = Observation(
-        now=NOW, generation=1, workers_total=1, gpus=0, backend="trainjob", job_kind="TrainJob",
+        now=NOW, generation=1, workers_total=1, gpus=0, backend="trainjob",
         backend_choice=(chosen.reason, chosen.message), job_name="t",
         job_conditions=observe.job_conditions(trainjob([])),
     )  # fmt: skip
@@ -155,7 +155,7 @@ def test_a_trainjob_runs_succeeds_and_says_its_kind() -> None:
 
     def seen(job: dict[str, Any]) -> Observation:
         return Observation(
-            now=NOW, generation=1, workers_total=2, gpus=0, backend="trainjob", job_kind="TrainJob",
+            now=NOW, generation=1, workers_total=2, gpus=0, backend="trainjob",
             backend_choice=(choice.reason, choice.message), job_name="t",
             job_conditions=observe.job_conditions(job),
         )  # fmt: skip

@@ -17,7 +17,7 @@ from kubernetes import client as k8s_client
 from gpuop import observe
 from gpuop.backends import PYTORCHJOB, TRAINJOB
 from gpuop.controller import check_peering, leadership
-from gpuop.kube import ApiError, Backoff, Kube
+from gpuop.kube import ApiError, Backoff, Kube, _kind_of
 from gpuop.reconcile import _mutable_patch
 from gpuop.render import render_pytorchjob
 from gpuop.settings import OperatorSettings, SettingsError, add_arguments, from_arguments
@@ -365,3 +365,18 @@ def test_a_trainjob_is_patched_only_in_suspend() -> None:
     assert _mutable_patch(TRAINJOB, desired, made) == {"spec": {"suspend": True}}
     assert _mutable_patch(TRAINJOB, desired, made, skip=("suspend",)) is None
     assert _mutable_patch(TRAINJOB, desired, {"spec": {"suspend": True}}) is None
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"),
+    [
+        ("/apis/kubeflow.org/v1/namespaces/ml/pytorchjobs", "pytorchjobs"),
+        ("/apis/gpuop.io/v1alpha1/namespaces/ml/gputrainings/a/status", "gputrainings/status"),
+        ("/api/v1/namespaces/ml/pods?labelSelector=x", "pods"),
+        ("/api/v1/namespaces/ml", "namespaces"),
+        ("/apis/kopf.dev/v1/clusterkopfpeerings/p", "clusterkopfpeerings"),
+        ("/apis/trainer.kubeflow.org/v1alpha1", "discovery"),
+    ],
+)
+def test_request_metrics_name_the_resource(path: str, kind: str) -> None:
+    assert _kind_of(path) == kind

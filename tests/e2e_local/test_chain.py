@@ -65,6 +65,12 @@ class Timeline:
                 out.append(status["phase"])
         return out
 
+    def caught_up(self, phase: str, timeout: float = 10.0) -> list[str]:
+        """:meth:`phases` once the sampler has recorded ``phase`` last: it polls every half second
+        (a kubectl call each), so it can lag a phase that a direct read has just seen."""
+        wait_for(f"the timeline to record {phase}", lambda: self.phases()[-1:] == [phase], timeout=timeout)
+        return self.phases()
+
     def conditions(self) -> set[str]:
         return {c["type"] for s in self.seen for c in s.get("conditions", []) if c["status"] == "True"}
 
@@ -242,7 +248,7 @@ def test_progress_then_a_killed_trainer_resumes_from_its_checkpoint(
     assert resumed, "the restarted trainer did not resume"
     assert resumed[0] >= before_kill, (resumed, before_kill)
     assert "Stalled" not in timeline.conditions()
-    phases = timeline.phases()
+    phases = timeline.caught_up("Succeeded")
     assert phases[-1] == "Succeeded"
     assert "Failed" not in phases
     # Kubeflow keeps the job Running through an in-place restart; ours says Restarting until
@@ -289,7 +295,7 @@ def test_suspended_mid_run_its_pods_go_and_it_resumes_from_the_checkpoint(
     resumed = _resumed_steps(agent, pod)
     assert resumed, "the resumed training started over"
     assert resumed[-1] >= saved, (resumed, saved)
-    phases = timeline.phases()
+    phases = timeline.caught_up("Succeeded")
     assert phases.index("Suspended") < len(phases) - 1
     assert "Stalled" not in timeline.conditions()
 

@@ -48,6 +48,7 @@ _ALARMS: Final = (
 # Conditions that turn False (reason Cleared) when they stop holding, instead of vanishing.
 _CLEARABLE: Final = frozenset(
     {
+        "Queued",
         "Suspended",
         "Restarting",
         "Stalled",
@@ -79,6 +80,15 @@ class JobCondition:
     reason: str | None = None
     message: str | None = None
     last_transition_time: str | None = None
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """Where Kueue has the job's Workload (:func:`gpuop.observe.queue_state`)."""
+
+    admitted: bool
+    reason: str  # Kueue's own: Pending, Preempted, QuotaReserved, ...
+    message: str
 
 
 @dataclass(frozen=True)
@@ -128,6 +138,8 @@ class Observation:
     job_deleted: bool = False
     # Whether the trainer is ours (it publishes gputrain_* progress); a custom command may not.
     reports_progress: bool = True
+    queue_name: str | None = None  # spec.scheduling.queueName: Kueue owns the job's suspend
+    queue: QueueState | None = None  # its Workload, while the job is suspended (None: not found)
 
 
 @dataclass(frozen=True)
@@ -290,6 +302,16 @@ def _restart_note(obs: Observation, progress: Progress | None) -> str | None:
     return None
 
 
+def _queued(obs: Observation, kind: str) -> tuple[str, str]:
+    """Kueue's reason and message for a queued job (its Workload's), or why there is none yet."""
+    if obs.queue is not None:
+        return obs.queue.reason, f"queued in Kueue LocalQueue {obs.queue_name}: {obs.queue.message}"
+    return "WaitingForKueue", (
+        f"the {kind} waits, suspended, for Kueue to admit it from LocalQueue {obs.queue_name}; Kueue has "
+        f"made no Workload for it yet (if this lasts: is Kueue installed, with its {kind} integration on?)"
+    )
+
+
 def _kind(obs: Observation) -> str:
     """The kind of the training's job (PyTorchJob until a backend is chosen)."""
     return JOB_KINDS[obs.backend or "pytorchjob"]
@@ -326,6 +348,8 @@ def derive_status(
     if obs.job_deleted and previous is not None and previous.phase in _TERMINAL:
         return _job_deleted_after_finishing(previous, obs, now)
     phase = _phase(obs)
+    if phase == "Suspended" and obs.queue_name is not None and not (obs.queue and obs.queue.admitted):
+        phase = "Queued"  # suspended by Kueue until it admits the Workload: queued, not paused
     kind = _kind(obs)
     before = previous or GpuTrainingStatus()
     selected = _backend_selected(before, obs)
@@ -378,6 +402,9 @@ def derive_status(
         elif phase == "Succeeded":
             message = "training finished"
             wanted.append(condition("Succeeded", "True", "TrainingSucceeded", message))
+        elif phase == "Queued":
+            reason, message = _queued(obs, kind)
+            wanted.append(condition("Queued", "True", reason, message))
         elif phase in ("Suspended", "Restarting"):
             reason, text = _job_reason(obs, phase)
             if restart_note is not None:

@@ -34,6 +34,7 @@ USER_AGENT: Final = "gpuop-operator/0.1"
 RETRIED_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 _TRAININGS: Final = f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/{PLURAL}"
 _MERGE_PATCH: Final = "application/merge-patch+json"
+KUEUE_VERSIONS: Final = ("kueue.x-k8s.io/v1beta2", "kueue.x-k8s.io/v1beta1")
 
 
 class ApiError(Exception):
@@ -219,6 +220,26 @@ class Kube:
         reply = self._get_or_none(f"/apis/{api_version}")
         resources = (reply or {}).get("resources") or ()
         return frozenset(str(r.get("name")) for r in resources if isinstance(r, Mapping))
+
+    # -- Kueue ----------------------------------------------------------------------------
+
+    def list_workloads(self, namespace: str, job_uid: str) -> list[dict[str, Any]] | None:
+        """The Kueue Workloads made for a job (by Kueue's job-uid label); None when this cluster
+        serves no Kueue API (v1beta2 since Kueue 0.15; v1beta1 before) or this operator may not
+        read it (the chart grants it; a hand-made Role may not): the status then says less."""
+        query = {"labelSelector": f"kueue.x-k8s.io/job-uid={job_uid}"}
+        for version in KUEUE_VERSIONS:
+            try:
+                reply = self._request("GET", _objects(version, "workloads", namespace), query=query)
+            except ApiError as exc:
+                if exc.status == 404:
+                    continue
+                if exc.status == 403:
+                    return None
+                raise
+            items: list[dict[str, Any]] = reply.get("items") or []
+            return items
+        return None
 
     # -- GpuTrainings ---------------------------------------------------------------------
 

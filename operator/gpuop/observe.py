@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
-from gpuop.derive import JobCondition, PodObservation
+from gpuop.derive import JobCondition, PodObservation, QueueState
 from gpuop.render import CONTAINER_NAME, CREATED_FROM_ANNOTATION, TRAINING_LABEL
 from gpuop.scrape import TrainerMetrics
 from gpuop.trainjob import NODE, TRAINJOB_KIND
@@ -95,6 +95,44 @@ def job_times(job: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
             None,
         )
     return start, completion
+
+
+def job_suspended(job: Mapping[str, Any] | None) -> bool:
+    """Whether the job's spec says suspended (a PyTorchJob's runPolicy, a TrainJob's spec)."""
+    spec = (job or {}).get("spec") or {}
+    return bool(spec.get("suspend") or (spec.get("runPolicy") or {}).get("suspend"))
+
+
+def queue_state(workloads: list[Mapping[str, Any]]) -> QueueState | None:
+    """Where Kueue has a job, from the Workloads it made for it (newest first; None: none yet).
+
+    Kueue's own conditions, in its order of events: QuotaReserved (False: still pending, with
+    why), then Admitted; Evicted (True: preempted or otherwise put back in the queue) wins
+    over an earlier admission until the Workload is admitted again.
+    """
+    if not workloads:
+        return None
+    newest = max(workloads, key=lambda w: str((w.get("metadata") or {}).get("creationTimestamp") or ""))
+    conditions = {
+        str(c.get("type")): c
+        for c in (newest.get("status") or {}).get("conditions") or ()
+        if isinstance(c, Mapping)
+    }
+
+    def said(kind: str) -> tuple[str, str] | None:
+        c = conditions.get(kind)
+        return (str(c.get("reason") or kind), str(c.get("message") or "")) if c else None
+
+    def true(kind: str) -> bool:
+        return (conditions.get(kind) or {}).get("status") == "True"
+
+    if true("Admitted") and not true("Evicted"):
+        return QueueState(True, *(said("Admitted") or ("Admitted", "")))
+    for kind in ("Evicted", "QuotaReserved", "Admitted"):
+        found = said(kind)
+        if found is not None and (kind != "Evicted" or true(kind)):
+            return QueueState(False, *found)
+    return QueueState(False, "Pending", "Kueue has not considered its Workload yet")
 
 
 def created_from(job: Mapping[str, Any] | None) -> str | None:

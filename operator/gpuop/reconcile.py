@@ -293,6 +293,14 @@ class Reconciler:
             pods = tracked.pods = self._final_pods(training)
         start, completion = observe.job_times(child)
         not_applied = self._not_applied(view, child)
+        queue_name = spec.scheduling.queue_name
+        queue = None
+        if queue_name is not None and child is not None and observe.job_suspended(child):
+            # Only while Kueue holds it: one list per tick per queued training, none once admitted.
+            workloads = self.kube.list_workloads(
+                training.namespace or "default", str(child["metadata"].get("uid"))
+            )
+            queue = observe.queue_state(workloads) if workloads is not None else None
         observation = Observation(
             now=now,
             generation=generation,
@@ -308,6 +316,8 @@ class Reconciler:
             job_completion_time=completion,
             pods=pods if child is not None else (),
             reports_progress=spec.command is None,
+            queue_name=queue_name,
+            queue=queue,
         )
         thresholds = Thresholds(
             stall_timeout_seconds=spec.stall_timeout_seconds,

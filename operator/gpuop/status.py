@@ -15,7 +15,7 @@ from gpuop.schema import api_field, api_object
 from gpuop.scrape import TrainerMetrics
 
 ConditionStatus = Literal["True", "False", "Unknown"]
-Phase = Literal["Pending", "Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
+Phase = Literal["Pending", "Created", "Queued", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
 PHASES: Final[tuple[str, ...]] = get_args(Phase)
 
 
@@ -24,7 +24,7 @@ class Condition:
     """A condition in the Kubernetes convention."""
 
     type: str = api_field(
-        "Condition type: Created, Running, Succeeded, Failed, Suspended, Restarting, InvalidSpec, "
+        "Condition type: Created, Queued, Running, Succeeded, Failed, Suspended, Restarting, InvalidSpec, "
         "NameConflict, SpecNotApplied, Stalled, Underutilized, JobDeleted, BackendSelected or "
         "BackendUnavailable.",
         max_length=64,
@@ -126,7 +126,8 @@ class GpuTrainingStatus:
     """What the operator observed."""
 
     phase: Phase | None = api_field(
-        "Pending, Created (PyTorchJob or TrainJob made), Running, Restarting, Suspended, Succeeded "
+        "Pending, Created (PyTorchJob or TrainJob made), Queued (suspended by Kueue until it admits the "
+        "job; the Queued condition carries Kueue's reason), Running, Restarting, Suspended, Succeeded "
         "or Failed.",
         default=None,
     )

@@ -86,12 +86,12 @@ def _check(requests: set[Request], granted: list[tuple[str | None, dict[str, Any
 
     refused = sorted(r for r in requests if not allowed(r))
     assert refused == [], f"the operator asked for what the chart does not grant: {refused}"
-    # The emulator serves no Trainer v2 API, so its rules go unused here; the real control
-    # plane's audit-log test (tests/controlplane/test_operator.py) proves them used, both ways.
+    # The emulator serves no Trainer v2 or Kueue API, so their rules go unused here; the real
+    # control plane's audit-log test (tests/controlplane/test_operator.py) proves them used.
     unused = sorted(
         (rule["apiGroups"][0], resource, verb)
         for scope, rule in granted
-        if rule["apiGroups"] != ["trainer.kubeflow.org"]
+        if rule["apiGroups"] not in (["trainer.kubeflow.org"], ["kueue.x-k8s.io"])
         for resource in rule["resources"]
         for verb in rule["verbs"]
         if not any(

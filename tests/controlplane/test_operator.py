@@ -609,6 +609,10 @@ def test_with_a_queue_suspend_is_kueues(plane: ControlPlane, api: Api, operator:
         api.request("PATCH", api.path("pytorchjobs", NAMESPACE, "queued"),
                     {"spec": {"runPolicy": {"suspend": suspend}}}, "application/merge-patch+json")  # fmt: skip
 
+    # No Kueue API here: queued all the same, saying what it waits for.
+    wait_for("queued Queued", lambda: _phase(api, "queued", "Queued"), timeout=30)
+    condition = next(c for c in _status(api, "queued")["conditions"] if c["type"] == "Queued")
+    assert condition["reason"] == "WaitingForKueue", condition
     for suspend in (False, True, False):  # admitted, preempted, admitted again
         kueue_sets(suspend)
         time.sleep(3)  # three ticks

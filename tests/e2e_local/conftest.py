@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from support import controlplane, nodeagent, trainerv2, trainingoperator
+from support import controlplane, kueue, nodeagent, trainerv2, trainingoperator
 from support.helm import RELEASE_NAMESPACE
 from support.realcluster import (
     Api,
@@ -82,6 +82,25 @@ def trainer(
     finally:
         for process in reversed(processes):
             process.stop()
+
+
+@pytest.fixture(scope="session")
+def queueing(
+    plane: controlplane.ControlPlane,
+    api: Api,
+    agent: nodeagent.NodeAgent,
+    kubeflow: trainingoperator.WebhookedController,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[trainingoperator.WebhookedController]:
+    """The real Kueue v0.16.2 (controller and webhooks), beside the training-operator. Its pod
+    and job webhooks see every namespace but kube-system and kueue-system from here on, as in a
+    cluster that runs Kueue; the tests that use it come last in their module."""
+    process = kueue.kueue(plane, api, agent.host_ip, tmp_path_factory.mktemp("kueue"))
+    try:
+        process.start()
+        yield process
+    finally:
+        process.stop()
 
 
 @pytest.fixture(scope="session")

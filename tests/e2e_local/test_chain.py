@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from support import kueue
 from support.cluster import wait_for
 from support.controlplane import ControlPlane
 from support.crdschema import ROOT
@@ -361,3 +362,75 @@ def test_the_kind_cpu_example_trains_to_succeeded_on_trainer_v2(
     plane.kubectl("delete", "gtr", "kind-cpu-v2", "-n", NAMESPACE, "--wait=true")
     wait_for("kind-cpu-v2's children gone", lambda: _get(plane, "trainjob", "kind-cpu-v2") is None
              and not _names(plane, "pods", "jobset.sigs.k8s.io/jobset-name=kind-cpu-v2"), timeout=90)  # fmt: skip
+
+
+def _pods_of(plane: ControlPlane, name: str) -> list[dict[str, Any]]:
+    out = plane.kubectl("get", "pods", "-n", NAMESPACE, "-l", f"training.kubeflow.org/job-name={name}",
+                        "-o", "json").stdout  # fmt: skip
+    items: list[dict[str, Any]] = json.loads(out)["items"]
+    return items
+
+
+def test_kueue_holds_the_second_training_queued_until_the_first_finishes(
+    plane: ControlPlane,
+    agent: NodeAgent,
+    kubeflow: WebhookedController,
+    queueing: WebhookedController,
+    operator: OperatorProcess,
+    timelines: list[Timeline],
+    tmp_path: Path,
+) -> None:
+    """The real Kueue v0.16.2 with a ClusterQueue whose quota fits one kind-cpu training (2 pods
+    of 1 CPU and 1 GiB): the first is admitted and runs; the second waits Queued, with Kueue's
+    own reason, and no pod, until the first has finished; then it is admitted and runs. The
+    operator never resumes a job Kueue holds. Last in this module: Kueue's webhooks stay."""
+    for obj in kueue.queues("team-a", NAMESPACE, {"cpu": "2", "memory": "2Gi"}):
+        plane.kubectl("apply", "-f", "-", input=json.dumps(obj))
+    first = _variant(tmp_path, "queued-first", scheduling={"queueName": "team-a"}, training={"epochs": 25})
+    second = _variant(tmp_path, "queued-second", scheduling={"queueName": "team-a"})
+    timelines.append(first_timeline := Timeline(plane, "queued-first"))
+    timelines.append(second_timeline := Timeline(plane, "queued-second"))
+    plane.kubectl("apply", "-n", NAMESPACE, "-f", str(first))
+    wait_for(
+        "queued-first Running", lambda: _phase(plane, "queued-first") == "Running", timeout=120, every=0.5
+    )
+    plane.kubectl("apply", "-n", NAMESPACE, "-f", str(second))
+
+    def kueues_reason() -> dict[str, Any] | None:
+        status = (_get(plane, "gtr", "queued-second") or {}).get("status", {})
+        found = [c for c in status.get("conditions", []) if c["type"] == "Queued" and c["status"] == "True"]
+        return (
+            found[0]
+            if status.get("phase") == "Queued" and found and found[0]["reason"] == "Pending"
+            else None
+        )
+
+    condition = wait_for("queued-second Queued with Kueue's reason", kueues_reason, timeout=60, every=0.5)
+    assert "insufficient unused quota" in condition["message"], condition
+    assert _phase(plane, "queued-first") == "Running"
+    job = _get(plane, "pytorchjob", "queued-second")
+    assert job is not None
+    assert job["spec"]["runPolicy"]["suspend"] is True
+    assert _pods_of(plane, "queued-second") == []
+
+    wait_for("queued-first finished", lambda: _phase(plane, "queued-first") in ("Succeeded", "Failed"),
+             timeout=240, every=0.5)  # fmt: skip
+    assert _phase(plane, "queued-first") == "Succeeded", first_timeline.phases()
+    wait_for("queued-second finished", lambda: _phase(plane, "queued-second") in ("Succeeded", "Failed"),
+             timeout=240, every=0.5)  # fmt: skip
+    assert _phase(plane, "queued-second") == "Succeeded", second_timeline.phases()
+    # Its pods came after the first had finished: Kueue admitted it then, not the operator before.
+    finished = (_get(plane, "gtr", "queued-first") or {})["status"]["completionTime"]
+    started = min(p["metadata"]["creationTimestamp"] for p in _pods_of(plane, "queued-second"))
+    assert started >= finished, (started, finished)
+    workloads = json.loads(
+        plane.kubectl("get", "workloads.kueue.x-k8s.io", "-n", NAMESPACE, "-o", "json").stdout
+    )
+    admitted = {w["metadata"]["ownerReferences"][0]["name"]: w["status"].get("admission", {}).get("clusterQueue")
+                for w in workloads["items"]}  # fmt: skip
+    assert admitted == {"queued-first": "team-a", "queued-second": "team-a"}
+    phases = second_timeline.caught_up("Succeeded")
+    assert phases[0] in ("Created", "Queued"), phases
+    assert "Suspended" not in phases, phases
+    assert "Failed" not in phases, phases
+    assert phases.index("Queued") < phases.index("Running"), phases

@@ -557,10 +557,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
-            from support import trainingoperator  # the other Go-built binary the tests run
+            from support import kueue, trainingoperator  # the other Go-built binaries the tests run
 
             print(ensure_binaries())
             print(trainingoperator.ensure_binary())
+            print(kueue.ensure_binary())
             return 0
         if args.command == "up":
             return up(args.dir.resolve())

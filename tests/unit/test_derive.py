@@ -9,6 +9,7 @@ from gpuop.derive import (
     JobCondition,
     Observation,
     PodObservation,
+    QueueState,
     Thresholds,
     derive_status,
     events,
@@ -431,3 +432,55 @@ def test_a_trainer_restarted_in_place_is_restarting_until_the_step_moves_again()
             assert (restarting.reason, types(status)["Running"]) == ("TrainerRestarted", "False")
             assert "demo-master-0's trainer restarted (1 so far)" in restarting.message
     assert types(status)["Restarting"] == "False"
+
+
+SUSPENDED = (JobCondition("Created", "True"), JobCondition("Suspended", "True", "JobSuspended", "suspended"))
+
+
+def test_a_job_kueue_holds_is_queued_with_kueues_reason_then_runs() -> None:
+    pending = QueueState(False, "Pending", "couldn't assign flavors to pod set master: insufficient quota")
+    queued = derive_status(
+        None, observe(0, conditions=SUSPENDED, queue_name="team-a", queue=pending, job_start_time=None),
+        THRESHOLDS,
+    )  # fmt: skip
+    assert queued.phase == "Queued"
+    assert types(queued) == {"Created": "True", "Running": "False", "Queued": "True"}
+    condition = next(c for c in queued.conditions if c.type == "Queued")
+    assert condition.reason == "Pending"
+    assert condition.message == (
+        "queued in Kueue LocalQueue team-a: couldn't assign flavors to pod set master: insufficient quota"
+    )
+    assert queued.gpu_hours is None  # nothing allocated while queued
+    assert [(e.type, e.reason) for e in events(None, queued)] == [
+        ("Normal", "PyTorchJobCreated"), ("Normal", "Pending")]  # fmt: skip
+    running = derive_status(queued, observe(60, pods=running_pods(10), queue_name="team-a"), THRESHOLDS)
+    assert running.phase == "Running"
+    assert types(running)["Queued"] == "False"
+
+
+def test_a_queued_job_without_a_workload_yet_says_what_it_waits_for() -> None:
+    status = derive_status(None, observe(0, conditions=SUSPENDED, queue_name="team-a"), THRESHOLDS)
+    assert status.phase == "Queued"
+    condition = next(c for c in status.conditions if c.type == "Queued")
+    assert condition.reason == "WaitingForKueue"
+    assert "LocalQueue team-a" in (condition.message or "")
+
+
+def test_a_preempted_job_is_queued_again_with_kueues_reason() -> None:
+    running = derive_status(None, observe(0, pods=running_pods(10), queue_name="team-a"), THRESHOLDS)
+    evicted = QueueState(
+        False, "Preempted", "Preempted to accommodate a workload (UID: x) due to prioritization"
+    )
+    queued = derive_status(running, observe(60, conditions=SUSPENDED, queue_name="team-a", queue=evicted),
+                           THRESHOLDS)  # fmt: skip
+    assert queued.phase == "Queued"
+    assert next(c for c in queued.conditions if c.type == "Queued").reason == "Preempted"
+
+
+def test_without_a_queue_a_suspended_job_is_suspended_not_queued() -> None:
+    status = derive_status(None, observe(0, conditions=SUSPENDED), THRESHOLDS)
+    assert status.phase == "Suspended"
+    admitted = QueueState(True, "Admitted", "The workload is admitted")
+    # Admitted but not yet resumed by Kueue (the next moment): not queued any more.
+    status = derive_status(None, observe(0, conditions=SUSPENDED, queue_name="q", queue=admitted), THRESHOLDS)
+    assert status.phase == "Suspended"

@@ -17,6 +17,7 @@ from kubernetes import client as k8s_client
 from gpuop import observe
 from gpuop.backends import PYTORCHJOB, TRAINJOB
 from gpuop.controller import check_peering, leadership
+from gpuop.derive import QueueState
 from gpuop.kube import ApiError, Backoff, Kube, _kind_of
 from gpuop.reconcile import _mutable_patch
 from gpuop.render import render_pytorchjob
@@ -77,6 +78,48 @@ def test_job_readings() -> None:
     assert [c.type for c in observe.job_conditions(job)] == ["Created", "Succeeded"]
     assert observe.job_conditions(None) == ()
     assert not observe.job_finished({"status": {"conditions": [{"type": "Failed", "status": "False"}]}})
+
+
+def _workload(created: str, *conditions: tuple[str, str, str]) -> dict[str, Any]:
+    return {"metadata": {"creationTimestamp": created}, "status": {"conditions": [
+        {"type": t, "status": s, "reason": r, "message": f"{t} {r}"} for t, s, r in conditions]}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("workloads", "expected"),
+    [
+        ([], None),
+        ([_workload("2026-01-01T00:00:00Z")], QueueState(False, "Pending", "Kueue has not considered its Workload yet")),
+        ([_workload("2026-01-01T00:00:00Z", ("QuotaReserved", "False", "Pending"))],
+         QueueState(False, "Pending", "QuotaReserved Pending")),
+        ([_workload("2026-01-01T00:00:00Z", ("QuotaReserved", "True", "QuotaReserved"),
+                    ("Admitted", "False", "NoChecks"))],
+         QueueState(False, "QuotaReserved", "QuotaReserved QuotaReserved")),
+        ([_workload("2026-01-01T00:00:00Z", ("QuotaReserved", "True", "QuotaReserved"),
+                    ("Admitted", "True", "Admitted"))],
+         QueueState(True, "Admitted", "Admitted Admitted")),
+        # Preempted: evicted wins over the admission it had, until admitted again.
+        ([_workload("2026-01-01T00:00:00Z", ("Admitted", "True", "Admitted"), ("Evicted", "True", "Preempted"))],
+         QueueState(False, "Preempted", "Evicted Preempted")),
+        ([_workload("2026-01-01T00:00:00Z", ("Evicted", "False", "Preempted"), ("QuotaReserved", "False", "Pending"))],
+         QueueState(False, "Pending", "QuotaReserved Pending")),
+        # The newest Workload speaks (Kueue may have replaced one).
+        ([_workload("2026-01-01T00:00:00Z", ("Admitted", "True", "Admitted")),
+          _workload("2026-01-02T00:00:00Z", ("QuotaReserved", "False", "Pending"))],
+         QueueState(False, "Pending", "QuotaReserved Pending")),
+    ],
+)  # fmt: skip
+def test_queue_state_reads_kueues_workload(
+    workloads: list[dict[str, Any]], expected: QueueState | None
+) -> None:
+    assert observe.queue_state(workloads) == expected
+
+
+def test_job_suspended_reads_either_kind() -> None:
+    assert observe.job_suspended({"spec": {"runPolicy": {"suspend": True}}})
+    assert observe.job_suspended({"kind": "TrainJob", "spec": {"suspend": True}})
+    assert not observe.job_suspended({"spec": {"runPolicy": {"suspend": False}}})
+    assert not observe.job_suspended(None)
 
 
 def test_a_slim_job_reads_the_same_as_the_whole_one() -> None:

@@ -59,7 +59,7 @@ def time_steps(trainer: Trainer, steps: int) -> float:
     """Seconds the trainer's epoch loop takes for ``steps`` optimizer steps from an epoch's
     first batch (no accumulation), with the device's queue drained before and after."""
     trainer.batches = steps
-    trainer.position = Position(epoch=0, next_batch=0, step=trainer.position.step)
+    trainer.position = Position(0, 0, trainer.position.step, trainer.batches)
     synchronize(trainer.device)
     started = time.perf_counter()
     trainer._train_epoch(0)

@@ -68,6 +68,9 @@ _JOB_PHASES: Final[tuple[Phase, ...]] = (
     "Created",
 )
 _TERMINAL: Final = ("Succeeded", "Failed")
+# Phases whose pods hold their GPUs: what gpuHours counts. Created (pods starting, perhaps not
+# yet placed), Queued and Suspended (no pods) do not.
+_HOLDING_GPUS: Final[tuple[Phase, ...]] = ("Running", "Restarting")
 TIME_FORMAT: Final = "%Y-%m-%dT%H:%M:%SZ"
 
 
@@ -140,6 +143,7 @@ class Observation:
     reports_progress: bool = True
     queue_name: str | None = None  # spec.scheduling.queueName: Kueue owns the job's suspend
     queue: QueueState | None = None  # its Workload, while the job is suspended (None: not found)
+    job_suspended: bool = False  # the job's spec says suspended (Kueue's hold, or the user's)
 
 
 @dataclass(frozen=True)
@@ -302,6 +306,13 @@ def _restart_note(obs: Observation, progress: Progress | None) -> str | None:
     return None
 
 
+def _queued_by_kueue(obs: Observation, phase: Phase) -> bool:
+    """Whether Kueue holds the job: a queue is named, the job is suspended (from its creation on,
+    before Kubeflow acknowledges it with a Suspended condition) and not admitted yet."""
+    held = obs.queue_name is not None and obs.job_suspended and phase in ("Created", "Suspended")
+    return held and not (obs.queue is not None and obs.queue.admitted)
+
+
 def _queued(obs: Observation, kind: str) -> tuple[str, str]:
     """Kueue's reason and message for a queued job (its Workload's), or why there is none yet."""
     if obs.queue is not None:
@@ -348,8 +359,8 @@ def derive_status(
     if obs.job_deleted and previous is not None and previous.phase in _TERMINAL:
         return _job_deleted_after_finishing(previous, obs, now)
     phase = _phase(obs)
-    if phase == "Suspended" and obs.queue_name is not None and not (obs.queue and obs.queue.admitted):
-        phase = "Queued"  # suspended by Kueue until it admits the Workload: queued, not paused
+    if _queued_by_kueue(obs, phase):
+        phase = "Queued"
     kind = _kind(obs)
     before = previous or GpuTrainingStatus()
     selected = _backend_selected(before, obs)
@@ -447,15 +458,33 @@ def derive_status(
         start_time=start,
         completion_time=completion,
         gpu_hours=before.gpu_hours,
+        gpu_hours_counted_at=before.gpu_hours_counted_at,
         message=message,
     )
     if previous is not None and candidate == previous:
         return previous
-    hours = None
-    if start is not None and obs.gpus:
-        end = _parse_time(completion) if completion is not None else obs.now.replace(tzinfo=None)
-        hours = round(obs.gpus * max(0.0, (end - _parse_time(start)).total_seconds()) / 3600, 4)
-    return dataclasses.replace(candidate, gpu_hours=hours if hours is not None else (0.0 if start else None))
+    hours, counted_at = _gpu_hours(before, obs, phase, completion, now)
+    if hours is None and terminal and start is not None:
+        hours = 0.0  # it ran, perhaps between two looks (a short local run): none held since
+    return dataclasses.replace(candidate, gpu_hours=hours, gpu_hours_counted_at=counted_at)
+
+
+def _gpu_hours(
+    before: GpuTrainingStatus, obs: Observation, phase: Phase, completion: str | None, now: str
+) -> tuple[float | None, str | None]:
+    """gpuHours brought up to date: the span since it was last counted is added when the status
+    last written said the GPUs were held (the phase only changes at a write, so that span is
+    one phase's); a finished training's span ends at its completion. Accumulated, never
+    recomputed from the job's start time, which Kubeflow moves on every resume."""
+    hours = before.gpu_hours
+    counted = before.gpu_hours_counted_at
+    if before.phase in _HOLDING_GPUS and counted is not None and obs.gpus:
+        end = completion if phase in _TERMINAL and completion is not None else now
+        held = max(0.0, (_parse_time(end) - _parse_time(counted)).total_seconds())
+        hours = round((hours or 0.0) + obs.gpus * held / 3600, 4)
+    if phase in _HOLDING_GPUS and hours is None:
+        hours = 0.0  # from the first moment it holds its GPUs (or runs, on none): 0, not absent
+    return hours, now if phase in _HOLDING_GPUS else None
 
 
 def _running_alarms(

@@ -295,7 +295,8 @@ class Reconciler:
         not_applied = self._not_applied(view, child)
         queue_name = spec.scheduling.queue_name
         queue = None
-        if queue_name is not None and child is not None and observe.job_suspended(child):
+        suspended = observe.job_suspended(child)
+        if queue_name is not None and child is not None and suspended:
             # Only while Kueue holds it: one list per tick per queued training, none once admitted.
             workloads = self.kube.list_workloads(
                 training.namespace or "default", str(child["metadata"].get("uid"))
@@ -318,6 +319,7 @@ class Reconciler:
             reports_progress=spec.command is None,
             queue_name=queue_name,
             queue=queue,
+            job_suspended=suspended,
         )
         thresholds = Thresholds(
             stall_timeout_seconds=spec.stall_timeout_seconds,

@@ -54,7 +54,11 @@ class Progress:
     their termination messages when they finish."""
 
     percent: float | None = api_field(
-        "Progress in percent of all optimizer steps.", default=None, minimum=0, maximum=100
+        "Progress in percent of the run's data (epochs x the training split): unlike steps, it keeps "
+        "its value when a resume changes the world size.",
+        default=None,
+        minimum=0,
+        maximum=100,
     )
     epoch: int | None = api_field("Current epoch, from 1.", default=None, minimum=0)
     total_epochs: int | None = api_field("Epochs in the run.", default=None, minimum=0)
@@ -158,7 +162,19 @@ class GpuTrainingStatus:
         "When the job finished.", default=None, date_time=True, max_length=64
     )
     gpu_hours: float | None = api_field(
-        "GPU-hours consumed: GPUs held x hours running.", default=None, minimum=0
+        "GPU-hours allocated to the training: its GPUs x the hours it was Running or Restarting (pods "
+        "up), added up across suspensions, Kueue preemptions, restarts and operator restarts; time "
+        "Pending, Queued or Suspended does not count. Brought up to date whenever the status is written "
+        "(not every second), so it can lag the clock by up to one write.",
+        default=None,
+        minimum=0,
+    )
+    gpu_hours_counted_at: str | None = api_field(
+        "Up to when gpuHours is counted, while the training holds its GPUs; the time since is added at "
+        "the next write.",
+        default=None,
+        date_time=True,
+        max_length=64,
     )
     message: str | None = api_field("The latest notable event, for people.", default=None, max_length=32768)
 

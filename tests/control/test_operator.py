@@ -36,6 +36,10 @@ def _result(**figures: Any) -> dict[str, Any]:
     return record
 
 
+def _stamp(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
 def test_lifecycle_from_apply_to_succeeded(env: Cluster) -> None:
     env.start_operator()
     env.apply(training("mnist"))
@@ -54,7 +58,8 @@ def test_lifecycle_from_apply_to_succeeded(env: Cluster) -> None:
     }
     wait_for("the Created event", lambda: env.writes() == three)
 
-    env.job_condition("mnist", "Created", "Running", startTime="2026-01-01T00:00:00Z")
+    running_since = time.time()
+    env.job_condition("mnist", "Created", "Running", startTime=_stamp(running_since))
     pods = env.start_pods("mnist", 2, RUNNING, gpu_percent=85.0)
     status = wait_for(
         "progress and GPU figures in status",
@@ -78,11 +83,15 @@ def test_lifecycle_from_apply_to_succeeded(env: Cluster) -> None:
 
     for pod in pods:
         env.finish_pod(pod, _result())
-    env.job_condition("mnist", "Created", "Succeeded", startTime="2026-01-01T00:00:00Z",
-                      completionTime="2026-01-01T02:00:00Z")  # fmt: skip
+    time.sleep(max(0.0, running_since + 3 - time.time()))  # a span gpuHours can show at 4 decimals
+    finished = time.time()
+    env.job_condition("mnist", "Created", "Succeeded", startTime=_stamp(running_since),
+                      completionTime=_stamp(finished))  # fmt: skip
     status = wait_for("Succeeded", lambda: (s := env.status("mnist")).get("phase") == "Succeeded" and s)
-    assert status["completionTime"] == "2026-01-01T02:00:00Z"
-    assert status["gpuHours"] == 4.0  # 2 GPUs x 2 hours
+    assert status["completionTime"] == _stamp(finished)
+    # 2 GPUs from when the status first said Running to the completion: seconds, not the hours
+    # since the job's startTime (which Kubeflow moves anyway).
+    assert 0 < status["gpuHours"] <= round(2 * (finished + 1 - running_since) / 3600, 4)
     assert status["progress"]["step"] == 100
     assert status["progress"]["accuracy"] == 0.955
     assert status["progress"]["percent"] == 100.0
@@ -179,12 +188,15 @@ def test_invalid_specs_fail_once_with_the_parse_error_and_others_run(lax: Cluste
         assert status["message"] == message
         assert lax.get(JOBS, name) is None
     wait_for("fine Created", lambda: lax.status("fine").get("phase") == "Created")
+    # Events are posted off the reconcile path: all of them in before counting writes (a loaded
+    # machine once counted 2 of the 5 here, and the other 3 as "writes after").
+    for name in (*(n for n, _, _ in INVALID), "fine"):
+        wait_for(f"{name}'s event", lambda n=name: lax.events(n))
 
     before = lax.writes()
     time.sleep(3.5)  # several ticks: no retry loop, no second event
     assert lax.writes() == before, lax.operator_log()[-3000:]
     for name, _, _ in INVALID:
-        wait_for(f"{name}'s event", lambda n=name: lax.events(n))
         assert lax.events(name) == [("Warning", "InvalidSpec")]
 
 

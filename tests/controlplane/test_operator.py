@@ -167,6 +167,10 @@ def _status(api: Api, name: str) -> dict[str, Any]:
     return dict((api.get("gputrainings", name, NAMESPACE) or {}).get("status") or {})
 
 
+def _stamp(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
 def _phase(api: Api, name: str, phase: str) -> bool:
     return _status(api, name).get("phase") == phase
 
@@ -193,7 +197,8 @@ def test_lifecycle_as_the_charts_service_account(
     assert owner["controller"] is True
     wait_for("phase Created", lambda: _phase(api, "mnist", "Created"))
 
-    kubeflow.job_status("mnist", "Created", "Running", startTime="2026-01-01T00:00:00Z")
+    running_since = time.time()
+    kubeflow.job_status("mnist", "Created", "Running", startTime=_stamp(running_since))
     pods = kubeflow.start_pods(job, RUNNING, gpu_percent=85.0)
     status = wait_for("progress and GPU figures", lambda: (
         (s := _status(api, "mnist")).get("progress", {}).get("step") == 30 and s.get("gpu", {}).get("perWorker")
@@ -214,10 +219,13 @@ def test_lifecycle_as_the_charts_service_account(
               "worldSize": 2}  # fmt: skip
     for pod in pods:
         kubeflow.finish_pod(pod, record)
-    kubeflow.job_status("mnist", "Created", "Succeeded", startTime="2026-01-01T00:00:00Z",
-                        completionTime="2026-01-01T02:00:00Z")  # fmt: skip
+    time.sleep(max(0.0, running_since + 3 - time.time()))  # a span gpuHours can show at 4 decimals
+    finished = time.time()
+    kubeflow.job_status("mnist", "Created", "Succeeded", startTime=_stamp(running_since),
+                        completionTime=_stamp(finished))  # fmt: skip
     status = wait_for("Succeeded", lambda: (s := _status(api, "mnist")).get("phase") == "Succeeded" and s)
-    assert status["gpuHours"] == 4.0
+    # 2 GPUs held from the first Running status to the completion: seconds' worth.
+    assert 0 < status["gpuHours"] <= round(2 * (finished + 1 - running_since) / 3600, 4)
     assert status["progress"]["accuracy"] == 0.955
 
     table = plane.kubectl("get", "gtr", "-n", NAMESPACE).stdout.splitlines()

@@ -28,6 +28,7 @@ from gputrain.data import (
 )
 from gputrain.metrics import MetricsServer, Progress
 from gputrain.models import build_model
+from gputrain.train import Position, resume_at, warmup_cosine
 from gputrain.vision import import_torchvision
 
 # --- checkpoints ----------------------------------------------------------------------------
@@ -344,3 +345,41 @@ def test_fp16_loss_scaling_steps_once_per_optimizer_step(tmp_path: Path) -> None
         assert scaler["_growth_tracker"] < 23
     saved, _path = CheckpointManager(tmp_path / "ck" / "demo", keep=1).load_latest()  # type: ignore[misc]
     assert saved["scaler"] == scaler
+
+
+# --- progress and the LR schedule by the run's data, whatever the world size -----------------
+
+
+@pytest.mark.parametrize(
+    ("fraction", "multiplier"),
+    [(0.0, 0.0), (0.025, 0.5), (0.05, 1.0), (0.525, 0.5), (1.0, 0.0), (1.5, 0.0)],
+)
+def test_the_lr_schedule_is_a_function_of_the_data_done(fraction: float, multiplier: float) -> None:
+    assert warmup_cosine(fraction) == pytest.approx(multiplier, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("written", "batches", "accum", "expected"),
+    [
+        # Same world: where it stopped, exactly.
+        (Position(1, 10, 33, 23), 23, 1, Position(1, 10, 33, 23)),
+        # A checkpoint from before the field: taken as written at this world size.
+        (Position(1, 10, 33, 0), 23, 1, Position(1, 10, 33, 23)),
+        # 2 workers -> 1: each rank has twice the batches; the same share of the epoch.
+        (Position(1, 10, 33, 23), 45, 1, Position(1, 20, 33, 45)),
+        # 1 -> 2, rounded up (never back) to the next batch ...
+        (Position(0, 7, 7, 45), 23, 1, Position(0, 4, 7, 23)),
+        # ... and to the next accumulation group.
+        (Position(0, 8, 2, 45), 23, 4, Position(0, 8, 2, 23)),
+        (Position(1, 44, 99, 45), 23, 4, Position(1, 23, 99, 23)),  # never past the epoch's end
+    ],
+)  # fmt: skip
+def test_a_resume_with_another_world_size_keeps_the_share_of_the_epoch(
+    written: Position, batches: int, accum: int, expected: Position
+) -> None:
+    resumed = resume_at(written, batches, accum)
+    assert resumed == expected
+    if written.batches:
+        assert (
+            resumed.next_batch / batches >= written.next_batch / written.batches
+        )  # progress never goes back

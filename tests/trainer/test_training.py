@@ -256,3 +256,46 @@ def test_running_a_finished_job_again_reports_the_runs_figures(tmp_path: Path) -
         assert again[key] == first[key], key
     assert again["accuracy"] >= 0.9
     assert again["samplesPerSecond"] > 0
+
+
+def _logged_learning_rates(log: str) -> list[float]:
+    return [float(m.group(1)) for m in re.finditer(r" lr (\S+) ", log)]
+
+
+def test_resumed_on_one_worker_after_two_progress_and_the_lr_carry_on(tmp_path: Path) -> None:
+    """Stopped at step 25+ of 69 on 2 workers, resumed on 1 (what `gpuop run --workers 1` or an
+    elastic shrink does): an epoch is now twice the steps, and yet the percentage goes on from
+    where it was, the LR from where it was on the same curve, and the run ends at 100% with
+    step == totalSteps (before: "step 565 of 675, 100%", and the schedule started over)."""
+    two = digits_run(tmp_path, workers=2, epochs=3)
+    process = start(two)
+    before = wait_for_step(two, process, 25)
+    process.send_signal(signal.SIGTERM)
+    assert finish(two, process) != 0
+    record = json.loads(two.termination_log.read_text())
+    stopped_at = int(re.search(r"at step (\d+)", record["message"]).group(1))  # type: ignore[union-attr]
+    checkpoint = torch.load(
+        two.checkpoint_dir / f"step-{stopped_at:08d}.pt", map_location="cpu", weights_only=False
+    )
+    lr_before = float(checkpoint["optimizer"]["param_groups"][0]["lr"])  # the last step's, at the stop
+
+    one = digits_run(tmp_path, workers=1, epochs=3)  # the same directories: the same checkpoints
+    process = start(one)
+    after = wait_for_step(one, process, stopped_at + 1)
+    assert after.percent is not None
+    assert before.percent is not None
+    assert after.percent >= before.percent, (before.percent, after.percent)
+    assert finish(one, process) == 0, log_of(one)
+    assert "the world size changed" in log_of(one), log_of(one)
+    resumed_log = log_of(one).split(" resumed from ", 1)[1]  # one log file, both attempts
+    result = json.loads(one.termination_log.read_text())
+    assert result["phase"] == "Succeeded"
+    assert result["step"] == result["totalSteps"]
+    assert result["totalSteps"] > 69  # 1 worker: more, smaller global batches
+    assert result["worldSize"] == 1
+    assert result["accuracy"] > 0.9
+    # The first LR logged after the resume (one step on) is the curve's there: a little below
+    # the one at the stop, not the warmup of a schedule restarted for a run of twice the steps.
+    lr_after = _logged_learning_rates(resumed_log)[0]
+    assert lr_after <= lr_before
+    assert lr_before - lr_after < 0.1 * 0.003, (lr_before, lr_after)

@@ -103,7 +103,8 @@ def test_created_then_running_with_progress_and_gpu_figures() -> None:
         20 * 2**30,
     )
     assert running.start_time == "2026-11-21T12:00:00Z"
-    assert running.gpu_hours == round(2 * 30 / 3600, 4)
+    assert running.gpu_hours == 0.0  # Created (pods starting) held none; counting starts now
+    assert running.gpu_hours_counted_at == "2026-11-21T12:00:30Z"
     assert [(e.type, e.reason) for e in events(created, running)] == [("Normal", "PyTorchJobRunning")]
 
 
@@ -440,7 +441,7 @@ SUSPENDED = (JobCondition("Created", "True"), JobCondition("Suspended", "True", 
 def test_a_job_kueue_holds_is_queued_with_kueues_reason_then_runs() -> None:
     pending = QueueState(False, "Pending", "couldn't assign flavors to pod set master: insufficient quota")
     queued = derive_status(
-        None, observe(0, conditions=SUSPENDED, queue_name="team-a", queue=pending, job_start_time=None),
+        None, observe(0, conditions=SUSPENDED, job_suspended=True, queue_name="team-a", queue=pending, job_start_time=None),
         THRESHOLDS,
     )  # fmt: skip
     assert queued.phase == "Queued"
@@ -458,8 +459,21 @@ def test_a_job_kueue_holds_is_queued_with_kueues_reason_then_runs() -> None:
     assert types(running)["Queued"] == "False"
 
 
+def test_a_job_made_suspended_for_kueue_is_queued_before_kubeflow_says_suspended() -> None:
+    created = (JobCondition("Created", "True"),)
+    status = derive_status(
+        None, observe(0, conditions=created, job_suspended=True, queue_name="q"), THRESHOLDS
+    )
+    assert status.phase == "Queued"
+    # No queue: a job made suspended by the user is Created until Kubeflow says Suspended.
+    status = derive_status(None, observe(0, conditions=created, job_suspended=True), THRESHOLDS)
+    assert status.phase == "Created"
+
+
 def test_a_queued_job_without_a_workload_yet_says_what_it_waits_for() -> None:
-    status = derive_status(None, observe(0, conditions=SUSPENDED, queue_name="team-a"), THRESHOLDS)
+    status = derive_status(
+        None, observe(0, conditions=SUSPENDED, job_suspended=True, queue_name="team-a"), THRESHOLDS
+    )
     assert status.phase == "Queued"
     condition = next(c for c in status.conditions if c.type == "Queued")
     assert condition.reason == "WaitingForKueue"
@@ -471,7 +485,7 @@ def test_a_preempted_job_is_queued_again_with_kueues_reason() -> None:
     evicted = QueueState(
         False, "Preempted", "Preempted to accommodate a workload (UID: x) due to prioritization"
     )
-    queued = derive_status(running, observe(60, conditions=SUSPENDED, queue_name="team-a", queue=evicted),
+    queued = derive_status(running, observe(60, conditions=SUSPENDED, job_suspended=True, queue_name="team-a", queue=evicted),
                            THRESHOLDS)  # fmt: skip
     assert queued.phase == "Queued"
     assert next(c for c in queued.conditions if c.type == "Queued").reason == "Preempted"
@@ -482,5 +496,61 @@ def test_without_a_queue_a_suspended_job_is_suspended_not_queued() -> None:
     assert status.phase == "Suspended"
     admitted = QueueState(True, "Admitted", "The workload is admitted")
     # Admitted but not yet resumed by Kueue (the next moment): not queued any more.
-    status = derive_status(None, observe(0, conditions=SUSPENDED, queue_name="q", queue=admitted), THRESHOLDS)
+    status = derive_status(
+        None, observe(0, conditions=SUSPENDED, job_suspended=True, queue_name="q", queue=admitted), THRESHOLDS
+    )
     assert status.phase == "Suspended"
+
+
+def _round_trip(status: GpuTrainingStatus) -> GpuTrainingStatus:
+    """As a restarted operator reads it back from the API server."""
+    read = status_from_json(json.loads(json.dumps(encode(status))))
+    assert read is not None
+    return read
+
+
+def test_gpu_hours_count_only_the_time_the_gpus_are_held_across_suspend_and_restarts() -> None:
+    """8 GPUs: 1 h running, 2 h suspended, 30 min queued after a preemption, 1 h running again
+    (Kubeflow moves the job's startTime at the resume), the operator restarted twice between
+    writes, a restart in place on the way: 8 x 2 h = 16 GPU-hours, not 8 x 4.5 h."""
+    suspended = (JobCondition("Created", "True"), JobCondition("Suspended", "True", "JobSuspended", "s"))
+    preempted = {
+        "conditions": suspended,
+        "job_suspended": True,
+        "queue_name": "q",
+        "queue": QueueState(False, "Preempted", "p"),
+    }
+    steps: list[tuple[float, dict[str, object]]] = [
+        (0, {"pods": running_pods(10)}),
+        (1800, {"pods": running_pods(500)}),
+        (3600, {"conditions": suspended}),  # 1 h held
+        (3 * 3600, preempted),
+        (3.5 * 3600, {"pods": running_pods(501), "job_start_time": "2026-11-21T15:30:00Z"}),
+        (4 * 3600, {"pods": (PodObservation("demo-master-0", "Running", True, restarts=1),)}),  # Restarting
+        (4.5 * 3600, {"pods": running_pods(900), "job_start_time": "2026-11-21T15:30:00Z"}),
+    ]
+    status: GpuTrainingStatus | None = None
+    hours = []
+    for seconds, changes in steps:
+        status = derive_status(
+            status and _round_trip(status), observe(seconds, gpus=8, **changes), THRESHOLDS
+        )
+        hours.append((status.phase, status.gpu_hours))
+    assert hours == [
+        ("Running", 0.0), ("Running", 4.0), ("Suspended", 8.0), ("Queued", 8.0), ("Running", 8.0),
+        ("Restarting", 12.0), ("Running", 16.0)]  # fmt: skip
+    assert status is not None
+    done = derive_status(status, observe(
+        5 * 3600, gpus=8, job_completion_time="2026-11-21T16:45:00Z",  # a quarter hour after the last write
+        conditions=(JobCondition("Created", "True"), JobCondition("Succeeded", "True")),
+    ), THRESHOLDS)  # fmt: skip
+    assert (done.phase, done.gpu_hours, done.gpu_hours_counted_at) == ("Succeeded", 18.0, None)
+
+
+def test_gpu_hours_are_absent_until_the_training_first_runs() -> None:
+    pending = derive_status(None, observe(0, job_name=None, conditions=(), job_start_time=None), THRESHOLDS)
+    assert pending.gpu_hours is None
+    created = derive_status(None, observe(0, conditions=(JobCondition("Created", "True"),)), THRESHOLDS)
+    assert created.gpu_hours is None
+    on_cpus = derive_status(created, observe(60, gpus=0, pods=running_pods(1)), THRESHOLDS)
+    assert on_cpus.gpu_hours == 0.0

@@ -79,6 +79,9 @@ class Progress:
     accuracy: float | None
     samples_per_second: float | None
     estimated_remaining_seconds: float | None
+    # Of the run's data done (0..1); None: step / total_steps. The trainer gives it: steps per
+    # epoch follow the world size, the data does not, so a resize keeps the percentage.
+    fraction: float | None = None
 
 
 class MetricsServer:
@@ -94,7 +97,7 @@ class MetricsServer:
         self.total_epochs = gauge(Metric.TOTAL_EPOCHS, "Epochs in the run")
         self.step = gauge(Metric.STEP, "Optimizer steps done")
         self.total_steps = gauge(Metric.TOTAL_STEPS, "Optimizer steps in the run")
-        self.percent = gauge(Metric.PROGRESS_PERCENT, "Progress in percent of optimizer steps")
+        self.percent = gauge(Metric.PROGRESS_PERCENT, "Progress in percent of the run's data")
         self.loss = gauge(Metric.LOSS, "Training loss over the last logging interval")
         self.accuracy = gauge(Metric.ACCURACY, "Accuracy on the evaluation split after the last epoch")
         self.samples = gauge(Metric.SAMPLES_PER_SECOND, "Training samples per second, whole job")
@@ -120,7 +123,12 @@ class MetricsServer:
         self.total_epochs.set(progress.total_epochs)
         self.step.set(progress.step)
         self.total_steps.set(progress.total_steps)
-        self.percent.set(100.0 * progress.step / max(1, progress.total_steps))
+        done = (
+            progress.fraction
+            if progress.fraction is not None
+            else progress.step / max(1, progress.total_steps)
+        )
+        self.percent.set(100.0 * done)
         for gauge, value in (
             (self.loss, progress.loss),
             (self.accuracy, progress.accuracy),

@@ -43,24 +43,38 @@ class PreemptedError(Exception):
 
 @dataclass
 class Position:
-    """Where training stands: the next batch to run, and optimizer steps done."""
+    """Where training stands: the next batch to run, optimizer steps done, and the batches an
+    epoch had when this was written (they follow the world size: each rank takes 1/world of
+    the data; 0 in checkpoints from before this field: the current count)."""
 
     epoch: int = 0
     next_batch: int = 0
     step: int = 0
+    batches: int = 0
 
 
-def warmup_cosine(total_steps: int) -> Any:
-    """LR multiplier: linear warmup over the first 5% of steps, then cosine decay to 0."""
-    warmup = max(1, int(total_steps * WARMUP_FRACTION))
+def warmup_cosine(fraction: float) -> float:
+    """LR multiplier at ``fraction`` of the run done: linear warmup over the first 5%, then
+    cosine decay towards 0. Of the run's data, not of its steps, so a run resumed with another
+    world size (another number of steps per epoch) continues the same curve."""
+    if fraction < WARMUP_FRACTION:
+        return max(fraction, 0.0) / WARMUP_FRACTION
+    done = (fraction - WARMUP_FRACTION) / (1.0 - WARMUP_FRACTION)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, done)))
 
-    def multiplier(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
-    return multiplier
+def resume_at(position: Position, batches: int, accum: int) -> Position:
+    """``position`` for an epoch of ``batches`` batches (the world size changed since it was
+    written): the same fraction of the epoch, rounded up to the next accumulation group, so
+    progress never goes back; less than one group's samples of this epoch go unseen. Each
+    rank's shard is strided over one permutation (DistributedSampler's arithmetic), so the
+    first k batches of every rank together are the permutation's first k x world x batch
+    samples, whatever the world: the same fraction is the same samples, to that rounding."""
+    if not position.batches or position.batches == batches:
+        return Position(position.epoch, position.next_batch, position.step, batches)
+    fraction = position.next_batch / position.batches
+    next_batch = min(batches, math.ceil(fraction * batches / accum) * accum)
+    return Position(position.epoch, next_batch, position.step, batches)
 
 
 def _autocast(settings: TrainerSettings, device: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -106,11 +120,10 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.learning_rate, fused=True)
         self.batches = self.data.batches_per_epoch()
         self.steps_per_epoch = math.ceil(self.batches / settings.grad_accum_steps)
-        self.total_steps = self.steps_per_epoch * settings.epochs
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_cosine(self.total_steps))
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=settings.precision == "fp16")
         self.checkpoints = CheckpointManager(settings.checkpoint_dir, settings.checkpoint_keep)
-        self.position = Position()
+        self.position = Position(batches=self.batches)
+        self.total_steps = self.steps_per_epoch * settings.epochs  # from here on: steps done + to do
         self.accuracy: float | None = None
         self.test_loss: float | None = None
         self.last_loss: float | None = None
@@ -128,7 +141,6 @@ class Trainer:
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "position": asdict(self.position),
             "model_name": self.settings.model,
@@ -170,9 +182,14 @@ class Trainer:
             )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        self.position = Position(**state["position"])
+        written = Position(**state["position"])
+        self.position = resume_at(written, self.batches, self.settings.grad_accum_steps)
+        self.total_steps = self.position.step + self._steps_left()
+        if written.batches and written.batches != self.batches:
+            log.info("the world size changed: an epoch is %d batches per rank, not %d; resuming at batch %d "
+                     "(%.1f%% of the run done, as before)", self.batches, written.batches,
+                     self.position.next_batch, 100 * self._fraction(self.position))  # fmt: skip
         figures = state["figures"]
         self.last_loss, self.accuracy, self.test_loss = (
             figures["loss"],
@@ -185,6 +202,32 @@ class Trainer:
         if state["rng"]["cuda"] and self.device.type == "cuda":
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         log.info("resumed from %s at epoch %d, step %d", path, self.position.epoch + 1, self.position.step)
+
+    # ---------------------------------------------------------------------------------------
+    # Progress, by the data: what stays true when the world size (the steps per epoch) changes
+
+    def _fraction(self, position: Position) -> float:
+        """The run's data done at ``position``: epochs done plus this epoch's share, of all."""
+        return min(1.0, (position.epoch + position.next_batch / self.batches) / self.settings.epochs)
+
+    def _steps_left(self) -> int:
+        """Optimizer steps from the position to the end, at this world size."""
+        epoch, next_batch = self.position.epoch, self.position.next_batch
+        if epoch >= self.settings.epochs:
+            return 0
+        this_epoch = math.ceil(max(0, self.batches - next_batch) / self.settings.grad_accum_steps)
+        return this_epoch + (self.settings.epochs - epoch - 1) * self.steps_per_epoch
+
+    def _set_learning_rate(self, epoch: int, first_batch: int, end_batch: int) -> None:
+        """The LR for the step over batches [first_batch, end_batch) of ``epoch``: the schedule
+        at the middle of that step's share of the data (the first step's LR is not 0, nor the
+        last's)."""
+        middle = (
+            self._fraction(Position(epoch, first_batch)) + self._fraction(Position(epoch, end_batch))
+        ) / 2
+        rate = self.settings.learning_rate * warmup_cosine(middle)
+        for group in self.optimizer.param_groups:
+            group["lr"] = rate
 
     # ---------------------------------------------------------------------------------------
     # The loop
@@ -218,12 +261,13 @@ class Trainer:
         self._publish(rate, eta)
         if self.cluster.is_main:
             log.info(
-                "epoch %d/%d step %d/%d loss %.4f %.0f samples/s eta %.0fs",
+                "epoch %d/%d step %d/%d loss %.4f lr %.3g %.0f samples/s eta %.0fs",
                 self.position.epoch + 1,
                 self.settings.epochs,
                 self.position.step,
                 self.total_steps,
                 self.last_loss,
+                self.optimizer.param_groups[0]["lr"],
                 rate,
                 eta,
             )
@@ -241,6 +285,7 @@ class Trainer:
                 accuracy=self.accuracy,
                 samples_per_second=rate,
                 estimated_remaining_seconds=eta,
+                fraction=self._fraction(self.position),
             )
         )
 
@@ -306,11 +351,11 @@ class Trainer:
             if settings.max_grad_norm > 0:
                 self.scaler.unscale_(self.optimizer)
                 nn.utils.clip_grad_norm_(self.model.parameters(), settings.max_grad_norm)
+            self._set_learning_rate(epoch, group_start, b + 1)
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
-            self.position = Position(epoch=epoch, next_batch=b + 1, step=self.position.step + 1)
+            self.position = Position(epoch, b + 1, self.position.step + 1, self.batches)
             interval_steps += 1
             if self.stop_requested:
                 self._preempt()
@@ -342,7 +387,7 @@ class Trainer:
                     self.evaluate()
                     self._publish(None, None)
                 # The epoch is done; a restart continues with the next one.
-                self.position = Position(epoch=epoch + 1, next_batch=0, step=self.position.step)
+                self.position = Position(epoch + 1, 0, self.position.step, self.batches)
                 if self.cluster.is_main:
                     self.save_checkpoint()
                 if self.stop_requested:

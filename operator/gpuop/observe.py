@@ -8,7 +8,7 @@ these readings are unit-tested on plain dicts.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
@@ -103,7 +103,7 @@ def job_suspended(job: Mapping[str, Any] | None) -> bool:
     return bool(spec.get("suspend") or (spec.get("runPolicy") or {}).get("suspend"))
 
 
-def queue_state(workloads: list[Mapping[str, Any]]) -> QueueState | None:
+def queue_state(workloads: Sequence[Mapping[str, Any]]) -> QueueState | None:
     """Where Kueue has a job, from the Workloads it made for it (newest first; None: none yet).
 
     Kueue's own conditions, in its order of events: QuotaReserved (False: still pending, with

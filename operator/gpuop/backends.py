@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gpuop.render import PYTORCHJOB_API_VERSION, PYTORCHJOB_KIND, render_pytorchjob
+from gpuop.identity import PYTORCHJOB_API_VERSION, PYTORCHJOB_KIND, TRAINJOB_API_VERSION, TRAINJOB_KIND
+from gpuop.render import render_pytorchjob
 from gpuop.spec import Backend, GpuTraining, JobBackend
-from gpuop.trainjob import TRAINJOB_API_VERSION, TRAINJOB_KIND, render_runtime, render_trainjob
+from gpuop.trainjob import render_runtime, render_trainjob
 
 
 @dataclass(frozen=True)

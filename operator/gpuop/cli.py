@@ -21,7 +21,7 @@ from gpuop.apidoc import api_reference
 from gpuop.backends import render_job
 from gpuop.crd import build_crd, crd_yaml
 from gpuop.documents import Document, DocumentError, read_documents
-from gpuop.render import DEFAULT_TRAINER_IMAGE
+from gpuop.identity import DEFAULT_TRAINER_IMAGE
 from gpuop.schema import SpecError
 from gpuop.scrape import TrainerMetrics
 from gpuop.settings import SettingsError, add_arguments, from_arguments

@@ -27,11 +27,10 @@ import kopf
 
 from gpuop import observe
 from gpuop.backends import APIS
+from gpuop.identity import GROUP, PLURAL, TRAINING_LABEL, VERSION
 from gpuop.kube import ApiError, Kube
 from gpuop.reconcile import Reconciler
-from gpuop.render import TRAINING_LABEL
 from gpuop.settings import OperatorSettings
-from gpuop.spec import GROUP, PLURAL, VERSION
 from gpuop.telemetry import OperatorMetrics
 
 log = logging.getLogger(__name__)

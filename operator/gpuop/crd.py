@@ -10,8 +10,9 @@ from typing import Any, Final
 
 import yaml
 
+from gpuop.identity import GROUP, KIND, PLURAL, VERSION
 from gpuop.schema import openapi_schema
-from gpuop.spec import GROUP, KIND, MUTABLE_SPEC_FIELDS, NAME_RULE, PLURAL, VERSION, GpuTrainingSpec
+from gpuop.spec import MUTABLE_SPEC_FIELDS, NAME_RULE, GpuTrainingSpec
 from gpuop.status import GpuTrainingStatus
 
 SHORT_NAME: Final = "gtr"

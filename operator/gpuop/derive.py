@@ -19,7 +19,7 @@ from datetime import datetime
 from typing import Any, Final
 
 from gpuop.schema import SpecError, decode, encode
-from gpuop.scrape import TrainerMetrics, parse_result
+from gpuop.scrape import TrainerMetrics
 from gpuop.spec import JOB_KINDS, MUTABLE_SPEC_FIELDS, TRAINJOB_MUTABLE_FIELDS, JobBackend
 from gpuop.status import (
     Condition,
@@ -34,6 +34,7 @@ from gpuop.status import (
     progress_from_metrics,
     progress_from_result,
 )
+from gputrain.contract import Result
 
 _ALARMS: Final = (
     "BackendUnavailable",
@@ -176,11 +177,11 @@ def _phase(obs: Observation) -> Phase:
     return next((phase for phase in _JOB_PHASES if phase in true), "Created")
 
 
-def _trainer_record(obs: Observation, phase: str) -> dict[str, Any] | None:
+def _trainer_record(obs: Observation, phase: str) -> Result | None:
     """The first termination message of the given phase among the pods (master first)."""
     for pod in sorted(obs.pods, key=lambda p: ("master" not in p.name, p.name)):
-        record = parse_result(pod.termination_message) if pod.termination_message else None
-        if record is not None and record["phase"] == phase:
+        record = Result.from_json(pod.termination_message) if pod.termination_message else None
+        if record is not None and record.phase == phase:
             return record
     return None
 
@@ -403,7 +404,7 @@ def derive_status(
             record = _trainer_record(obs, "Failed")
             earlier = next((c for c in before.conditions if c.type == "Failed" and c.status == "True"), None)
             if record is not None:
-                reason, text = record["reason"], record["message"]
+                reason, text = record.reason, record.message
             elif earlier is not None:  # the pods (and their records) may be gone by now
                 reason, text = earlier.reason, earlier.message
             else:

@@ -25,8 +25,16 @@ import urllib3
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
-from gpuop.render import TRAINING_LABEL
-from gpuop.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from gpuop.identity import (
+    API_VERSION,
+    GROUP,
+    KIND,
+    KUEUE_API_VERSIONS,
+    KUEUE_JOB_UID_LABEL,
+    PLURAL,
+    TRAINING_LABEL,
+    VERSION,
+)
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +42,6 @@ USER_AGENT: Final = "gpuop-operator/0.1"
 RETRIED_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 _TRAININGS: Final = f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/{PLURAL}"
 _MERGE_PATCH: Final = "application/merge-patch+json"
-KUEUE_VERSIONS: Final = ("kueue.x-k8s.io/v1beta2", "kueue.x-k8s.io/v1beta1")
 
 
 class ApiError(Exception):
@@ -227,8 +234,8 @@ class Kube:
         """The Kueue Workloads made for a job (by Kueue's job-uid label); None when this cluster
         serves no Kueue API (v1beta2 since Kueue 0.15; v1beta1 before) or this operator may not
         read it (the chart grants it; a hand-made Role may not): the status then says less."""
-        query = {"labelSelector": f"kueue.x-k8s.io/job-uid={job_uid}"}
-        for version in KUEUE_VERSIONS:
+        query = {"labelSelector": f"{KUEUE_JOB_UID_LABEL}={job_uid}"}
+        for version in KUEUE_API_VERSIONS:
             try:
                 reply = self._request("GET", _objects(version, "workloads", namespace), query=query)
             except ApiError as exc:

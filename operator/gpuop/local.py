@@ -24,10 +24,10 @@ from typing import Any, TextIO
 from gpuop.derive import TIME_FORMAT, JobCondition, Observation, PodObservation, Thresholds, derive_status
 from gpuop.render import trainer_env
 from gpuop.schema import encode
-from gpuop.scrape import TrainerMetrics, parse_metrics, parse_result
+from gpuop.scrape import TrainerMetrics, parse_metrics
 from gpuop.spec import GpuTraining
 from gpuop.status import GpuTrainingStatus, format_eta
-from gputrain.contract import env_name
+from gputrain.contract import Result, env_name
 
 POLL_SECONDS = 0.5
 LOCAL_POD = "local-0"
@@ -173,8 +173,8 @@ def final_status(
     success record. The trainer's own failure record, when there is one, gives the reason.
     """
     message = run.termination_log.read_text() if run.termination_log.is_file() else None
-    record = parse_result(message) if message is not None else None
-    if code == 0 and record is not None and record["phase"] == "Succeeded":
+    record = Result.from_json(message) if message is not None else None
+    if code == 0 and record is not None and record.phase == "Succeeded":
         outcome = JobCondition("Succeeded", "True")
     else:
         outcome = JobCondition(

@@ -13,9 +13,14 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
 from gpuop.derive import JobCondition, PodObservation, QueueState
-from gpuop.render import CONTAINER_NAME, CREATED_FROM_ANNOTATION, TRAINING_LABEL
+from gpuop.identity import (
+    CREATED_FROM_ANNOTATION,
+    PYTORCHJOB_CONTAINER,
+    TRAINING_LABEL,
+    TRAINJOB_CONTAINER,
+    TRAINJOB_KIND,
+)
 from gpuop.scrape import TrainerMetrics
-from gpuop.trainjob import NODE, TRAINJOB_KIND
 
 _TERMINAL = ("Succeeded", "Failed")
 
@@ -194,7 +199,10 @@ def pod_ip(pod: Mapping[str, Any]) -> str | None:
 def _trainer_container(status: Mapping[str, Any]) -> Mapping[str, Any]:
     """The trainer container's entry of the pod's containerStatuses ({} when there is none)."""
     for container in status.get("containerStatuses") or ():
-        if isinstance(container, Mapping) and container.get("name") in (CONTAINER_NAME, NODE):
+        if isinstance(container, Mapping) and container.get("name") in (
+            PYTORCHJOB_CONTAINER,
+            TRAINJOB_CONTAINER,
+        ):
             return container
     return {}
 

@@ -14,11 +14,19 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+from gpuop.identity import (
+    API_VERSION,
+    CREATED_FROM_ANNOTATION,
+    DEFAULT_TRAINER_IMAGE,
+    KIND,
+    KUEUE_QUEUE_LABEL,
+    PYTORCHJOB_API_VERSION,
+    PYTORCHJOB_CONTAINER,
+    PYTORCHJOB_KIND,
+    TRAINING_LABEL,
+)
 from gpuop.quantity import MI, format_bytes, parse_quantity
 from gpuop.spec import (
-    API_VERSION,
-    JOB_KINDS,
-    KIND,
     GpuTraining,
     GpuTrainingSpec,
     JobBackend,
@@ -35,18 +43,9 @@ from gputrain.contract import (
     TrainerSettings,
 )
 
-PYTORCHJOB_API_VERSION: Final = "kubeflow.org/v1"
-PYTORCHJOB_KIND: Final = JOB_KINDS["pytorchjob"]
-CONTAINER_NAME: Final = "pytorch"  # the training-operator finds its container by this name
-DEFAULT_TRAINER_IMAGE: Final = "ghcr.io/gpu-training-operator/trainer:0.1.0"
 GPU_RESOURCE: Final = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL: Final = "nvidia.com/gpu.product"
 EFA_RESOURCE: Final = "vpc.amazonaws.com/efa"
-QUEUE_LABEL: Final = "kueue.x-k8s.io/queue-name"
-TRAINING_LABEL: Final = "gpuop.io/gputraining"
-# The fixed spec fields the job was made from (JSON), so that a change that got past the CRD's
-# transition rules is reported instead of silently not applied.
-CREATED_FROM_ANNOTATION: Final = "gpuop.io/created-from"
 _CREATED_FROM_MAX_BYTES: Final = 64 * 1024
 RUN_AS_USER: Final = 1000
 
@@ -376,7 +375,7 @@ def _pytorchjob_pod_template(name: str, spec: GpuTrainingSpec, image: str) -> di
         {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"},
     ]
     container = trainer_container(
-        name, spec, image, container_name=CONTAINER_NAME, launch=_launch(spec), ports=ports
+        name, spec, image, container_name=PYTORCHJOB_CONTAINER, launch=_launch(spec), ports=ports
     )
     return pod_template(name, spec, container)
 
@@ -489,7 +488,7 @@ def job_metadata(training: GpuTraining, backend: JobBackend = "pytorchjob") -> d
     spec = training.spec
     job_labels = labels(training.name)
     if spec.scheduling.queue_name is not None:
-        job_labels[QUEUE_LABEL] = spec.scheduling.queue_name
+        job_labels[KUEUE_QUEUE_LABEL] = spec.scheduling.queue_name
     created_from = fixed_spec_record(spec, backend)
     # Annotations share a 256 KiB budget; a spec with huge env values goes without the record
     # (and without the SpecNotApplied check) rather than fail to create its job.

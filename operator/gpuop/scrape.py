@@ -1,4 +1,5 @@
-"""Reading a trainer's Prometheus endpoint and termination message into typed figures.
+"""Reading a trainer's Prometheus endpoint into typed figures (its termination message is read
+by :meth:`gputrain.contract.Result.from_json`).
 
 Pure parsing, no I/O: the operator (in a cluster) and ``gpuop run`` (on a laptop) fetch the
 text their own way and hand it here, so both read the trainer the same way.
@@ -6,14 +7,12 @@ text their own way and hand it here, so both read the trainer the same way.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from typing import Any, Final
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gputrain.contract import RESULT_KEYS, Metric
+from gputrain.contract import Metric, Progress
 
 
 @dataclass(frozen=True)
@@ -25,19 +24,11 @@ class GpuFigures:
 
 
 @dataclass(frozen=True)
-class TrainerMetrics:
-    """One pod's scrape. A figure the trainer has not published yet is None."""
+class TrainerMetrics(Progress):
+    """One pod's scrape: the trainer's published progress (:class:`gputrain.contract.Progress`,
+    the one definition both sides share) and the pod's own GPUs."""
 
-    epoch: int | None
-    total_epochs: int | None
-    step: int | None
-    total_steps: int | None
-    percent: float | None
-    loss: float | None
-    accuracy: float | None
-    samples_per_second: float | None
-    estimated_remaining_seconds: float | None
-    gpus: tuple[GpuFigures, ...]
+    gpus: tuple[GpuFigures, ...] = ()
 
 
 def parse_metrics(text: str) -> TrainerMetrics:
@@ -83,33 +74,3 @@ def parse_metrics(text: str) -> TrainerMetrics:
 
 def _int(value: float | None) -> int | None:
     return None if value is None else int(value)
-
-
-def parse_result(text: str) -> dict[str, Any] | None:
-    """The trainer's final record (termination message or result.json); None if it is none.
-
-    ``phase`` is Succeeded (with the final figures) or Failed (with reason and message). A
-    termination message may instead hold the last log lines of a crashed trainer
-    (``FallbackToLogsOnError``): that is not an error here, just not a record.
-    """
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(data, dict) or data.get("phase") not in ("Succeeded", "Failed"):
-        return None
-    # The message is the container's to write (a custom image's too): a value of the wrong
-    # type is dropped here, at the edge, rather than break the status derivation later.
-    record: dict[str, Any] = {}
-    for key in RESULT_KEYS:
-        value = data.get(key)
-        if key in _TEXT_KEYS:
-            record[key] = value[:1024] if isinstance(value, str) else None
-        elif isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-            record[key] = value
-        else:
-            record[key] = None
-    return record
-
-
-_TEXT_KEYS: Final = frozenset({"phase", "reason", "message"})

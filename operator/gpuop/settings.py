@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from gpuop.render import DEFAULT_TRAINER_IMAGE
+from gpuop.identity import DEFAULT_TRAINER_IMAGE
 
 ENV_PREFIX: Final = "GPUOP_"
 ScrapeVia = Literal["auto", "pod-ip", "proxy"]

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, Final, Literal
 
+from gpuop.identity import API_VERSION, KIND, PYTORCHJOB_KIND, TRAINJOB_KIND
 from gpuop.quantity import parse_quantity
 from gpuop.schema import (
     Problem,
@@ -29,12 +30,6 @@ from gpuop.schema import (
     json_name,
 )
 from gputrain.contract import DatasetName, ModelName, Precision
-
-GROUP: Final = "gpuop.io"
-VERSION: Final = "v1alpha1"
-API_VERSION: Final = f"{GROUP}/{VERSION}"
-KIND: Final = "GpuTraining"
-PLURAL: Final = "gputrainings"
 
 # The PyTorchJob is named after the GpuTraining, and the training-operator names a Service
 # per pod "<job>-worker-<index>": a DNS-1035 label of at most 63 characters. 48 leaves room
@@ -68,7 +63,7 @@ Backend = Literal["auto", "pytorchjob", "trainjob"]
 JobBackend = Literal["pytorchjob", "trainjob"]  # what auto resolves to
 # The kind each backend makes, as its CRD names it.
 JOB_KINDS: Final[Mapping[JobBackend, str]] = MappingProxyType(
-    {"pytorchjob": "PyTorchJob", "trainjob": "TrainJob"}
+    {"pytorchjob": PYTORCHJOB_KIND, "trainjob": TRAINJOB_KIND}
 )
 
 _K8S_NAME: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"

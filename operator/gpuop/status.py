@@ -9,10 +9,11 @@ Field names follow what Kubeflow users know from Trainer v2's ``trainerStatus``
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Final, Literal, get_args
+from typing import Final, Literal, get_args
 
 from gpuop.schema import api_field, api_object
 from gpuop.scrape import TrainerMetrics
+from gputrain.contract import Result
 
 ConditionStatus = Literal["True", "False", "Unknown"]
 Phase = Literal["Pending", "Created", "Queued", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
@@ -219,18 +220,17 @@ def progress_from_metrics(metrics: TrainerMetrics, now: str) -> Progress:
     )
 
 
-def progress_from_result(result: Mapping[str, Any], now: str) -> Progress:
+def progress_from_result(result: Result, now: str) -> Progress:
     """Progress of a finished run, from the trainer's final result."""
-    rate = result.get("samplesPerSecond")
     return Progress(
         percent=100.0,
-        epoch=result.get("epoch"),
-        total_epochs=result.get("totalEpochs"),
-        step=result.get("step"),
-        total_steps=result.get("totalSteps"),
-        loss=_round(result.get("loss"), 6),
-        accuracy=_round(result.get("accuracy"), 6),
-        samples_per_second=_round(rate, 1),
+        epoch=result.epoch,
+        total_epochs=result.total_epochs,
+        step=result.step,
+        total_steps=result.total_steps,
+        loss=_round(result.loss, 6),
+        accuracy=_round(result.accuracy, 6),
+        samples_per_second=_round(result.samples_per_second, 1),
         estimated_remaining_seconds=0,
         eta=format_eta(0),
         updated_at=now,

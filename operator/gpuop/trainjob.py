@@ -27,16 +27,19 @@ from __future__ import annotations
 from typing import Any, Final
 
 from gpuop import render
+from gpuop.identity import (
+    DEFAULT_TRAINER_IMAGE,
+    RUNTIME_KIND,
+    TRAINER_GROUP,
+    TRAINJOB_API_VERSION,
+    TRAINJOB_CONTAINER,
+    TRAINJOB_KIND,
+)
 from gpuop.schema import SpecError
-from gpuop.spec import JOB_KINDS, GpuTraining, GpuTrainingSpec, trainjob_problems
+from gpuop.spec import GpuTraining, GpuTrainingSpec, trainjob_problems
 from gputrain.contract import METRICS_PORT, METRICS_PORT_NAME
 
-TRAINER_GROUP: Final = "trainer.kubeflow.org"
-TRAINJOB_API_VERSION: Final = f"{TRAINER_GROUP}/v1alpha1"
-TRAINJOB_KIND: Final = JOB_KINDS["trainjob"]
-RUNTIME_KIND: Final = "TrainingRuntime"
 # The replicated job and container Trainer's torch plugin injects its PET_* variables into.
-NODE: Final = "node"
 _ANCESTOR_LABEL: Final = "trainer.kubeflow.org/trainjob-ancestor-step"
 _FRAMEWORK_LABEL: Final = "trainer.kubeflow.org/framework"
 
@@ -54,9 +57,7 @@ def _refuse_gaps(spec: GpuTrainingSpec) -> None:
         raise SpecError(problems)
 
 
-def render_runtime(
-    training: GpuTraining, *, default_image: str = render.DEFAULT_TRAINER_IMAGE
-) -> dict[str, Any]:
+def render_runtime(training: GpuTraining, *, default_image: str = DEFAULT_TRAINER_IMAGE) -> dict[str, Any]:
     """The TrainingRuntime of one GpuTraining's TrainJob; raises SpecError for what it cannot say."""
     spec = training.spec
     _refuse_gaps(spec)
@@ -65,7 +66,12 @@ def render_runtime(
     # The TrainJob's trainer overrides image, command, args, env and resources; they are
     # rendered here too because a pod template must be whole, and they agree by construction.
     container = render.trainer_container(
-        name, spec, spec.image or default_image, container_name=NODE, launch=_launch(spec), ports=ports
+        name,
+        spec,
+        spec.image or default_image,
+        container_name=TRAINJOB_CONTAINER,
+        launch=_launch(spec),
+        ports=ports,
     )
     template = render.pod_template(name, spec, container)
     template["spec"] = {"restartPolicy": "OnFailure", **template["spec"]}
@@ -88,7 +94,7 @@ def render_runtime(
                 "spec": {
                     "replicatedJobs": [
                         {
-                            "name": NODE,
+                            "name": TRAINJOB_CONTAINER,
                             "replicas": 1,
                             "template": {"metadata": {"labels": {_ANCESTOR_LABEL: "trainer"}}, "spec": job},
                         }
@@ -99,9 +105,7 @@ def render_runtime(
     }
 
 
-def render_trainjob(
-    training: GpuTraining, *, default_image: str = render.DEFAULT_TRAINER_IMAGE
-) -> dict[str, Any]:
+def render_trainjob(training: GpuTraining, *, default_image: str = DEFAULT_TRAINER_IMAGE) -> dict[str, Any]:
     """The TrainJob of a GpuTraining, on the runtime :func:`render_runtime` makes for it."""
     spec = training.spec
     _refuse_gaps(spec)

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from gpuop import settings as operator_settings
-from gpuop.render import TRAINING_LABEL
+from gpuop.identity import TRAINING_LABEL
 from gputrain.contract import METRICS_PORT_NAME
 from support import crdschema
 from support.crdschema import ROOT

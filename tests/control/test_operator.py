@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gputrain.metrics import Progress
+from gputrain.contract import Progress
 from support.apiserver import ApiServer
 from support.cluster import (
     JOBS,
@@ -34,6 +34,10 @@ def _result(**figures: Any) -> dict[str, Any]:
     }  # fmt: skip
     record.update(figures)
     return record
+
+
+AT_STEP_80 = Progress(epoch=2, total_epochs=2, step=80, total_steps=100, loss=0.4, samples_per_second=520.0,
+                      estimated_remaining_seconds=40.0)  # fmt: skip
 
 
 def _stamp(seconds: float) -> str:
@@ -77,8 +81,8 @@ def test_lifecycle_from_apply_to_succeeded(env: Cluster) -> None:
     assert status["gpu"]["count"] == 2
     assert sorted(w["pod"] for w in status["gpu"]["perWorker"]) == sorted(pods)
 
-    env.progress(pods[0], Progress(2, 2, 80, 100, 0.4, None, 520.0, 40.0), gpu_percent=90.0)
-    env.progress(pods[1], Progress(2, 2, 80, 100, 0.4, None, 520.0, 40.0), gpu_percent=92.0)
+    env.progress(pods[0], AT_STEP_80, gpu_percent=90.0)
+    env.progress(pods[1], AT_STEP_80, gpu_percent=92.0)
     wait_for("step 80", lambda: env.status("mnist").get("progress", {}).get("step") == 80)
 
     for pod in pods:
@@ -292,7 +296,19 @@ def test_stalled_and_underutilized_jobs_get_conditions_and_warnings(env: Cluster
     wait_for("the Underutilized warning", lambda: ("Warning", "LowGpuUtilization") in env.events("slow"))
 
     for pod in pods:
-        env.progress(pod, Progress(1, 2, 31, 100, 0.8, None, 500.0, 120.0), gpu_percent=95.0)
+        env.progress(
+            pod,
+            Progress(
+                epoch=1,
+                total_epochs=2,
+                step=31,
+                total_steps=100,
+                loss=0.8,
+                samples_per_second=500.0,
+                estimated_remaining_seconds=120.0,
+            ),
+            gpu_percent=95.0,
+        )
     wait_for("Stalled cleared", lambda: env.condition("slow", "Stalled")["status"] == "False")
     wait_for("Underutilized cleared", lambda: env.condition("slow", "Underutilized")["status"] == "False")
     assert env.status("slow")["phase"] == "Running"

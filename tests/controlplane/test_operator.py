@@ -21,8 +21,8 @@ import yaml
 
 from gpuop.backends import render_job
 from gpuop.spec import parse
-from gputrain.contract import METRICS_PORT
-from gputrain.metrics import MetricsServer, Progress
+from gputrain.contract import METRICS_PORT, Progress
+from gputrain.metrics import MetricsServer
 from support.cluster import PRINTER_COLUMNS, RUNNING, wait_for
 from support.controlplane import ControlPlane
 from support.faultproxy import FaultProxy

@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from gputrain.contract import METRICS_PORT
-from gputrain.metrics import MetricsServer, Progress
+from gputrain.contract import METRICS_PORT, Progress
+from gputrain.metrics import MetricsServer
 from support.apiserver import ApiServer, RunningApiServer
 from support.controlplane import ensure_binaries
 

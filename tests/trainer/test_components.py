@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from gpuop.local import progress_line, scrape
-from gpuop.scrape import parse_metrics, parse_result
+from gpuop.scrape import parse_metrics
 from gpuop.status import GpuUsage, format_eta, gpu_usage
 from gputrain.checkpoint import CheckpointManager
-from gputrain.contract import Metric
+from gputrain.contract import Metric, Progress, Result
 from gputrain.data import (
     DatasetMissingError,
     TensorData,
@@ -26,7 +26,7 @@ from gputrain.data import (
     load_mnist_arrays,
     shard_indices,
 )
-from gputrain.metrics import MetricsServer, Progress
+from gputrain.metrics import MetricsServer
 from gputrain.models import build_model
 from gputrain.train import Position, resume_at, warmup_cosine
 from gputrain.vision import import_torchvision
@@ -204,7 +204,8 @@ def test_metrics_endpoint_round_trip() -> None:
     server = MetricsServer(port=0)
     try:
         assert server.port
-        server.update(Progress(2, 5, 30, 120, 0.5, 0.75, 1234.0, 61.0))
+        server.update(Progress(epoch=2, total_epochs=5, step=30, total_steps=120, loss=0.5, accuracy=0.75,
+                               samples_per_second=1234.0, estimated_remaining_seconds=61.0))  # fmt: skip
         metrics = scrape(server.port)
     finally:
         server.close()
@@ -250,18 +251,18 @@ def test_format_eta(seconds: float | None, text: str | None) -> None:
 
 
 def test_termination_messages() -> None:
-    assert parse_result('{"phase": "Succeeded", "accuracy": 0.9, "extra": 1}') == {
-        "phase": "Succeeded",
-        "accuracy": 0.9,
-        **dict.fromkeys(("epoch", "totalEpochs", "step", "totalSteps", "loss", "testLoss")),
-        **dict.fromkeys(("samplesPerSecond", "durationSeconds", "worldSize", "reason", "message")),
-    }
-    assert (
-        parse_result('{"phase": "Failed", "reason": "DatasetMissing", "message": "m"}')["reason"]
-        == "DatasetMissing"
-    )  # type: ignore[index]
-    assert parse_result("Traceback (most recent call last): ...") is None  # FallbackToLogsOnError
-    assert parse_result('{"phase": "Running"}') is None
+    assert Result.from_json('{"phase": "Succeeded", "accuracy": 0.9, "extra": 1}') == Result(
+        "Succeeded", accuracy=0.9
+    )
+    failed = Result.from_json('{"phase": "Failed", "reason": "DatasetMissing", "message": "m"}')
+    assert failed == Result("Failed", reason="DatasetMissing", message="m")
+    assert Result.from_json(failed.to_json()) == failed  # what the trainer writes, the operator reads
+    assert Result.from_json("Traceback (most recent call last): ...") is None  # FallbackToLogsOnError
+    assert Result.from_json('{"phase": "Running"}') is None
+    # A custom image's record: values of the wrong type are dropped at the edge.
+    assert Result.from_json(
+        '{"phase": "Succeeded", "loss": "nan", "step": true, "accuracy": 1e999}'
+    ) == Result("Succeeded")
 
 
 def test_imagefolder_goes_through_dataloader_workers(tmp_path: Path) -> None:
@@ -333,8 +334,9 @@ def test_fp16_loss_scaling_steps_once_per_optimizer_step(tmp_path: Path) -> None
     finally:
         trainer.close()
     assert trainer.scaler.is_enabled()
-    assert result["step"] == result["totalSteps"] == 23  # 45 micro-batches of 32, 2 per step
-    assert result["accuracy"] >= 0.8, result
+    assert result.step == result.total_steps == 23  # 45 micro-batches of 32, 2 per step
+    assert result.accuracy is not None
+    assert result.accuracy >= 0.8, result
     scaler = trainer.scaler.state_dict()
     # update() runs once per optimizer step: the count of clean steps since the last change of
     # scale is the number of steps, unless an overflow halved the scale (and reset the count).

@@ -11,8 +11,8 @@ from prometheus_client import generate_latest
 from gpuop.render import trainer_settings
 from gpuop.scrape import parse_metrics
 from gpuop.spec import parse
-from gputrain.contract import ContractError, TrainerSettings, env_name
-from gputrain.metrics import MetricsServer, Progress
+from gputrain.contract import ContractError, Progress, TrainerSettings, env_name
+from gputrain.metrics import MetricsServer
 from support.specs import minimal
 
 

@@ -17,8 +17,9 @@ from gpuop.derive import (
     status_patch,
 )
 from gpuop.schema import encode
-from gpuop.scrape import GpuFigures, TrainerMetrics, parse_result
+from gpuop.scrape import GpuFigures, TrainerMetrics
 from gpuop.status import GpuTrainingStatus
+from gputrain.contract import Result
 
 T0 = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)
 THRESHOLDS = Thresholds(stall_timeout_seconds=900, underutilized_percent=30, underutilized_seconds=600)
@@ -356,10 +357,10 @@ def test_a_finished_trainings_deleted_job_is_recorded_once_and_nothing_else_chan
 def test_a_termination_message_with_wrong_types_is_read_without_them() -> None:
     record = {"phase": "Succeeded", "loss": "not-a-number", "accuracy": float("nan"), "step": True,
               "totalSteps": 100, "message": ["x"]}  # fmt: skip
-    parsed = parse_result(json.dumps(record))
+    parsed = Result.from_json(json.dumps(record))
     assert parsed is not None
-    assert (parsed["loss"], parsed["accuracy"], parsed["step"], parsed["message"]) == (None, None, None, None)
-    assert parsed["totalSteps"] == 100
+    assert (parsed.loss, parsed.accuracy, parsed.step, parsed.message) == (None, None, None, None)
+    assert parsed.total_steps == 100
     done = derive_status(
         None,
         observe(60, conditions=(JobCondition("Succeeded", "True"),),

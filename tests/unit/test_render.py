@@ -11,15 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
+from gpuop.identity import CREATED_FROM_ANNOTATION, DEFAULT_TRAINER_IMAGE
 from gpuop.quantity import GI, MI
-from gpuop.render import (
-    CREATED_FROM_ANNOTATION,
-    DEFAULT_TRAINER_IMAGE,
-    kubeflow_backoff_limit,
-    render_pytorchjob,
-    shm_size_bytes,
-    trainer_settings,
-)
+from gpuop.render import kubeflow_backoff_limit, render_pytorchjob, shm_size_bytes, trainer_settings
 from gpuop.spec import fixed_spec, parse
 from gputrain.contract import METRICS_PORT, TrainerSettings
 from support.crdschema import ROOT

@@ -187,7 +187,7 @@ def test_runtime_and_job_are_owned_named_and_labelled_like_the_pytorchjob() -> N
     }
     assert runtime["metadata"]["ownerReferences"] == pytorchjob["metadata"]["ownerReferences"]
     assert runtime["metadata"]["namespace"] == "ml"
-    assert render.QUEUE_LABEL not in runtime["metadata"]["labels"]  # Kueue queues the TrainJob
+    assert render.KUEUE_QUEUE_LABEL not in runtime["metadata"]["labels"]  # Kueue queues the TrainJob
     assert job["spec"]["suspend"] is True  # made suspended for Kueue to admit
 
 

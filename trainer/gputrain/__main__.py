@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import dataclasses
 import gc
-import json
 import logging
 import os
 import sys
@@ -27,6 +26,7 @@ from gputrain.contract import (
     FAILURE_REASONS,
     TERMINATION_LOG,
     ContractError,
+    Result,
     TrainerSettings,
     env_name,
 )
@@ -62,10 +62,10 @@ def settings_from(argv: Sequence[str] | None, environ: dict[str, str]) -> tuple[
 def _report_failure(path: str, code: int, message: str) -> int:
     """Leave the reason in the termination message (one writer per pod), and return ``code``."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        record = {"phase": "Failed", "reason": FAILURE_REASONS[code], "message": message[:3000]}
+        record = Result(phase="Failed", reason=FAILURE_REASONS[code], message=message[:3000])
         # Outside a pod there may be no termination log; the log line already says it all.
         with contextlib.suppress(OSError):
-            Path(path).write_text(json.dumps(record))
+            Path(path).write_text(record.to_json())
     return code
 
 

@@ -12,6 +12,8 @@ and the trainer image has no kopf or kubernetes client.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from collections.abc import Mapping
 from typing import Final, Literal, get_args, get_type_hints
 
@@ -47,27 +49,81 @@ EXIT_PREEMPTED: Final = 143
 ENV_PREFIX: Final = "GPUTRAIN_"
 
 # The final result: rank 0 writes it as JSON to <output dir>/RESULT_FILE, beside the model's
-# state_dict in MODEL_FILE, and every pod's local rank 0 to its termination message. Its
-# keys are RESULT_KEYS, camelCase as in the GpuTraining status. A trainer that stops on a
-# known failure writes {"phase": "Failed", "reason": ..., "message": ...} there instead:
-# torchrun's own exit code does not carry the worker's.
+# state_dict in MODEL_FILE, and every pod's local rank 0 to its termination message (a
+# :class:`Result`). A trainer that stops on a known failure writes a Failed one with reason and
+# message there instead: torchrun's own exit code does not carry the worker's.
 RESULT_FILE: Final = "result.json"
 MODEL_FILE: Final = "model.pt"
-RESULT_KEYS: Final = (
-    "phase",  # Succeeded
-    "epoch",
-    "totalEpochs",
-    "step",
-    "totalSteps",
-    "loss",  # training loss over the last logging interval
-    "accuracy",  # on the evaluation split, 0..1
-    "testLoss",
-    "samplesPerSecond",  # whole job, over the time spent in training steps, every attempt
-    "durationSeconds",
-    "worldSize",
-    "reason",  # Failed only: InvalidSettings, DatasetMissing or Preempted
-    "message",
-)
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """What a training trainer publishes on its metrics endpoint (the names in :class:`Metric`),
+    and what readers get back from it; a figure not published yet is None, never 0."""
+
+    epoch: int | None = None  # from 1
+    total_epochs: int | None = None
+    step: int | None = None  # optimizer steps done, over every attempt
+    total_steps: int | None = None  # steps done + steps to go at the current world size
+    percent: float | None = None  # of the run's data: unlike steps, the same at any world size
+    loss: float | None = None  # training loss over the last logging interval
+    accuracy: float | None = None  # on the evaluation split after the last epoch, 0..1
+    samples_per_second: float | None = None  # whole job
+    estimated_remaining_seconds: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """The trainer's final record, as JSON in its termination message and result file; keys in
+    camelCase, as in the GpuTraining status."""
+
+    phase: Literal["Succeeded", "Failed"]
+    epoch: int | None = None
+    total_epochs: int | None = None
+    step: int | None = None
+    total_steps: int | None = None
+    loss: float | None = None  # training loss over the last logging interval
+    accuracy: float | None = None  # on the evaluation split, 0..1
+    test_loss: float | None = None
+    samples_per_second: float | None = None  # whole job, over the time spent in steps, every attempt
+    duration_seconds: float | None = None
+    world_size: int | None = None
+    reason: str | None = None  # Failed only: InvalidSettings, DatasetMissing or Preempted
+    message: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({_camel(f.name): getattr(self, f.name) for f in dataclasses.fields(self)},
+                          sort_keys=True)  # fmt: skip
+
+    @classmethod
+    def from_json(cls, text: str) -> Result | None:
+        """The record in ``text``; None when it is none (a crashed trainer's last log lines, under
+        FallbackToLogsOnError, are not an error here, just not a record). The text is the
+        container's to write, a custom image's too: a value of the wrong type is dropped here,
+        at the edge, rather than break a reader later."""
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(data, dict) or data.get("phase") not in ("Succeeded", "Failed"):
+            return None
+        values: dict[str, object] = {}
+        for field in dataclasses.fields(cls)[1:]:
+            value = data.get(_camel(field.name))
+            if field.name in ("reason", "message"):
+                values[field.name] = value[:1024] if isinstance(value, str) else None
+            elif isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+                values[field.name] = int(value) if field.name in _INTEGERS else value
+        return cls(phase=data["phase"], **values)  # type: ignore[arg-type]
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+_INTEGERS: Final = frozenset({"epoch", "total_epochs", "step", "total_steps", "world_size"})
+RESULT_KEYS: Final = tuple(_camel(f.name) for f in dataclasses.fields(Result))
 
 FAILURE_REASONS: Final = {
     EXIT_BAD_CONFIG: "InvalidSettings",

@@ -16,7 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from gputrain.contract import Metric
+from gputrain.contract import Metric, Progress
 
 log = logging.getLogger(__name__)
 
@@ -69,21 +69,6 @@ class GpuMonitor:
         return readings
 
 
-@dataclass(frozen=True)
-class Progress:
-    epoch: int
-    total_epochs: int
-    step: int
-    total_steps: int
-    loss: float | None
-    accuracy: float | None
-    samples_per_second: float | None
-    estimated_remaining_seconds: float | None
-    # Of the run's data done (0..1); None: step / total_steps. The trainer gives it: steps per
-    # epoch follow the world size, the data does not, so a resize keeps the percentage.
-    fraction: float | None = None
-
-
 class MetricsServer:
     """The Prometheus gauges, served over HTTP when a port is given (0 picks a free one)."""
 
@@ -119,17 +104,16 @@ class MetricsServer:
             self.port = int(self._server.server_port)
 
     def update(self, progress: Progress) -> None:
-        self.epoch.set(progress.epoch)
-        self.total_epochs.set(progress.total_epochs)
-        self.step.set(progress.step)
-        self.total_steps.set(progress.total_steps)
-        done = (
-            progress.fraction
-            if progress.fraction is not None
-            else progress.step / max(1, progress.total_steps)
-        )
-        self.percent.set(100.0 * done)
+        """Publish ``progress``; a figure it does not have keeps its last value (NaN at first)."""
+        percent = progress.percent
+        if percent is None and progress.step is not None and progress.total_steps:
+            percent = 100.0 * progress.step / progress.total_steps
         for gauge, value in (
+            (self.epoch, progress.epoch),
+            (self.total_epochs, progress.total_epochs),
+            (self.step, progress.step),
+            (self.total_steps, progress.total_steps),
+            (self.percent, percent),
             (self.loss, progress.loss),
             (self.accuracy, progress.accuracy),
             (self.samples, progress.samples_per_second),

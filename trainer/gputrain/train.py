@@ -9,7 +9,6 @@ optimizer is fused.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import signal
@@ -26,10 +25,10 @@ from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
 
 from gputrain.checkpoint import CheckpointManager, write_atomically
-from gputrain.contract import MODEL_FILE, RESULT_FILE, ContractError, TrainerSettings
+from gputrain.contract import MODEL_FILE, RESULT_FILE, ContractError, Progress, Result, TrainerSettings
 from gputrain.data import DataSource, build_data
 from gputrain.distributed import Cluster
-from gputrain.metrics import MetricsServer, Progress
+from gputrain.metrics import MetricsServer
 from gputrain.models import build_model
 
 log = logging.getLogger("gputrain")
@@ -281,11 +280,11 @@ class Trainer:
                 total_epochs=self.settings.epochs,
                 step=self.position.step,
                 total_steps=self.total_steps,
+                percent=100.0 * self._fraction(self.position),
                 loss=self.last_loss,
                 accuracy=self.accuracy,
                 samples_per_second=rate,
                 estimated_remaining_seconds=eta,
-                fraction=self._fraction(self.position),
             )
         )
 
@@ -367,7 +366,7 @@ class Trainer:
             if self.cluster.is_main and self.position.step % settings.checkpoint_every_steps == 0:
                 self.save_checkpoint()
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> Result:
         previous = signal.signal(signal.SIGTERM, self._request_stop)
         started = time.perf_counter()
         try:
@@ -395,24 +394,24 @@ class Trainer:
         finally:
             signal.signal(signal.SIGTERM, previous)
         duration = time.perf_counter() - started
-        result = {
-            "phase": "Succeeded",
-            "epoch": self.settings.epochs,
-            "totalEpochs": self.settings.epochs,
-            "step": self.position.step,
-            "totalSteps": self.total_steps,
-            "loss": self.last_loss,
-            "accuracy": self.accuracy,
-            "testLoss": self.test_loss,
-            "samplesPerSecond": self.samples_trained / self.seconds_trained if self.seconds_trained else None,
-            "durationSeconds": round(duration, 3),
-            "worldSize": self.cluster.world,
-        }
+        result = Result(
+            phase="Succeeded",
+            epoch=self.settings.epochs,
+            total_epochs=self.settings.epochs,
+            step=self.position.step,
+            total_steps=self.total_steps,
+            loss=self.last_loss,
+            accuracy=self.accuracy,
+            test_loss=self.test_loss,
+            samples_per_second=self.samples_trained / self.seconds_trained if self.seconds_trained else None,
+            duration_seconds=round(duration, 3),
+            world_size=self.cluster.world,
+        )
         self._write_result(result)
         return result
 
-    def _write_result(self, result: dict[str, Any]) -> None:
-        text = json.dumps(result, sort_keys=True)
+    def _write_result(self, result: Result) -> None:
+        text = result.to_json()
         if self.cluster.is_main:
             output = Path(self.settings.output_dir)
             write_atomically(output / RESULT_FILE, lambda handle: handle.write((text + "\n").encode()))

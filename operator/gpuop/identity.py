@@ -1,0 +1,39 @@
+"""The names that identify things: our API, the labels and annotations we write, the Kubeflow
+and Kueue APIs we talk to, and the default trainer image. Constants only; this module imports
+nothing of gpuop, so every layer may import it.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# Our API.
+GROUP: Final = "gpuop.io"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+KIND: Final = "GpuTraining"
+PLURAL: Final = "gputrainings"
+
+# What we write on the objects we make.
+TRAINING_LABEL: Final = "gpuop.io/gputraining"  # on the job and its pods: the GpuTraining's name
+# The fixed spec fields the job was made from (JSON), so that a change that got past the CRD's
+# transition rules is reported instead of silently not applied.
+CREATED_FROM_ANNOTATION: Final = "gpuop.io/created-from"
+DEFAULT_TRAINER_IMAGE: Final = "ghcr.io/gpu-training-operator/trainer:0.1.0"
+
+# Kubeflow's training-operator v1.
+PYTORCHJOB_API_VERSION: Final = "kubeflow.org/v1"
+PYTORCHJOB_KIND: Final = "PyTorchJob"
+PYTORCHJOB_CONTAINER: Final = "pytorch"  # the training-operator finds its container by this name
+
+# Kubeflow Trainer v2.
+TRAINER_GROUP: Final = "trainer.kubeflow.org"
+TRAINJOB_API_VERSION: Final = f"{TRAINER_GROUP}/v1alpha1"
+TRAINJOB_KIND: Final = "TrainJob"
+RUNTIME_KIND: Final = "TrainingRuntime"
+TRAINJOB_CONTAINER: Final = "node"  # the torch runtime's trainer container, which TrainJob fields override
+
+# Kueue.
+KUEUE_QUEUE_LABEL: Final = "kueue.x-k8s.io/queue-name"
+KUEUE_JOB_UID_LABEL: Final = "kueue.x-k8s.io/job-uid"  # on the Workloads Kueue makes for a job
+KUEUE_API_VERSIONS: Final = ("kueue.x-k8s.io/v1beta2", "kueue.x-k8s.io/v1beta1")  # newest first

@@ -29,10 +29,8 @@ from gpuop.status import (
     Phase,
     Progress,
     WorkerCounts,
+    WorkerGpu,
     format_eta,
-    gpu_usage,
-    progress_from_metrics,
-    progress_from_result,
 )
 from gputrain.contract import Result
 
@@ -102,7 +100,7 @@ class PodObservation:
     name: str
     phase: str
     ready: bool = False
-    termination_message: str | None = None
+    result: Result | None = None  # the trainer's final record, from its termination message
     metrics: TrainerMetrics | None = None
     restarts: int = 0  # the trainer container's restartCount
     trainer_started_at: str | None = None  # when its current container started, if running
@@ -180,9 +178,8 @@ def _phase(obs: Observation) -> Phase:
 def _trainer_record(obs: Observation, phase: str) -> Result | None:
     """The first termination message of the given phase among the pods (master first)."""
     for pod in sorted(obs.pods, key=lambda p: ("master" not in p.name, p.name)):
-        record = Result.from_json(pod.termination_message) if pod.termination_message else None
-        if record is not None and record.phase == phase:
-            return record
+        if pod.result is not None and pod.result.phase == phase:
+            return pod.result
     return None
 
 
@@ -564,3 +561,77 @@ def status_from_json(document: Mapping[str, Any] | None) -> GpuTrainingStatus | 
         return decode(GpuTrainingStatus, document, "status")
     except SpecError:
         return None
+
+
+# -- figures from what the trainers report (also `gpuop run`'s) ------------------------------
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def progress_from_metrics(metrics: TrainerMetrics, now: str) -> Progress:
+    """Progress as scraped from a running trainer."""
+    eta = metrics.estimated_remaining_seconds
+    return Progress(
+        percent=_round(metrics.percent, 1),
+        epoch=metrics.epoch,
+        total_epochs=metrics.total_epochs,
+        step=metrics.step,
+        total_steps=metrics.total_steps,
+        loss=_round(metrics.loss, 6),
+        accuracy=_round(metrics.accuracy, 6),
+        samples_per_second=_round(metrics.samples_per_second, 1),
+        estimated_remaining_seconds=None if eta is None else round(eta),
+        eta=format_eta(eta),
+        updated_at=now,
+    )
+
+
+def progress_from_result(result: Result, now: str) -> Progress:
+    """Progress of a finished run, from the trainer's final result."""
+    return Progress(
+        percent=100.0,
+        epoch=result.epoch,
+        total_epochs=result.total_epochs,
+        step=result.step,
+        total_steps=result.total_steps,
+        loss=_round(result.loss, 6),
+        accuracy=_round(result.accuracy, 6),
+        samples_per_second=_round(result.samples_per_second, 1),
+        estimated_remaining_seconds=0,
+        eta=format_eta(0),
+        updated_at=now,
+    )
+
+
+def gpu_usage(per_pod: Mapping[str, TrainerMetrics], count: int) -> GpuUsage:
+    """GPU figures of the job: the mean utilization over every GPU, memory summed."""
+    workers = []
+    all_utilization: list[float] = []
+    for pod, metrics in sorted(per_pod.items()):
+        utilization = [g.utilization_percent for g in metrics.gpus if g.utilization_percent is not None]
+        used = [g.memory_used_bytes for g in metrics.gpus if g.memory_used_bytes is not None]
+        total = [g.memory_total_bytes for g in metrics.gpus if g.memory_total_bytes is not None]
+        all_utilization += utilization
+        workers.append(
+            WorkerGpu(
+                pod=pod,
+                utilization_percent=round(sum(utilization) / len(utilization), 1) if utilization else None,
+                memory_used_bytes=sum(used) if used else None,
+                memory_total_bytes=sum(total) if total else None,
+            )
+        )
+    used_all = [w.memory_used_bytes for w in workers if w.memory_used_bytes is not None]
+    total_all = [w.memory_total_bytes for w in workers if w.memory_total_bytes is not None]
+    return GpuUsage(
+        count=count,
+        utilization_percent=round(sum(all_utilization) / len(all_utilization), 1)
+        if all_utilization
+        else None,
+        memory_used_bytes=sum(used_all) if used_all else None,
+        memory_total_bytes=sum(total_all) if total_all else None,
+        per_worker=tuple(
+            w for w in workers if w.utilization_percent is not None or w.memory_total_bytes is not None
+        ),
+    )

@@ -189,7 +189,7 @@ def final_status(
         job_conditions=(JobCondition("Created", "True"), outcome),
         job_start_time=started.strftime(TIME_FORMAT),
         job_completion_time=finished.strftime(TIME_FORMAT),
-        pods=(PodObservation(LOCAL_POD, outcome.type, termination_message=message, metrics=last),),
+        pods=(PodObservation(LOCAL_POD, outcome.type, result=record, metrics=last),),
     )
     return derive_status(None, observation, Thresholds(stall_timeout_seconds=0))
 

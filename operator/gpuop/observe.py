@@ -21,6 +21,7 @@ from gpuop.identity import (
     TRAINJOB_KIND,
 )
 from gpuop.scrape import TrainerMetrics
+from gputrain.contract import Result
 
 _TERMINAL = ("Succeeded", "Failed")
 
@@ -207,6 +208,13 @@ def _trainer_container(status: Mapping[str, Any]) -> Mapping[str, Any]:
     return {}
 
 
+def _result(container: Mapping[str, Any]) -> Result | None:
+    """The trainer's final record, if its termination message holds one (else, under
+    FallbackToLogsOnError, it holds a crashed trainer's last log lines: no record)."""
+    message = _termination_message(container)
+    return Result.from_json(message) if message is not None else None
+
+
 def _termination_message(container: Mapping[str, Any]) -> str | None:
     # The current state first; after a restart the record is in lastState.
     for state in (container.get("state"), container.get("lastState")):
@@ -229,7 +237,7 @@ def pod_observation(pod: Mapping[str, Any], metrics: TrainerMetrics | None) -> P
         name=str((pod.get("metadata") or {}).get("name", "")),
         phase=str(status.get("phase", "Unknown")),
         ready=ready,
-        termination_message=_termination_message(trainer),
+        result=_result(trainer),
         metrics=metrics,
         restarts=restarts if isinstance(restarts, int) else 0,
         trainer_started_at=started if isinstance(started, str) else None,

@@ -288,7 +288,7 @@ class Reconciler:
             child is not None
             and observe.job_finished(child)
             and (previous is None or previous.phase not in ("Succeeded", "Failed"))
-            and not any(p.termination_message for p in pods)
+            and not any(p.result for p in pods)
         ):
             pods = tracked.pods = self._final_pods(training)
         start, completion = observe.job_times(child)

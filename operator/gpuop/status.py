@@ -1,19 +1,17 @@
 """The GpuTraining status: its shape, documented for ``kubectl explain``.
 
-The operator fills it (phase, conditions, progress scraped from the trainers, GPU
-utilization); the CRD's status schema is generated from these classes like the spec's.
+Shape only: :mod:`gpuop.derive` decides what goes in it (phase, conditions, progress from the
+trainers' reports, GPU utilization, gpuHours); the CRD's status schema is generated from these
+classes like the spec's.
 Field names follow what Kubeflow users know from Trainer v2's ``trainerStatus``
 (``progressPercentage``, ``estimatedRemainingSeconds``) where the idea is the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Final, Literal, get_args
 
 from gpuop.schema import api_field, api_object
-from gpuop.scrape import TrainerMetrics
-from gputrain.contract import Result
 
 ConditionStatus = Literal["True", "False", "Unknown"]
 Phase = Literal["Pending", "Created", "Queued", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
@@ -181,7 +179,7 @@ class GpuTrainingStatus:
 
 
 # --------------------------------------------------------------------------------------------
-# Pure derivations from what the trainers report: shared by the operator and `gpuop run`.
+# How the status writes a duration (its ``eta``, and the messages derive writes into it).
 
 
 def format_eta(seconds: float | None) -> str | None:
@@ -196,74 +194,3 @@ def format_eta(seconds: float | None) -> str | None:
     if minutes:
         return f"{minutes}m{secs:02d}s"
     return f"{secs}s"
-
-
-def _round(value: float | None, digits: int) -> float | None:
-    return None if value is None else round(value, digits)
-
-
-def progress_from_metrics(metrics: TrainerMetrics, now: str) -> Progress:
-    """Progress as scraped from a running trainer."""
-    eta = metrics.estimated_remaining_seconds
-    return Progress(
-        percent=_round(metrics.percent, 1),
-        epoch=metrics.epoch,
-        total_epochs=metrics.total_epochs,
-        step=metrics.step,
-        total_steps=metrics.total_steps,
-        loss=_round(metrics.loss, 6),
-        accuracy=_round(metrics.accuracy, 6),
-        samples_per_second=_round(metrics.samples_per_second, 1),
-        estimated_remaining_seconds=None if eta is None else round(eta),
-        eta=format_eta(eta),
-        updated_at=now,
-    )
-
-
-def progress_from_result(result: Result, now: str) -> Progress:
-    """Progress of a finished run, from the trainer's final result."""
-    return Progress(
-        percent=100.0,
-        epoch=result.epoch,
-        total_epochs=result.total_epochs,
-        step=result.step,
-        total_steps=result.total_steps,
-        loss=_round(result.loss, 6),
-        accuracy=_round(result.accuracy, 6),
-        samples_per_second=_round(result.samples_per_second, 1),
-        estimated_remaining_seconds=0,
-        eta=format_eta(0),
-        updated_at=now,
-    )
-
-
-def gpu_usage(per_pod: Mapping[str, TrainerMetrics], count: int) -> GpuUsage:
-    """GPU figures of the job: the mean utilization over every GPU, memory summed."""
-    workers = []
-    all_utilization: list[float] = []
-    for pod, metrics in sorted(per_pod.items()):
-        utilization = [g.utilization_percent for g in metrics.gpus if g.utilization_percent is not None]
-        used = [g.memory_used_bytes for g in metrics.gpus if g.memory_used_bytes is not None]
-        total = [g.memory_total_bytes for g in metrics.gpus if g.memory_total_bytes is not None]
-        all_utilization += utilization
-        workers.append(
-            WorkerGpu(
-                pod=pod,
-                utilization_percent=round(sum(utilization) / len(utilization), 1) if utilization else None,
-                memory_used_bytes=sum(used) if used else None,
-                memory_total_bytes=sum(total) if total else None,
-            )
-        )
-    used_all = [w.memory_used_bytes for w in workers if w.memory_used_bytes is not None]
-    total_all = [w.memory_total_bytes for w in workers if w.memory_total_bytes is not None]
-    return GpuUsage(
-        count=count,
-        utilization_percent=round(sum(all_utilization) / len(all_utilization), 1)
-        if all_utilization
-        else None,
-        memory_used_bytes=sum(used_all) if used_all else None,
-        memory_total_bytes=sum(total_all) if total_all else None,
-        per_worker=tuple(
-            w for w in workers if w.utilization_percent is not None or w.memory_total_bytes is not None
-        ),
-    )

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+from gpuop.derive import gpu_usage
 from gpuop.local import progress_line, scrape
 from gpuop.scrape import parse_metrics
-from gpuop.status import GpuUsage, format_eta, gpu_usage
+from gpuop.status import GpuUsage, format_eta
 from gputrain.checkpoint import CheckpointManager
 from gputrain.contract import Metric, Progress, Result
 from gputrain.data import (

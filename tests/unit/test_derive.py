@@ -192,7 +192,7 @@ def test_success_reads_the_final_result_from_the_termination_message() -> None:
                 JobCondition("Succeeded", "True"),
             ),
             job_completion_time="2026-11-21T14:00:00Z",
-            pods=(PodObservation("demo-master-0", "Succeeded", termination_message=json.dumps(result)),),
+            pods=(PodObservation("demo-master-0", "Succeeded", result=Result.from_json(json.dumps(result))),),
         ),
         THRESHOLDS,
     )
@@ -221,7 +221,7 @@ def test_failure_carries_the_trainers_own_reason() -> None:
                 JobCondition("Created", "True"),
                 JobCondition("Failed", "True", "PyTorchJobFailed", "job failed"),
             ),
-            pods=(PodObservation("demo-master-0", "Failed", termination_message=json.dumps(record)),),
+            pods=(PodObservation("demo-master-0", "Failed", result=Result.from_json(json.dumps(record))),),
         ),
         THRESHOLDS,
     )
@@ -240,7 +240,7 @@ def test_a_crash_log_in_the_termination_message_falls_back_to_the_job_condition(
             conditions=(JobCondition("Failed", "True", "PyTorchJobFailed", "pod demo-master-0 exited 1"),),
             pods=(
                 PodObservation(
-                    "demo-master-0", "Failed", termination_message="Traceback (most recent call last):"
+                    "demo-master-0", "Failed", result=Result.from_json("Traceback (most recent call last):")
                 ),
             ),
         ),
@@ -327,7 +327,7 @@ def _succeeded() -> GpuTrainingStatus:
             7200,
             conditions=(JobCondition("Created", "True"), JobCondition("Succeeded", "True")),
             job_completion_time="2026-11-21T14:00:00Z",
-            pods=(PodObservation("demo-master-0", "Succeeded", termination_message=json.dumps(result)),),
+            pods=(PodObservation("demo-master-0", "Succeeded", result=Result.from_json(json.dumps(result))),),
         ),
         THRESHOLDS,
     )
@@ -364,7 +364,7 @@ def test_a_termination_message_with_wrong_types_is_read_without_them() -> None:
     done = derive_status(
         None,
         observe(60, conditions=(JobCondition("Succeeded", "True"),),
-                pods=(PodObservation("demo-master-0", "Succeeded", termination_message=json.dumps(record)),)),
+                pods=(PodObservation("demo-master-0", "Succeeded", result=Result.from_json(json.dumps(record))),)),
         THRESHOLDS,
     )  # fmt: skip
     assert done.phase == "Succeeded"

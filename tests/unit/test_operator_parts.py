@@ -24,6 +24,7 @@ from gpuop.render import render_pytorchjob
 from gpuop.settings import OperatorSettings, SettingsError, add_arguments, from_arguments
 from gpuop.spec import parse
 from gpuop.trainjob import render_trainjob
+from gputrain.contract import Result
 from support.apiserver import ApiServer, RunningApiServer
 from support.specs import minimal
 
@@ -48,16 +49,17 @@ def _pod(**status: Any) -> dict[str, Any]:
         ),
         (
             _pod(phase="Running", podIP="10.0.0.6", containerStatuses=[
-                {"name": "pytorch", "state": {"running": {}}, "lastState": {"terminated": {"message": "before the restart"}}},
+                {"name": "pytorch", "state": {"running": {}}, "lastState": {"terminated": {"message": '{"phase": "Failed", "reason": "r"}'}}},
             ]),
-            "10.0.0.6", False, "before the restart",
+            "10.0.0.6", False, '{"phase": "Failed", "reason": "r"}',  # the record from before the restart
         ),
     ],
 )  # fmt: skip
 def test_pod_readings(pod: dict[str, Any], ip: str | None, ready: bool, message: str | None) -> None:
     assert observe.pod_ip(pod) == ip
     seen = observe.pod_observation(pod, None)
-    assert (seen.ready, seen.termination_message) == (ready, message)
+    assert seen.ready == ready
+    assert seen.result == (Result.from_json(message) if message is not None else None)
     assert observe.training_of(pod) == "t"
 
 

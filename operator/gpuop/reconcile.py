@@ -39,7 +39,7 @@ from gpuop.derive import (
 )
 from gpuop.kube import ApiError, Kube
 from gpuop.schema import SpecError
-from gpuop.scrape import TrainerMetrics, parse_metrics
+from gpuop.scrape import MAX_METRICS_BYTES, TrainerMetrics, parse_metrics
 from gpuop.settings import OperatorSettings
 from gpuop.spec import (
     GpuTraining,
@@ -566,7 +566,8 @@ class Reconciler:
                 )
             else:
                 with urllib.request.urlopen(f"http://{ip}:{METRICS_PORT}/metrics", timeout=timeout) as reply:
-                    text = reply.read().decode("utf-8", errors="replace")
+                    # One byte past the bound is enough to refuse it: no pod makes us read more.
+                    text = reply.read(MAX_METRICS_BYTES + 1).decode("utf-8", errors="replace")
             metrics = parse_metrics(text)
         except Exception as exc:
             # Not serving yet (starting, loading data), gone, or serving anything at all: a pod's

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 from prometheus_client import generate_latest
 
 from gpuop.render import trainer_settings
-from gpuop.scrape import parse_metrics
+from gpuop.scrape import MAX_METRICS_BYTES, parse_metrics
 from gpuop.spec import parse
 from gputrain.contract import ContractError, Progress, TrainerSettings, env_name
 from gputrain.metrics import MetricsServer
@@ -66,3 +67,17 @@ def test_figures_not_published_yet_are_absent_not_zero() -> None:
                            samples_per_second=None, estimated_remaining_seconds=None))  # fmt: skip
     after = parse_metrics(generate_latest(server.registry).decode())
     assert (after.step, after.loss, after.accuracy, after.samples_per_second) == (3, 0.7, None, None)
+
+
+def test_a_pods_metrics_answer_costs_the_operator_milliseconds_at_most() -> None:
+    """A pod's /metrics is untrusted input: one over the bound is refused unread, and one just
+    under it parses in well under the 10 ms an object may cost the operator."""
+    line = 'gputrain_gpu_utilization_percent{gpu="%d"} 1e308\n'
+    huge = "".join(line % i for i in range(5000))
+    with pytest.raises(ValueError, match="over 32768 bytes"):
+        parse_metrics(huge)
+    largest = huge[: huge.rfind("\n", 0, MAX_METRICS_BYTES) + 1]
+    started = time.process_time()
+    figures = parse_metrics(largest)
+    assert time.process_time() - started < 0.05  # measured 6.5 ms; a slow CI machine has headroom
+    assert len(figures.gpus) > 600

@@ -339,7 +339,8 @@ class Scheduling:
 
     queue_name: str | None = api_field(
         "Queue to submit to: the Kueue LocalQueue (label kueue.x-k8s.io/queue-name) and the "
-        "gang scheduler's queue.",
+        "gang scheduler's queue. The job is made suspended and Kueue resumes it on admission; "
+        "until then the phase is Queued, with Kueue's reason in the Queued condition.",
         default=None,
         max_length=253,
         pattern=_K8S_NAME,

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
 import yaml
 
+from gpuop import documents
 from gpuop.cli import main
 from support.crdschema import ROOT
 
@@ -33,7 +37,7 @@ def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
 
 def write(tmp_path: Path, text: str, name: str = "job.yaml") -> str:
     path = tmp_path / name
-    path.write_text(text)
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))  # a lone surrogate: a byte that is not UTF-8
     return str(path)
 
 
@@ -167,6 +171,43 @@ spec:
         "- a\n- b\n",
         ["{f}:1: (document): must be a GpuTraining object (got a non-object)"],
     ),
+    # Hostile or careless files: one line each, in bounded time (issue 15).
+    (
+        "a number as a key",
+        GOOD.format(name="x") + "  nccl: {env: {1: a}}\n",
+        ["{f}:9: a mapping key must be a string; YAML reads '1' as int: quote it"],
+    ),
+    (
+        "a YAML 1.1 boolean as a key",
+        GOOD.format(name="x") + "  nodeSelector: {yes: a, b: c}\n",
+        ["{f}:9: a mapping key must be a string; YAML reads 'yes' as bool: quote it"],
+    ),
+    (
+        "a duplicate key (the last one would win silently)",
+        GOOD.format(name="x") + "  workers: 3\n",
+        ["{f}:9: duplicate key 'workers'; give it once"],
+    ),
+    (
+        "a duplicate key in JSON",
+        '{"apiVersion": "gpuop.io/v1alpha1", "kind": "GpuTraining", "metadata": {"name": "a", "name": "b"}}',
+        ["{f}:1: duplicate key 'name'; give it once"],
+    ),
+    (
+        "10,000-deep nesting",
+        "a: " + "[" * 10000 + "]" * 10000 + "\n",
+        ["{f}:1: nested more than 64 levels deep"],
+    ),
+    (
+        "a billion laughs",
+        "a: &a ["
+        + ",".join(["xxxxxxxxxx"] * 10)
+        + "]\n"
+        + "".join(
+            f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}" if i > 1 else "*a"] * 10) + "]\n" for i in range(1, 9)
+        ),
+        ["{f}:5: aliases expand past 1048576 characters; write the values out"],
+    ),
+    ("not UTF-8", "spec: \udcff\n", ["{f}: not UTF-8 text (byte 6)"]),
     (
         "bad name",
         GOOD.format(name="My_Job"),
@@ -188,6 +229,40 @@ def test_bad_input_exits_2_with_one_line_per_problem(
     assert code == 2
     assert out == ""
     assert err.splitlines() == ["error: " + line.format(f=path) for line in expected]
+
+
+@pytest.mark.parametrize(("text", "expected"), [c[1:] for c in BAD_INPUT], ids=[c[0] for c in BAD_INPUT])
+def test_each_bad_file_costs_under_a_second_and_100_mb(
+    tmp_path: Path, text: str, expected: list[str]
+) -> None:
+    path = write(tmp_path, text)
+    started = time.process_time()
+    assert main(["validate", "-f", path]) == 2
+    assert time.process_time() - started < 1.0
+    tracemalloc.start()  # a second run, as tracing slows the first several times over
+    try:
+        assert main(["validate", "-f", path]) == 2
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 100 * 2**20
+
+
+def test_what_is_not_a_manifest_file_is_refused_unread(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A FIFO would block at open, /dev/zero would be read until memory runs out, a 100 MB
+    file took 98 s: each is one line, at once."""
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"# " + b"x" * (documents.MAX_FILE_BYTES + 10) + b"\n")
+    for path, line in [
+        (str(fifo), f"error: {fifo}: not a regular file (a device, FIFO or socket); give a YAML file"),
+        ("/dev/zero", "error: /dev/zero: not a regular file (a device, FIFO or socket); give a YAML file"),
+        (str(big), f"error: {big}: {documents.MAX_FILE_BYTES + 13} bytes; a manifest may be at most 1048576"),
+    ]:
+        assert run(capsys, "validate", "-f", path) == (2, "", line + "\n")
 
 
 def test_missing_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

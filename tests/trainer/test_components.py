@@ -61,6 +61,26 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(
     assert f"checkpoint {newest} is unreadable" in caplog.text
 
 
+def test_with_keep_1_a_corrupt_newest_checkpoint_never_pushes_out_the_new_ones(tmp_path: Path) -> None:
+    """Before: the corrupt step-99 stayed newest and each new checkpoint was pruned at once, so
+    every restart began at step 0 while the logs said it would resume."""
+    manager = CheckpointManager(tmp_path, keep=1)
+    (tmp_path / "step-00000099.pt").write_bytes(b"truncated")
+    assert manager.load_latest() is None
+    assert (tmp_path / "step-00000099.pt.unreadable").is_file()  # kept to look at, out of the set
+    manager.save({"step": 10}, 10)
+    found = manager.load_latest()
+    assert found is not None
+    assert found[0]["step"] == 10
+    manager.save({"step": 20}, 20)
+    assert [p.name for p in manager.checkpoints()] == ["step-00000020.pt"]
+    # Even a newer-numbered file that cannot be moved aside never takes the place of the one
+    # just written.
+    (tmp_path / "step-00000500.pt").write_bytes(b"someone else's")
+    manager.save({"step": 30}, 30)
+    assert [p.name for p in manager.checkpoints()] == ["step-00000030.pt", "step-00000500.pt"]
+
+
 def test_no_checkpoint_means_a_fresh_start(tmp_path: Path) -> None:
     assert CheckpointManager(tmp_path / "missing", keep=1).load_latest() is None
     (tmp_path / "step-00000001.pt").write_bytes(b"not a checkpoint")
@@ -122,6 +142,28 @@ def test_cifar10_reader(tmp_path: Path) -> None:
         (root / name).write_bytes(pickle.dumps(batch))
     x_train, y_train, x_test, _ = load_cifar10_arrays(tmp_path)
     assert (x_train.shape, x_test.shape, len(y_train)) == ((20, 3, 32, 32), (4, 3, 32, 32), 20)
+
+
+def test_a_cifar_file_that_would_run_code_is_refused_unrun(tmp_path: Path) -> None:
+    """The reader admits what the format needs (numpy arrays), nothing that runs code."""
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (Path.touch, (str(marker),))  # type: ignore[return-value]
+
+    root = tmp_path / "cifar-10-batches-py"
+    root.mkdir()
+    good = {b"data": np.zeros((4, 3072), dtype=np.uint8), b"labels": list(range(4))}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        (root / name).write_bytes(pickle.dumps(good, protocol=2))  # as the release's Python 2 files
+    load_cifar10_arrays(tmp_path)  # the real format loads
+    (root / "data_batch_3").write_bytes(pickle.dumps({b"data": Payload(), b"labels": []}))
+    with pytest.raises(
+        DatasetMissingError, match=r"data_batch_3 is not a CIFAR-10 batch: it refers to pathlib"
+    ):
+        load_cifar10_arrays(tmp_path)
+    assert not marker.exists()
 
 
 def test_missing_files_name_what_is_expected(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ with a warning for the one before it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -22,6 +23,11 @@ import torch
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")
+
+
+def _step(path: Path) -> int:
+    match = _NAME.match(path.name)
+    return int(match.group(1)) if match else -1
 
 
 class CheckpointManager:
@@ -39,20 +45,31 @@ class CheckpointManager:
         return [p for _, p in sorted(found)]
 
     def save(self, state: dict[str, Any], step: int) -> Path:
+        """Write the checkpoint of ``step``, then prune the older ones past ``keep``. Only older
+        ones: the one just written always stays, whatever else the directory holds."""
         final = self.directory / f"step-{step:08d}.pt"
         write_atomically(final, lambda handle: torch.save(state, handle))
-        for old in self.checkpoints()[: -self.keep]:
+        older = [p for p in self.checkpoints() if p != final and _step(p) < step]
+        for old in older[: max(0, len(older) - (self.keep - 1))]:
             old.unlink(missing_ok=True)
         return final
 
     def load_latest(self) -> tuple[dict[str, Any], Path] | None:
-        """The newest checkpoint that loads, or None when there is none."""
+        """The newest checkpoint that loads, or None when there is none.
+
+        One that does not load is renamed ``*.unreadable`` (kept to look at, out of the set):
+        left in place, as the newest it would push every new checkpoint out under ``keep: 1``.
+        """
         for path in reversed(self.checkpoints()):
             try:
                 # weights_only: a file on a shared volume must not be able to run code here.
                 state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
             except Exception as exc:  # a corrupt file: any unpickling or zip error
-                log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, exc)
+                aside = path.with_name(path.name + ".unreadable")
+                log.warning("checkpoint %s is unreadable (%s); moved to %s, trying the previous one",
+                            path, exc, aside.name)  # fmt: skip
+                with contextlib.suppress(OSError):  # another rank may have moved it already
+                    path.rename(aside)
                 continue
             return state, path
         return None

@@ -20,7 +20,7 @@ import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 import torch
@@ -229,6 +229,31 @@ def load_mnist_arrays(root: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
     )
 
 
+class _CifarUnpickler(pickle.Unpickler):
+    """Reads a CIFAR-10 batch and nothing else: a pickle may name any callable to run while it
+    loads, and a file on a dataset volume is not ours. The format needs only numpy's array
+    reconstruction (and, for Python 2's byte strings, a codec)."""
+
+    _ADMITTED = frozenset({
+        ("numpy", "ndarray"), ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+        ("_codecs", "encode"),
+    })  # fmt: skip
+
+    def __init__(self, handle: BinaryIO, path: Path) -> None:
+        super().__init__(handle, encoding="bytes")
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self._ADMITTED:
+            raise DatasetMissingError(
+                f"{self.path} is not a CIFAR-10 batch: it refers to {module}.{name}, which the format "
+                "never needs (not loaded)"
+            )
+        return super().find_class(module, name)
+
+
 def load_cifar10_arrays(root: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The python-pickle CIFAR-10 release (cifar-10-batches-py/data_batch_1..5, test_batch)."""
     expected = "cifar-10-batches-py/data_batch_1..5 and test_batch"
@@ -237,7 +262,7 @@ def load_cifar10_arrays(root: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     def read(name: str) -> tuple[np.ndarray, np.ndarray]:
         path = _find(directory, [name], "cifar10", expected)
         with path.open("rb") as handle:
-            batch = pickle.load(handle, encoding="bytes")
+            batch = _CifarUnpickler(handle, path).load()
         images = np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
         return images, np.asarray(batch[b"labels"])
 

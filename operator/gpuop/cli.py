@@ -26,6 +26,7 @@ from gpuop.schema import SpecError
 from gpuop.scrape import TrainerMetrics
 from gpuop.settings import SettingsError, add_arguments, from_arguments
 from gpuop.spec import GpuTraining, parse
+from gputrain.contract import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 EXIT_OK = 0
 EXIT_DIFFERENT = 1
@@ -137,18 +138,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
     shortfall = local.gpu_shortfall(run, local.visible_gpus())
     if shortfall is not None:
         raise _BadInputError([f"{document.where('spec.gpusPerWorker')}: {shortfall}"])
-    log_path = run.workdir / training.name / "trainer.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    print(
-        f"training {training.name}: {run.processes} process(es), "
-        f"backend {training.spec.distributed_backend}; "
-        f"trainer log: {log_path}",
-        file=sys.stderr,
-    )
-    progress = _Progress()
-    with log_path.open("w") as log:
-        status = local.execute(run, progress, log)
-    progress.done()
+    try:
+        with local.hold_run_directory(run):
+            log_path = local.new_log(run)
+            print(
+                f"training {training.name}: {run.processes} process(es), "
+                f"backend {training.spec.distributed_backend}; "
+                f"trainer log: {log_path}",
+                file=sys.stderr,
+            )
+            progress = _Progress()
+            with log_path.open("w") as log:
+                status = local.execute(run, progress, log, lock=False)
+            progress.done()
+    except local.RunDirectoryBusyError as exc:
+        raise _BadInputError([str(exc)]) from None
     written = local.status_document(status)
     if args.json:
         sys.stdout.write(json.dumps(written, indent=2) + "\n")
@@ -159,7 +163,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         # The trainer's own warnings and errors say why; torchrun's failure dump says little.
         own = [line for line in lines if re.search(r" rank \d+ (ERROR|WARNING) ", line)]
         print("\n".join(["trainer log:", *(own or lines)[-15:]]), file=sys.stderr)
-        return EXIT_DIFFERENT
+        stopped = next(
+            (c.reason for c in status.conditions if c.type == "Suspended" and c.status == "True"), None
+        )
+        # A signal's own exit code, as a shell reports it: the run is paused, not failed.
+        return {"Interrupted": EXIT_INTERRUPTED, "Preempted": EXIT_PREEMPTED}.get(
+            stopped or "", EXIT_DIFFERENT
+        )
     return EXIT_OK
 
 

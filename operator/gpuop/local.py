@@ -7,7 +7,9 @@ derivation. Only "create a PyTorchJob" becomes "start torchrun here".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import os
 import signal
 import socket
@@ -16,7 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -30,6 +32,8 @@ from gpuop.status import GpuTrainingStatus, format_eta
 from gputrain.contract import Result, env_name
 
 POLL_SECONDS = 0.5
+# Failure reasons that mean a signal stopped the trainers after a checkpoint (gputrain.contract).
+STOPPED_BY_SIGNAL = ("Interrupted", "Preempted")
 LOCAL_POD = "local-0"
 
 
@@ -176,6 +180,9 @@ def final_status(
     record = Result.from_json(message) if message is not None else None
     if code == 0 and record is not None and record.phase == "Succeeded":
         outcome = JobCondition("Succeeded", "True")
+    elif record is not None and record.reason in STOPPED_BY_SIGNAL:
+        # Stopped on purpose and checkpointed: paused, not failed; a rerun resumes.
+        outcome = JobCondition("Suspended", "True", record.reason, f"{record.message}: run `gpuop run` again")
     else:
         outcome = JobCondition(
             "Failed", "True", "TrainerFailed", f"the trainer exited with code {code}; see its log"
@@ -194,29 +201,91 @@ def final_status(
     return derive_status(None, observation, Thresholds(stall_timeout_seconds=0))
 
 
+class RunDirectoryBusyError(Exception):
+    """Another ``gpuop run`` trains in this run directory; the message says which."""
+
+
+class _Stopped(BaseException):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def hold_run_directory(run: LocalRun) -> Iterator[None]:
+    """Hold the run directory: two runs in one would train on each other's checkpoints."""
+    directory = run.workdir / run.training.name
+    directory.mkdir(parents=True, exist_ok=True)
+    with (directory / ".lock").open("a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "unknown"
+            raise RunDirectoryBusyError(
+                f"{directory} is in use by another gpuop run (pid {holder}); wait for it to finish, stop "
+                "it, or give this one another --workdir"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(str(os.getpid()))
+        lock.flush()
+        yield
+
+
+def new_log(run: LocalRun) -> Path:
+    """This attempt's trainer log; an earlier attempt's is kept as ``trainer-<when>.log``."""
+    path = run.workdir / run.training.name / "trainer.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        stamp = datetime.fromtimestamp(path.stat().st_mtime, UTC).strftime("%Y%m%dT%H%M%SZ")
+        path.rename(path.with_name(f"trainer-{stamp}.log"))
+    return path
+
+
 def execute(
-    run: LocalRun, show: Callable[[TrainerMetrics], None] | None, log: TextIO | None
+    run: LocalRun, show: Callable[[TrainerMetrics], None] | None, log: TextIO | None, *, lock: bool = True
 ) -> GpuTrainingStatus:
-    """Run torchrun to the end, showing progress; returns the final status."""
-    run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    run.output_dir.mkdir(parents=True, exist_ok=True)
-    run.termination_log.unlink(missing_ok=True)  # a stale record must not pass for this run's
-    started = _now()
-    process = subprocess.Popen(run.command(), env=run.environment(), stdout=log, stderr=subprocess.STDOUT)
-    last: TrainerMetrics | None = None
-    try:
-        while process.poll() is None:
-            time.sleep(POLL_SECONDS)
-            metrics = scrape(run.metrics_port)
-            if metrics is not None and metrics.total_steps:  # 0 until the trainer has published
-                last = metrics
-                if show is not None:
-                    show(metrics)
-    except KeyboardInterrupt:
-        # SIGTERM lets the trainer write a checkpoint, as a pod eviction would.
-        process.send_signal(signal.SIGTERM)
-        process.wait()
-    return final_status(run, process.returncode, last, started, _now())
+    """Run torchrun to the end, showing progress; returns the final status.
+
+    torchrun runs in a session of its own, and a signal to this process (Ctrl-C, SIGTERM) is
+    passed on to it, and through it to the trainers, which checkpoint and stop: nothing trains
+    on unobserved after ``gpuop run`` is gone. A second signal kills them all."""
+    with contextlib.ExitStack() as held:
+        if lock:
+            held.enter_context(hold_run_directory(run))
+        run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        run.output_dir.mkdir(parents=True, exist_ok=True)
+        run.termination_log.unlink(missing_ok=True)  # a stale record must not pass for this run's
+        started = _now()
+        process = subprocess.Popen(run.command(), env=run.environment(), stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)  # fmt: skip
+
+        def stop(signum: int, frame: object) -> None:
+            raise _Stopped(signum)
+
+        previous = signal.signal(signal.SIGTERM, stop)
+        last: TrainerMetrics | None = None
+        try:
+            try:
+                while process.poll() is None:
+                    time.sleep(POLL_SECONDS)
+                    metrics = scrape(run.metrics_port)
+                    if metrics is not None and metrics.total_steps:  # 0 until the trainer has published
+                        last = metrics
+                        if show is not None:
+                            show(metrics)
+            except (KeyboardInterrupt, _Stopped) as exc:
+                signum = exc.signum if isinstance(exc, _Stopped) else signal.SIGINT
+                process.send_signal(signum)  # torchrun passes it to the trainers
+                try:
+                    process.wait()
+                except (KeyboardInterrupt, _Stopped):  # asked twice: no checkpoint, just stop
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        return final_status(run, process.returncode, last, started, _now())
 
 
 def status_document(status: GpuTrainingStatus) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -299,3 +300,83 @@ def test_resumed_on_one_worker_after_two_progress_and_the_lr_carry_on(tmp_path: 
     lr_after = _logged_learning_rates(resumed_log)[0]
     assert lr_after <= lr_before
     assert lr_before - lr_after < 0.1 * 0.003, (lr_before, lr_after)
+
+
+def _start_gpuop_run(tmp_path: Path, epochs: int) -> tuple[subprocess.Popen[str], Path]:
+    """`gpuop run` of a digits spec long enough to stop mid-way, in a process group of its own:
+    the foreground group a terminal's Ctrl-C goes to."""
+    body = {"apiVersion": "gpuop.io/v1alpha1", "kind": "GpuTraining", "metadata": {"name": "t"},
+            "spec": {"workers": 2, "gpusPerWorker": 0, "dataset": {"name": "digits", "loaderWorkers": 0},
+                     "training": {"epochs": epochs, "batchSize": 32, "precision": "fp32", "logEverySteps": 5},
+                     "checkpoint": {"everySteps": 1000, "keep": 1}}}  # fmt: skip
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(body))
+    process = subprocess.Popen(
+        [GPUOP, "run", "-f", str(path), "--json", "--workdir", str(tmp_path / "work")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    return process, tmp_path / "work" / "t"
+
+
+def _wait_for_log(log: Path, pattern: str, process: subprocess.Popen[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.is_file() and re.search(pattern, log.read_text(errors="replace")):
+            return
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.1)
+    raise AssertionError(f"no {pattern!r} in {log} within {timeout}s")
+
+
+def _run_processes(directory: Path) -> list[int]:
+    """Processes whose command line names the run directory (torchrun and trainers pass it)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if str(directory).encode() in (proc / "environ").read_bytes():
+                    found.append(int(proc.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_ctrl_c_checkpoints_exits_130_and_a_second_run_resumes(tmp_path: Path) -> None:
+    """Ctrl-C as a terminal sends it (SIGINT to the foreground process group): the trainers
+    finish their step, checkpoint and stop; `gpuop run` exits 130 with the status Suspended /
+    Interrupted, not Failed; the next `gpuop run` resumes there (its own log beside the first)."""
+    process, directory = _start_gpuop_run(tmp_path, epochs=40)
+    _wait_for_log(directory / "trainer.log", r"step 2\d/", process)
+    # A second run in the same directory while this one trains: refused, naming the holder.
+    second, _ = _start_gpuop_run(tmp_path, epochs=40)
+    assert second.wait(30) == 2
+    assert f"is in use by another gpuop run (pid {process.pid})" in second.communicate()[1]
+    os.killpg(process.pid, signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    status = json.loads(out)
+    assert status["phase"] == "Suspended", status
+    condition = next(c for c in status["conditions"] if c["type"] == "Suspended")
+    assert condition["reason"] == "Interrupted"
+    stopped_at = int(re.search(r"stopped by SIGINT \(Ctrl-C\) at step (\d+)", condition["message"]).group(1))  # type: ignore[union-attr]
+    assert (directory / "checkpoints" / f"step-{stopped_at:08d}.pt").is_file()
+    assert _run_processes(directory) == []  # nothing trains on unobserved
+
+    again, _ = _start_gpuop_run(tmp_path, epochs=40)
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err
+    assert json.loads(out)["phase"] == "Succeeded"
+    assert f"step-{stopped_at:08d}.pt at epoch" in (directory / "trainer.log").read_text()
+    assert len(list(directory.glob("trainer-*.log"))) == 1  # the interrupted attempt's log, kept
+
+
+def test_sigterm_to_gpuop_run_alone_stops_the_whole_run(tmp_path: Path) -> None:
+    """Before: torchrun and both trainers went on, orphaned and unobserved."""
+    process, directory = _start_gpuop_run(tmp_path, epochs=40)
+    _wait_for_log(directory / "trainer.log", r"step 1\d/", process)
+    process.send_signal(signal.SIGTERM)  # to gpuop run's process only
+    out, _ = process.communicate(timeout=120)
+    assert process.returncode == 143
+    condition = next(c for c in json.loads(out)["conditions"] if c["type"] == "Suspended")
+    assert condition["reason"] == "Preempted"
+    assert _run_processes(directory) == []

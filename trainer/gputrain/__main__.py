@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, NoReturn
 from gputrain.contract import (
     EXIT_BAD_CONFIG,
     EXIT_DATA_MISSING,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_PREEMPTED,
     FAILURE_REASONS,
@@ -109,9 +111,11 @@ def main(argv: Sequence[str] | None = None, after: Callable[[Trainer], None] | N
         return _report_failure(termination_log, EXIT_DATA_MISSING, str(exc))
     except PreemptedError:
         step = trainer.position.step if trainer else 0
-        message = f"stopped by SIGTERM at step {step}; the next start resumes from its checkpoint"
+        interrupted = trainer is not None and trainer.stop_signal == signal.SIGINT
+        name = "SIGINT (Ctrl-C)" if interrupted else "SIGTERM"
+        message = f"stopped by {name} at step {step}; the next start resumes from its checkpoint"
         log.warning("%s", message)
-        return _report_failure(termination_log, EXIT_PREEMPTED, message)
+        return _report_failure(termination_log, EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED, message)
     finally:
         if trainer is not None:
             trainer.close()

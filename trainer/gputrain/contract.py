@@ -44,7 +44,8 @@ TERMINATION_LOG: Final = "/dev/termination-log"
 EXIT_OK: Final = 0
 EXIT_BAD_CONFIG: Final = 2
 EXIT_DATA_MISSING: Final = 3
-EXIT_PREEMPTED: Final = 143
+EXIT_PREEMPTED: Final = 143  # SIGTERM: an eviction, a preemption, `kubectl delete`
+EXIT_INTERRUPTED: Final = 130  # SIGINT: Ctrl-C in a terminal
 
 ENV_PREFIX: Final = "GPUTRAIN_"
 
@@ -129,6 +130,7 @@ FAILURE_REASONS: Final = {
     EXIT_BAD_CONFIG: "InvalidSettings",
     EXIT_DATA_MISSING: "DatasetMissing",
     EXIT_PREEMPTED: "Preempted",
+    EXIT_INTERRUPTED: "Interrupted",
 }
 
 

@@ -92,6 +92,7 @@ class Trainer:
         self.termination_log = termination_log
         self.device = cluster.device
         self.stop_requested = False
+        self.stop_signal: int | None = None  # SIGTERM or SIGINT, once one came
 
         torch.manual_seed(settings.seed)  # the same initial weights on every rank
         if self.device.type == "cuda":
@@ -232,7 +233,10 @@ class Trainer:
     # The loop
 
     def _request_stop(self, signum: int, frame: FrameType | None) -> None:
+        # Ctrl-C as an eviction: finish the step, checkpoint, stop (Python's default for SIGINT,
+        # KeyboardInterrupt mid-step, lost everything since the last periodic checkpoint).
         self.stop_requested = True
+        self.stop_signal = self.stop_signal or signum
 
     def _preempt(self) -> None:
         # The state at the last step boundary is the same on every rank, so each pod's local
@@ -367,7 +371,7 @@ class Trainer:
                 self.save_checkpoint()
 
     def run(self) -> Result:
-        previous = signal.signal(signal.SIGTERM, self._request_stop)
+        previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         started = time.perf_counter()
         try:
             self.resume()
@@ -392,7 +396,8 @@ class Trainer:
                 if self.stop_requested:
                     self._preempt()
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         duration = time.perf_counter() - started
         result = Result(
             phase="Succeeded",

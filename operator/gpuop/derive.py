@@ -572,35 +572,29 @@ def _round(value: float | None, digits: int) -> float | None:
 
 def progress_from_metrics(metrics: TrainerMetrics, now: str) -> Progress:
     """Progress as scraped from a running trainer."""
-    eta = metrics.estimated_remaining_seconds
-    return Progress(
-        percent=_round(metrics.percent, 1),
-        epoch=metrics.epoch,
-        total_epochs=metrics.total_epochs,
-        step=metrics.step,
-        total_steps=metrics.total_steps,
-        loss=_round(metrics.loss, 6),
-        accuracy=_round(metrics.accuracy, 6),
-        samples_per_second=_round(metrics.samples_per_second, 1),
-        estimated_remaining_seconds=None if eta is None else round(eta),
-        eta=format_eta(eta),
-        updated_at=now,
-    )
+    return _status_progress(metrics, metrics.percent, metrics.estimated_remaining_seconds, now)
 
 
 def progress_from_result(result: Result, now: str) -> Progress:
     """Progress of a finished run, from the trainer's final result."""
+    return _status_progress(result, 100.0, 0, now)
+
+
+def _status_progress(
+    figures: TrainerMetrics | Result, percent: float | None, eta: float | None, now: str
+) -> Progress:
+    """The trainer's figures (either report) in the status's shape and precision."""
     return Progress(
-        percent=100.0,
-        epoch=result.epoch,
-        total_epochs=result.total_epochs,
-        step=result.step,
-        total_steps=result.total_steps,
-        loss=_round(result.loss, 6),
-        accuracy=_round(result.accuracy, 6),
-        samples_per_second=_round(result.samples_per_second, 1),
-        estimated_remaining_seconds=0,
-        eta=format_eta(0),
+        percent=_round(percent, 1),
+        epoch=figures.epoch,
+        total_epochs=figures.total_epochs,
+        step=figures.step,
+        total_steps=figures.total_steps,
+        loss=_round(figures.loss, 6),
+        accuracy=_round(figures.accuracy, 6),
+        samples_per_second=_round(figures.samples_per_second, 1),
+        estimated_remaining_seconds=None if eta is None else round(eta),
+        eta=format_eta(eta),
         updated_at=now,
     )
 

@@ -365,70 +365,74 @@ def test_the_kind_cpu_example_trains_to_succeeded_on_trainer_v2(
 
 
 def _pods_of(plane: ControlPlane, name: str) -> list[dict[str, Any]]:
-    out = plane.kubectl("get", "pods", "-n", NAMESPACE, "-l", f"training.kubeflow.org/job-name={name}",
+    out = plane.kubectl("get", "pods", "-n", NAMESPACE, "-l", f"gpuop.io/gputraining={name}",
                         "-o", "json").stdout  # fmt: skip
     items: list[dict[str, Any]] = json.loads(out)["items"]
     return items
 
 
+@pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
 def test_kueue_holds_the_second_training_queued_until_the_first_finishes(
     plane: ControlPlane,
     agent: NodeAgent,
     kubeflow: WebhookedController,
+    trainer: list[WebhookedController],
     queueing: WebhookedController,
     operator: OperatorProcess,
     timelines: list[Timeline],
     tmp_path: Path,
+    backend: str,
 ) -> None:
     """The real Kueue v0.16.2 with a ClusterQueue whose quota fits one kind-cpu training (2 pods
     of 1 CPU and 1 GiB): the first is admitted and runs; the second waits Queued, with Kueue's
     own reason, and no pod, until the first has finished; then it is admitted and runs. The
-    operator never resumes a job Kueue holds. Last in this module: Kueue's webhooks stay."""
-    for obj in kueue.queues("team-a", NAMESPACE, {"cpu": "2", "memory": "2Gi"}):
+    operator never resumes a job Kueue holds. On either backend, through Kueue's own PyTorchJob
+    and TrainJob integrations. Last in this module: Kueue's webhooks stay."""
+    queue = f"team-{backend}"
+    for obj in kueue.queues(queue, NAMESPACE, {"cpu": "2", "memory": "2Gi"}):
         plane.kubectl("apply", "-f", "-", input=json.dumps(obj))
-    first = _variant(tmp_path, "queued-first", scheduling={"queueName": "team-a"}, training={"epochs": 25})
-    second = _variant(tmp_path, "queued-second", scheduling={"queueName": "team-a"})
-    timelines.append(first_timeline := Timeline(plane, "queued-first"))
-    timelines.append(second_timeline := Timeline(plane, "queued-second"))
+    first_name, second_name = f"q1-{backend}", f"q2-{backend}"
+    queued = {"scheduling": {"queueName": queue}, "backend": backend}
+    first = _variant(tmp_path, first_name, training={"epochs": 25}, **queued)
+    second = _variant(tmp_path, second_name, **queued)
+    timelines.append(first_timeline := Timeline(plane, first_name))
+    timelines.append(second_timeline := Timeline(plane, second_name))
     plane.kubectl("apply", "-n", NAMESPACE, "-f", str(first))
-    wait_for(
-        "queued-first Running", lambda: _phase(plane, "queued-first") == "Running", timeout=120, every=0.5
-    )
+    wait_for(f"{first_name} Running", lambda: _phase(plane, first_name) == "Running", timeout=120, every=0.5)
     plane.kubectl("apply", "-n", NAMESPACE, "-f", str(second))
 
     def kueues_reason() -> dict[str, Any] | None:
-        status = (_get(plane, "gtr", "queued-second") or {}).get("status", {})
+        status = (_get(plane, "gtr", second_name) or {}).get("status", {})
         found = [c for c in status.get("conditions", []) if c["type"] == "Queued" and c["status"] == "True"]
-        return (
-            found[0]
-            if status.get("phase") == "Queued" and found and found[0]["reason"] == "Pending"
-            else None
-        )
+        pending = status.get("phase") == "Queued" and found and found[0]["reason"] == "Pending"
+        return found[0] if pending else None
 
-    condition = wait_for("queued-second Queued with Kueue's reason", kueues_reason, timeout=60, every=0.5)
+    condition = wait_for(f"{second_name} Queued with Kueue's reason", kueues_reason, timeout=60, every=0.5)
     assert "insufficient unused quota" in condition["message"], condition
-    assert _phase(plane, "queued-first") == "Running"
-    job = _get(plane, "pytorchjob", "queued-second")
+    assert _phase(plane, first_name) == "Running"
+    job = _get(plane, backend, second_name)
     assert job is not None
-    assert job["spec"]["runPolicy"]["suspend"] is True
-    assert _pods_of(plane, "queued-second") == []
+    assert (
+        job["spec"]["runPolicy"]["suspend"] if backend == "pytorchjob" else job["spec"]["suspend"]
+    ) is True
+    assert _pods_of(plane, second_name) == []
 
-    wait_for("queued-first finished", lambda: _phase(plane, "queued-first") in ("Succeeded", "Failed"),
+    wait_for(f"{first_name} finished", lambda: _phase(plane, first_name) in ("Succeeded", "Failed"),
              timeout=240, every=0.5)  # fmt: skip
-    assert _phase(plane, "queued-first") == "Succeeded", first_timeline.phases()
-    wait_for("queued-second finished", lambda: _phase(plane, "queued-second") in ("Succeeded", "Failed"),
+    assert _phase(plane, first_name) == "Succeeded", first_timeline.phases()
+    wait_for(f"{second_name} finished", lambda: _phase(plane, second_name) in ("Succeeded", "Failed"),
              timeout=240, every=0.5)  # fmt: skip
-    assert _phase(plane, "queued-second") == "Succeeded", second_timeline.phases()
+    assert _phase(plane, second_name) == "Succeeded", second_timeline.phases()
     # Its pods came after the first had finished: Kueue admitted it then, not the operator before.
-    finished = (_get(plane, "gtr", "queued-first") or {})["status"]["completionTime"]
-    started = min(p["metadata"]["creationTimestamp"] for p in _pods_of(plane, "queued-second"))
+    finished = (_get(plane, "gtr", first_name) or {})["status"]["completionTime"]
+    started = min(p["metadata"]["creationTimestamp"] for p in _pods_of(plane, second_name))
     assert started >= finished, (started, finished)
     workloads = json.loads(
         plane.kubectl("get", "workloads.kueue.x-k8s.io", "-n", NAMESPACE, "-o", "json").stdout
     )
     admitted = {w["metadata"]["ownerReferences"][0]["name"]: w["status"].get("admission", {}).get("clusterQueue")
                 for w in workloads["items"]}  # fmt: skip
-    assert admitted == {"queued-first": "team-a", "queued-second": "team-a"}
+    assert (admitted.get(first_name), admitted.get(second_name)) == (queue, queue), admitted
     phases = second_timeline.caught_up("Succeeded")
     assert phases[0] in ("Created", "Queued"), phases
     assert "Suspended" not in phases, phases

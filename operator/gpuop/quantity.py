@@ -17,6 +17,8 @@ QUANTITY_PATTERN: Final = (
     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
 _QUANTITY_RE: Final = re.compile(QUANTITY_PATTERN)
+# What our CRD admits: every quantity of a GpuTraining is an amount (memory, CPUs, a size).
+AMOUNT_PATTERN: Final = QUANTITY_PATTERN.replace(r"^(\+|-)?", r"^\+?", 1)
 _NUMBER_RE: Final = re.compile(r"^[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
 
 _SUFFIXES: Final[dict[str, Fraction]] = {

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal, NewType, TypeVar, Union, get_args, get_origin
 
-from gpuop.quantity import MAX_QUANTITY, QUANTITY_PATTERN, is_quantity, parse_quantity
+from gpuop.quantity import AMOUNT_PATTERN, MAX_QUANTITY, is_quantity, parse_quantity
 
 Quantity = NewType("Quantity", str)
 """A Kubernetes resource quantity (``2Gi``, ``500m``), kept as the user wrote it."""
@@ -294,11 +295,14 @@ def _decode_quantity(raw: Any, path: str, problems: list[Problem]) -> Quantity |
         )
         return None
     try:
-        parse_quantity(raw)  # bounded: a huge integer is refused before anything prints it
+        value = parse_quantity(raw)  # bounded: a huge integer is refused before anything prints it
     except ValueError:
         problems.append(
             Problem(path, f"must be at most {MAX_QUANTITY}, Kubernetes' int64 (got {_show(raw)})")
         )
+        return None
+    if value < 0:  # every quantity here is an amount: a negative one would render a negative sizeLimit
+        problems.append(Problem(path, f"must not be negative (got {_show(raw)})"))
         return None
     return Quantity(str(raw))
 
@@ -352,6 +356,9 @@ def _decode_number(
     if isinstance(raw, bool) or not ok:
         kind = "an integer" if hint is int else "a number"
         problems.append(Problem(path, f"must be {kind} (got {_show(raw)})"))
+        return None
+    if not math.isfinite(raw):  # YAML's .nan and .inf; JSON has neither, so the API server never sends them
+        problems.append(Problem(path, f"must be a finite number (got {_show(raw)})"))
         return None
     if doc.minimum is not None:
         if doc.exclusive_minimum and raw <= doc.minimum:
@@ -482,7 +489,7 @@ def _value_schema(hint: Any, doc: FieldDoc, description: str) -> dict[str, Any]:
         schema.update(
             {
                 "anyOf": [{"type": "integer"}, {"type": "string"}],
-                "pattern": QUANTITY_PATTERN,
+                "pattern": AMOUNT_PATTERN,
                 "x-kubernetes-int-or-string": True,
             }
         )

@@ -565,6 +565,12 @@ def _workers_within_elastic(s: GpuTrainingSpec) -> str | None:
     return None
 
 
+def _args_need_command(s: GpuTrainingSpec) -> str | None:
+    if s.args is not None and s.command is None:
+        return "needs spec.command: args are passed to your command (the built-in trainer takes none)"
+    return None
+
+
 def _needs_dataset(s: GpuTrainingSpec) -> str | None:
     if s.dataset is None and s.command is None:
         return "required unless spec.command runs your own training code"
@@ -707,6 +713,12 @@ class GpuTrainingSpec:
             field=".dataset",
         ),
         Rule(
+            cel="!has(self.args) || has(self.command)",
+            message="args needs command (the built-in trainer takes no args)",
+            check=_args_need_command,
+            field=".args",
+        ),
+        Rule(
             cel="self.nccl.efaDevices == 0 || self.nccl.profile == 'eks-efa'",
             message="nccl.efaDevices needs nccl.profile eks-efa",
             check=_efa_needs_profile,
@@ -755,6 +767,9 @@ class GpuTraining:
     spec: GpuTrainingSpec
 
 
+_TOP_LEVEL: Final = frozenset({"apiVersion", "kind", "metadata", "spec", "status"})
+
+
 def parse(body: Mapping[str, Any]) -> GpuTraining:
     """A GpuTraining object as typed, defaulted values; raises :class:`SpecError`.
 
@@ -766,6 +781,8 @@ def parse(body: Mapping[str, Any]) -> GpuTraining:
     problems: list[Problem] = []
     if not isinstance(body, Mapping):
         raise SpecError([Problem("(document)", "must be a GpuTraining object (got a non-object)")])
+    # The API server prunes unknown top-level fields; a file that has one meant something else.
+    problems.extend(Problem(str(key), "unknown field") for key in body if key not in _TOP_LEVEL)
     for key, expected in (("apiVersion", API_VERSION), ("kind", KIND)):
         got = body.get(key)
         if got is None:

@@ -209,6 +209,22 @@ spec:
     ),
     ("not UTF-8", "spec: \udcff\n", ["{f}: not UTF-8 text (byte 6)"]),
     (
+        "NaN and a negative size",
+        GOOD.format(name="x") + "  training: {learningRate: .nan}\n  shmSize: -1Gi\n",
+        [
+            "{f}:9: spec.training.learningRate: must be a finite number (got nan)",
+            '{f}:10: spec.shmSize: must not be negative (got "-1Gi")',
+        ],
+    ),
+    (
+        "args without command (they were dropped silently)",
+        GOOD.format(name="x") + "  args: [--fast]\n",
+        [
+            "{f}:9: spec.args: needs spec.command: args are passed to your command (the built-in trainer takes none)"
+        ],
+    ),
+    ("an unknown top-level key", GOOD.format(name="x") + "bogus: 1\n", ["{f}:9: bogus: unknown field"]),
+    (
         "bad name",
         GOOD.format(name="My_Job"),
         [

@@ -106,7 +106,7 @@ def _cel_messages(node: dict[str, Any]) -> set[str]:
 IMMUTABLE_UPDATES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("image", {}, {"image": "example.com/t:2"}),
     ("command", {"dataset": None, "command": ["a"]}, {"dataset": None, "command": ["b"]}),
-    ("args", {}, {"args": ["--x"]}),
+    ("args", {"dataset": None, "command": ["a"]}, {"dataset": None, "command": ["a"], "args": ["--x"]}),
     ("workers", {}, {"workers": 2}),
     ("gpusPerWorker", {}, {"gpusPerWorker": 2}),
     ("gpuType", {}, {"gpuType": "NVIDIA-H100-80GB-HBM3"}),

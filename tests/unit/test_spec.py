@@ -143,6 +143,21 @@ BAD_SPECS: list[tuple[str, dict[str, Any], list[str]]] = [
         ["spec.dataset: required unless spec.command runs your own training code"],
     ),
     (
+        "args without command (the built-in trainer ignored them)",
+        {"args": ["--fast"]},
+        ["spec.args: needs spec.command: args are passed to your command (the built-in trainer takes none)"],
+    ),
+    (
+        "a non-finite number",
+        {"training": {"maxGradNorm": float("inf")}},
+        ["spec.training.maxGradNorm: must be a finite number (got inf)"],
+    ),
+    (
+        "a negative quantity",
+        {"resources": {"memory": "-1Gi"}},
+        ['spec.resources.memory: must not be negative (got "-1Gi")'],
+    ),
+    (
         "misspelled field",
         {"trainng": {"epochs": 3}},
         ['spec.trainng: unknown field; did you mean "training"?'],

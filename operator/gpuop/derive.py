@@ -304,11 +304,14 @@ def _restart_note(obs: Observation, progress: Progress | None) -> str | None:
     return None
 
 
-def _queued_by_kueue(obs: Observation, phase: Phase) -> bool:
-    """Whether Kueue holds the job: a queue is named, the job is suspended (from its creation on,
-    before Kubeflow acknowledges it with a Suspended condition) and not admitted yet."""
-    held = obs.queue_name is not None and obs.job_suspended and phase in ("Created", "Suspended")
-    return held and not (obs.queue is not None and obs.queue.admitted)
+def _kueue_phase(obs: Observation, phase: Phase) -> Phase:
+    """The phase of a job Kueue holds: a queue is named and the job is suspended (from its
+    creation on, before Kubeflow says Suspended). Queued until Kueue admits the Workload; then
+    Created, for the moment until Kueue resumes the job (seen on the real Kueue: a Suspended
+    flashed between Queued and Created). With a queue, suspend is Kueue's, never the user's."""
+    if obs.queue_name is None or not obs.job_suspended or phase not in ("Created", "Suspended"):
+        return phase
+    return "Created" if obs.queue is not None and obs.queue.admitted else "Queued"
 
 
 def _queued(obs: Observation, kind: str) -> tuple[str, str]:
@@ -357,8 +360,7 @@ def derive_status(
     if obs.job_deleted and previous is not None and previous.phase in _TERMINAL:
         return _job_deleted_after_finishing(previous, obs, now)
     phase = _phase(obs)
-    if _queued_by_kueue(obs, phase):
-        phase = "Queued"
+    phase = _kueue_phase(obs, phase)
     kind = _kind(obs)
     before = previous or GpuTrainingStatus()
     selected = _backend_selected(before, obs)

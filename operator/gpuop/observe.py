@@ -138,7 +138,8 @@ def queue_state(workloads: Sequence[Mapping[str, Any]]) -> QueueState | None:
         found = said(kind)
         if found is not None and (kind != "Evicted" or true(kind)):
             return QueueState(False, *found)
-    return QueueState(False, "Pending", "Kueue has not considered its Workload yet")
+    # Not Kueue's own "Pending" (which comes with why): nothing has been decided yet.
+    return QueueState(False, "WaitingForKueue", "Kueue has made its Workload and not considered it yet")
 
 
 def created_from(job: Mapping[str, Any] | None) -> str | None:

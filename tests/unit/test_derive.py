@@ -496,11 +496,11 @@ def test_without_a_queue_a_suspended_job_is_suspended_not_queued() -> None:
     status = derive_status(None, observe(0, conditions=SUSPENDED), THRESHOLDS)
     assert status.phase == "Suspended"
     admitted = QueueState(True, "Admitted", "The workload is admitted")
-    # Admitted but not yet resumed by Kueue (the next moment): not queued any more.
+    # Admitted, not yet resumed by Kueue (the next moment): starting, neither queued nor suspended.
     status = derive_status(
         None, observe(0, conditions=SUSPENDED, job_suspended=True, queue_name="q", queue=admitted), THRESHOLDS
     )
-    assert status.phase == "Suspended"
+    assert status.phase == "Created"
 
 
 def _round_trip(status: GpuTrainingStatus) -> GpuTrainingStatus:

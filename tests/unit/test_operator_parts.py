@@ -91,7 +91,7 @@ def _workload(created: str, *conditions: tuple[str, str, str]) -> dict[str, Any]
     ("workloads", "expected"),
     [
         ([], None),
-        ([_workload("2026-01-01T00:00:00Z")], QueueState(False, "Pending", "Kueue has not considered its Workload yet")),
+        ([_workload("2026-01-01T00:00:00Z")], QueueState(False, "WaitingForKueue", "Kueue has made its Workload and not considered it yet")),
         ([_workload("2026-01-01T00:00:00Z", ("QuotaReserved", "False", "Pending"))],
          QueueState(False, "Pending", "QuotaReserved Pending")),
         ([_workload("2026-01-01T00:00:00Z", ("QuotaReserved", "True", "QuotaReserved"),

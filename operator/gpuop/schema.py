@@ -22,12 +22,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import re
 import types
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal, NewType, TypeVar, Union, get_args, get_origin
 
+from gpuop import k8svalidation
 from gpuop.quantity import AMOUNT_PATTERN, MAX_QUANTITY, is_quantity, parse_quantity
 
 Quantity = NewType("Quantity", str)
@@ -383,7 +383,7 @@ def _decode_string(doc: FieldDoc, raw: Any, path: str, problems: list[Problem]) 
     if doc.max_length is not None and len(raw) > doc.max_length:
         problems.append(Problem(path, f"must be at most {doc.max_length} characters long"))
         return None
-    if doc.pattern is not None and not re.search(doc.pattern, raw):
+    if doc.pattern is not None and not k8svalidation.fullmatch(doc.pattern, raw):
         what = doc.pattern_hint or f"match {doc.pattern}"
         problems.append(Problem(path, f"must be {what} (got {_show(raw)})"))
         return None

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, Final, Literal
 
+from gpuop import k8svalidation
 from gpuop.identity import API_VERSION, KIND, PYTORCHJOB_KIND, TRAINJOB_KIND
 from gpuop.quantity import parse_quantity
 from gpuop.schema import (
@@ -403,7 +403,7 @@ class Nccl:
                     (
                         f"{k} is not an NCCL_*, TORCH_NCCL_*, FI_* or UCX_* variable; put it in spec.env"
                         for k in env
-                        if not re.match(NCCL_ENV_PATTERN, k)
+                        if not k8svalidation.fullmatch(NCCL_ENV_PATTERN, k)
                     ),
                     None,
                 ),
@@ -767,6 +767,54 @@ class GpuTraining:
     spec: GpuTrainingSpec
 
 
+def kubernetes_problems(spec: GpuTrainingSpec) -> list[Problem]:
+    """What the API server would refuse at the job or its pods, though the CRD's schema admits
+    it: names, label keys and values, paths and mount paths by Kubernetes' own rules
+    (:mod:`gpuop.k8svalidation`). Checked here so that it is one line now, not a failed pod."""
+    found: list[Problem] = []
+
+    def check(path: str, problem: str | None, value: str) -> None:
+        if problem is not None:
+            found.append(Problem(path, f"{problem} (got {json.dumps(value[:80])})"))
+
+    for key, value in spec.pod_metadata.labels.items():
+        check(f"spec.podMetadata.labels[{key}]", k8svalidation.qualified_name(key), key)
+        check(f"spec.podMetadata.labels[{key}]", k8svalidation.label_value(value), value)
+    for key in spec.pod_metadata.annotations:
+        check(f"spec.podMetadata.annotations[{key}]", k8svalidation.qualified_name(key), key)
+    for key, value in spec.scheduling.node_selector.items():
+        check(f"spec.scheduling.nodeSelector[{key}]", k8svalidation.qualified_name(key), key)
+        check(f"spec.scheduling.nodeSelector[{key}]", k8svalidation.label_value(value), value)
+    for index, toleration in enumerate(spec.scheduling.tolerations):
+        where = f"spec.scheduling.tolerations[{index}]"
+        if toleration.key:
+            check(f"{where}.key", k8svalidation.qualified_name(toleration.key), toleration.key)
+        if toleration.operator == "Exists" and toleration.value:
+            found.append(
+                Problem(f"{where}.value", "must be empty with operator Exists (which matches any value)")
+            )
+    for index, secret in enumerate(spec.image_pull_secrets):
+        check(f"spec.imagePullSecrets[{index}]", k8svalidation.subdomain(secret), secret)
+    mounts: dict[str, str] = {"/dev/shm": "the shared-memory volume"}
+    places = [("spec.checkpoint", spec.checkpoint.path, spec.checkpoint.volume),
+              ("spec.output", spec.output.path, spec.output.volume)]  # fmt: skip
+    if spec.dataset is not None:
+        places.append(("spec.dataset", spec.dataset.path, spec.dataset.volume))
+    for where, path, volume in places:
+        check(f"{where}.path", k8svalidation.mount_path(path), path)
+        if volume is not None and volume.sub_path is not None:
+            check(f"{where}.volume.subPath", k8svalidation.sub_path(volume.sub_path), volume.sub_path)
+        if where == "spec.dataset" and volume is None:
+            continue  # read from the image: no volume is mounted there
+        key = path.rstrip("/") or "/"
+        if key in mounts:
+            found.append(
+                Problem(f"{where}.path", f"{path} is also {mounts[key]}; each needs a directory of its own")
+            )
+        mounts[key] = f"{where}.path"
+    return found
+
+
 _TOP_LEVEL: Final = frozenset({"apiVersion", "kind", "metadata", "spec", "status"})
 
 
@@ -805,6 +853,8 @@ def parse(body: Mapping[str, Any]) -> GpuTraining:
             spec = decode(GpuTrainingSpec, body["spec"], "spec")
         except SpecError as exc:
             problems.extend(exc.problems)
+    if spec is not None:
+        problems.extend(kubernetes_problems(spec))
     if problems or spec is None:
         raise SpecError(problems)
     namespace = metadata.get("namespace")
@@ -825,10 +875,10 @@ def _name_problem(name: str) -> str | None:
             f"must be at most {MAX_NAME_LENGTH} characters (got {len(name)}): it names the "
             "PyTorchJob and its per-pod Services"
         )
-    if not re.match(NAME_PATTERN, name):
+    if not k8svalidation.fullmatch(NAME_PATTERN, name):
         return (
             "must be a DNS-1035 label: lowercase letters, digits and '-', starting with a "
-            f'letter (got "{name}")'
+            f"letter (got {json.dumps(name)})"
         )
     return None
 

@@ -223,6 +223,14 @@ spec:
             "{f}:9: spec.args: needs spec.command: args are passed to your command (the built-in trainer takes none)"
         ],
     ),
+    (
+        "a name with a trailing newline (Python's $ matched it, Go's does not)",
+        GOOD.format(name='"x\\n"'),
+        [
+            "{f}:4: metadata.name: must be a DNS-1035 label: lowercase letters, digits and '-', starting with "
+            'a letter (got "x\\n")'
+        ],
+    ),
     ("an unknown top-level key", GOOD.format(name="x") + "bogus: 1\n", ["{f}:9: bogus: unknown field"]),
     (
         "bad name",

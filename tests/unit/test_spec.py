@@ -111,7 +111,52 @@ TRAINJOB_REFUSES: dict[str, str] = {
     gap.field.rsplit(".", 1)[1]: f"spec{gap.field}: cannot be used with backend trainjob: {gap.why}"
     for gap in TRAINJOB_GAPS
 }
-ONLY_GPUOP_VALIDATE: frozenset[str] = frozenset({"memory out of range", "shm out of range"})
+# Refused by gpuop's parse (so by `gpuop validate`, and by the operator as InvalidSpec) but
+# admitted by the CRD's schema: the API server would refuse these later, at the job or its pods.
+KUBERNETES_RULES: list[tuple[str, dict[str, Any], list[str]]] = [
+    (
+        "a label key with a space",
+        {"podMetadata": {"labels": {"bad key!": "v"}}},
+        ["spec.podMetadata.labels[bad key!]: must be a name of at most 63 characters (letters, digits, '-', "
+         "'_' and '.', starting and ending alphanumeric), with an optional DNS prefix and '/' (got \"bad key!\")"],
+    ),
+    (
+        "a nodeSelector key with two slashes",
+        {"scheduling": {"nodeSelector": {"a/b/c": "v"}}},
+        ["spec.scheduling.nodeSelector[a/b/c]: must have a DNS subdomain prefix before its '/', such as "
+         'example.com/name (got "a/b/c")'],
+    ),
+    (
+        "an Exists toleration with a value",
+        {"scheduling": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}},
+        ["spec.scheduling.tolerations[0].value: must be empty with operator Exists (which matches any value)"],
+    ),
+    (
+        "a pull secret that is not a DNS name",
+        {"imagePullSecrets": ["Bad_Name"]},
+        ["spec.imagePullSecrets[0]: must be a lowercase DNS name (letters, digits, '-' and '.', starting and "
+         'ending alphanumeric) (got "Bad_Name")'],
+    ),
+    ("'..' in a path", {"checkpoint": {"path": "/a/../b"}}, ['spec.checkpoint.path: must not contain \'..\' (got "/a/../b")']),
+    (
+        "an absolute subPath",
+        {"checkpoint": {"volume": {"claimName": "c", "subPath": "/x"}}},
+        ['spec.checkpoint.volume.subPath: must be a relative path inside the volume (got "/x")'],
+    ),
+    (
+        "output over /dev/shm",
+        {"output": {"path": "/dev/shm"}},
+        ["spec.output.path: /dev/shm is also the shared-memory volume; each needs a directory of its own"],
+    ),
+    (
+        "checkpoints and output in one directory",
+        {"checkpoint": {"path": "/out"}, "output": {"path": "/out/"}},
+        ["spec.output.path: /out/ is also spec.checkpoint.path; each needs a directory of its own"],
+    ),
+]  # fmt: skip
+ONLY_GPUOP_VALIDATE: frozenset[str] = frozenset(
+    {"memory out of range", "shm out of range", *(case for case, _, _ in KUBERNETES_RULES)}
+)
 
 BAD_SPECS: list[tuple[str, dict[str, Any], list[str]]] = [
     ("workers zero", {"workers": 0}, ["spec.workers: must be >= 1 (got 0)"]),
@@ -344,6 +389,7 @@ BAD_SPECS: list[tuple[str, dict[str, Any], list[str]]] = [
             "spec.training.epochs: must be >= 1 (got 0)",
         ],
     ),
+    *KUBERNETES_RULES,
 ]
 
 

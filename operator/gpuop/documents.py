@@ -191,8 +191,9 @@ def read_documents(path: str) -> list[Document]:
     source = "<stdin>" if path == "-" else path
     text = _read_text(path, source)
     loaded: list[tuple[Any, yaml.Node]] = []
-    loader = _StrictLoader(text)
+    loader: _StrictLoader | None = None
     try:
+        loader = _StrictLoader(text)  # reads ahead: a control character is refused here already
         while loader.check_node():
             node = loader.get_node()
             if node is not None:
@@ -208,7 +209,8 @@ def read_documents(path: str) -> list[Document]:
     except yaml.YAMLError as exc:
         raise DocumentError(f"{source}: YAML error: {_short(str(exc), 200)}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
     documents = [
         Document(source, index, data, node)

@@ -343,7 +343,9 @@ def _decode_mapping(doc: FieldDoc, raw: Any, path: str, problems: list[Problem])
         return None
     before = len(problems)
     for key, value in raw.items():
-        if not isinstance(value, str):
+        if not isinstance(key, str):  # from YAML, where `1:` and `yes:` are an int and a bool
+            problems.append(Problem(path, f"keys must be strings (got {_show(key)})"))
+        elif not isinstance(value, str):
             problems.append(Problem(_join(path, str(key)), f"must be a string (got {_show(value)})"))
     return None if len(problems) > before else types.MappingProxyType(dict(raw))
 

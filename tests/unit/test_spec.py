@@ -504,3 +504,26 @@ def test_fixed_spec_records_from_other_operator_versions() -> None:
     assert fixed_spec_changes(json.dumps(older), spec) == ()
     newer = {**fixed_spec(spec), "fromTheFuture": True}  # unreadable: no verdict rather than a wrong one
     assert fixed_spec_changes(json.dumps(newer), parse(minimal(workers=9)).spec) == ()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"nccl": {"env": {1: "a"}}}, "spec.nccl.env: keys must be strings (got 1)"),
+        (
+            {"scheduling": {"nodeSelector": {1: "a", "b": "c"}}},
+            "spec.scheduling.nodeSelector: keys must be strings (got 1)",
+        ),
+        (
+            {"podMetadata": {"labels": {True: "x"}}},
+            "spec.podMetadata.labels: keys must be strings (got true)",
+        ),
+    ],
+)
+def test_a_map_with_a_key_that_is_not_a_string_is_refused_not_a_crash(
+    fields: dict[str, Any], message: str
+) -> None:
+    """YAML reads `1:` and `yes:` as an int and a bool; before, TypeError and AttributeError."""
+    with pytest.raises(SpecError) as refused:
+        parse(minimal(**fields))
+    assert [str(p) for p in refused.value.problems] == [message]

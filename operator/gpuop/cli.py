@@ -140,6 +140,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise _BadInputError([f"{document.where('spec.gpusPerWorker')}: {shortfall}"])
     try:
         with local.hold_run_directory(run):
+            if args.fresh:
+                moved = local.move_aside(run)
+                if moved is not None:
+                    print(f"the earlier run's checkpoints and outputs are in {moved}", file=sys.stderr)
+            else:
+                finished = local.finished_result(run)
+                if finished is not None:
+                    raise _BadInputError([
+                        f"{training.name} already finished in {run.workdir / training.name} ({finished}); "
+                        "add --fresh to train it again from the start"
+                    ])  # fmt: skip
             log_path = local.new_log(run)
             print(
                 f"training {training.name}: {run.processes} process(es), "
@@ -258,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers", type=int, help="processes to start instead of spec.workers (x GPUs per worker)"
     )
     run.add_argument("--json", action="store_true", help="print the final status as JSON")
+    run.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over: move this run's checkpoints and outputs aside (to WORKDIR/NAME/previous-TIME/) "
+        "instead of resuming from them",
+    )
     run.add_argument(
         "--workdir",
         default=".gpuop-runs",

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import fcntl
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,7 +30,7 @@ from gpuop.schema import encode
 from gpuop.scrape import TrainerMetrics, parse_metrics
 from gpuop.spec import GpuTraining
 from gpuop.status import GpuTrainingStatus, format_eta
-from gputrain.contract import Result, env_name
+from gputrain.contract import RESULT_FILE, Result, env_name
 
 POLL_SECONDS = 0.5
 # Failure reasons that mean a signal stopped the trainers after a checkpoint (gputrain.contract).
@@ -184,9 +185,14 @@ def final_status(
         # Stopped on purpose and checkpointed: paused, not failed; a rerun resumes.
         outcome = JobCondition("Suspended", "True", record.reason, f"{record.message}: run `gpuop run` again")
     else:
-        outcome = JobCondition(
-            "Failed", "True", "TrainerFailed", f"the trainer exited with code {code}; see its log"
+        log_path = run.workdir / run.training.name / "trainer.log"
+        what = (
+            stopped_rank(log_path.read_text(errors="replace")) if log_path.is_file() and code != 0 else None
         )
+        steps = [int(p.stem[5:]) for p in run.checkpoint_dir.glob("step-*.pt") if p.stem[5:].isdigit()]
+        resume = f"; `gpuop run` again resumes from its checkpoint at step {max(steps)}" if steps else ""
+        message = f"{what}{resume}" if what else f"the trainer exited with code {code}; see its log{resume}"
+        outcome = JobCondition("Failed", "True", "TrainerFailed", message)
     observation = Observation(
         now=finished,
         generation=run.training.generation,
@@ -231,6 +237,48 @@ def hold_run_directory(run: LocalRun) -> Iterator[None]:
         lock.write(str(os.getpid()))
         lock.flush()
         yield
+
+
+def finished_result(run: LocalRun) -> str | None:
+    """What an earlier run in this directory finished with, if it did: resuming it would only
+    print its old status again."""
+    path = run.output_dir / RESULT_FILE
+    record = Result.from_json(path.read_text(errors="replace")) if path.is_file() else None
+    if record is None or record.phase != "Succeeded":
+        return None
+    return f"Succeeded at step {record.step} of {record.total_steps}, accuracy {record.accuracy}"
+
+
+def move_aside(run: LocalRun) -> Path | None:
+    """The run's checkpoints and outputs moved to ``previous-<time>/`` in its directory (kept,
+    not deleted: they may be the only copy of a model); None when there were none."""
+    present = [d for d in (run.checkpoint_dir, run.output_dir) if d.is_dir() and any(d.iterdir())]
+    if not present:
+        return None
+    target = run.workdir / run.training.name / f"previous-{_now().strftime('%Y%m%dT%H%M%SZ')}"
+    target.mkdir(parents=True, exist_ok=True)
+    for directory in present:
+        directory.rename(target / directory.name)
+    return target
+
+
+def stopped_rank(log_text: str) -> str | None:
+    """What torchrun's failure summary says killed the run: which rank, which signal. Its "Root
+    Cause" (the first failure), not its "Failures" list, where the ranks torchrun stopped itself
+    come first."""
+    root = log_text.rsplit("Root Cause", 1)[-1] if "Root Cause" in log_text else log_text
+    found = re.search(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", root, re.DOTALL)
+    if found is None:
+        return None
+    rank, code = int(found.group(1)), int(found.group(2))
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        cause = " (the kernel's OOM killer sends it when memory runs out)" if name == "SIGKILL" else ""
+        return f"rank {rank} was killed by {name}{cause}; torchrun then stopped the others"
+    return f"rank {rank} exited with code {code}; torchrun then stopped the others"
 
 
 def new_log(run: LocalRun) -> Path:

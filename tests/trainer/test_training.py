@@ -380,3 +380,54 @@ def test_sigterm_to_gpuop_run_alone_stops_the_whole_run(tmp_path: Path) -> None:
     condition = next(c for c in json.loads(out)["conditions"] if c["type"] == "Suspended")
     assert condition["reason"] == "Preempted"
     assert _run_processes(directory) == []
+
+
+def _trainer_pids(directory: Path) -> list[int]:
+    """The trainer processes of a `gpuop run` (not torchrun, not gpuop run itself)."""
+    pids = []
+    for pid in _run_processes(directory):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"gputrain" in argv and not any(b"torchrun" in a or b"distributed.run" in a for a in argv):
+            pids.append(pid)
+    return pids
+
+
+def test_a_killed_worker_is_named_with_its_signal_and_how_to_resume(tmp_path: Path) -> None:
+    """SIGKILL of one rank (as the OOM killer does): before, exit 1 "the trainer exited with code
+    1" and nothing else; now which rank, which signal, and where a rerun resumes."""
+    process, directory = _start_gpuop_run(tmp_path, epochs=40)
+    _wait_for_log(directory / "trainer.log", r"step (2[5-9]|[3-9]\d)/", process)  # past epoch 1's checkpoint
+    ranks = _trainer_pids(directory)
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[-1], signal.SIGKILL)
+    out, _ = process.communicate(timeout=120)
+    assert process.returncode == 1
+    condition = next(c for c in json.loads(out)["conditions"] if c["type"] == "Failed")
+    assert condition["reason"] == "TrainerFailed"
+    assert re.fullmatch(
+        r"rank \d was killed by SIGKILL \(the kernel's OOM killer sends it when memory runs out\); torchrun then "
+        r"stopped the others; `gpuop run` again resumes from its checkpoint at step \d+",
+        condition["message"],
+    ), condition["message"]
+
+
+def test_a_finished_run_is_said_to_be_finished_and_fresh_starts_over(tmp_path: Path) -> None:
+    """Before: a rerun printed the old Succeeded after 12 s ("resumed at epoch 16 of 15")."""
+    process, directory = _start_gpuop_run(tmp_path, epochs=1)
+    assert process.wait(120) == 0, process.communicate()
+    again, _ = _start_gpuop_run(tmp_path, epochs=1)
+    _, err = again.communicate(timeout=60)
+    assert again.returncode == 2
+    assert f"error: t already finished in {directory} (Succeeded at step 23 of 23" in err
+    assert "add --fresh to train it again from the start" in err
+    fresh = subprocess.run(
+        [GPUOP, "run", "-f", str(tmp_path / "t.yaml"), "--json", "--workdir", str(tmp_path / "work"), "--fresh"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert fresh.returncode == 0, fresh.stderr
+    (kept,) = directory.glob("previous-*")
+    assert (kept / "output" / "result.json").is_file()  # moved aside, not deleted
+    assert "resumed from" not in (directory / "trainer.log").read_text()

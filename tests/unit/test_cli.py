@@ -370,3 +370,34 @@ def test_a_local_gpu_run_sees_only_the_gpus_it_uses(tmp_path: Path, monkeypatch:
     assert "CUDA_VISIBLE_DEVICES" not in plan(cpu, None, tmp_path).environment()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")  # the user's choice stands
     assert plan(gpu, 1, tmp_path).environment()["CUDA_VISIBLE_DEVICES"] == "5,7"
+
+
+TORCHRUN_SUMMARY = """\
+Failures:
+[1]:
+  time      : 2026-11-22_14:56:12
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 30691)  (SIGTERM)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_14:56:12
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 30692)  (SIGKILL)
+"""
+
+
+@pytest.mark.parametrize(
+    ("log", "said"),
+    [
+        (TORCHRUN_SUMMARY, "rank 1 was killed by SIGKILL (the kernel's OOM killer sends it when memory runs out); "
+                           "torchrun then stopped the others"),
+        ("  rank      : 3 (local_rank: 1)\n  exitcode  : 1 (pid: 7)\n", "rank 3 exited with code 1; torchrun then "
+                                                                          "stopped the others"),
+        ("a log without torchrun's summary", None),
+    ],
+)  # fmt: skip
+def test_which_rank_stopped_a_local_run_and_how(log: str, said: str | None) -> None:
+    from gpuop.local import stopped_rank
+
+    assert stopped_rank(log) == said

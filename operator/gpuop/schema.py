@@ -86,6 +86,7 @@ class FieldDoc:
     pattern_hint: str = ""
     max_items: int | None = None
     max_properties: int | None = None
+    item_max_length: int | None = None  # of each string in a list, or each value of a map
     list_map_key: str | None = None
     date_time: bool = False
     rules: tuple[Rule, ...] = ()
@@ -105,6 +106,7 @@ def api_field(
     pattern_hint: str = "",
     max_items: int | None = None,
     max_properties: int | None = None,
+    item_max_length: int | None = None,
     list_map_key: str | None = None,
     date_time: bool = False,
     rules: tuple[Rule, ...] = (),
@@ -124,6 +126,7 @@ def api_field(
         pattern_hint=pattern_hint,
         max_items=max_items,
         max_properties=max_properties,
+        item_max_length=item_max_length,
         list_map_key=list_map_key,
         date_time=date_time,
         rules=rules,
@@ -319,7 +322,7 @@ def _decode_list(
     before = len(problems)
     items = []
     for index, item in enumerate(raw):
-        items.append(_decode_value(item_hint, _ITEM_DOC, item, f"{path}[{index}]", problems))
+        items.append(_decode_value(item_hint, _item_doc(doc), item, f"{path}[{index}]", problems))
     if doc.list_map_key is not None and len(problems) == before:
         seen: set[Any] = set()
         for index, item in enumerate(raw):
@@ -332,6 +335,13 @@ def _decode_list(
 
 
 _ITEM_DOC: Final = FieldDoc(description="")
+
+
+def _item_doc(doc: FieldDoc) -> FieldDoc:
+    """What each item of a list field must be: bounded as the field says."""
+    return (
+        _ITEM_DOC if doc.item_max_length is None else FieldDoc(description="", max_length=doc.item_max_length)
+    )
 
 
 def _decode_mapping(doc: FieldDoc, raw: Any, path: str, problems: list[Problem]) -> Mapping[str, str] | None:
@@ -347,6 +357,10 @@ def _decode_mapping(doc: FieldDoc, raw: Any, path: str, problems: list[Problem])
             problems.append(Problem(path, f"keys must be strings (got {_show(key)})"))
         elif not isinstance(value, str):
             problems.append(Problem(_join(path, str(key)), f"must be a string (got {_show(value)})"))
+        elif doc.item_max_length is not None and len(value) > doc.item_max_length:
+            problems.append(
+                Problem(_join(path, key), f"must be at most {doc.item_max_length} characters long")
+            )
     return None if len(problems) > before else types.MappingProxyType(dict(raw))
 
 
@@ -496,14 +510,17 @@ def _value_schema(hint: Any, doc: FieldDoc, description: str) -> dict[str, Any]:
             }
         )
     elif _is_tuple(hint):
-        schema.update(type="array", items=_value_schema(get_args(hint)[0], _ITEM_DOC, ""))
+        schema.update(type="array", items=_value_schema(get_args(hint)[0], _item_doc(doc), ""))
         if doc.max_items is not None:
             schema["maxItems"] = doc.max_items
         if doc.list_map_key is not None:
             schema["x-kubernetes-list-type"] = "map"
             schema["x-kubernetes-list-map-keys"] = [doc.list_map_key]
     elif _is_mapping(hint):
-        schema.update(type="object", additionalProperties={"type": "string"})
+        values: dict[str, Any] = {"type": "string"}
+        if doc.item_max_length is not None:
+            values["maxLength"] = doc.item_max_length
+        schema.update(type="object", additionalProperties=values)
         if doc.max_properties is not None:
             schema["maxProperties"] = doc.max_properties
     elif hint is bool:

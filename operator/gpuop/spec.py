@@ -357,6 +357,7 @@ class Scheduling:
         "Extra node labels the worker pods must land on.",
         default_factory=lambda: MappingProxyType({}),
         max_properties=64,
+        item_max_length=63,
     )
     tolerations: tuple[Toleration, ...] = api_field(
         "Extra tolerations for the worker pods (the nvidia.com/gpu taint is tolerated "
@@ -395,6 +396,7 @@ class Nccl:
         "Extra NCCL_*, TORCH_NCCL_*, FI_* or UCX_* variables; they override the profile's.",
         default_factory=lambda: MappingProxyType({}),
         max_properties=64,
+        item_max_length=4096,
         rules=(
             Rule(
                 cel=f"self.all(k, k.matches('{NCCL_ENV_PATTERN}'))",
@@ -483,12 +485,16 @@ class PodMetadata:
     """Labels and annotations added to every worker pod."""
 
     labels: Mapping[str, str] = api_field(
-        "Extra pod labels.", default_factory=lambda: MappingProxyType({}), max_properties=64
+        "Extra pod labels.",
+        default_factory=lambda: MappingProxyType({}),
+        max_properties=64,
+        item_max_length=63,
     )
     annotations: Mapping[str, str] = api_field(
         'Extra pod annotations, e.g. sidecar.istio.io/inject: "false".',
         default_factory=lambda: MappingProxyType({}),
         max_properties=64,
+        item_max_length=65536,
     )
 
 
@@ -617,8 +623,11 @@ class GpuTrainingSpec:
         "training code in your own image. The GPUTRAIN_* settings are still in the environment.",
         default=None,
         max_items=64,
+        item_max_length=32768,
     )
-    args: tuple[str, ...] | None = api_field("Arguments to command.", default=None, max_items=256)
+    args: tuple[str, ...] | None = api_field(
+        "Arguments to command.", default=None, max_items=256, item_max_length=32768
+    )
     workers: int = api_field(
         "Worker pods: one Master and workers-1 Worker pods (elastic jobs: workers Worker pods).",
         default=1,
@@ -673,7 +682,7 @@ class GpuTrainingSpec:
         pattern_hint=_K8S_NAME_HINT,
     )
     image_pull_secrets: tuple[str, ...] = api_field(
-        "Names of Secrets for pulling the image.", default=(), max_items=16
+        "Names of Secrets for pulling the image.", default=(), max_items=16, item_max_length=253
     )
     pod_metadata: PodMetadata = api_field(
         "Labels and annotations for the worker pods.", default_factory=PodMetadata

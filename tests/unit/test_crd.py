@@ -66,13 +66,18 @@ def test_every_field_has_a_description(schema: dict[str, Any]) -> None:
                 assert node.get("description"), f"{path} has no description for kubectl explain"
 
 
-def test_lists_and_maps_are_bounded(schema: dict[str, Any]) -> None:
-    """The API server estimates CEL cost from these bounds and refuses unbounded rules."""
+def test_strings_lists_and_maps_are_bounded(schema: dict[str, Any]) -> None:
+    """The API server estimates CEL cost from these bounds and refuses unbounded rules; and what
+    a hostile object can make it store is bounded: every string (list items and map values
+    too), list and map."""
     for path, node in _schemas(schema["properties"]["spec"], "spec"):
         if node.get("type") == "array":
             assert "maxItems" in node, path
         if node.get("type") == "object" and "additionalProperties" in node:
             assert "maxProperties" in node, path
+            assert "maxLength" in node["additionalProperties"], f"{path}: its values"
+        if node.get("type") == "string" and "enum" not in node:
+            assert "maxLength" in node, path
 
 
 def test_defaults_are_valid_values(schema: dict[str, Any]) -> None:

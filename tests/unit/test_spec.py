@@ -193,6 +193,16 @@ BAD_SPECS: list[tuple[str, dict[str, Any], list[str]]] = [
         ["spec.args: needs spec.command: args are passed to your command (the built-in trainer takes none)"],
     ),
     (
+        "an argument over 32 KiB",
+        {"dataset": None, "command": ["python"], "args": ["x" * 32769]},
+        ["spec.args[0]: must be at most 32768 characters long"],
+    ),
+    (
+        "a label value over 63 characters",
+        {"podMetadata": {"labels": {"team": "x" * 64}}},
+        ["spec.podMetadata.labels.team: must be at most 63 characters long"],
+    ),
+    (
         "a non-finite number",
         {"training": {"maxGradNorm": float("inf")}},
         ["spec.training.maxGradNorm: must be a finite number (got inf)"],

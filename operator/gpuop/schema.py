@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import types
 import typing
@@ -224,7 +225,7 @@ def decode(cls: type[_T], data: Any, path: str) -> _T:
 
 def _decode_object(cls: type[_T], data: Any, path: str, problems: list[Problem]) -> _T | None:
     if not isinstance(data, Mapping):
-        problems.append(Problem(path, f"must be an object (got {_show(data)})"))
+        problems.append(Problem(path, f"must be an object (got {show(data)})"))
         return None
     slots = _slots(cls)
     known = {s.key for s in slots}
@@ -269,7 +270,7 @@ def _decode_value(hint: Any, doc: FieldDoc, raw: Any, path: str, problems: list[
     if get_origin(hint) is Literal:
         choices = get_args(hint)
         if raw not in choices:
-            problems.append(Problem(path, f"must be one of {', '.join(choices)} (got {_show(raw)})"))
+            problems.append(Problem(path, f"must be one of {', '.join(choices)} (got {show(raw)})"))
             return None
         return raw
     if hint is Quantity:
@@ -280,7 +281,7 @@ def _decode_value(hint: Any, doc: FieldDoc, raw: Any, path: str, problems: list[
         return _decode_mapping(doc, raw, path, problems)
     if hint is bool:
         if not isinstance(raw, bool):
-            problems.append(Problem(path, f"must be true or false (got {_show(raw)})"))
+            problems.append(Problem(path, f"must be true or false (got {show(raw)})"))
             return None
         return raw
     if hint is int or hint is float:
@@ -294,18 +295,16 @@ def _decode_quantity(raw: Any, path: str, problems: list[Problem]) -> Quantity |
     is_integer = isinstance(raw, int) and not isinstance(raw, bool)
     if not is_integer and not (isinstance(raw, str) and is_quantity(raw)):
         problems.append(
-            Problem(path, f"must be a Kubernetes quantity such as 512Mi or 2Gi (got {_show(raw)})")
+            Problem(path, f"must be a Kubernetes quantity such as 512Mi or 2Gi (got {show(raw)})")
         )
         return None
     try:
         value = parse_quantity(raw)  # bounded: a huge integer is refused before anything prints it
     except ValueError:
-        problems.append(
-            Problem(path, f"must be at most {MAX_QUANTITY}, Kubernetes' int64 (got {_show(raw)})")
-        )
+        problems.append(Problem(path, f"must be at most {MAX_QUANTITY}, Kubernetes' int64 (got {show(raw)})"))
         return None
     if value < 0:  # every quantity here is an amount: a negative one would render a negative sizeLimit
-        problems.append(Problem(path, f"must not be negative (got {_show(raw)})"))
+        problems.append(Problem(path, f"must not be negative (got {show(raw)})"))
         return None
     return Quantity(str(raw))
 
@@ -314,7 +313,7 @@ def _decode_list(
     item_hint: Any, doc: FieldDoc, raw: Any, path: str, problems: list[Problem]
 ) -> tuple[Any, ...] | None:
     if not isinstance(raw, list):
-        problems.append(Problem(path, f"must be a list (got {_show(raw)})"))
+        problems.append(Problem(path, f"must be a list (got {show(raw)})"))
         return None
     if doc.max_items is not None and len(raw) > doc.max_items:
         problems.append(Problem(path, f"must have at most {doc.max_items} items (got {len(raw)})"))
@@ -329,7 +328,7 @@ def _decode_list(
             key = item.get(doc.list_map_key)
             if key in seen:
                 # The item, as the API server names a list-map duplicate ("spec.env[1]: Duplicate value").
-                problems.append(Problem(f"{path}[{index}]", f"duplicate {doc.list_map_key} {_show(key)}"))
+                problems.append(Problem(f"{path}[{index}]", f"duplicate {doc.list_map_key} {show(key)}"))
             seen.add(key)
     return None if len(problems) > before else tuple(items)
 
@@ -346,7 +345,7 @@ def _item_doc(doc: FieldDoc) -> FieldDoc:
 
 def _decode_mapping(doc: FieldDoc, raw: Any, path: str, problems: list[Problem]) -> Mapping[str, str] | None:
     if not isinstance(raw, Mapping):
-        problems.append(Problem(path, f"must be a map of strings (got {_show(raw)})"))
+        problems.append(Problem(path, f"must be a map of strings (got {show(raw)})"))
         return None
     if doc.max_properties is not None and len(raw) > doc.max_properties:
         problems.append(Problem(path, f"must have at most {doc.max_properties} entries (got {len(raw)})"))
@@ -354,9 +353,9 @@ def _decode_mapping(doc: FieldDoc, raw: Any, path: str, problems: list[Problem])
     before = len(problems)
     for key, value in raw.items():
         if not isinstance(key, str):  # from YAML, where `1:` and `yes:` are an int and a bool
-            problems.append(Problem(path, f"keys must be strings (got {_show(key)})"))
+            problems.append(Problem(path, f"keys must be strings (got {show(key)})"))
         elif not isinstance(value, str):
-            problems.append(Problem(_join(path, str(key)), f"must be a string (got {_show(value)})"))
+            problems.append(Problem(_join(path, str(key)), f"must be a string (got {show(value)})"))
         elif doc.item_max_length is not None and len(value) > doc.item_max_length:
             problems.append(
                 Problem(_join(path, key), f"must be at most {doc.item_max_length} characters long")
@@ -371,37 +370,37 @@ def _decode_number(
     ok = isinstance(raw, int) if hint is int else isinstance(raw, (int, float))
     if isinstance(raw, bool) or not ok:
         kind = "an integer" if hint is int else "a number"
-        problems.append(Problem(path, f"must be {kind} (got {_show(raw)})"))
+        problems.append(Problem(path, f"must be {kind} (got {show(raw)})"))
         return None
     if not math.isfinite(raw):  # YAML's .nan and .inf; JSON has neither, so the API server never sends them
-        problems.append(Problem(path, f"must be a finite number (got {_show(raw)})"))
+        problems.append(Problem(path, f"must be a finite number (got {show(raw)})"))
         return None
     if doc.minimum is not None:
         if doc.exclusive_minimum and raw <= doc.minimum:
-            problems.append(Problem(path, f"must be > {_num(doc.minimum)} (got {_show(raw)})"))
+            problems.append(Problem(path, f"must be > {_num(doc.minimum)} (got {show(raw)})"))
             return None
         if raw < doc.minimum:
-            problems.append(Problem(path, f"must be >= {_num(doc.minimum)} (got {_show(raw)})"))
+            problems.append(Problem(path, f"must be >= {_num(doc.minimum)} (got {show(raw)})"))
             return None
     if doc.maximum is not None and raw > doc.maximum:
-        problems.append(Problem(path, f"must be <= {_num(doc.maximum)} (got {_show(raw)})"))
+        problems.append(Problem(path, f"must be <= {_num(doc.maximum)} (got {show(raw)})"))
         return None
     return float(raw) if hint is float else raw
 
 
 def _decode_string(doc: FieldDoc, raw: Any, path: str, problems: list[Problem]) -> str | None:
     if not isinstance(raw, str):
-        problems.append(Problem(path, f"must be a string (got {_show(raw)})"))
+        problems.append(Problem(path, f"must be a string (got {show(raw)})"))
         return None
     if doc.min_length is not None and len(raw) < doc.min_length:
-        problems.append(Problem(path, f"must not be empty (got {_show(raw)})"))
+        problems.append(Problem(path, f"must not be empty (got {show(raw)})"))
         return None
     if doc.max_length is not None and len(raw) > doc.max_length:
         problems.append(Problem(path, f"must be at most {doc.max_length} characters long"))
         return None
     if doc.pattern is not None and not k8svalidation.fullmatch(doc.pattern, raw):
         what = doc.pattern_hint or f"match {doc.pattern}"
-        problems.append(Problem(path, f"must be {what} (got {_show(raw)})"))
+        problems.append(Problem(path, f"must be {what} (got {show(raw)})"))
         return None
     return raw
 
@@ -409,18 +408,21 @@ def _decode_string(doc: FieldDoc, raw: Any, path: str, problems: list[Problem]) 
 def _join(path: str, key: str) -> str:
     if not key:
         return path
+    key = key if len(key) <= _SHOWN_CHARACTERS else f"{key[: _SHOWN_CHARACTERS - 3]}..."
     return f"{path}.{key}" if path else key
 
 
 _SHOWN_CHARACTERS: Final = 80
 
 
-def _show(value: Any) -> str:
-    """A value as a message quotes it: shortened, so an error line stays a line."""
+def show(value: Any) -> str:
+    """A value as a message quotes it: shortened, and with control characters escaped, so an
+    error line stays one line of a readable length."""
     if isinstance(value, str):
         if len(value) > _SHOWN_CHARACTERS:
-            return f'"{value[: _SHOWN_CHARACTERS - 3]}..." ({len(value)} characters)'
-        return f'"{value}"'
+            head = json.dumps(value[: _SHOWN_CHARACTERS - 3] + "...", ensure_ascii=False)
+            return f"{head} ({len(value)} characters)"
+        return json.dumps(value, ensure_ascii=False)
     if value is None:
         return "null"
     if isinstance(value, bool):

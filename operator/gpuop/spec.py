@@ -28,6 +28,7 @@ from gpuop.schema import (
     decode,
     encode,
     json_name,
+    show,
 )
 from gputrain.contract import DatasetName, ModelName, Precision
 
@@ -784,16 +785,19 @@ def kubernetes_problems(spec: GpuTrainingSpec) -> list[Problem]:
 
     def check(path: str, problem: str | None, value: str) -> None:
         if problem is not None:
-            found.append(Problem(path, f"{problem} (got {json.dumps(value[:80])})"))
+            found.append(Problem(path, f"{problem} (got {show(value)})"))
+
+    def at(field: str, key: str) -> str:
+        return f"{field}[{key if len(key) <= 40 else key[:37] + '...'}]"
 
     for key, value in spec.pod_metadata.labels.items():
-        check(f"spec.podMetadata.labels[{key}]", k8svalidation.qualified_name(key), key)
-        check(f"spec.podMetadata.labels[{key}]", k8svalidation.label_value(value), value)
+        check(at("spec.podMetadata.labels", key), k8svalidation.qualified_name(key), key)
+        check(at("spec.podMetadata.labels", key), k8svalidation.label_value(value), value)
     for key in spec.pod_metadata.annotations:
-        check(f"spec.podMetadata.annotations[{key}]", k8svalidation.qualified_name(key), key)
+        check(at("spec.podMetadata.annotations", key), k8svalidation.qualified_name(key), key)
     for key, value in spec.scheduling.node_selector.items():
-        check(f"spec.scheduling.nodeSelector[{key}]", k8svalidation.qualified_name(key), key)
-        check(f"spec.scheduling.nodeSelector[{key}]", k8svalidation.label_value(value), value)
+        check(at("spec.scheduling.nodeSelector", key), k8svalidation.qualified_name(key), key)
+        check(at("spec.scheduling.nodeSelector", key), k8svalidation.label_value(value), value)
     for index, toleration in enumerate(spec.scheduling.tolerations):
         where = f"spec.scheduling.tolerations[{index}]"
         if toleration.key:
@@ -887,7 +891,7 @@ def _name_problem(name: str) -> str | None:
     if not k8svalidation.fullmatch(NAME_PATTERN, name):
         return (
             "must be a DNS-1035 label: lowercase letters, digits and '-', starting with a "
-            f"letter (got {json.dumps(name)})"
+            f"letter (got {show(name)})"
         )
     return None
 

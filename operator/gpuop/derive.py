@@ -305,13 +305,17 @@ def _restart_note(obs: Observation, progress: Progress | None) -> str | None:
 
 
 def _kueue_phase(obs: Observation, phase: Phase) -> Phase:
-    """The phase of a job Kueue holds: a queue is named and the job is suspended (from its
-    creation on, before Kubeflow says Suspended). Queued until Kueue admits the Workload; then
-    Created, for the moment until Kueue resumes the job (seen on the real Kueue: a Suspended
-    flashed between Queued and Created). With a queue, suspend is Kueue's, never the user's."""
-    if obs.queue_name is None or not obs.job_suspended or phase not in ("Created", "Suspended"):
+    """The phase of a job under Kueue (a queue is named), where suspend is Kueue's, never the
+    user's: Queued while the job is suspended (from its creation on, before Kubeflow says
+    Suspended) and its Workload not admitted; Created while it is being resumed. The real Kueue
+    showed two such moments, both of which read as Suspended: admitted with the job still
+    suspended, and the job resumed with Kubeflow's Suspended condition not yet cleared."""
+    if obs.queue_name is None or phase not in ("Created", "Suspended"):
         return phase
-    return "Created" if obs.queue is not None and obs.queue.admitted else "Queued"
+    admitted = obs.queue is not None and obs.queue.admitted
+    if obs.job_suspended and not admitted:
+        return "Queued"
+    return "Created"
 
 
 def _queued(obs: Observation, kind: str) -> tuple[str, str]:

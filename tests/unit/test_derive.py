@@ -460,6 +460,15 @@ def test_a_job_kueue_holds_is_queued_with_kueues_reason_then_runs() -> None:
     assert types(running)["Queued"] == "False"
 
 
+def test_a_job_kueue_resumes_is_created_while_kubeflow_still_says_suspended() -> None:
+    """Seen on the real Kueue under load: the job's spec resumed, Kubeflow's Suspended condition
+    not yet cleared; with a queue that is not a suspension but a start."""
+    status = derive_status(
+        None, observe(0, conditions=SUSPENDED, job_suspended=False, queue_name="q"), THRESHOLDS
+    )
+    assert status.phase == "Created"
+
+
 def test_a_job_made_suspended_for_kueue_is_queued_before_kubeflow_says_suspended() -> None:
     created = (JobCondition("Created", "True"),)
     status = derive_status(

@@ -1,6 +1,6 @@
 # The operator: Kopf + the Kubernetes client, no torch. Runs as uid 65532 on a read-only root
 # filesystem (the chart's securityContext).
-# Build from the repository root:  docker build -f images/operator.Dockerfile -t ghcr.io/gpu-training-operator/operator:0.1.0 .
+# Build from the repository root:  docker build -f images/operator.Dockerfile -t ghcr.io/gpu-training-operator/operator:$(make -s version) .
 FROM python:3.11.11-slim-bookworm
 
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -12,7 +12,7 @@ COPY trainer/ trainer/
 # Exactly what gpuop imports, at the versions CI tests (constraints.txt), and nothing else:
 # --no-deps keeps the trainer extra (torch) out.
 RUN python -m pip install --no-deps . \
- && python -m pip install -c constraints.txt kopf kubernetes urllib3 pyyaml prometheus-client \
+ && python -m pip install -c constraints.txt kopf kubernetes urllib3 pyyaml prometheus-client click rich \
  && python -c "import gpuop.controller, gpuop.cli" \
  && ! python -c "import torch" 2>/dev/null \
  && rm -rf /opt/gpuop/operator /opt/gpuop/trainer

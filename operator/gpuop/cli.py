@@ -1,36 +1,46 @@
-"""The ``gpuop`` command line: render, validate and print the CRD, without a cluster.
+"""The ``gpuop`` command line: render, validate, run and print the CRD without a cluster, and
+run the operator.
 
-Exit codes: 0 success, 2 bad input (each problem one line on stderr, naming the file, line,
-field and rule), 1 a check that found a difference (``crd --check``) or a failed local run.
+Every option also reads a ``GPUOP_*`` variable, named in its --help; shell completion comes
+from ``gpuop completion SHELL``. Exit codes: 0 success, 2 bad input (each problem one line on
+stderr, naming the file, line, field and rule), 1 a check that found a difference (``crd
+--check``) or a failed local run, 130/143 a local run stopped by SIGINT/SIGTERM (resumable).
 """
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import json
+import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, TypeVar, cast
 
+import click
 import yaml
+from click.core import ParameterSource
 
 from gpuop.apidoc import api_reference
 from gpuop.backends import render_job
 from gpuop.crd import build_crd, crd_yaml
 from gpuop.documents import Document, DocumentError, read_documents
-from gpuop.identity import DEFAULT_TRAINER_IMAGE
+from gpuop.identity import DEFAULT_TRAINER_IMAGE, PACKAGE_VERSION
 from gpuop.schema import SpecError
-from gpuop.scrape import TrainerMetrics
-from gpuop.settings import SettingsError, add_arguments, from_arguments
-from gpuop.spec import GpuTraining, parse
+from gpuop.settings import SettingsError, from_options, operator_options
+from gpuop.spec import GpuTraining, JobBackend, parse, warnings
 from gputrain.contract import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 EXIT_OK = 0
 EXIT_DIFFERENT = 1
 EXIT_BAD_INPUT = 2
+ENV_PREFIX: Final = "GPUOP"
+# What kubectl reads from a directory given to -f.
+MANIFEST_SUFFIXES: Final = (".yaml", ".yml", ".json")
+SHELLS: Final = ("bash", "zsh", "fish")
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _BadInputError(Exception):
@@ -41,14 +51,30 @@ class _BadInputError(Exception):
         self.lines = lines
 
 
-def _first(pair: tuple[int, str]) -> int:
-    return pair[0]
+# --------------------------------------------------------------------------------------------
+# Reading manifests
 
 
-def _load(files: Sequence[str]) -> list[tuple[Document, GpuTraining]]:
+def _expand(paths: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Files to read, with each directory replaced by its manifests (not recursive, in name
+    order, as kubectl does); and the problems, a line each."""
+    files: list[str] = []
+    lines: list[str] = []
+    for path in paths:
+        if path == "-" or not Path(path).is_dir():
+            files.append(path)
+            continue
+        found = sorted(str(f) for f in Path(path).iterdir() if f.suffix in MANIFEST_SUFFIXES and f.is_file())
+        if not found:
+            lines.append(f"{path}: a directory with no {', '.join(MANIFEST_SUFFIXES)} files")
+        files += found
+    return files, lines
+
+
+def _load(paths: Sequence[str]) -> list[tuple[Document, GpuTraining]]:
     """Parse every document of every file; report all problems of all of them together."""
     parsed: list[tuple[Document, GpuTraining]] = []
-    lines: list[str] = []
+    files, lines = _expand(paths)
     for path in files:
         try:
             documents = read_documents(path)
@@ -69,6 +95,13 @@ def _load(files: Sequence[str]) -> list[tuple[Document, GpuTraining]]:
     return parsed
 
 
+def _warn(parsed: list[tuple[Document, GpuTraining]]) -> None:
+    """Valid but likely unwanted, for a cluster (`gpuop run` keeps its outputs in its workdir)."""
+    for document, training in parsed:
+        for warning in warnings(training.spec):
+            print(f"warning: {document.where(warning.path)}: {warning}", file=sys.stderr)
+
+
 def _dump(objects: list[dict[str, Any]], output: str) -> str:
     if output == "json":
         if len(objects) == 1:
@@ -77,98 +110,145 @@ def _dump(objects: list[dict[str, Any]], output: str) -> str:
     return yaml.safe_dump_all(objects, sort_keys=False, explicit_start=len(objects) > 1)
 
 
-def _cmd_render(args: argparse.Namespace) -> int:
+# --------------------------------------------------------------------------------------------
+# Options: one spelling each, every one with its GPUOP_* variable shown in --help
+
+
+def _option(*declarations: str, **kwargs: Any) -> Callable[[F], F]:
+    return click.option(*declarations, show_envvar=True, **kwargs)
+
+
+def _files(*, single: bool = False) -> Callable[[F], F]:
+    if single:
+        return _option("-f", "--filename", required=True, metavar="FILE",
+                       help="GpuTraining manifest (YAML or JSON; - for stdin).")  # fmt: skip
+    return _option(
+        "-f", "--filename", "filenames", multiple=True, required=True, metavar="FILE|DIR",
+        help="GpuTraining manifest (YAML or JSON, several documents allowed; - for stdin), or a directory "
+        "of them (its .yaml, .yml and .json files, not its subdirectories); repeatable.",
+    )  # fmt: skip
+
+
+def _output(*formats: str) -> Callable[[F], F]:
+    return _option("-o", "--output", type=click.Choice(formats), default=formats[0], show_default=True,
+                   help="Output format.")  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": ENV_PREFIX,
+                               "max_content_width": 100})  # fmt: skip
+@click.version_option(PACKAGE_VERSION, "--version", prog_name="gpuop", message="%(prog)s %(version)s")
+def cli() -> None:
+    """GPU training operator: render, validate and run GpuTraining resources, and run the operator."""
+
+
+@cli.command()
+@_files()
+@_output("yaml", "json")
+@_option("--backend", type=click.Choice(("pytorchjob", "trainjob")),
+         help="The Kubeflow API to render for. Default: spec.backend; pytorchjob for auto, as on a cluster "
+         "that serves both.")  # fmt: skip
+@_option("--image", default=DEFAULT_TRAINER_IMAGE, show_default=True,
+         help="Trainer image for specs without spec.image.")  # fmt: skip
+def render(filenames: tuple[str, ...], output: str, backend: str | None, image: str) -> int:
+    """Print the Kubeflow job of each GpuTraining: a PyTorchJob, or a TrainingRuntime and TrainJob."""
     objects: list[dict[str, Any]] = []
     lines: list[str] = []
-    for document, training in _load(args.filename):
+    parsed = _load(filenames)
+    for document, training in parsed:
         # Without a cluster there is nothing to discover: auto renders what it prefers.
         requested = training.spec.backend
-        backend = args.backend or (requested if requested != "auto" else "pytorchjob")
+        fallback: JobBackend = requested if requested != "auto" else "pytorchjob"
+        chosen = cast("JobBackend", backend) or fallback
         try:
-            objects += render_job(training, backend, default_image=args.image)
+            objects += render_job(training, chosen, default_image=image)
         except SpecError as exc:
-            lines.extend(f"{document.where(p.path)}: {p} (--backend {backend})" for p in exc.problems)
+            lines.extend(f"{document.where(p.path)}: {p} (--backend {chosen})" for p in exc.problems)
     if lines:
         raise _BadInputError(lines)
-    sys.stdout.write(_dump(objects, args.output))
+    _warn(parsed)
+    sys.stdout.write(_dump(objects, output))
     return EXIT_OK
 
 
-def _cmd_validate(args: argparse.Namespace) -> int:
-    for document, training in _load(args.filename):
+@cli.command()
+@_files()
+def validate(filenames: tuple[str, ...]) -> int:
+    """Check GpuTraining manifests against the API's rules."""
+    parsed = _load(filenames)
+    _warn(parsed)
+    for document, training in parsed:
         print(f"{document.source}: gputraining/{training.name} is valid")
     return EXIT_OK
 
 
-class _Progress:
-    """Progress on stderr: redrawn in place on a terminal, a line per 10% otherwise (CI logs)."""
+@cli.command()
+@_files(single=True)
+@_option("--workers", type=click.IntRange(min=1), help="Processes to start instead of spec.workers "
+         "(x GPUs per worker).")  # fmt: skip
+@_output("yaml", "json")
+@_option("--fresh", is_flag=True, help="Start over: move this run's checkpoints and outputs aside (to "
+         "WORKDIR/NAME/previous-TIME/) instead of resuming from them.")  # fmt: skip
+@_option("--workdir", default=".gpuop-runs", show_default=True, type=click.Path(file_okay=False),
+         help="Checkpoints, outputs, the metric history and the trainer log go under "
+         "WORKDIR/NAME.")  # fmt: skip
+@_option("--plot", type=click.Path(dir_okay=False, writable=True), metavar="FILE.png",
+         help="Also draw the run's curves (loss, accuracy, samples/s, GPU utilization) into this PNG "
+         "(needs the plots extra: matplotlib).")  # fmt: skip
+def run(filename: str, workers: int | None, output: str, fresh: bool, workdir: str, plot: str | None) -> int:
+    """Train a GpuTraining on this machine (torchrun; gloo on CPU) and print its status."""
+    from gpuop import local, progress
 
-    def __init__(self) -> None:
-        self.tty = sys.stderr.isatty()
-        self.shown = -1
-
-    def __call__(self, metrics: TrainerMetrics) -> None:
-        from gpuop.local import progress_line
-
-        line = progress_line(metrics)
-        if self.tty:
-            sys.stderr.write("\r\033[K" + line)
-            sys.stderr.flush()
-            return
-        decile = int((metrics.percent or 0.0) // 10)
-        if decile != self.shown:
-            self.shown = decile
-            print(line, file=sys.stderr, flush=True)
-
-    def done(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
-
-
-def _cmd_run(args: argparse.Namespace) -> int:
-    from gpuop import local
-
-    loaded = _load([args.filename])
+    loaded = _load([filename])
     if len(loaded) != 1:
-        raise _BadInputError([f"{args.filename}: run takes one GpuTraining; the file has {len(loaded)}"])
-    if args.workers is not None and args.workers < 1:
-        raise _BadInputError([f"--workers: must be >= 1 (got {args.workers})"])
+        raise _BadInputError([f"{filename}: run takes one GpuTraining; the file has {len(loaded)}"])
     document, training = loaded[0]
-    run = local.plan(training, args.workers, Path(args.workdir))
-    shortfall = local.gpu_shortfall(run, local.visible_gpus())
+    plan = local.plan(training, workers, Path(workdir))
+    shortfall = local.gpu_shortfall(plan, local.visible_gpus())
     if shortfall is not None:
         raise _BadInputError([f"{document.where('spec.gpusPerWorker')}: {shortfall}"])
     try:
-        with local.hold_run_directory(run):
-            if args.fresh:
-                moved = local.move_aside(run)
+        with local.hold_run_directory(plan):
+            if fresh:
+                moved = local.move_aside(plan)
                 if moved is not None:
                     print(f"the earlier run's checkpoints and outputs are in {moved}", file=sys.stderr)
             else:
-                finished = local.finished_result(run)
+                finished = local.finished_result(plan)
                 if finished is not None:
                     raise _BadInputError([
-                        f"{training.name} already finished in {run.workdir / training.name} ({finished}); "
+                        f"{training.name} already finished in {plan.workdir / training.name} ({finished}); "
                         "add --fresh to train it again from the start"
                     ])  # fmt: skip
-            log_path = local.new_log(run)
+            log_path = local.new_log(plan)
             print(
-                f"training {training.name}: {run.processes} process(es), "
-                f"backend {training.spec.distributed_backend}; "
-                f"trainer log: {log_path}",
+                f"training {training.name}: {plan.processes} process(es), "
+                f"backend {training.spec.distributed_backend}; trainer log: {log_path}",
                 file=sys.stderr,
             )
-            progress = _Progress()
-            with log_path.open("w") as log:
-                status = local.execute(run, progress, log, lock=False)
-            progress.done()
+            with log_path.open("w") as log, progress.Display(training.name) as display:
+                status = local.execute(plan, display.show, log, lock=False)
+                display.finish(status)
     except local.RunDirectoryBusyError as exc:
         raise _BadInputError([str(exc)]) from None
     written = local.status_document(status)
-    if args.json:
+    if output == "json":
         sys.stdout.write(json.dumps(written, indent=2) + "\n")
     else:
         sys.stdout.write(yaml.safe_dump({"status": written}, sort_keys=False))
+    points = local.history(plan)
+    print("\n".join(local.summary(plan, status, points)), file=sys.stderr)
+    if plot is not None:
+        from gpuop import plots
+
+        try:
+            drawn = plots.write_curves(points, Path(plot), f"{training.name}: {status.phase}")
+        except plots.PlotError as exc:
+            raise _BadInputError([str(exc)]) from None
+        print(f"  curves: {drawn}", file=sys.stderr)
     if status.phase != "Succeeded":
         lines = log_path.read_text(errors="replace").splitlines()
         # The trainer's own warnings and errors say why; torchrun's failure dump says little.
@@ -184,12 +264,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _cmd_operator(args: argparse.Namespace) -> int:
+@cli.command(
+    epilog="Runs against the cluster kubectl would use: in a pod its ServiceAccount, else KUBECONFIG or "
+    "~/.kube/config."
+)
+@operator_options
+def operator(**values: Any) -> int:
+    """Run the operator: reconcile GpuTrainings into Kubeflow jobs and report their status."""
     from gpuop import controller  # kopf and the kubernetes client: only for this command
     from gpuop.kube import LoginError
 
     try:
-        settings = from_arguments(args)
+        settings = from_options(values)
     except SettingsError as exc:
         raise _BadInputError([str(exc)]) from None
     try:
@@ -198,126 +284,80 @@ def _cmd_operator(args: argparse.Namespace) -> int:
         raise _BadInputError([str(exc)]) from None
 
 
-def _cmd_crd(args: argparse.Namespace) -> int:
-    expected = crd_yaml() if args.format == "yaml" else api_reference(build_crd())
-    if args.check is None:
+@cli.command()
+@_output("yaml", "markdown")
+@_option("--check", metavar="FILE", help="Instead, fail when FILE differs from it.")
+def crd(output: str, check: str | None) -> int:
+    """Print the GpuTraining CRD generated from the spec model (markdown: the API reference)."""
+    expected = crd_yaml() if output == "yaml" else api_reference(build_crd())
+    if check is None:
         sys.stdout.write(expected)
         return EXIT_OK
     try:
-        with open(args.check, encoding="utf-8") as handle:
+        with open(check, encoding="utf-8") as handle:
             actual = handle.read()
     except OSError as exc:
-        raise _BadInputError([f"{args.check}: cannot read: {exc.strerror}"]) from None
+        raise _BadInputError([f"{check}: cannot read: {exc.strerror}"]) from None
     if actual == expected:
-        print(f"{args.check} is up to date")
+        print(f"{check} is up to date")
         return EXIT_OK
-    diff = difflib.unified_diff(
-        actual.splitlines(keepends=True), expected.splitlines(keepends=True), args.check, "generated"
-    )
+    diff = difflib.unified_diff(actual.splitlines(keepends=True), expected.splitlines(keepends=True), check,
+                                "generated")  # fmt: skip
     sys.stdout.writelines(diff)
-    print(f"{args.check} is stale: run `make crds` and commit it", file=sys.stderr)
+    print(f"{check} is stale: run `make crds` and commit it", file=sys.stderr)
     return EXIT_DIFFERENT
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gpuop",
-        description="GPU training operator: render, validate and run GpuTraining resources.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+@cli.command()
+@click.argument("shell", type=click.Choice(SHELLS))
+def completion(shell: str) -> int:
+    """Print the shell completion script, e.g. `source <(gpuop completion bash)` in ~/.bashrc."""
+    from click.shell_completion import get_completion_class
 
-    def add_files(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument(
-            "-f",
-            "--filename",
-            action="append",
-            required=True,
-            metavar="FILE",
-            help="GpuTraining manifest (YAML, several documents allowed; - for stdin); repeatable",
-        )
+    completer = get_completion_class(shell)
+    assert completer is not None  # one of SHELLS, all of which click knows
+    sys.stdout.write(completer(cli, {}, "gpuop", "_GPUOP_COMPLETE").source() + "\n")
+    return EXIT_OK
 
-    render = commands.add_parser(
-        "render",
-        help="print the Kubeflow job for each GpuTraining: a PyTorchJob, or a TrainingRuntime and TrainJob",
-    )
-    add_files(render)
-    render.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml", help="output format")
-    render.add_argument(
-        "--backend",
-        choices=("pytorchjob", "trainjob"),
-        help="the Kubeflow API to render for (default: spec.backend; pytorchjob for auto, as on a "
-        "cluster that serves both)",
-    )
-    render.add_argument(
-        "--image",
-        default=DEFAULT_TRAINER_IMAGE,
-        help="trainer image for specs without spec.image (default: %(default)s)",
-    )
-    render.set_defaults(handler=_cmd_render)
 
-    validate = commands.add_parser("validate", help="check GpuTraining manifests against the API rules")
-    add_files(validate)
-    validate.set_defaults(handler=_cmd_validate)
-
-    run = commands.add_parser(
-        "run", help="train a GpuTraining on this machine (torchrun; gloo on CPU) and print its status"
-    )
-    run.add_argument(
-        "-f", "--filename", required=True, metavar="FILE", help="GpuTraining manifest (- for stdin)"
-    )
-    run.add_argument(
-        "--workers", type=int, help="processes to start instead of spec.workers (x GPUs per worker)"
-    )
-    run.add_argument("--json", action="store_true", help="print the final status as JSON")
-    run.add_argument(
-        "--fresh",
-        action="store_true",
-        help="start over: move this run's checkpoints and outputs aside (to WORKDIR/NAME/previous-TIME/) "
-        "instead of resuming from them",
-    )
-    run.add_argument(
-        "--workdir",
-        default=".gpuop-runs",
-        help="checkpoints, outputs and the trainer log go under WORKDIR/NAME (default: %(default)s)",
-    )
-    run.set_defaults(handler=_cmd_run)
-
-    operator = commands.add_parser(
-        "operator",
-        help="run the operator: reconcile GpuTrainings into PyTorchJobs and report their status",
-        description="Run the operator against the cluster kubectl would use (in a pod: its "
-        "ServiceAccount; else KUBECONFIG or ~/.kube/config). Every flag defaults to its GPUOP_* "
-        "environment variable.",
-    )
-    add_arguments(operator)
-    operator.set_defaults(handler=_cmd_operator)
-
-    crd = commands.add_parser("crd", help="print the GpuTraining CRD generated from the spec model")
-    crd.add_argument(
-        "--format",
-        choices=("yaml", "markdown"),
-        default="yaml",
-        help="yaml: the CRD; markdown: the API reference (docs/api.md) [%(default)s]",
-    )
-    crd.add_argument("--check", metavar="FILE", help="instead, fail when FILE differs from it")
-    crd.set_defaults(handler=_cmd_crd)
-    return parser
+def _from_variable(error: click.UsageError) -> str:
+    """Where a bad value came from, when it was the environment rather than the command line."""
+    context, param = error.ctx, getattr(error, "param", None)
+    if context is None or not isinstance(param, click.Option) or param.name is None:
+        return ""
+    if context.get_parameter_source(param.name) is not ParameterSource.ENVIRONMENT:
+        return ""
+    names = param.envvar or f"{context.auto_envvar_prefix}_{param.name.upper()}"
+    set_ = [n for n in ([names] if isinstance(names, str) else names) if n in os.environ]
+    return f", from {set_[0]}" if set_ else ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        code: int = args.handler(args)
+        code = cli.main(
+            args=list(argv) if argv is not None else None, prog_name="gpuop", standalone_mode=False
+        )
     except _BadInputError as exc:
         for line in exc.lines:
             print(f"error: {line}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except click.exceptions.NoArgsIsHelpError as exc:  # `gpuop` alone: the help, as kubectl does
+        print(exc.format_message())
+        return EXIT_OK
+    except click.UsageError as exc:
+        # One line, naming the option (and its variable when the value came from there).
+        hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""
+        print(f"error: {exc.format_message().rstrip('.')}{_from_variable(exc)}{hint}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except click.ClickException as exc:
+        print(f"error: {exc.format_message()}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except BrokenPipeError:  # `gpuop render ... | head`
         sys.stderr.close()
         return EXIT_OK
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, click.exceptions.Abort):
         return 130
-    return code
+    return code if isinstance(code, int) else EXIT_OK
 
 
 if __name__ == "__main__":

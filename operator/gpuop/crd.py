@@ -22,6 +22,8 @@ HEADER: Final = (
     "# Do not edit: change the models and run `make crds`.\n"
 )
 
+# `kubectl get gtr`; priority 1 columns only with `-o wide`. Figures with units are the status's
+# *Text fields (a column cannot format a number).
 _PRINTER_COLUMNS: Final = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {
@@ -38,19 +40,47 @@ _PRINTER_COLUMNS: Final = [
     },
     {
         "name": "Progress",
-        "type": "number",
-        "jsonPath": ".status.progress.percent",
-        "description": "Percent of steps done.",
+        "type": "string",
+        "jsonPath": ".status.progress.percentText",
+        "description": "Share of the run's data done.",
     },
     {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
     {
         "name": "GPU-Util",
-        "type": "number",
-        "jsonPath": ".status.gpu.utilizationPercent",
-        "description": "Mean GPU utilization, percent.",
+        "type": "string",
+        "jsonPath": ".status.gpu.utilizationText",
+        "description": "Mean GPU utilization.",
     },
     {"name": "ETA", "type": "string", "jsonPath": ".status.progress.eta"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {
+        "name": "Backend",
+        "type": "string",
+        "jsonPath": ".status.backend",
+        "priority": 1,
+        "description": "The Kubeflow API the training runs on.",
+    },
+    {
+        "name": "Queue",
+        "type": "string",
+        "jsonPath": ".spec.scheduling.queueName",
+        "priority": 1,
+        "description": "The Kueue LocalQueue.",
+    },
+    {
+        "name": "GPU-Model",
+        "type": "string",
+        "jsonPath": ".status.gpu.model",
+        "priority": 1,
+        "description": "The GPU model the trainers see.",
+    },
+    {
+        "name": "Samples/s",
+        "type": "number",
+        "jsonPath": ".status.progress.samplesPerSecond",
+        "priority": 1,
+        "description": "Training throughput of the whole job.",
+    },
 ]
 
 

@@ -30,7 +30,9 @@ from gpuop.status import (
     Progress,
     WorkerCounts,
     WorkerGpu,
+    condition_reason,
     format_eta,
+    format_percent,
 )
 from gputrain.contract import Result
 
@@ -128,6 +130,9 @@ class Observation:
     # Fixed fields changed since the job was made (past a CRD without transition rules).
     spec_not_applied: tuple[str, ...] = ()
     backend: JobBackend | None = None  # once chosen
+    # What runs the training when no Kubeflow job does (`gpuop run`: torchrun here), named in
+    # the conditions' reasons and messages instead of a job kind.
+    runner: str | None = None
     # Why this backend, when chosen now (None: as status already says).
     backend_choice: tuple[str, str] | None = None  # (reason, message)
     backend_unavailable: tuple[str, str] | None = None  # (reason, message): none can run it here
@@ -143,6 +148,9 @@ class Observation:
     queue_name: str | None = None  # spec.scheduling.queueName: Kueue owns the job's suspend
     queue: QueueState | None = None  # its Workload, while the job is suspended (None: not found)
     job_suspended: bool = False  # the job's spec says suspended (Kueue's hold, or the user's)
+    # What is valid but likely unintended (`spec.warnings`, such as a model written to an
+    # emptyDir): said once, in the Created condition and its event, where `kubectl describe` shows it.
+    spec_warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -279,7 +287,7 @@ def _merge_conditions(
                     type=kind,
                     status="False",
                     reason="Cleared",
-                    message=None,
+                    message="",
                     last_transition_time=now,
                     observed_generation=before.observed_generation,
                 )
@@ -329,8 +337,8 @@ def _queued(obs: Observation, kind: str) -> tuple[str, str]:
 
 
 def _kind(obs: Observation) -> str:
-    """The kind of the training's job (PyTorchJob until a backend is chosen)."""
-    return JOB_KINDS[obs.backend or "pytorchjob"]
+    """The kind of the training's job (PyTorchJob until a backend is chosen), or its runner."""
+    return obs.runner or JOB_KINDS[obs.backend or "pytorchjob"]
 
 
 def _mutable_fields(obs: Observation) -> tuple[str, ...]:
@@ -376,7 +384,12 @@ def derive_status(
 
     def condition(kind: str, status: ConditionStatus, reason: str | None, message: str | None) -> Condition:
         return Condition(
-            type=kind, status=status, reason=reason, message=message, observed_generation=generation
+            type=kind,
+            status=status,
+            reason=condition_reason(reason, kind if status == "True" else f"Not{kind}"),
+            message=message or "",
+            last_transition_time=now,  # kept from the previous one while the status holds (merge)
+            observed_generation=generation,
         )
 
     wanted: list[Condition] = []
@@ -398,7 +411,10 @@ def derive_status(
             wanted.append(condition("BackendUnavailable", "True", *obs.backend_unavailable))
     else:
         why = f" ({selected[1]})" if selected is not None else ""
-        wanted.append(condition("Created", "True", f"{kind}Created", f"{kind} {obs.job_name} created{why}"))
+        warned = "".join(f"; warning: {w}" for w in obs.spec_warnings)
+        wanted.append(
+            condition("Created", "True", f"{kind}Created", f"{kind} {obs.job_name} created{why}{warned}")
+        )
         wanted.append(
             condition("Running", "True" if phase == "Running" else "False", *_job_reason(obs, "Running"))
         )
@@ -564,9 +580,27 @@ def status_from_json(document: Mapping[str, Any] | None) -> GpuTrainingStatus | 
     if not document:
         return None
     try:
-        return decode(GpuTrainingStatus, document, "status")
+        return decode(GpuTrainingStatus, _upgraded(document), "status")
     except SpecError:
         return None
+
+
+def _upgraded(document: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A status written by an earlier version, in today's shape: conditions then could lack
+    a reason or message (metav1.Condition requires both), and reading such a status as
+    malformed would forget what it holds (a finished training's result, its gpuHours)."""
+    conditions = document.get("conditions")
+    if not isinstance(conditions, list):
+        return document
+    fixed = []
+    for c in conditions:
+        if isinstance(c, dict) and isinstance(c.get("type"), str):
+            fallback = c["type"] if c.get("status") == "True" else f"Not{c['type']}"
+            reason = c.get("reason")
+            c = {**c, "reason": condition_reason(reason if isinstance(reason, str) else None, fallback),
+                 "message": c.get("message") or ""}  # fmt: skip
+        fixed.append(c)
+    return {**document, "conditions": fixed}
 
 
 # -- figures from what the trainers report (also `gpuop run`'s) ------------------------------
@@ -601,6 +635,7 @@ def _status_progress(
         samples_per_second=_round(figures.samples_per_second, 1),
         estimated_remaining_seconds=None if eta is None else round(eta),
         eta=format_eta(eta),
+        percent_text=format_percent(percent),
         updated_at=now,
     )
 
@@ -622,13 +657,15 @@ def gpu_usage(per_pod: Mapping[str, TrainerMetrics], count: int) -> GpuUsage:
                 memory_total_bytes=sum(total) if total else None,
             )
         )
+    models = sorted({g.name for metrics in per_pod.values() for g in metrics.gpus if g.name})
     used_all = [w.memory_used_bytes for w in workers if w.memory_used_bytes is not None]
     total_all = [w.memory_total_bytes for w in workers if w.memory_total_bytes is not None]
+    mean = round(sum(all_utilization) / len(all_utilization), 1) if all_utilization else None
     return GpuUsage(
         count=count,
-        utilization_percent=round(sum(all_utilization) / len(all_utilization), 1)
-        if all_utilization
-        else None,
+        utilization_percent=mean,
+        utilization_text=format_percent(mean),
+        model=", ".join(models)[:512] or None,
         memory_used_bytes=sum(used_all) if used_all else None,
         memory_total_bytes=sum(total_all) if total_all else None,
         per_worker=tuple(

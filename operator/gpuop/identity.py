@@ -5,6 +5,7 @@ nothing of gpuop, so every layer may import it.
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Final
 
 # Our API.
@@ -19,7 +20,11 @@ TRAINING_LABEL: Final = "gpuop.io/gputraining"  # on the job and its pods: the G
 # The fixed spec fields the job was made from (JSON), so that a change that got past the CRD's
 # transition rules is reported instead of silently not applied.
 CREATED_FROM_ANNOTATION: Final = "gpuop.io/created-from"
-DEFAULT_TRAINER_IMAGE: Final = "ghcr.io/gpu-training-operator/trainer:0.1.0"
+# The version has one home, pyproject.toml; the installed distribution's metadata carries it
+# here (and the chart's appVersion is checked against it), so a release is one edit.
+PACKAGE_VERSION: Final = importlib.metadata.version("gpu-training-operator")
+TRAINER_IMAGE_REPOSITORY: Final = "ghcr.io/gpu-training-operator/trainer"
+DEFAULT_TRAINER_IMAGE: Final = f"{TRAINER_IMAGE_REPOSITORY}:{PACKAGE_VERSION}"
 
 # Kubeflow's training-operator v1.
 PYTORCHJOB_API_VERSION: Final = "kubeflow.org/v1"

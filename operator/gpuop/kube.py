@@ -74,18 +74,20 @@ class Backoff:
 
 
 class RequestCounter:
-    """Requests by verb and status code: the operator's metrics read it, the benchmark too."""
+    """Requests by verb, resource and status code: the operator's metrics read it, the benchmark
+    and tests too."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.counts: dict[tuple[str, int], int] = {}
-        self.listeners: list[Callable[[str, int, float], None]] = []
+        self.counts: dict[tuple[str, str, int], int] = {}
+        self.listeners: list[Callable[[str, str, int, float], None]] = []
 
-    def record(self, verb: str, status: int, seconds: float) -> None:
+    def record(self, verb: str, resource: str, status: int, seconds: float) -> None:
         with self._lock:
-            self.counts[verb, status] = self.counts.get((verb, status), 0) + 1
+            key = (verb, resource, status)
+            self.counts[key] = self.counts.get(key, 0) + 1
         for listener in self.listeners:
-            listener(verb, status, seconds)
+            listener(verb, resource, status, seconds)
 
 
 def _retry_after(headers: Mapping[str, str] | None) -> float | None:
@@ -153,7 +155,7 @@ class Kube:
         headers = {"Accept": "*/*" if raw else "application/json"}
         if body is not None:
             headers["Content-Type"] = content_type
-        verb = f"{method} {_kind_of(path)}"
+        verb, resource = request_target(method, path)
         for attempt in range(self.backoff.attempts):
             started = time.monotonic()
             _, url, header_params, _, _ = self.api.param_serialize(
@@ -169,14 +171,14 @@ class Kube:
                 retry_after = _retry_after(response.headers)
                 response.response.release_conn()
             except (urllib3.exceptions.HTTPError, OSError) as exc:
-                self.requests.record(verb, 0, time.monotonic() - started)
+                self.requests.record(verb, resource, 0, time.monotonic() - started)
                 if attempt + 1 == self.backoff.attempts:
                     raise ApiError(0, "Unreachable", str(exc)) from None
                 delay = self.backoff.delay(attempt, None)
                 log.warning("%s %s: %s; retrying in %.1fs", method, path, exc, delay)
                 time.sleep(delay)
                 continue
-            self.requests.record(verb, status, time.monotonic() - started)
+            self.requests.record(verb, resource, status, time.monotonic() - started)
             if 200 <= status < 300:
                 if raw:
                     return data.decode("utf-8", errors="replace")
@@ -342,23 +344,26 @@ def _objects(api_version: str, plural: str, namespace: str) -> str:
     return f"/apis/{api_version}/namespaces/{namespace}/{plural}"
 
 
-def _kind_of(path: str) -> str:
-    """The resource a path names, for request metrics: pytorchjobs, gputrainings/status, pods;
-    discovery for a group/version's resource list (which job APIs the cluster serves)."""
+_VERBS: Final = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
+
+
+def request_target(method: str, path: str) -> tuple[str, str]:
+    """The Kubernetes verb and resource of a request, as the API server's own request metrics
+    name them: (list, pytorchjobs), (patch, gputrainings/status), (get, discovery) for a
+    group/version's resource list (which job APIs the cluster serves)."""
     parts = [p for p in path.split("?")[0].split("/") if p]
     if "namespaces" in parts:
         rest = parts[parts.index("namespaces") + 2 :]
         if not rest:
-            return "namespaces"
+            rest = ["namespaces", parts[parts.index("namespaces") + 1]]
     else:
         rest = parts[3:] if parts[:1] == ["apis"] else parts[2:]
-        if not rest:
-            return "discovery"
-    resource = rest[0]
-    if len(rest) >= 3:
-        sub = rest[2]
-        return f"{resource}/{sub}"
-    return resource
+    if not rest:
+        return "get", "discovery"
+    resource = rest[0] if len(rest) < 3 else f"{rest[0]}/{rest[2]}"
+    if method == "GET":
+        return ("get" if len(rest) >= 2 else "list"), resource
+    return _VERBS.get(method, method.lower()), resource
 
 
 def _error(status: int, data: bytes) -> ApiError:

@@ -19,10 +19,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Final, TextIO
 
 from gpuop.derive import TIME_FORMAT, JobCondition, Observation, PodObservation, Thresholds, derive_status
 from gpuop.render import trainer_env
@@ -30,7 +30,7 @@ from gpuop.schema import encode
 from gpuop.scrape import TrainerMetrics, parse_metrics
 from gpuop.spec import GpuTraining
 from gpuop.status import GpuTrainingStatus, format_eta
-from gputrain.contract import RESULT_FILE, Result, env_name
+from gputrain.contract import HISTORY_FILE, RESULT_FILE, HistoryPoint, Result, env_name, read_history
 
 POLL_SECONDS = 0.5
 # Failure reasons that mean a signal stopped the trainers after a checkpoint (gputrain.contract).
@@ -198,6 +198,7 @@ def final_status(
         generation=run.training.generation,
         workers_total=run.processes,
         gpus=run.processes if run.training.spec.uses_gpus else 0,
+        runner="torchrun",  # no PyTorchJob here: the status must not name one
         job_name=run.training.name,
         job_conditions=(JobCondition("Created", "True"), outcome),
         job_start_time=started.strftime(TIME_FORMAT),
@@ -340,3 +341,60 @@ def status_document(status: GpuTrainingStatus) -> dict[str, Any]:
     """The status as the operator would write it into the object."""
     document: dict[str, Any] = encode(status)
     return document
+
+
+def history(run: LocalRun) -> list[HistoryPoint]:
+    """The run's metric history (every attempt), as the trainer wrote it."""
+    path = run.output_dir / HISTORY_FILE
+    return read_history(path.read_text(errors="replace")) if path.is_file() else []
+
+
+_BARS: Final = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: Sequence[float], width: int = 40) -> str:
+    """``values`` in ``width`` characters of ▁..█ (each the mean of its share of the points)."""
+    if not values:
+        return ""
+    chunks = [values[i * len(values) // width : (i + 1) * len(values) // width] for i in range(width)]
+    means = [sum(c) / len(c) for c in chunks if c]
+    low, high = min(means), max(means)
+    span = (high - low) or 1.0
+    return "".join(_BARS[round((m - low) / span * (len(_BARS) - 1))] for m in means)
+
+
+def summary(run: LocalRun, status: GpuTrainingStatus, points: Sequence[HistoryPoint]) -> list[str]:
+    """What the run did, for the end of `gpuop run`: its outcome and final figures, how long it
+    took, and its curves in the terminal."""
+    progress = status.progress
+    figures = []
+    if progress is not None:
+        if progress.accuracy is not None:
+            figures.append(f"accuracy {progress.accuracy:.4f}")
+        if progress.loss is not None:
+            figures.append(f"loss {progress.loss:.4f}")
+        if progress.step is not None:
+            figures.append(f"{progress.step} steps")
+        if progress.samples_per_second is not None:
+            figures.append(f"{progress.samples_per_second:,.0f} samples/s")
+    took = ""
+    if status.start_time and status.completion_time:
+        seconds = (_parse_stamp(status.completion_time) - _parse_stamp(status.start_time)).total_seconds()
+        took = f" in {format_eta(seconds)}"
+    lines = [f"{run.training.name} {(status.phase or 'Unknown').lower()}{took}" + (": " if figures else "")
+             + ", ".join(figures)]  # fmt: skip
+    for label, field in (("loss", "loss"), ("accuracy", "accuracy"), ("samples/s", "samples_per_second"),
+                         ("GPU util %", "gpu_utilization_percent")):  # fmt: skip
+        values = [v for v in (getattr(p, field) for p in points) if v is not None]
+        if len(values) >= 2:
+            lines.append(f"  {label:<10} {values[0]:>9.4g} {sparkline(values)} {values[-1]:.4g}")
+    if points:
+        lines.append(f"  history: {run.output_dir / HISTORY_FILE}")
+    board = run.output_dir / "tensorboard"
+    if board.is_dir():
+        lines.append(f"  TensorBoard: tensorboard --logdir {board}")
+    return lines
+
+
+def _parse_stamp(text: str) -> datetime:
+    return datetime.strptime(text, TIME_FORMAT).replace(tzinfo=UTC)

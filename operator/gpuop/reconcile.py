@@ -48,6 +48,7 @@ from gpuop.spec import (
     parse,
     trainjob_gaps,
 )
+from gpuop.spec import warnings as spec_warnings
 from gpuop.status import GpuTrainingStatus
 from gpuop.telemetry import OperatorMetrics
 from gputrain.contract import METRICS_PORT
@@ -239,9 +240,7 @@ class Reconciler:
         tracked.failure = summary
         log.exception("gputraining %s/%s: reconcile failed; other trainings go on", namespace, name)
         message = f"the operator cannot reconcile this GpuTraining ({summary}); it retries on every change"
-        self._events.submit(
-            self._post_event, tracked.body, Event("Warning", "ReconcileError", message), self.clock()
-        )
+        self._emit(tracked.body, Event("Warning", "ReconcileError", message), self.clock())
 
     def _reconcile(self, tracked: Tracked) -> str:
         body = tracked.body
@@ -320,6 +319,7 @@ class Reconciler:
             queue_name=queue_name,
             queue=queue,
             job_suspended=suspended,
+            spec_warnings=tuple(str(w) for w in spec_warnings(spec)),
         )
         thresholds = Thresholds(
             stall_timeout_seconds=spec.stall_timeout_seconds,
@@ -485,8 +485,17 @@ class Reconciler:
         if _newer(updated, tracked.body):
             tracked.body = updated
         for event in events(previous, new):
-            self._events.submit(self._post_event, updated, event, observation.now)
+            self._emit(updated, event, observation.now)
         return True
+
+    def _emit(self, training: dict[str, Any], event: Event, now: datetime) -> None:
+        """Post an event off the reconcile's thread. Once the operator is stopping (SIGTERM: the
+        pool is shut down while a last reconcile finishes) it is dropped: the status it reports
+        is written, and the next replica reads it."""
+        try:
+            self._events.submit(self._post_event, training, event, now)
+        except RuntimeError:  # "cannot schedule new futures after shutdown"
+            log.debug("stopping: event %s %s not posted", event.type, event.reason)
 
     def _post_event(self, training: dict[str, Any], event: Event, now: datetime) -> None:
         try:

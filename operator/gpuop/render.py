@@ -47,7 +47,6 @@ GPU_RESOURCE: Final = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL: Final = "nvidia.com/gpu.product"
 EFA_RESOURCE: Final = "vpc.amazonaws.com/efa"
 _CREATED_FROM_MAX_BYTES: Final = 64 * 1024
-RUN_AS_USER: Final = 1000
 
 # NCCL environment per cloud network. Values a user sets in spec.nccl.env win.
 NCCL_PROFILES: Final[dict[str, dict[str, str]]] = {
@@ -215,6 +214,8 @@ def resources(spec: GpuTrainingSpec) -> dict[str, Any]:
         limits[GPU_RESOURCE] = spec.gpus_per_worker
     if spec.nccl.efa_devices > 0:
         limits[EFA_RESOURCE] = spec.nccl.efa_devices
+    for device in spec.resources.extended:
+        limits[device.name] = device.count  # extended resources: the request is the limit
     out: dict[str, Any] = {}
     if requests:
         out["requests"] = requests
@@ -278,13 +279,14 @@ def container_security_context(spec: GpuTrainingSpec) -> dict[str, Any]:
     return {"allowPrivilegeEscalation": False, "capabilities": capabilities, "runAsNonRoot": True}
 
 
-def pod_security_context() -> dict[str, Any]:
-    """The pod's: Kubernetes' restricted profile, as a fixed non-root user."""
+def pod_security_context(spec: GpuTrainingSpec) -> dict[str, Any]:
+    """The pod's: Kubernetes' restricted profile, as the spec's non-root user."""
+    identity = spec.security_context
     return {
         "runAsNonRoot": True,
-        "runAsUser": RUN_AS_USER,
-        "runAsGroup": RUN_AS_USER,
-        "fsGroup": RUN_AS_USER,  # so the checkpoint and output volumes are writable
+        "runAsUser": identity.run_as_user,
+        "runAsGroup": identity.run_as_group,
+        "fsGroup": identity.fs_group,  # so the checkpoint and output volumes are writable
         "seccompProfile": {"type": "RuntimeDefault"},
     }
 
@@ -347,7 +349,7 @@ def pod_template(name: str, spec: GpuTrainingSpec, container: dict[str, Any]) ->
     """The pod template around the training container, either backend."""
     node_selector, tolerations = placement(spec)
     pod: dict[str, Any] = {
-        "securityContext": pod_security_context(),
+        "securityContext": pod_security_context(spec),
         # The trainer never calls the Kubernetes API.
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,

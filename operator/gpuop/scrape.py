@@ -19,6 +19,7 @@ from gputrain.contract import Metric, Progress
 @dataclass(frozen=True)
 class GpuFigures:
     index: str
+    name: str | None  # the model, e.g. "NVIDIA H100 80GB HBM3"
     utilization_percent: float | None
     memory_used_bytes: int | None
     memory_total_bytes: int | None
@@ -35,6 +36,8 @@ class TrainerMetrics(Progress):
 # A trainer with 8 GPUs serves about 2 KiB. Parsing costs about 0.2 ms per KiB (measured on a
 # 2-core machine), so this bounds what one pod's answer can cost the operator to a few ms.
 MAX_METRICS_BYTES: Final = 32 * 1024
+# A GPU's model name, as NVML gives it, is under 100 characters.
+_MAX_NAME: Final = 128
 
 
 def parse_metrics(text: str) -> TrainerMetrics:
@@ -44,6 +47,7 @@ def parse_metrics(text: str) -> TrainerMetrics:
         raise ValueError(f"metrics response over {MAX_METRICS_BYTES} bytes; not read")
     plain: dict[str, float] = {}
     per_gpu: dict[str, dict[str, float]] = {}
+    names: dict[str, str] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if math.isnan(sample.value):
@@ -51,6 +55,8 @@ def parse_metrics(text: str) -> TrainerMetrics:
             gpu = sample.labels.get(Metric.GPU_LABEL)
             if gpu is None:
                 plain[sample.name] = sample.value
+            elif sample.name == f"{Metric.GPU_INFO}_info":
+                names[gpu] = sample.labels.get(Metric.GPU_NAME_LABEL, "")[:_MAX_NAME]
             else:
                 per_gpu.setdefault(gpu, {})[sample.name] = sample.value
 
@@ -61,18 +67,19 @@ def parse_metrics(text: str) -> TrainerMetrics:
     gpus = tuple(
         GpuFigures(
             index=index,
-            utilization_percent=values.get(Metric.GPU_UTILIZATION_PERCENT),
+            name=names.get(index) or None,
+            utilization_percent=_percent(values.get(Metric.GPU_UTILIZATION_RATIO)),
             memory_used_bytes=_int(values.get(Metric.GPU_MEMORY_USED_BYTES)),
             memory_total_bytes=_int(values.get(Metric.GPU_MEMORY_TOTAL_BYTES)),
         )
-        for index, values in sorted(per_gpu.items())
+        for index, values in ((i, per_gpu.get(i, {})) for i in sorted(per_gpu.keys() | names.keys()))
     )
     return TrainerMetrics(
         epoch=integer(Metric.EPOCH),
         total_epochs=integer(Metric.TOTAL_EPOCHS),
         step=integer(Metric.STEP),
         total_steps=integer(Metric.TOTAL_STEPS),
-        percent=plain.get(Metric.PROGRESS_PERCENT),
+        percent=_percent(plain.get(Metric.PROGRESS_RATIO)),
         loss=plain.get(Metric.LOSS),
         accuracy=plain.get(Metric.ACCURACY),
         samples_per_second=plain.get(Metric.SAMPLES_PER_SECOND),
@@ -83,3 +90,8 @@ def parse_metrics(text: str) -> TrainerMetrics:
 
 def _int(value: float | None) -> int | None:
     return None if value is None else int(value)
+
+
+def _percent(ratio: float | None) -> float | None:
+    """A 0..1 ratio, as the status and people read it (percent)."""
+    return None if ratio is None else ratio * 100

@@ -7,13 +7,14 @@ its env variable and the fix, before anything connects to a cluster.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal, TypeVar
+
+import click
 
 from gpuop.identity import DEFAULT_TRAINER_IMAGE
 
@@ -96,101 +97,130 @@ class OperatorSettings:
             )
 
 
-def _env_default(env: Mapping[str, str], name: str, fallback: str) -> str:
-    return env.get(ENV_PREFIX + name, fallback)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
-    """The ``gpuop operator`` flags, each defaulting to its GPUOP_* env variable."""
-    env = os.environ if env is None else env
+def _option(flag: str, env: str, help: str, **kwargs: Any) -> Callable[[F], F]:
+    """A ``gpuop operator`` option read from its ``GPUOP_*`` variable too (named in --help).
+    Values stay text until :func:`from_options`, whose messages name the flag and the variable."""
+    return click.option(flag, envvar=ENV_PREFIX + env, show_envvar=True, help=help, **kwargs)
+
+
+def operator_options(command: F) -> F:
+    """The ``gpuop operator`` options, each defaulting to its GPUOP_* variable, then to
+    :class:`OperatorSettings`' default."""
     d = OperatorSettings()
-
-    def default(name: str, value: object) -> str:
-        return _env_default(env, name, "" if value is None else str(value))
-
-    parser.add_argument(
-        "--namespace",
-        action="append",
-        default=None,
-        metavar="NS",
-        help="watch this namespace (repeatable, or comma-separated); default: all namespaces "
-        f"[{ENV_PREFIX}NAMESPACES]",
-    )
-    parser.add_argument(
-        "--trainer-image",
-        default=default("TRAINER_IMAGE", d.trainer_image),
-        help="trainer image for GpuTrainings without spec.image [%(default)s]",
-    )
-    parser.add_argument(
-        "--scrape-interval",
-        default=default("SCRAPE_INTERVAL", d.scrape_interval_seconds),
-        metavar="SECONDS",
-        help="how often running jobs' metrics are read into their status [%(default)s]",
-    )
-    parser.add_argument(
-        "--scrape-timeout",
-        default=default("SCRAPE_TIMEOUT", d.scrape_timeout_seconds),
-        metavar="SECONDS",
-        help="timeout of one metrics request [%(default)s]",
-    )
-    parser.add_argument(
-        "--scrape-via",
-        default=default("SCRAPE_VIA", d.scrape_via),
-        help="pod-ip (in-cluster), proxy (through the API server's pod proxy, from outside the "
-        "cluster) or auto: pod-ip when running in a pod [%(default)s]",
-    )
-    parser.add_argument(
-        "--peering",
-        default=env.get(f"{ENV_PREFIX}PEERING"),
-        metavar="NAME",
-        help="Kopf peering object shared by the replicas; one is active at a time. Named here (or "
-        f"in {ENV_PREFIX}PEERING), the operator waits for it to exist; by default it uses "
-        f"{d.peering_name!r} when that exists and runs standalone, with a warning, when not",
-    )
-    parser.add_argument(
-        "--standalone",
-        action="store_true",
-        default=_env_default(env, "STANDALONE", "").lower() in ("1", "true", "yes"),
-        help=f"run without peering (a single replica; tests) [{ENV_PREFIX}STANDALONE]",
-    )
-    parser.add_argument(
-        "--priority",
-        default=_env_default(env, "PRIORITY", "random"),
-        help="peering priority, an integer or 'random'; the highest live replica runs, the others "
-        "wait. Replicas with equal priorities all pause (Kopf's rule), so replicas of one "
-        "Deployment need 'random' [%(default)s]",
-    )
-    parser.add_argument(
-        "--metrics-port",
-        default=default("METRICS_PORT", d.metrics_port),
-        help="port of the operator's own Prometheus /metrics; 0 disables [%(default)s]",
-    )
-    parser.add_argument(
-        "--health-port",
-        default=default("HEALTH_PORT", d.health_port),
-        help="port of /healthz (liveness and readiness); 0 disables [%(default)s]",
-    )
-    parser.add_argument(
-        "--log-format",
-        default=default("LOG_FORMAT", d.log_format),
-        help="text or json (one object per line, for log pipelines) [%(default)s]",
-    )
-    parser.add_argument(
-        "--max-workers",
-        default=default("MAX_WORKERS", d.max_workers),
-        help="threads for concurrent API calls [%(default)s]",
-    )
-    parser.add_argument(
-        "--underutilized-percent",
-        default=default("UNDERUTILIZED_PERCENT", d.underutilized_percent),
-        help="mean GPU utilization under which a running job counts as underutilized [%(default)s]",
-    )
-    parser.add_argument(
-        "--underutilized-seconds",
-        default=default("UNDERUTILIZED_SECONDS", d.underutilized_seconds),
-        help="how long it must stay under before the Underutilized condition [%(default)s]",
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    options = [
+        _option(
+            "--namespace",
+            "NAMESPACES",
+            "Watch this namespace (repeatable, or comma-separated); default: all namespaces.",
+            multiple=True,
+            metavar="NS",
+        ),
+        _option(
+            "--trainer-image",
+            "TRAINER_IMAGE",
+            "Trainer image for GpuTrainings without spec.image.",
+            default=d.trainer_image,
+            show_default=True,
+        ),
+        _option(
+            "--scrape-interval",
+            "SCRAPE_INTERVAL",
+            "How often running jobs' metrics are read into their status, in seconds.",
+            default=str(d.scrape_interval_seconds),
+            show_default=True,
+            metavar="SECONDS",
+        ),
+        _option(
+            "--scrape-timeout",
+            "SCRAPE_TIMEOUT",
+            "Timeout of one metrics request, in seconds.",
+            default=str(d.scrape_timeout_seconds),
+            show_default=True,
+            metavar="SECONDS",
+        ),
+        _option(
+            "--scrape-via",
+            "SCRAPE_VIA",
+            "pod-ip (in-cluster), proxy (through the API server's pod proxy, "
+            "from outside the cluster) or auto: pod-ip when running in a pod.",
+            default=d.scrape_via,
+            show_default=True,
+        ),
+        _option(
+            "--peering",
+            "PEERING",
+            "Kopf peering object shared by the replicas; one is active at a time. "
+            f"Named here, the operator waits for it to exist; by default it uses {d.peering_name!r} when "
+            "that exists and runs standalone, with a warning, when not.",
+            metavar="NAME",
+        ),
+        _option("--standalone", "STANDALONE", "Run without peering (a single replica; tests).", is_flag=True),
+        _option(
+            "--priority",
+            "PRIORITY",
+            "Peering priority, an integer or 'random'; the highest live replica "
+            "runs, the others wait. Replicas with equal priorities all pause (Kopf's rule), so replicas of "
+            "one Deployment need 'random'.",
+            default="random",
+            show_default=True,
+        ),
+        _option(
+            "--metrics-port",
+            "METRICS_PORT",
+            "Port of the operator's own Prometheus /metrics; 0 disables.",
+            default=str(d.metrics_port),
+            show_default=True,
+        ),
+        _option(
+            "--health-port",
+            "HEALTH_PORT",
+            "Port of /healthz (liveness and readiness); 0 disables.",
+            default=str(d.health_port),
+            show_default=True,
+        ),
+        _option(
+            "--log-format",
+            "LOG_FORMAT",
+            "text, or json (one object per line, for log pipelines).",
+            default=d.log_format,
+            show_default=True,
+        ),
+        _option(
+            "--max-workers",
+            "MAX_WORKERS",
+            "Threads for concurrent API calls.",
+            default=str(d.max_workers),
+            show_default=True,
+        ),
+        _option(
+            "--underutilized-percent",
+            "UNDERUTILIZED_PERCENT",
+            "Mean GPU utilization under which a running job counts as underutilized.",
+            default=str(d.underutilized_percent),
+            show_default=True,
+        ),
+        _option(
+            "--underutilized-seconds",
+            "UNDERUTILIZED_SECONDS",
+            "How long it must stay under before the Underutilized condition.",
+            default=str(d.underutilized_seconds),
+            show_default=True,
+        ),
+        click.option(
+            "-v",
+            "--verbose",
+            envvar=ENV_PREFIX + "VERBOSE",
+            show_envvar=True,
+            is_flag=True,
+            help="Debug logging.",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
 
 
 def _number(flag: str, env_name: str, text: str, kind: type[int] | type[float]) -> float:
@@ -208,40 +238,64 @@ def _priority(text: str) -> int:
     return int(_number("priority", "PRIORITY", text, int))
 
 
-def from_arguments(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> OperatorSettings:
-    """Settings from parsed flags (whose defaults already came from env)."""
-    env = os.environ if env is None else env
-    raw_namespaces = args.namespace or [env.get(f"{ENV_PREFIX}NAMESPACES", "")]
+def from_options(values: Mapping[str, Any]) -> OperatorSettings:
+    """Settings from the parsed options (whose defaults already came from the environment)."""
+    raw_namespaces: Sequence[str] = values.get("namespace") or ()
     namespaces = tuple(
         dict.fromkeys(ns.strip() for chunk in raw_namespaces for ns in chunk.split(",") if ns.strip())
     )
-    if args.scrape_via not in ("auto", "pod-ip", "proxy"):
+    scrape_via, log_format = values["scrape_via"], values["log_format"]
+    if scrape_via not in ("auto", "pod-ip", "proxy"):
         raise SettingsError(
-            f"--scrape-via / {ENV_PREFIX}SCRAPE_VIA: must be auto, pod-ip or proxy (got {args.scrape_via!r})"
+            f"--scrape-via / {ENV_PREFIX}SCRAPE_VIA: must be auto, pod-ip or proxy (got {scrape_via!r})"
         )
-    if args.log_format not in ("text", "json"):
+    if log_format not in ("text", "json"):
         raise SettingsError(
-            f"--log-format / {ENV_PREFIX}LOG_FORMAT: must be text or json (got {args.log_format!r})"
+            f"--log-format / {ENV_PREFIX}LOG_FORMAT: must be text or json (got {log_format!r})"
         )
     d = OperatorSettings()
+    peering, standalone = values.get("peering"), bool(values.get("standalone"))
     return OperatorSettings(
         namespaces=namespaces,
-        trainer_image=args.trainer_image,
-        scrape_interval_seconds=_number("scrape-interval", "SCRAPE_INTERVAL", args.scrape_interval, float),
-        scrape_timeout_seconds=_number("scrape-timeout", "SCRAPE_TIMEOUT", args.scrape_timeout, float),
-        scrape_via=args.scrape_via,
-        peering_name=None if args.standalone or args.peering == "" else (args.peering or d.peering_name),
-        peering_required=bool(args.peering) and not args.standalone,
-        priority=_priority(args.priority),
-        metrics_port=int(_number("metrics-port", "METRICS_PORT", args.metrics_port, int)),
-        health_port=int(_number("health-port", "HEALTH_PORT", args.health_port, int)),
-        log_format=args.log_format,
-        verbose=args.verbose,
-        max_workers=int(_number("max-workers", "MAX_WORKERS", args.max_workers, int)),
+        trainer_image=values["trainer_image"],
+        scrape_interval_seconds=_number(
+            "scrape-interval", "SCRAPE_INTERVAL", values["scrape_interval"], float
+        ),
+        scrape_timeout_seconds=_number("scrape-timeout", "SCRAPE_TIMEOUT", values["scrape_timeout"], float),
+        scrape_via=scrape_via,
+        peering_name=None if standalone or peering == "" else (peering or d.peering_name),
+        peering_required=bool(peering) and not standalone,
+        priority=_priority(values["priority"]),
+        metrics_port=int(_number("metrics-port", "METRICS_PORT", values["metrics_port"], int)),
+        health_port=int(_number("health-port", "HEALTH_PORT", values["health_port"], int)),
+        log_format=log_format,
+        verbose=bool(values.get("verbose")),
+        max_workers=int(_number("max-workers", "MAX_WORKERS", values["max_workers"], int)),
         underutilized_percent=_number(
-            "underutilized-percent", "UNDERUTILIZED_PERCENT", args.underutilized_percent, float
+            "underutilized-percent", "UNDERUTILIZED_PERCENT", values["underutilized_percent"], float
         ),
         underutilized_seconds=int(
-            _number("underutilized-seconds", "UNDERUTILIZED_SECONDS", args.underutilized_seconds, int)
+            _number("underutilized-seconds", "UNDERUTILIZED_SECONDS", values["underutilized_seconds"], int)
         ),
     )
+
+
+def parse_operator_args(args: Sequence[str], env: Mapping[str, str] | None = None) -> OperatorSettings:
+    """The settings ``gpuop operator ARGS`` would run with under ``env`` (default: this
+    process's): what the chart's tests check the Deployment's args and env against."""
+
+    @click.command()
+    @operator_options
+    def command(**values: Any) -> None:
+        pass
+
+    saved = dict(os.environ)
+    try:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        with command.make_context("operator", list(args)) as context:
+            return from_options(context.params)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -105,8 +105,25 @@ class VolumeSource:
 
 
 @api_object
+class ExtendedResource:
+    """A device a device plugin advertises on the nodes, e.g. an RDMA device."""
+
+    name: str = api_field(
+        "Resource name, with its domain: rdma/rdma_shared_device_a (the NVIDIA network operator's "
+        "RDMA shared device plugin, for InfiniBand), or what your device plugin advertises.",
+        min_length=1,
+        max_length=317,
+    )
+    count: int = api_field("How many per worker pod (requested and limited alike).", minimum=1, maximum=1024)
+
+
+# Resources other fields own: their own field says how many, and render writes them.
+OWNED_RESOURCES: Final = ("cpu", "memory", "ephemeral-storage", "nvidia.com/gpu", "vpc.amazonaws.com/efa")
+
+
+@api_object
 class Resources:
-    """CPU and memory for each worker pod, besides its GPUs."""
+    """CPU and memory for each worker pod, besides its GPUs, and other devices it needs."""
 
     cpu: Quantity | None = api_field(
         'CPU request per worker pod, e.g. "8". No CPU limit is set: throttling a training '
@@ -116,6 +133,14 @@ class Resources:
     memory: Quantity | None = api_field(
         "Memory request and limit per worker pod, e.g. 32Gi. The memory-backed /dev/shm counts against it.",
         default=None,
+    )
+    extended: tuple[ExtendedResource, ...] = api_field(
+        "Other devices per worker pod, by the name their device plugin gives them: the InfiniBand "
+        "(RDMA) device of the aks-infiniband profile, for one. GPUs are gpusPerWorker and EFA "
+        "devices nccl.efaDevices.",
+        default=(),
+        max_items=16,
+        list_map_key="name",
     )
 
 
@@ -482,6 +507,28 @@ class EnvVar:
 
 
 @api_object
+class SecurityContext:
+    """Who the trainer processes run as. Always non-root: the pods meet the restricted Pod
+    Security profile whatever is set here."""
+
+    run_as_user: int = api_field(
+        "UID of the trainer container. The default is the stock trainer image's user; set your custom "
+        "image's.",
+        default=1000,
+        minimum=1,
+        maximum=2147483647,
+    )
+    run_as_group: int = api_field("Primary GID of the trainer container.", default=1000, minimum=0,
+                                  maximum=2147483647)  # fmt: skip
+    fs_group: int = api_field(
+        "GID that owns the pods' volumes (the checkpoint and output claims), so the trainer can write them.",
+        default=1000,
+        minimum=0,
+        maximum=2147483647,
+    )
+
+
+@api_object
 class PodMetadata:
     """Labels and annotations added to every worker pod."""
 
@@ -628,6 +675,10 @@ class GpuTrainingSpec:
     )
     args: tuple[str, ...] | None = api_field(
         "Arguments to command.", default=None, max_items=256, item_max_length=32768
+    )
+    security_context: SecurityContext = api_field(
+        "The UID and GIDs the trainer runs as (runAsUser, runAsGroup, fsGroup; 1000 by default).",
+        default_factory=SecurityContext,
     )
     workers: int = api_field(
         "Worker pods: one Master and workers-1 Worker pods (elastic jobs: workers Worker pods).",
@@ -806,6 +857,16 @@ def kubernetes_problems(spec: GpuTrainingSpec) -> list[Problem]:
             found.append(
                 Problem(f"{where}.value", "must be empty with operator Exists (which matches any value)")
             )
+    for index, device in enumerate(spec.resources.extended):
+        where = f"spec.resources.extended[{index}].name"
+        if device.name in OWNED_RESOURCES or device.name.startswith("hugepages-"):
+            found.append(Problem(where, f"{device.name} is set by its own field (gpusPerWorker, "
+                                        "nccl.efaDevices, resources.cpu or memory), not here"))  # fmt: skip
+        elif "/" not in device.name or device.name.split("/")[0].endswith("kubernetes.io"):
+            found.append(Problem(where, "must be an extended resource: a domain other than kubernetes.io, "
+                                        f"'/', a name (got {show(device.name)})"))  # fmt: skip
+        else:
+            check(where, k8svalidation.qualified_name(device.name), device.name)
     for index, secret in enumerate(spec.image_pull_secrets):
         check(f"spec.imagePullSecrets[{index}]", k8svalidation.subdomain(secret), secret)
     mounts: dict[str, str] = {"/dev/shm": "the shared-memory volume"}
@@ -825,6 +886,17 @@ def kubernetes_problems(spec: GpuTrainingSpec) -> list[Problem]:
                 Problem(f"{where}.path", f"{path} is also {mounts[key]}; each needs a directory of its own")
             )
         mounts[key] = f"{where}.path"
+    return found
+
+
+def warnings(spec: GpuTrainingSpec) -> list[Problem]:
+    """What is valid but likely not what the user wants: each a line `gpuop validate` and
+    `gpuop render` print (the training still runs as written)."""
+    found = []
+    if spec.output.volume is None and spec.command is None:
+        found.append(Problem("spec.output.volume", "not set: the trained model is written to an emptyDir and "
+                             "lost with the pod (only the result in the termination message stays); set "
+                             "output.volume.claimName to keep it"))  # fmt: skip
     return found
 
 

@@ -9,6 +9,8 @@ Field names follow what Kubeflow users know from Trainer v2's ``trainerStatus``
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Final, Literal, get_args
 
 from gpuop.schema import api_field, api_object
@@ -16,6 +18,20 @@ from gpuop.schema import api_field, api_object
 ConditionStatus = Literal["True", "False", "Unknown"]
 Phase = Literal["Pending", "Created", "Queued", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
 PHASES: Final[tuple[str, ...]] = get_args(Phase)
+
+
+# metav1.Condition's reason: a word of letters, digits, '_', ',' and ':'.
+REASON_PATTERN: Final = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+
+
+def condition_reason(text: str | None, fallback: str) -> str:
+    """``text`` as a condition reason. Reasons come from Kubeflow, Kueue and the trainer's
+    record (a custom image writes what it likes): one the API server would refuse would stop
+    this object's status writes, so it is made CamelCase here (``out of memory`` ->
+    ``OutOfMemory``), and ``fallback`` stands in for none."""
+    words = re.split(r"[^A-Za-z0-9_]+", text or "")
+    camel = "".join(w[:1].upper() + w[1:] for w in words).lstrip("0123456789_")[:1024].rstrip("_")
+    return camel or fallback
 
 
 @api_object
@@ -29,11 +45,17 @@ class Condition:
         max_length=64,
     )
     status: ConditionStatus = api_field("Whether the condition holds.")
-    reason: str | None = api_field("A CamelCase word for the last transition.", default=None, max_length=128)
-    message: str | None = api_field("What happened, for people.", default=None, max_length=32768)
-    last_transition_time: str | None = api_field(
-        "When status last changed.", default=None, date_time=True, max_length=64
+    # Required, with metav1.Condition's rules, so that tools written for Kubernetes' own
+    # conditions (kubectl wait, kstatus, Argo CD health checks) read ours the same way.
+    reason: str = api_field(
+        "A CamelCase word for the last transition (metav1.Condition's rule).",
+        min_length=1,
+        max_length=1024,
+        pattern=REASON_PATTERN,
+        pattern_hint="a CamelCase word",
     )
+    message: str = api_field("What happened, for people; may be empty.", max_length=32768)
+    last_transition_time: str = api_field("When status last changed.", date_time=True, max_length=64)
     observed_generation: int | None = api_field(
         "The metadata.generation this condition was set for.", default=None, minimum=0
     )
@@ -76,6 +98,11 @@ class Progress:
     eta: str | None = api_field(
         "estimatedRemainingSeconds for people, e.g. 1h12m.", default=None, max_length=32
     )
+    percent_text: str | None = api_field(
+        "percent for people, rounded down, e.g. 41% (kubectl get's Progress column).",
+        default=None,
+        max_length=8,
+    )
     updated_at: str | None = api_field(
         "When these figures last changed.", default=None, date_time=True, max_length=64
     )
@@ -113,6 +140,15 @@ class GpuUsage:
     )
     memory_used_bytes: int | None = api_field("GPU memory in use over all workers.", default=None, minimum=0)
     memory_total_bytes: int | None = api_field("GPU memory in all over all workers.", default=None, minimum=0)
+    utilization_text: str | None = api_field(
+        "utilizationPercent for people, e.g. 87% (kubectl get's GPU-Util column).", default=None, max_length=8
+    )
+    model: str | None = api_field(
+        "The GPU model the trainers see (NVML's name, e.g. NVIDIA H100 80GB HBM3); several, comma-separated, "
+        "when the workers' differ.",
+        default=None,
+        max_length=512,
+    )
     underutilized_since: str | None = api_field(
         "Since when mean utilization has stayed under the Underutilized threshold.",
         default=None,
@@ -179,7 +215,7 @@ class GpuTrainingStatus:
 
 
 # --------------------------------------------------------------------------------------------
-# How the status writes a duration (its ``eta``, and the messages derive writes into it).
+# How the status writes figures for people (its ``eta`` and ``*Text``, and derive's messages).
 
 
 def format_eta(seconds: float | None) -> str | None:
@@ -194,3 +230,10 @@ def format_eta(seconds: float | None) -> str | None:
     if minutes:
         return f"{minutes}m{secs:02d}s"
     return f"{secs}s"
+
+
+def format_percent(percent: float | None) -> str | None:
+    """A percent for people, rounded down so that 100% means done: ``41%``."""
+    if percent is None:
+        return None
+    return f"{max(0, min(100, math.floor(percent)))}%"

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 
 from gpuop.status import PHASES
 
@@ -16,6 +25,9 @@ from gpuop.status import PHASES
 class OperatorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        # The process and runtime figures every Python exporter serves (memory, CPU, GC).
+        for runtime in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            self.registry.register(runtime)
         self.reconciles = Counter(
             "gpuop_reconciles_total",
             "Reconciles of a GpuTraining, by what they did.",
@@ -35,8 +47,17 @@ class OperatorMetrics:
         )
         self.api_requests = Counter(
             "gpuop_api_requests_total",
-            "Requests to the Kubernetes API by verb, resource and status code (0: no reply).",
-            ["verb", "code"],
+            "Requests to the Kubernetes API by Kubernetes verb (get, list, create, patch, ...), resource "
+            "(pytorchjobs, gputrainings/status, ...) and HTTP status code (0: no reply); each retry counts.",
+            ["verb", "resource", "code"],
+            registry=self.registry,
+        )
+        self.api_latency = Histogram(
+            "gpuop_api_request_duration_seconds",
+            "Time from sending a Kubernetes API request to its reply (or to giving up on it), by verb "
+            "and resource.",
+            ["verb", "resource"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=self.registry,
         )
         self.status_patches = Counter(
@@ -52,8 +73,9 @@ class OperatorMetrics:
             "gpuop_trainings", "GpuTrainings by status phase.", ["phase"], registry=self.registry
         )
 
-    def api_request(self, verb: str, status: int, seconds: float) -> None:
-        self.api_requests.labels(verb=verb, code=str(status)).inc()
+    def api_request(self, verb: str, resource: str, status: int, seconds: float) -> None:
+        self.api_requests.labels(verb=verb, resource=resource, code=str(status)).inc()
+        self.api_latency.labels(verb=verb, resource=resource).observe(seconds)
 
     def set_phases(self, phases: Iterable[str | None]) -> None:
         counts = dict.fromkeys(("Unknown", *PHASES), 0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -14,11 +14,11 @@ import pytest
 import yaml
 
 from gpuop import settings as operator_settings
-from gpuop.identity import TRAINING_LABEL
+from gpuop.identity import DEFAULT_TRAINER_IMAGE, TRAINING_LABEL
 from gputrain.contract import METRICS_PORT_NAME
 from support import crdschema
 from support.crdschema import ROOT
-from support.helm import CHART, RELEASE_NAMESPACE, helm, render_error, template
+from support.helm import CHART, RELEASE_NAMESPACE, TEAM_VALUES, helm, render_error, template
 
 CLOUD_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 KUBERNETES_VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0"]
@@ -28,6 +28,7 @@ EVERYTHING_ON: dict[str, Any] = {
     "operator.scrapeVia": "proxy",
     "metrics.serviceMonitor.enabled": True,
     "metrics.trainerPodMonitor.enabled": True,
+    "grafana.dashboards.enabled": True,
     "networkPolicy.enabled": True,
     "networkPolicy.metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
     "image.digest": "sha256:" + "ab" * 32,
@@ -35,6 +36,7 @@ EVERYTHING_ON: dict[str, Any] = {
 CASES: list[tuple[str, dict[str, Any], tuple[Path, ...]]] = [
     ("defaults", {}, ()),
     ("everything on", EVERYTHING_ON, ()),
+    ("a team's values", TEAM_VALUES, ()),
     ("standalone, no CRD, no RBAC", {"peering.enabled": False, "crds.install": False, "rbac.create": False,
                                      "serviceAccount.create": False, "serviceAccount.name": "mine"}, ()),
     *[(path.name, {}, (path,)) for path in CLOUD_VALUES],
@@ -56,6 +58,20 @@ _ENDPOINT = {
         "path": {"type": "string"},
         "interval": _DURATION,
         "scrapeTimeout": _DURATION,
+        "relabelings": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {
+                    "sourceLabels": {
+                        "type": "array",
+                        "items": {"type": "string", "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"},
+                    },
+                    "targetLabel": {"type": "string"},
+                },
+            },
+        },
     },
 }
 _NAMESPACE_SELECTOR = {
@@ -145,6 +161,12 @@ def test_the_chart_crd_is_crds_gputraining_byte_for_byte() -> None:
     assert rendered == original  # nothing lost on the way through fromYaml/toYaml
     assert meta["name"] == original_meta["name"]
     assert meta["annotations"]["helm.sh/resource-policy"] == "keep"  # kept on uninstall
+    (dropped,) = [
+        o
+        for o in _of_kind(template({"crds.keep": False}), "CustomResourceDefinition")
+        if o["spec"]["group"] == "gpuop.io"
+    ]
+    assert "helm.sh/resource-policy" not in dropped["metadata"].get("annotations", {})
 
 
 def test_crds_can_be_left_to_the_user() -> None:
@@ -228,6 +250,14 @@ REFUSED_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"health.port": 8080}, "metrics.port and health.port must differ"),
     ({"networkPolicy.enabled": True}, "networkPolicy.namespaces: a NetworkPolicy lives in one namespace"),
     ({"serviceAccount.create": False}, "serviceAccount.name: set it to an existing ServiceAccount"),
+    ({"imagePullSecrets": ["registry"]}, "imagePullSecrets.0"),  # the pod spec's shape: {name: ...}
+    (
+        {"extraEnv": [{"name": "GPUOP_SCRAPE_VIA", "value": "proxy"}]},
+        "extraEnv: GPUOP_SCRAPE_VIA is set by the chart",
+    ),
+    ({"extraEnv": [{"value": "x"}]}, "extraEnv.0"),
+    ({"volumeMounts": [{"name": "ca", "mountPath": "etc/ca"}]}, "mountPath"),
+    ({"strategy": {"type": "BlueGreen"}}, "strategy.type"),
 ]
 
 
@@ -249,6 +279,9 @@ def test_the_deployment_is_restricted_and_its_settings_are_valid(
     (container,) = pod["containers"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    # OpenShift assigns the UID; everywhere else the image's fixed non-root one.
+    openshift = any(path.name == "openshift-values.yaml" for path in files)
+    assert ("runAsUser" in pod["securityContext"]) != openshift
     assert container["securityContext"] == {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
@@ -258,9 +291,7 @@ def test_the_deployment_is_restricted_and_its_settings_are_valid(
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     # The env the chart sets is what `gpuop operator` reads: parse it the operator's way.
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-    parser = argparse.ArgumentParser()
-    operator_settings.add_arguments(parser, env)
-    parsed = operator_settings.from_arguments(parser.parse_args(container["args"][1:]), env)
+    parsed = operator_settings.parse_operator_args(container["args"][1:], env)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert (parsed.metrics_port, parsed.health_port) == (ports["metrics"], ports["health"])
     assert (parsed.peering_name is None) == (values.get("peering.enabled") is False)
@@ -273,12 +304,38 @@ def test_the_deployment_is_restricted_and_its_settings_are_valid(
     assert bool(_of_kind(objects, "PodDisruptionBudget")) == (replicas > 1)
 
 
+def test_a_teams_values_reach_the_operator_pod() -> None:
+    objects = template(TEAM_VALUES)
+    deployment = _deployment(objects)
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["imagePullSecrets"] == [{"name": "registry"}]
+    assert container["args"] == ["operator", "--verbose"]
+    assert container["env"][-3:] == TEAM_VALUES["extraEnv"]
+    assert {"name": "proxy-ca", "configMap": {"name": "proxy-ca"}} in pod["volumes"]
+    assert {"name": "proxy-ca", "mountPath": "/etc/proxy-ca", "readOnly": True} in container["volumeMounts"]
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]  # the chart's own stay
+    assert container["livenessProbe"]["periodSeconds"] == 60
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}  # merged
+    assert container["readinessProbe"]["tcpSocket"] == {"port": "health"}
+    assert "httpGet" not in container["readinessProbe"]  # a probe has one handler
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}  # no rollingUpdate left over
+    (account,) = _of_kind(objects, "ServiceAccount")
+    assert account["metadata"]["labels"]["policy.example.com/tier"] == "platform"
+    assert account["automountServiceAccountToken"] is False
+    assert pod["automountServiceAccountToken"] is True  # the operator needs its token
+
+
 def test_image_tag_defaults_to_the_app_version() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert chart["appVersion"] == project["version"]
     (container,) = _deployment(template())["spec"]["template"]["spec"]["containers"]
     assert container["image"].endswith(":" + chart["appVersion"])
+    # The trainer image the operator defaults to is the one gpuop itself names: one version.
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["GPUOP_TRAINER_IMAGE"] == DEFAULT_TRAINER_IMAGE
+    assert DEFAULT_TRAINER_IMAGE.endswith(":" + project["version"])
 
 
 # -- RBAC, peering, monitoring, network -----------------------------------------------------
@@ -316,6 +373,11 @@ def test_trainer_monitoring_and_network_policy_select_the_trainer_pods_and_port(
         {"key": TRAINING_LABEL, "operator": "Exists"}
     ]
     assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] == METRICS_PORT_NAME
+    # Prometheus' name for the pod label, as its Kubernetes discovery writes it.
+    source = "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", TRAINING_LABEL)
+    assert pod_monitor["spec"]["podMetricsEndpoints"][0]["relabelings"] == [
+        {"sourceLabels": [source], "targetLabel": "gputraining"}
+    ]
     assert pod_monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
     policies = _of_kind(objects, "NetworkPolicy")
     assert sorted(p["metadata"]["namespace"] for p in policies) == ["team-a", "team-b"]
@@ -337,3 +399,104 @@ def test_trainer_monitoring_and_network_policy_select_the_trainer_pods_and_port(
     (service_monitor,) = _of_kind(objects, "ServiceMonitor")
     (service,) = _of_kind(objects, "Service")
     assert service_monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+
+
+# -- Grafana dashboards ------------------------------------------------------------------------
+
+# Labels Prometheus adds to every scraped series (prometheus-operator: namespace, pod, container,
+# endpoint, job, instance, service), and the one the trainer PodMonitor adds.
+_TARGET_LABELS = {"namespace", "pod", "container", "endpoint", "job", "instance", "service", "gputraining"}
+
+
+def _exported_series() -> dict[str, set[str]]:
+    """Every series the trainer and the operator serve, with its labels, read from the real
+    endpoints' exposition after each figure has been set once."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gpuop.telemetry import OperatorMetrics
+    from gputrain.contract import Progress
+    from gputrain.metrics import GpuReading, MetricsServer
+
+    trainer = MetricsServer(None)
+    trainer.update(
+        Progress(epoch=1, total_epochs=2, step=3, total_steps=10, loss=0.5, accuracy=0.9,
+                 samples_per_second=100.0, estimated_remaining_seconds=60.0),
+        gpus=[GpuReading(0, "NVIDIA H100 80GB HBM3", 50.0, 1, 2)],
+    )  # fmt: skip
+    trainer.count(1, 32.0)
+    operator = OperatorMetrics()
+    operator.api_request("list", "pods", 200, 0.01)
+    operator.reconciles.labels(outcome="created").inc()
+    operator.errors.inc()
+    operator.duration.observe(0.1)
+    operator.status_patches.inc()
+    operator.scrapes.labels(outcome="ok").inc()
+    operator.set_phases(["Running"])
+    series: dict[str, set[str]] = {}
+    for registry in (trainer.registry, operator.registry):
+        for family in text_string_to_metric_families(generate_latest(registry).decode()):
+            for sample in family.samples:
+                series.setdefault(sample.name, set()).update(sample.labels)
+    return series
+
+
+def _dashboards() -> list[tuple[str, dict[str, Any]]]:
+    objects = template({"grafana.dashboards.enabled": True})
+    maps = _of_kind(objects, "ConfigMap")
+    return [(key, json.loads(text)) for cm in maps for key, text in cm["data"].items()]
+
+
+def test_grafana_dashboards_are_off_by_default_and_carry_the_sidecars_label() -> None:
+    assert not _of_kind(template(), "ConfigMap")
+    maps = _of_kind(template({"grafana.dashboards.enabled": True}), "ConfigMap")
+    assert len(maps) == 2
+    for cm in maps:
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"  # kube-prometheus-stack's sidecar default
+    moved = _of_kind(template({"grafana.dashboards.enabled": True, "grafana.dashboards.namespace": "monitoring"}),
+                     "ConfigMap")  # fmt: skip
+    assert {cm["metadata"]["namespace"] for cm in moved} == {"monitoring"}
+
+
+def test_each_dashboard_is_a_dashboard_model_over_series_we_export() -> None:
+    """The JSON is a Grafana dashboard model (what its import reads: uid, title, schemaVersion,
+    panels placed on the grid, each with Prometheus targets on the datasource variable), and
+    every series a query names is one the trainer or the operator really serves, grouped only
+    by labels that series has."""
+    series = _exported_series()
+    found = _dashboards()
+    assert sorted(key for key, _ in found) == ["gpu-training-operator-operator.json",
+                                               "gpu-training-operator-trainings.json"]  # fmt: skip
+    for key, model in found:
+        assert re.fullmatch(r"[a-zA-Z0-9_-]{1,40}", model["uid"]), key
+        assert model["title"]
+        assert isinstance(model["schemaVersion"], int)
+        assert model["schemaVersion"] >= 36
+        variables = {v["name"] for v in model["templating"]["list"]}
+        assert "datasource" in variables
+        ids = [p["id"] for p in model["panels"]]
+        assert len(ids) == len(set(ids)), key
+        for panel in model["panels"]:
+            where = f"{key} panel {panel['title']!r}"
+            grid = panel["gridPos"]
+            assert grid["x"] + grid["w"] <= 24, where  # Grafana's grid is 24 wide
+            assert panel["type"] in {"timeseries", "stat"}, where
+            assert panel["targets"], where
+            for target in panel["targets"]:
+                assert target["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, where
+                expr = target["expr"]
+                assert expr.count("(") == expr.count(")"), where
+                names = set(re.findall(r"\b((?:gputrain|gpuop|process)_[a-z_]+)\b", expr))
+                assert names, where
+                for name in names:
+                    assert name in series, f"{where}: {name} is not a series we export"
+                    grouped = {
+                        label.strip()
+                        for group in re.findall(r"by \(([^)]*)\)", expr)
+                        for label in group.split(",")
+                    } - {"le"}
+                    assert grouped <= series[name] | _TARGET_LABELS, (
+                        f"{where}: {name} has no {grouped - series[name] - _TARGET_LABELS}"
+                    )
+                for variable in re.findall(r"\$([a-z]+)", expr):
+                    assert variable in variables | {"__rate_interval"}, where

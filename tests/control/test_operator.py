@@ -112,7 +112,7 @@ def test_lifecycle_from_apply_to_succeeded(env: Cluster) -> None:
 
     table = env.kubectl("get", "gputrainings").stdout.split("\n")
     assert table[0].split() == PRINTER_COLUMNS
-    assert table[1].split()[:5] == ["mnist", "Succeeded", "2", "2", "100"]
+    assert table[1].split()[:5] == ["mnist", "Succeeded", "2", "2", "100%"]
 
     env.kubectl("delete", "gputraining", "mnist")
     wait_for("the PyTorchJob garbage-collected", lambda: env.get(JOBS, "mnist") is None)

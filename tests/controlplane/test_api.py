@@ -120,6 +120,69 @@ def test_each_example_renders_jobs_the_server_accepts(
         assert "warning" not in result.stderr.lower(), result.stderr
 
 
+# The Pod Security Standards level each example's pods meet, as docs/operating.md states it:
+# the lowest profile whose namespace admits them.
+POD_SECURITY_LEVELS = ("restricted", "baseline", "privileged")
+EXAMPLE_POD_SECURITY = {p.name: "restricted" for p in EXAMPLES} | {"aks-nd-h100.yaml": "privileged"}
+
+
+def _pod_specs(node: Any) -> list[dict[str, Any]]:
+    """Every pod spec in a rendered object (PyTorchJob replicas, a TrainingRuntime's jobs)."""
+    if isinstance(node, dict):
+        here = [node] if "containers" in node else []
+        return here + [spec for value in node.values() for spec in _pod_specs(value)]
+    return [spec for value in node for spec in _pod_specs(value)] if isinstance(node, list) else []
+
+
+@pytest.fixture(scope="module")
+def pod_security_namespaces(plane: ControlPlane) -> dict[str, str]:
+    """A namespace per Pod Security level, enforced by the API server's PodSecurity admission,
+    and the PriorityClasses the examples name (the Priority admission plugin wants them)."""
+    classes = {load_example(p)["spec"].get("scheduling", {}).get("priorityClassName") for p in EXAMPLES} - {
+        None
+    }
+    for name in sorted(classes):
+        plane.kubectl("create", "priorityclass", name, "--value=1000")
+    names = {}
+    for level in POD_SECURITY_LEVELS:
+        names[level] = f"pss-{level}"
+        plane.kubectl("create", "namespace", names[level])
+        plane.kubectl("label", "namespace", names[level], f"pod-security.kubernetes.io/enforce={level}")
+    return names
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_each_examples_pods_meet_the_pod_security_level_the_docs_state(
+    example: Path, plane: ControlPlane, pod_security_namespaces: dict[str, str]
+) -> None:
+    """The real PodSecurity admission judges the pods each example's jobs make (both backends):
+    the lowest level that admits them is the one docs/operating.md gives."""
+    body = load_example(example)
+    body["metadata"] |= {"namespace": "ml", "uid": "9b2f4c1e-0d7a-4a8e-9a51-3f0c6a2b7d10"}
+    training = parse(body)
+    backends: list[JobBackend] = ["pytorchjob"] + ([] if trainjob_gaps(training.spec) else ["trainjob"])
+    specs = [s for b in backends for o in render_job(training, b, default_image="t:1") for s in _pod_specs(o)]
+    assert specs
+    lowest = set()
+    for index, spec in enumerate(specs):
+        for level in POD_SECURITY_LEVELS:
+            if spec.get("serviceAccountName"):  # the ServiceAccount admission plugin wants it to exist
+                plane.kubectl("create", "serviceaccount", spec["serviceAccountName"], "-n",
+                              pod_security_namespaces[level], check=False)  # fmt: skip
+            pod = {"apiVersion": "v1", "kind": "Pod", "spec": spec,
+                   "metadata": {"name": f"p{index}", "namespace": pod_security_namespaces[level]}}  # fmt: skip
+            result = plane.kubectl(
+                "create", "--dry-run=server", "-f", "-", input=json.dumps(pod), check=False
+            )
+            if result.returncode == 0:
+                lowest.add(level)
+                break
+            assert "violates PodSecurity" in result.stderr, result.stderr
+    assert lowest == {EXAMPLE_POD_SECURITY[example.name]}
+    documented = (Path(__file__).parents[2] / "docs" / "operating.md").read_text()
+    assert f"| `{example.name}` | {EXAMPLE_POD_SECURITY[example.name]} |" in documented
+
+
 def _named(case: str, body: dict[str, Any]) -> dict[str, Any]:
     body["metadata"]["name"] = re.sub(r"[^a-z0-9]+", "-", case.lower()).strip("-")[:40]
     return body

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from support.controlplane import ControlPlane
-from support.helm import CHART, RELEASE, RELEASE_NAMESPACE, helm
+from support.helm import CHART, RELEASE, RELEASE_NAMESPACE, TEAM_VALUES, helm, value_args
 from support.realcluster import OUR_CRD, Api, install_crds
 from support.specs import minimal
 
@@ -93,3 +93,25 @@ def test_the_installed_crd_is_the_generated_one(plane: ControlPlane) -> None:
     generated = yaml.safe_load(OUR_CRD.read_text())
     stored = json.loads(plane.kubectl("get", "crd", "gputrainings.gpuop.io", "-o", "json").stdout)
     assert stored["spec"]["versions"][0]["schema"] == generated["spec"]["versions"][0]["schema"]
+
+
+def test_a_teams_values_are_accepted_by_the_api_server_and_a_rerun_upgrades_in_place(
+    plane: ControlPlane,
+) -> None:
+    """The pod-spec values (probes, strategy, env, volumes) are checked by the API server itself,
+    which refuses what a schema cannot see (two probe handlers, Recreate with rollingUpdate);
+    ``upgrade --install`` twice is how CI and scripts rerun."""
+    values = {**TEAM_VALUES, "crds.keep": True}  # the CRD stays for the tests after this one
+    for _ in range(2):
+        _helm(plane, "upgrade", "--install", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE,
+              "--create-namespace", *value_args(values))  # fmt: skip
+    name = f"{RELEASE}-gpu-training-operator"
+    stored = json.loads(
+        plane.kubectl("get", "deployment", name, "-n", RELEASE_NAMESPACE, "-o", "json").stdout
+    )
+    assert stored["metadata"]["generation"] == 1  # the rerun changed nothing
+    assert stored["spec"]["strategy"] == {"type": "Recreate"}
+    (container,) = stored["spec"]["template"]["spec"]["containers"]
+    assert container["readinessProbe"]["tcpSocket"] == {"port": "health"}
+    assert [e["name"] for e in container["env"]][-3:] == ["HTTPS_PROXY", "SSL_CERT_FILE", "TEAM"]
+    _helm(plane, "uninstall", RELEASE, "-n", RELEASE_NAMESPACE, "--wait")

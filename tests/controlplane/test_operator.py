@@ -23,7 +23,7 @@ from gpuop.backends import render_job
 from gpuop.spec import parse
 from gputrain.contract import METRICS_PORT, Progress
 from gputrain.metrics import MetricsServer
-from support.cluster import PRINTER_COLUMNS, RUNNING, wait_for
+from support.cluster import PRINTER_COLUMNS, RUNNING, h100, wait_for
 from support.controlplane import ControlPlane
 from support.faultproxy import FaultProxy
 from support.helm import RELEASE, RELEASE_NAMESPACE, helm
@@ -114,10 +114,7 @@ class Kubeflow:
             ip = f"127.0.0.{self._next_ip}"
             self._next_ip += 1
             server = MetricsServer(METRICS_PORT, addr=ip)
-            server.update(progress)
-            server.gpu_util.labels("0").set(gpu_percent)
-            server.gpu_used.labels("0").set(10 * 2**30)
-            server.gpu_total.labels("0").set(80 * 2**30)
+            server.update(progress, gpus=h100(gpu_percent))
             self.trainers[pod_name] = server
             pod = {
                 "apiVersion": "v1", "kind": "Pod",
@@ -207,6 +204,23 @@ def test_lifecycle_as_the_charts_service_account(
     assert status["workers"] == {"ready": 2, "total": 2}
     assert status["gpu"]["utilizationPercent"] == 85.0
     assert "accuracy" not in status["progress"]  # no evaluation yet: absent, not 0
+    # `kubectl get` shows figures with their units; `-o wide` adds backend, queue, GPU model, samples/s.
+    header, line = plane.kubectl("get", "gtr", "mnist", "-n", NAMESPACE, "-o", "wide").stdout.splitlines()
+    assert header.split() == [*PRINTER_COLUMNS, "BACKEND", "QUEUE", "GPU-MODEL", "SAMPLES/S"]
+    # kubectl aligns each cell under its header (an empty one, as QUEUE's here, stays empty).
+    starts = [m.start() for m in re.finditer(r"\S+", header)]
+    ends = [*starts[1:], None]
+    cells = dict(
+        zip(header.split(), (line[a:b].strip() for a, b in zip(starts, ends, strict=True)), strict=True)
+    )
+    assert cells["PROGRESS"] == f"{int(status['progress']['percent'])}%", cells
+    assert cells["GPU-UTIL"] == "85%", cells
+    assert (cells["BACKEND"], cells["QUEUE"], cells["GPU-MODEL"]) == (
+        "pytorchjob",
+        "",
+        "NVIDIA H100 80GB HBM3",
+    )
+    assert float(cells["SAMPLES/S"]) == status["progress"]["samplesPerSecond"]
 
     # A runPolicy change reaches the running job.
     plane.kubectl("patch", "gtr", "mnist", "-n", NAMESPACE, "--type=merge",
@@ -231,7 +245,7 @@ def test_lifecycle_as_the_charts_service_account(
     table = plane.kubectl("get", "gtr", "-n", NAMESPACE).stdout.splitlines()
     assert table[0].split() == PRINTER_COLUMNS
     row = table[1].split()
-    assert row[:5] == ["mnist", "Succeeded", "2", "2", "100"]
+    assert row[:5] == ["mnist", "Succeeded", "2", "2", "100%"]
     assert re.fullmatch(r"\d+s|\d+m\d*s?", row[-1]), row  # an age, not a timestamp
     assert plane.kubectl("get", "gpuop", "-n", NAMESPACE, "-o", "name").stdout.split() == [
         "gputraining.gpuop.io/mnist"
@@ -240,6 +254,9 @@ def test_lifecycle_as_the_charts_service_account(
         "get", "events", "-n", NAMESPACE, "--field-selector", "involvedObject.name=mnist",
         "-o", "jsonpath={.items[*].reason}").stdout.split()) and len(e) >= 3 and e)  # fmt: skip
     assert sorted(events) == sorted(["PyTorchJobCreated", "PyTorchJobRunning", "TrainingSucceeded"])
+    # No output volume: valid, but the model goes with the pod; `kubectl describe` says so, once.
+    described = plane.kubectl("describe", "gtr", "mnist", "-n", NAMESPACE).stdout
+    assert described.count("warning: spec.output.volume: not set") == 2, described  # condition, event
 
     assert _forbidden(plane, installed.user) == []  # the chart's rules allowed every call the operator made
     plane.kubectl("delete", "gtr", "mnist", "-n", NAMESPACE)

@@ -2,8 +2,13 @@
 `kubectl apply -f examples/kind-cpu.yaml`, a real 2-pod DDP run to Succeeded, and deletion.
 
 Needs Docker, kind, kubectl and network access (Kubeflow's manifests); skips with the reason
-where any is missing, as on a laptop without Docker. `make e2e` runs it; CI runs it in its own
-job. GPUOP_E2E_KEEP=1 keeps the cluster for a look afterwards.
+where any is missing, as on a laptop without Docker. Only `make e2e` runs it (`make test`
+deselects the e2e marker: a runner with Docker would otherwise build images for an hour); CI runs
+it in its own job.
+
+A cluster named `gpuop` that was already there is used and left in place; one this test created
+is deleted at the end (GPUOP_E2E_KEEP=1 keeps it). When a test failed, the cluster's state is
+written to GPUOP_E2E_DIAGNOSTICS (default .e2e-diagnostics/) before anything is torn down.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -61,23 +67,52 @@ def wait_until(what: str, check: Callable[[], Any], timeout: float) -> Any:
     return wait_for(what, check, timeout, every=5.0, tolerate=(AssertionError,))
 
 
+# What a failed run leaves for people to read: `kubectl` commands, each to a file of its own.
+DIAGNOSTICS: dict[str, tuple[str, ...]] = {
+    "objects.txt": ("get", "gputrainings,pytorchjobs,trainjobs,jobsets,jobs,pods,events", "-A", "-o", "wide"),
+    "gputrainings.yaml": ("get", "gputrainings", "-A", "-o", "yaml"),
+    "operator.log": ("-n", NAMESPACE, "logs", "-l", "app.kubernetes.io/name=gpu-training-operator",
+                     "--tail=-1", "--all-containers", "--prefix"),
+    "trainers.log": ("logs", "-l", "gpuop.io/gputraining", "--tail=500", "--all-containers", "--prefix"),
+    "training-operator.log": ("-n", "kubeflow", "logs", "deployment/training-operator", "--tail=500"),
+    "trainer-v2.log": ("-n", "kubeflow-system", "logs", "deployment/kubeflow-trainer-controller-manager",
+                       "--tail=500"),
+}  # fmt: skip
+
+
+def collect_diagnostics(into: Path) -> None:
+    """The cluster's state, while it is still there; each command on its own (one that fails
+    writes its error instead)."""
+    into.mkdir(parents=True, exist_ok=True)
+    for name, args in DIAGNOSTICS.items():
+        result = subprocess.run(["kubectl", "--context", f"kind-{CLUSTER}", *args], capture_output=True,
+                                text=True, timeout=120)  # fmt: skip
+        (into / name).write_text(result.stdout + result.stderr)
+
+
+def wait_for_kubeflow_webhooks() -> None:
+    """A rollout being done does not mean the admission webhooks answer (their Service, the
+    certificate): a server-side dry run of our own rendered objects goes through them, and the
+    first real create does not race them."""
+    for backend, kind in (("pytorchjob", "PyTorchJob"), ("trainjob", "TrainingRuntime")):
+        rendered = sh(str(ROOT / ".venv" / "bin" / "gpuop"), "render", "--backend", backend,
+                      "-f", str(ROOT / "examples" / "kind-cpu.yaml"))  # fmt: skip
+        (probe,) = [o for o in yaml.safe_load_all(rendered) if o and o["kind"] == kind]
+        wait_until(f"Kubeflow's {kind} webhook", lambda probe=probe: kubectl(
+            "create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(probe)), 300)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def kind_cluster() -> Iterator[None]:
+def kind_cluster(request: pytest.FixtureRequest) -> Iterator[None]:
     reason = _missing()
     if reason is not None:
         pytest.skip(f"kind e2e needs Docker and kind: {reason}")
-    existing = sh("kind", "get", "clusters").split()
-    if CLUSTER not in existing:
-        sh(
-            "kind",
-            "create",
-            "cluster",
-            "--config",
-            str(ROOT / "kind-config.yaml"),
-            "--wait",
-            "180s",
-            timeout=900,
-        )
+    created = CLUSTER not in sh("kind", "get", "clusters").split()
+    if created:
+        sh("kind", "create", "cluster", "--config", str(ROOT / "kind-config.yaml"), "--wait", "180s",
+           timeout=900)  # fmt: skip
+    failed_before = request.session.testsfailed
+    ready = False
     try:
         for dockerfile, tag in (
             ("operator.Dockerfile", OPERATOR_IMAGE),
@@ -86,23 +121,24 @@ def kind_cluster() -> Iterator[None]:
             sh("docker", "build", "-f", str(ROOT / "images" / dockerfile), "-t", tag, str(ROOT), timeout=1800)
             sh("kind", "load", "docker-image", tag, "--name", CLUSTER, timeout=600)
         kubectl("apply", "--server-side", "-k", KUBEFLOW, timeout=300)
-        kubectl(
-            "-n",
-            "kubeflow",
-            "rollout",
-            "status",
-            "deployment/training-operator",
-            "--timeout=300s",
-            timeout=330,
-        )
+        kubectl("-n", "kubeflow", "rollout", "status", "deployment/training-operator", "--timeout=300s",
+                timeout=330)  # fmt: skip
         kubectl("apply", "--server-side", "-k", TRAINER_V2, timeout=300)
         for deployment in ("kubeflow-trainer-controller-manager", "jobset-controller-manager"):
             kubectl("-n", "kubeflow-system", "rollout", "status", f"deployment/{deployment}", "--timeout=300s",
                     timeout=330)  # fmt: skip
+        wait_for_kubeflow_webhooks()
+        ready = True
         yield
     finally:
-        if not os.environ.get("GPUOP_E2E_KEEP"):
+        if not ready or request.session.testsfailed > failed_before:
+            collect_diagnostics(_diagnostics_dir())
+        if created and not os.environ.get("GPUOP_E2E_KEEP"):
             sh("kind", "delete", "cluster", "--name", CLUSTER, timeout=300)
+
+
+def _diagnostics_dir() -> Path:
+    return Path(os.environ.get("GPUOP_E2E_DIAGNOSTICS") or ROOT / ".e2e-diagnostics")
 
 
 @pytest.mark.parametrize("backend", ["auto", "trainjob"])
@@ -110,7 +146,8 @@ def test_install_train_on_cpu_and_delete(kind_cluster: None, backend: str) -> No
     """The kind example on either Kubeflow: auto (PyTorchJob, the cluster serving both) and
     backend trainjob (Trainer v2's TrainJob), each from helm install to helm uninstall."""
     sh(
-        str(helm_binary()), "--kube-context", f"kind-{CLUSTER}", "install", "gpuop", str(CHART),
+        # upgrade --install: a rerun on a kept cluster, or after a failed run, is not refused.
+        str(helm_binary()), "--kube-context", f"kind-{CLUSTER}", "upgrade", "--install", "gpuop", str(CHART),
         "--namespace", NAMESPACE, "--create-namespace", "--wait", "--timeout", "5m",
         "--set", "image.repository=gpu-training-operator/operator", "--set", "image.tag=e2e",
         "--set", "image.pullPolicy=Never", "--set", "replicaCount=2", "--set", "operator.scrapeInterval=5",
@@ -131,7 +168,7 @@ def test_install_train_on_cpu_and_delete(kind_cluster: None, backend: str) -> No
     assert final["completionTime"], final
     assert final["backend"] == ("trainjob" if backend == "trainjob" else "pytorchjob"), final
 
-    table = kubectl("get", "gputrainings")
+    table = kubectl("get", "gputrainings", name)
     crd = yaml.safe_load((ROOT / "crds" / "gputraining.yaml").read_text())
     columns = ["NAME"] + [
         c["name"].upper()

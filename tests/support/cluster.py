@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gputrain.contract import METRICS_PORT, Progress
-from gputrain.metrics import MetricsServer
+from gputrain.metrics import GpuReading, MetricsServer
 from support.apiserver import ApiServer, RunningApiServer
 from support.controlplane import ensure_binaries
 
@@ -91,6 +91,13 @@ def training(name: str, namespace: str = "default", **spec: Any) -> dict[str, An
     }
     body["spec"].update(spec)
     return body
+
+
+def h100(utilization_percent: float | None) -> list[GpuReading]:
+    """What NVML reads from one busy H100 (none without a utilization figure)."""
+    if utilization_percent is None:
+        return []
+    return [GpuReading(0, "NVIDIA H100 80GB HBM3", utilization_percent, 10 * 2**30, 80 * 2**30)]
 
 
 class Cluster:
@@ -223,11 +230,7 @@ class Cluster:
             ip = f"127.0.0.{self._next_ip}"
             self._next_ip += 1
             server = MetricsServer(METRICS_PORT, addr=ip)
-            server.update(progress)
-            if gpu_percent is not None:
-                server.gpu_util.labels("0").set(gpu_percent)
-                server.gpu_used.labels("0").set(10 * 2**30)
-                server.gpu_total.labels("0").set(80 * 2**30)
+            server.update(progress, gpus=h100(gpu_percent))
             self.trainers[pod_name] = server
             pod = {
                 "apiVersion": "v1",
@@ -250,10 +253,7 @@ class Cluster:
         return names
 
     def progress(self, pod: str, progress: Progress, gpu_percent: float | None = None) -> None:
-        server = self.trainers[pod]
-        server.update(progress)
-        if gpu_percent is not None:
-            server.gpu_util.labels("0").set(gpu_percent)
+        self.trainers[pod].update(progress, gpus=h100(gpu_percent) or None)
 
     def finish_pod(self, pod: str, record: dict[str, Any], phase: str = "Succeeded") -> None:
         """The trainer exits: its metrics endpoint goes, its termination message stays."""

@@ -17,6 +17,26 @@ CHART = ROOT / "charts" / "gpu-training-operator"
 RELEASE = "gpuop"
 RELEASE_NAMESPACE = "gpuop-system"
 
+# What a platform team adds: a private registry, a proxy and its CA bundle, its own probes and
+# strategy, labels on the ServiceAccount for its policy engine.
+TEAM_VALUES: dict[str, Any] = {
+    "imagePullSecrets": [{"name": "registry"}],
+    "extraArgs": ["--verbose"],
+    "extraEnv": [
+        {"name": "HTTPS_PROXY", "value": "http://proxy.internal:3128"},
+        {"name": "SSL_CERT_FILE", "value": "/etc/proxy-ca/ca.crt"},
+        {"name": "TEAM", "valueFrom": {"configMapKeyRef": {"name": "team", "key": "name"}}},
+    ],
+    "volumes": [{"name": "proxy-ca", "configMap": {"name": "proxy-ca"}}],
+    "volumeMounts": [{"name": "proxy-ca", "mountPath": "/etc/proxy-ca", "readOnly": True}],
+    "serviceAccount.labels": {"policy.example.com/tier": "platform"},
+    "serviceAccount.automountServiceAccountToken": False,
+    "livenessProbe.periodSeconds": 60,
+    "readinessProbe": {"httpGet": None, "tcpSocket": {"port": "health"}, "periodSeconds": 5},
+    "strategy": {"type": "Recreate"},
+    "crds.keep": False,
+}
+
 
 def helm_binary() -> Path:
     path = Path(os.environ.get("HELM") or ROOT / ".venv" / "bin" / "helm")

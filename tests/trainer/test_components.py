@@ -8,6 +8,7 @@ import pickle
 import struct
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ from gputrain.metrics import MetricsServer
 from gputrain.models import build_model
 from gputrain.train import Position, resume_at, warmup_cosine
 from gputrain.vision import import_torchvision
+from support.crdschema import ROOT
 
 # --- checkpoints ----------------------------------------------------------------------------
 
@@ -131,6 +133,41 @@ def test_mnist_reader(tmp_path: Path, compress: bool) -> None:
     assert x_test.shape == (5, 1, 28, 28)
     assert np.allclose(x_train[3, 0], images[3] / 255)
     assert y_train.shape == (20,)
+
+
+def _on_the_claim(pod: dict[str, Any], container_path: str, claims: Path) -> Path:
+    """Where a path inside the trainer container lands on its claim, by the pod's own volumes
+    and mounts (mountPath, subPath): what the kubelet would give the reader."""
+    (container,) = pod["containers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for mount in sorted(container["volumeMounts"], key=lambda m: -len(m["mountPath"])):
+        inside = Path(container_path)
+        if inside == Path(mount["mountPath"]) or Path(mount["mountPath"]) in inside.parents:
+            claim = volumes[mount["name"]]["persistentVolumeClaim"]["claimName"]
+            return claims / claim / mount.get("subPath", "") / inside.relative_to(mount["mountPath"])
+    raise AssertionError(f"{container_path} is on no volume")
+
+
+def test_the_mnist_examples_stated_layout_is_what_its_mount_and_the_reader_find(tmp_path: Path) -> None:
+    """examples/mnist.yaml says: the standard files on the `datasets` claim under mnist/. Put
+    them there, follow the rendered pod's mount, and the reader finds them."""
+    from gpuop.render import render_pytorchjob
+    from gpuop.spec import parse
+    from support.specs import load_example
+
+    training = parse(load_example(ROOT / "examples" / "mnist.yaml"))
+    master = render_pytorchjob(training)["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    stated = tmp_path / "datasets" / "mnist"  # as the example's comment puts them
+    stated.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    _idx(stated / "train-images-idx3-ubyte", rng.integers(0, 256, (4, 28, 28)), False)
+    _idx(stated / "train-labels-idx1-ubyte", rng.integers(0, 10, 4), False)
+    _idx(stated / "t10k-images-idx3-ubyte", rng.integers(0, 256, (2, 28, 28)), False)
+    _idx(stated / "t10k-labels-idx1-ubyte", rng.integers(0, 10, 2), False)
+    assert training.spec.dataset is not None
+    root = _on_the_claim(master, training.spec.dataset.path, tmp_path)
+    assert root == stated
+    assert load_mnist_arrays(root)[0].shape == (4, 1, 28, 28)
 
 
 def test_cifar10_reader(tmp_path: Path) -> None:
@@ -266,15 +303,15 @@ def test_metrics_endpoint_round_trip() -> None:
 def test_gpu_figures_per_pod_and_mean() -> None:
     text = "\n".join(
         f'{name}{{gpu="{i}"}} {value}'
-        for i, (util, used) in enumerate([(90.0, 10), (70.0, 30)])
+        for i, (util, used) in enumerate([(0.9, 10), (0.7, 30)])
         for name, value in (
-            (Metric.GPU_UTILIZATION_PERCENT, util),
+            (Metric.GPU_UTILIZATION_RATIO, util),
             (Metric.GPU_MEMORY_USED_BYTES, used),
             (Metric.GPU_MEMORY_TOTAL_BYTES, 100),
         )
     )
     one = parse_metrics(text + "\n")
-    other = parse_metrics(f'{Metric.GPU_UTILIZATION_PERCENT}{{gpu="0"}} 20\n')
+    other = parse_metrics(f'{Metric.GPU_UTILIZATION_RATIO}{{gpu="0"}} 0.2\n')
     usage = gpu_usage({"job-worker-0": other, "job-master-0": one}, count=3)
     assert isinstance(usage, GpuUsage)
     assert usage.utilization_percent == 60.0  # mean over the three GPUs, not over pods

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from gputrain.contract import EXIT_BAD_CONFIG, EXIT_DATA_MISSING
+from gputrain.contract import EXIT_BAD_CONFIG, EXIT_DATA_MISSING, HISTORY_FILE, read_history
 from support.crdschema import ROOT
 from support.training import (
     digits_run,
@@ -47,9 +47,12 @@ def test_local_run_of_the_demo_learns_digits(tmp_path: Path) -> None:
             "run",
             "-f",
             str(ROOT / "examples" / "local-digits.yaml"),
-            "--json",
+            "-o",
+            "json",
             "--workdir",
             str(tmp_path),
+            "--plot",
+            str(tmp_path / "curves.png"),
         ],
         capture_output=True,
         text=True,
@@ -61,6 +64,10 @@ def test_local_run_of_the_demo_learns_digits(tmp_path: Path) -> None:
     assert status["phase"] == "Succeeded"
     conditions = {c["type"]: c for c in status["conditions"]}
     assert conditions["Succeeded"]["status"] == "True"
+    # torchrun ran it here: no PyTorchJob was made, and the status does not say one was.
+    assert conditions["Created"]["message"] == "torchrun local-digits created"
+    assert "pytorchJob" not in status
+    assert "PyTorchJob" not in done.stdout
     progress = status["progress"]
     assert progress["accuracy"] >= 0.90
     assert (progress["percent"], progress["step"]) == (100.0, progress["totalSteps"])
@@ -73,6 +80,32 @@ def test_local_run_of_the_demo_learns_digits(tmp_path: Path) -> None:
     assert len(losses) > 10
     assert losses[-1] < losses[0] / 10, losses
     assert (tmp_path / "local-digits" / "output" / "model.pt").is_file()
+
+    # The run's curves: its history (every logging interval and evaluation), TensorBoard's
+    # events, the summary in the terminal, and the picture.
+    output = tmp_path / "local-digits" / "output"
+    points = read_history((output / HISTORY_FILE).read_text())
+    trained = [p for p in points if p.loss is not None]
+    assert len(trained) > 10
+    assert trained[-1].loss < trained[0].loss / 10
+    assert all(p.learning_rate and p.samples_per_second for p in trained)
+    evaluated = [p.accuracy for p in points if p.accuracy is not None]
+    assert len(evaluated) == 15  # one per epoch
+    assert evaluated[-1] == pytest.approx(progress["accuracy"])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(output / "tensorboard"))
+    board.Reload()
+    assert {"train/loss", "train/learning_rate", "train/samples_per_second", "eval/accuracy"} <= set(
+        board.Tags()["scalars"]
+    )
+    assert [e.step for e in board.Scalars("train/loss")] == [p.step for p in trained]
+    assert "local-digits succeeded in " in done.stderr
+    assert re.search(r"\n  loss +[0-9.]+ [▁▂▃▄▅▆▇█]{20,} [0-9.e-]+\n", done.stderr), done.stderr
+    assert "[########################] 100.0%" in done.stderr  # the bar ends at 100%, not at the last scrape
+    picture = (tmp_path / "curves.png").read_bytes()
+    assert picture.startswith(b"\x89PNG\r\n\x1a\n")
+    assert len(picture) > 20_000  # three panels of curves, not an empty canvas
 
 
 def test_ranks_end_with_identical_models(tmp_path: Path) -> None:
@@ -180,7 +213,7 @@ def _gpuop_run(tmp_path: Path, spec: dict[str, Any]) -> tuple[int, dict[str, Any
     path = tmp_path / "t.yaml"
     path.write_text(yaml.safe_dump(body))
     done = subprocess.run(
-        [GPUOP, "run", "-f", str(path), "--json", "--workdir", str(tmp_path)],
+        [GPUOP, "run", "-f", str(path), "-o", "json", "--workdir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -312,7 +345,7 @@ def _start_gpuop_run(tmp_path: Path, epochs: int) -> tuple[subprocess.Popen[str]
     path = tmp_path / "t.yaml"
     path.write_text(yaml.safe_dump(body))
     process = subprocess.Popen(
-        [GPUOP, "run", "-f", str(path), "--json", "--workdir", str(tmp_path / "work")],
+        [GPUOP, "run", "-f", str(path), "-o", "json", "--workdir", str(tmp_path / "work")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     return process, tmp_path / "work" / "t"
@@ -424,7 +457,7 @@ def test_a_finished_run_is_said_to_be_finished_and_fresh_starts_over(tmp_path: P
     assert f"error: t already finished in {directory} (Succeeded at step 23 of 23" in err
     assert "add --fresh to train it again from the start" in err
     fresh = subprocess.run(
-        [GPUOP, "run", "-f", str(tmp_path / "t.yaml"), "--json", "--workdir", str(tmp_path / "work"), "--fresh"],
+        [GPUOP, "run", "-f", str(tmp_path / "t.yaml"), "-o", "json", "--workdir", str(tmp_path / "work"), "--fresh"],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert fresh.returncode == 0, fresh.stderr

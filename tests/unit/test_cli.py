@@ -7,8 +7,10 @@ import os
 import subprocess
 import sys
 import time
+import tomllib
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -27,6 +29,8 @@ spec:
   dataset:
     name: digits
 """
+# With its model kept on a claim: nothing to warn of.
+KEPT = GOOD + "  output:\n    volume:\n      claimName: models\n"
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -42,7 +46,7 @@ def write(tmp_path: Path, text: str, name: str = "job.yaml") -> str:
 
 
 def test_render_prints_a_pytorchjob(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code, out, err = run(capsys, "render", "-f", write(tmp_path, GOOD.format(name="a")))
+    code, out, err = run(capsys, "render", "-f", write(tmp_path, KEPT.format(name="a")))
     assert (code, err) == (0, "")
     job = yaml.safe_load(out)
     assert (job["kind"], job["metadata"]["name"]) == ("PyTorchJob", "a")
@@ -75,7 +79,7 @@ def test_render_several_files_and_an_image(capsys: pytest.CaptureFixture[str], t
 def test_render_for_trainer_v2_prints_the_runtime_then_the_trainjob(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    path = write(tmp_path, GOOD.format(name="a"))
+    path = write(tmp_path, KEPT.format(name="a"))
     code, out, err = run(capsys, "render", "-f", path, "--backend", "trainjob")
     assert (code, err) == (0, "")
     assert [(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(out)] == [
@@ -91,7 +95,7 @@ def test_render_for_trainer_v2_prints_the_runtime_then_the_trainjob(
 
 
 def test_validate(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    path = write(tmp_path, GOOD.format(name="a"))
+    path = write(tmp_path, KEPT.format(name="a"))
     assert run(capsys, "validate", "-f", path) == (0, f"{path}: gputraining/a is valid\n", "")
 
 
@@ -294,10 +298,20 @@ def test_missing_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     assert run(capsys, "render", "-f", missing) == (2, "", f"error: {missing}: no such file\n")
 
 
-def test_directory_instead_of_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_a_directory_is_read_as_kubectl_reads_it(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """-f DIR: its .yaml, .yml and .json files in name order, not its subdirectories."""
     code, _, err = run(capsys, "validate", "-f", str(tmp_path))
     assert code == 2
-    assert err == f"error: {tmp_path}: is a directory; give a YAML file\n"
+    assert err == f"error: {tmp_path}: a directory with no .yaml, .yml, .json files\n"
+    write(tmp_path, KEPT.format(name="b"), "b.yml")
+    write(tmp_path, KEPT.format(name="a"), "a.yaml")
+    write(tmp_path, json.dumps(yaml.safe_load(KEPT.format(name="c"))), "c.json")
+    write(tmp_path, "not a manifest", "README.md")
+    (tmp_path / "nested").mkdir()
+    write(tmp_path / "nested", KEPT.format(name="d"), "d.yaml")
+    code, out, err = run(capsys, "render", "-f", str(tmp_path))
+    assert (code, err) == (0, "")
+    assert [j["metadata"]["name"] for j in yaml.safe_load_all(out)] == ["a", "b", "c"]
 
 
 def test_problems_of_all_files_are_reported_together(
@@ -345,7 +359,10 @@ def test_run_refuses_a_gpu_spec_on_a_machine_without_enough_gpus(
         "gpusPerWorker: 0 to train on CPU (gloo), or lower --workers\n"
     )
     code, _, err = run(capsys, "run", "-f", path, "--workers", "0")
-    assert (code, err) == (2, "error: --workers: must be >= 1 (got 0)\n")
+    assert (code, err) == (
+        2,
+        "error: Invalid value for '--workers': 0 is not in the range x>=1 (see `gpuop run --help`)\n",
+    )
 
 
 def test_run_takes_exactly_one_gputraining(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -401,3 +418,94 @@ def test_which_rank_stopped_a_local_run_and_how(log: str, said: str | None) -> N
     from gpuop.local import stopped_rank
 
     assert stopped_rank(log) == said
+
+
+def test_version_has_one_home(capsys: pytest.CaptureFixture[str]) -> None:
+    """`gpuop --version` says what pyproject.toml says (the chart's appVersion is checked
+    against the same in tests/chart)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"gpuop {project['version']}\n"
+
+
+def _options() -> list[tuple[str, Any]]:
+    import click
+
+    from gpuop.cli import cli
+
+    return [
+        (name, param)
+        for name, command in cli.commands.items()
+        for param in command.params
+        if isinstance(param, click.Option) and param.name != "help"
+    ]
+
+
+def test_every_option_reads_a_gpuop_variable_and_says_which(capsys: pytest.CaptureFixture[str]) -> None:
+    """click's envvar on every option: `GPUOP_<COMMAND>_<OPTION>` unless the option names its own
+    (the operator's, which the chart sets), always shown in --help."""
+    for command, option in _options():
+        assert option.show_envvar, (command, option.name)
+        envvar = option.envvar or f"GPUOP_{command.upper()}_{option.name.upper()}"
+        assert str(envvar).startswith("GPUOP_"), (command, option.name)
+        assert main([command, "--help"]) == 0
+        assert f"env var: {envvar}" in " ".join(capsys.readouterr().out.split()), (command, option.name)
+    # The one that had none: -v of the operator.
+    assert {o.name: o.envvar for c, o in _options() if c == "operator"}["verbose"] == "GPUOP_VERBOSE"
+
+
+def test_an_option_from_its_variable(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("GPUOP_RENDER_OUTPUT", "json")
+    code, out, _ = run(capsys, "render", "-f", write(tmp_path, GOOD.format(name="a")))
+    assert code == 0
+    assert json.loads(out)["kind"] == "PyTorchJob"
+    monkeypatch.setenv("GPUOP_RENDER_OUTPUT", "xml")
+    code, _, err = run(capsys, "render", "-f", write(tmp_path, GOOD.format(name="a")))
+    assert code == 2
+    assert err.count("\n") == 1  # one line, naming the option and where its value came from
+    assert "GPUOP_RENDER_OUTPUT" in err
+    assert "'xml' is not one of 'yaml', 'json'" in err
+
+
+def test_one_spelling_of_the_output_flag() -> None:
+    outputs = {command: option.opts for command, option in _options() if option.name == "output"}
+    assert set(outputs) == {"render", "run", "crd"}
+    assert all(opts == ["-o", "--output"] for opts in outputs.values())
+    assert not [o for _, o in _options() if o.name in ("json", "format")]
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])
+def test_shell_completion_scripts(shell: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["completion", shell]) == 0
+    script = capsys.readouterr().out
+    assert "_GPUOP_COMPLETE" in script
+    if shell == "bash":  # and bash itself reads it
+        checked = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True, check=False)
+        assert checked.returncode == 0, checked.stderr
+
+
+def test_completion_completes_commands_and_choices() -> None:
+    """What the shell gets back when it asks (the script calls gpuop with _GPUOP_COMPLETE set)."""
+    env = {**os.environ, "_GPUOP_COMPLETE": "bash_complete", "COMP_WORDS": "gpuop re", "COMP_CWORD": "1"}
+    done = subprocess.run([str(ROOT / ".venv" / "bin" / "gpuop")], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)  # fmt: skip
+    assert "plain,render" in done.stdout.splitlines()
+    env |= {"COMP_WORDS": "gpuop render -o ", "COMP_CWORD": "3"}
+    done = subprocess.run([str(ROOT / ".venv" / "bin" / "gpuop")], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)  # fmt: skip
+    assert done.stdout.splitlines() == ["plain,yaml", "plain,json"]
+
+
+def test_a_model_that_would_be_lost_is_warned_of(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Valid, so exit 0, but said: without output.volume the trained model dies with the pod."""
+    path = write(tmp_path, GOOD.format(name="a"))
+    for command in ("validate", "render"):
+        code, out, err = run(capsys, command, "-f", path)
+        assert code == 0
+        assert out
+        assert err == (
+            f"warning: {path}:5: spec.output.volume: not set: the trained model is written to an emptyDir and "
+            "lost with the pod (only the result in the termination message stays); set output.volume.claimName "
+            "to keep it\n"
+        )

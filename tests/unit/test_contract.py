@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+from gpuop.local import sparkline
 from gpuop.render import trainer_settings
 from gpuop.scrape import MAX_METRICS_BYTES, parse_metrics
 from gpuop.spec import parse
-from gputrain.contract import ContractError, Progress, TrainerSettings, env_name
-from gputrain.metrics import MetricsServer
+from gputrain.contract import (
+    ContractError,
+    HistoryPoint,
+    Metric,
+    Progress,
+    TrainerSettings,
+    env_name,
+    read_history,
+)
+from gputrain.metrics import GpuReading, MetricsServer
 from support.specs import minimal
 
 
@@ -69,10 +81,47 @@ def test_figures_not_published_yet_are_absent_not_zero() -> None:
     assert (after.step, after.loss, after.accuracy, after.samples_per_second) == (3, 0.7, None, None)
 
 
+def _families(server: MetricsServer) -> dict[str, Any]:
+    return {f.name: f for f in text_string_to_metric_families(generate_latest(server.registry).decode())}
+
+
+def test_the_trainer_endpoint_follows_prometheus_conventions() -> None:
+    """Counters for what only grows (``rate()`` works), 0..1 ratios, an info series for the GPU
+    model, the process and Python collectors, and no series before it has a value."""
+    server = MetricsServer(None)
+    families = _families(server)
+    assert not {n for n in families if n.startswith("gputrain_")} - {Metric.STEPS, Metric.SAMPLES}
+    assert families[Metric.STEPS].type == "counter"
+    assert {
+        "process_cpu_seconds",
+        "process_resident_memory_bytes",
+        "python_info",
+        "python_gc_objects_collected",
+    } <= set(families)
+    gpu = GpuReading(0, "NVIDIA H100 80GB HBM3", 87.0, 10 * 2**30, 80 * 2**30)
+    server.update(Progress(step=30, total_steps=120, loss=0.5), gpus=[gpu])
+    server.count(steps=10, samples=1280.0)
+    server.count(steps=20, samples=2560.0)
+    families = _families(server)
+    assert families[Metric.PROGRESS_RATIO].samples[0].value == 0.25
+    assert families[Metric.GPU_UTILIZATION_RATIO].samples[0].value == 0.87
+    (info,) = families[f"{Metric.GPU_INFO}_info"].samples
+    assert (info.name, info.labels, info.value) == ("gputrain_gpu_info", {"gpu": "0", "name": gpu.name}, 1)
+    (steps,) = [s for s in families[Metric.STEPS].samples if s.name.endswith("_total")]
+    (samples,) = [s for s in families[Metric.SAMPLES].samples if s.name.endswith("_total")]
+    assert (steps.value, samples.value) == (30, 3840)
+    assert Metric.ACCURACY not in families  # still nothing said: still no series
+    for family in families.values():
+        assert family.documentation, family.name
+    # What the operator reads back is in its own units (percent), with the model.
+    read = parse_metrics(generate_latest(server.registry).decode())
+    assert (read.percent, read.gpus[0].utilization_percent, read.gpus[0].name) == (25.0, 87.0, gpu.name)
+
+
 def test_a_pods_metrics_answer_costs_the_operator_milliseconds_at_most() -> None:
     """A pod's /metrics is untrusted input: one over the bound is refused unread, and one just
     under it parses in well under the 10 ms an object may cost the operator."""
-    line = 'gputrain_gpu_utilization_percent{gpu="%d"} 1e308\n'
+    line = 'gputrain_gpu_utilization_ratio{gpu="%d"} 1e308\n'
     huge = "".join(line % i for i in range(5000))
     with pytest.raises(ValueError, match="over 32768 bytes"):
         parse_metrics(huge)
@@ -81,3 +130,26 @@ def test_a_pods_metrics_answer_costs_the_operator_milliseconds_at_most() -> None
     figures = parse_metrics(largest)
     assert time.process_time() - started < 0.05  # measured 6.5 ms; a slow CI machine has headroom
     assert len(figures.gpus) > 600
+
+
+def test_a_history_reads_back_and_skips_a_line_cut_by_a_kill() -> None:
+    points = [HistoryPoint(time=1.0, step=5, epoch=1, loss=2.3, learning_rate=1e-3, samples_per_second=900.0),
+              HistoryPoint(time=2.0, step=10, epoch=1, accuracy=0.8, gpu_utilization_percent=87.5)]  # fmt: skip
+    text = "".join(p.to_json() + "\n" for p in points) + '{"time": 3.0, "step": 1'
+    assert read_history(text) == points
+    assert HistoryPoint.from_json('{"time": 1, "step": "5", "epoch": 1}') is None  # the edge checks types
+    assert "accuracy" not in json.loads(points[0].to_json())  # absent, not null
+
+
+@pytest.mark.parametrize(
+    ("values", "line"),
+    [
+        ([], ""),
+        ([1.0], "▁"),
+        ([3.0, 2.0, 1.0], "█▅▁"),
+        ([1.0, 1.0], "▁▁"),
+        (list(range(80)), "▁▁▂▂▃▃▄▄▅▅▆▆▇▇██"),
+    ],
+)
+def test_sparkline(values: list[float], line: str) -> None:
+    assert sparkline(values, width=16) == line

@@ -92,8 +92,24 @@ def test_status_is_a_subresource_and_printer_columns_resolve(
 ) -> None:
     version = crd["spec"]["versions"][0]
     assert version["subresources"] == {"status": {}}
-    names = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert names == ["Phase", "Workers", "GPUs", "Progress", "Loss", "GPU-Util", "ETA", "Age"]
+    columns = version["additionalPrinterColumns"]
+    assert [c["name"] for c in columns if not c.get("priority")] == [
+        "Phase",
+        "Workers",
+        "GPUs",
+        "Progress",
+        "Loss",
+        "GPU-Util",
+        "ETA",
+        "Age",
+    ]
+    # `kubectl get -o wide` adds these.
+    assert [c["name"] for c in columns if c.get("priority") == 1] == [
+        "Backend",
+        "Queue",
+        "GPU-Model",
+        "Samples/s",
+    ]
     for column in version["additionalPrinterColumns"]:
         node = schema
         for part in column["jsonPath"].lstrip(".").split("."):

@@ -105,6 +105,7 @@ def _cel_messages(node: dict[str, Any]) -> set[str]:
 # field is changed once; adding or removing an optional one counts as a change.
 IMMUTABLE_UPDATES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("image", {}, {"image": "example.com/t:2"}),
+    ("securityContext", {}, {"securityContext": {"runAsUser": 1001}}),
     ("command", {"dataset": None, "command": ["a"]}, {"dataset": None, "command": ["b"]}),
     ("args", {"dataset": None, "command": ["a"]}, {"dataset": None, "command": ["a"], "args": ["--x"]}),
     ("workers", {}, {"workers": 2}),

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime, timedelta
+
+import pytest
 
 from gpuop.derive import (
     JobCondition,
@@ -18,7 +21,7 @@ from gpuop.derive import (
 )
 from gpuop.schema import encode
 from gpuop.scrape import GpuFigures, TrainerMetrics
-from gpuop.status import GpuTrainingStatus
+from gpuop.status import REASON_PATTERN, GpuTrainingStatus, condition_reason
 from gputrain.contract import Result
 
 T0 = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)
@@ -31,7 +34,7 @@ def at(seconds: float) -> datetime:
 
 
 def metrics(step: int, util: float | None = 95.0, loss: float = 0.5) -> TrainerMetrics:
-    gpus = () if util is None else (GpuFigures("0", util, 10 * 2**30, 80 * 2**30),)
+    gpus = () if util is None else (GpuFigures("0", "NVIDIA H100 80GB HBM3", util, 10 * 2**30, 80 * 2**30),)
     return TrainerMetrics(
         epoch=1 + step // 100,
         total_epochs=10,
@@ -78,6 +81,20 @@ def types(status: GpuTrainingStatus) -> dict[str, str]:
     return {c.type: c.status for c in status.conditions}
 
 
+def test_a_spec_warning_is_said_once_in_the_created_condition_and_its_event() -> None:
+    """A model written to an emptyDir is valid but lost with the pod: `kubectl describe` says so."""
+    warning = "spec.output.volume: not set: the trained model is written to an emptyDir"
+    created = derive_status(None, observe(0, spec_warnings=(warning,)), THRESHOLDS)
+    condition = next(c for c in created.conditions if c.type == "Created")
+    assert condition.message.endswith(f"; warning: {warning}")
+    said = [e for e in events(None, created) if warning in e.message]
+    assert [e.reason for e in said] == ["PyTorchJobCreated"]
+    later = derive_status(created, observe(30, spec_warnings=(warning,)), THRESHOLDS)
+    assert not [e for e in events(created, later) if warning in e.message]
+    plain = derive_status(None, observe(0), THRESHOLDS)
+    assert "warning" not in next(c for c in plain.conditions if c.type == "Created").message
+
+
 def test_pending_until_the_pytorchjob_exists() -> None:
     status = derive_status(None, observe(0, job_name=None, conditions=(), job_start_time=None), THRESHOLDS)
     assert (status.phase, status.conditions, status.start_time) == ("Pending", (), None)
@@ -103,6 +120,15 @@ def test_created_then_running_with_progress_and_gpu_figures() -> None:
         95.0,
         20 * 2**30,
     )
+    # For `kubectl get`: figures with units, and the model for -o wide.
+    assert (progress.percent_text, running.gpu.utilization_text) == ("12%", "95%")
+    assert running.gpu.model == "NVIDIA H100 80GB HBM3"
+    # Every condition has what metav1.Condition requires: a reason, a message, a time.
+    for condition in (*created.conditions, *running.conditions):
+        assert condition.reason
+        assert isinstance(condition.message, str)
+        assert condition.last_transition_time
+    assert created.conditions[1].reason == "NotRunning"  # Kubeflow gave none
     assert running.start_time == "2026-11-21T12:00:00Z"
     assert running.gpu_hours == 0.0  # Created (pods starting) held none; counting starts now
     assert running.gpu_hours_counted_at == "2026-11-21T12:00:30Z"
@@ -564,3 +590,40 @@ def test_gpu_hours_are_absent_until_the_training_first_runs() -> None:
     assert created.gpu_hours is None
     on_cpus = derive_status(created, observe(60, gpus=0, pods=running_pods(1)), THRESHOLDS)
     assert on_cpus.gpu_hours == 0.0
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("PyTorchJobRunning", "PyTorchJobRunning"),
+        ("out of memory", "OutOfMemory"),
+        ("CUDA error: an illegal memory access", "CUDAErrorAnIllegalMemoryAccess"),
+        ("42 failures", "Failures"),
+        ("", "Fallback"),
+        (None, "Fallback"),
+        ("!!!", "Fallback"),
+        ("x" * 2000, "X" + "x" * 1023),
+    ],
+)
+def test_condition_reasons_always_meet_metav1_condition(text: str | None, reason: str) -> None:
+    """Reasons from Kubeflow, Kueue or a custom image's record are made valid, not sent as they
+    are to an API server that would refuse the whole status write."""
+    assert condition_reason(text, "Fallback") == reason
+    assert re.fullmatch(REASON_PATTERN, reason)
+
+
+def test_a_status_written_before_reasons_were_required_reads_back_whole() -> None:
+    """An upgrade must not forget a finished training's status: conditions then could lack a
+    reason or message."""
+    old = {
+        "phase": "Succeeded", "gpuHours": 3.5, "completionTime": "2026-11-21T12:00:00Z",
+        "conditions": [
+            {"type": "Running", "status": "False", "lastTransitionTime": "2026-11-21T11:00:00Z"},
+            {"type": "Stalled", "status": "False", "reason": "Cleared", "message": None,
+             "lastTransitionTime": "2026-11-21T11:00:00Z"},
+        ],
+    }  # fmt: skip
+    status = status_from_json(old)
+    assert status is not None
+    assert (status.phase, status.gpu_hours) == ("Succeeded", 3.5)
+    assert [(c.reason, c.message) for c in status.conditions] == [("NotRunning", ""), ("Cleared", "")]

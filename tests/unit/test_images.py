@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from gpuop.render import RUN_AS_USER
+from gpuop.identity import DEFAULT_TRAINER_IMAGE, TRAINER_IMAGE_REPOSITORY
+from gpuop.spec import SecurityContext
 from gputrain.contract import METRICS_PORT, RENDEZVOUS_PORT
 from support.crdschema import ROOT
 
@@ -22,8 +24,11 @@ OPERATOR_IMAGE = ROOT / "images" / "operator.Dockerfile"
 MODULE_OF = {
     "kopf": "kopf", "kubernetes": "kubernetes", "urllib3": "urllib3", "pyyaml": "yaml",
     "prometheus-client": "prometheus_client", "torch": "torch", "torchvision": "torchvision",
-    "nvidia-ml-py": "pynvml", "scikit-learn": "sklearn", "numpy": "numpy",
+    "nvidia-ml-py": "pynvml", "scikit-learn": "sklearn", "numpy": "numpy", "click": "click", "rich": "rich",
 }  # fmt: skip
+# Imported only by a command an image does not run, from an optional extra: `gpuop run --plot`
+# (matplotlib) is for laptops, not the operator's pod.
+OPTIONAL_EXTRAS = {"matplotlib"}
 # Modules a package imports that arrive with another one it installs.
 COMES_WITH = {"numpy": "torch"}
 
@@ -41,7 +46,11 @@ def _third_party_imports(package: Path) -> set[str]:
                 modules |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 modules.add(node.module.split(".")[0])
-    return {m for m in modules if m not in sys.stdlib_module_names and m not in ("gpuop", "gputrain")}
+    return {
+        m
+        for m in modules
+        if m not in sys.stdlib_module_names and m not in ("gpuop", "gputrain", *OPTIONAL_EXTRAS)
+    }
 
 
 def _installed(dockerfile: Path) -> set[str]:
@@ -56,6 +65,29 @@ def _installed(dockerfile: Path) -> set[str]:
                 name = re.split(r"[<>=!~\[]", word.strip("\"'"))[0].lower()
                 modules.add(MODULE_OF[name])
     return modules
+
+
+@pytest.mark.parametrize("dockerfile", IMAGES, ids=[p.name for p in IMAGES])
+def test_every_package_an_image_installs_is_pinned(dockerfile: Path) -> None:
+    """An image built next month gets what CI tested: each pip install pins its packages with
+    == or takes them from constraints.txt (which pins every one it names)."""
+    pinned = {
+        line.split("==")[0].strip().lower()
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if "==" in line and not line.lstrip().startswith("#")
+    }
+    for run in _instructions(dockerfile, "RUN"):
+        for command in re.findall(r"pip install ([^&]+)", run):
+            words = command.split()
+            with_constraints = "-c" in words
+            for i, word in enumerate(words):
+                if word.startswith("-") or (i and words[i - 1] in ("-c", "--index-url")) or word == ".":
+                    continue
+                name = word.strip("\"'")
+                if "==" in name:
+                    continue
+                assert with_constraints, f"{dockerfile.name}: {name} is not pinned (== or -c constraints.txt)"
+                assert name.lower() in pinned, f"{dockerfile.name}: constraints.txt does not pin {name}"
 
 
 def test_there_is_an_operator_a_gpu_trainer_and_a_cpu_trainer_image() -> None:
@@ -80,7 +112,10 @@ def test_every_image_pins_its_base_and_runs_as_a_non_root_uid(dockerfile: Path) 
 
 @pytest.mark.parametrize("dockerfile", TRAINER_IMAGES, ids=[p.name for p in TRAINER_IMAGES])
 def test_trainer_image(dockerfile: Path) -> None:
-    assert _instructions(dockerfile, "USER")[-1] == str(RUN_AS_USER), "the uid the pod securityContext sets"
+    default_user = SecurityContext().run_as_user
+    assert _instructions(dockerfile, "USER")[-1] == str(default_user), (
+        "the uid spec.securityContext defaults to"
+    )
     exposed = {int(p) for line in _instructions(dockerfile, "EXPOSE") for p in line.split()}
     assert {METRICS_PORT, RENDEZVOUS_PORT} <= exposed
     assert _instructions(dockerfile, "ENTRYPOINT") == ['["torchrun"]']
@@ -100,8 +135,51 @@ def test_operator_image_matches_the_chart() -> None:
     chart = ROOT / "charts" / "gpu-training-operator"
     values = yaml.safe_load((chart / "values.yaml").read_text())
     assert _instructions(OPERATOR_IMAGE, "USER") == ["65532"]
-    assert "runAsUser: 65532" in (chart / "templates" / "deployment.yaml").read_text()
+    assert values["podSecurityContext"]["runAsUser"] == 65532
     exposed = {int(p) for line in _instructions(OPERATOR_IMAGE, "EXPOSE") for p in line.split()}
     assert exposed == {values["metrics"]["port"], values["health"]["port"]}
     assert _instructions(OPERATOR_IMAGE, "ENTRYPOINT") == ['["gpuop"]']
     assert _instructions(OPERATOR_IMAGE, "CMD") == ['["operator"]']
+
+
+def test_the_release_workflow_publishes_what_the_chart_and_operator_name() -> None:
+    """A tag builds the three images under the names the chart's values and gpuop's default
+    trainer image use, tagged with the one version, and the chart with it."""
+    workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "release.yaml").read_text())
+    assert workflow[True]["push"]["tags"] == ["v*"]  # YAML 1.1 reads the key `on` as True
+    registry = workflow["env"]["REGISTRY"]
+    jobs = workflow["jobs"]
+    matrix = {m["image"] + m.get("suffix", ""): m for m in jobs["images"]["strategy"]["matrix"]["include"]}
+    assert {name: m["dockerfile"] for name, m in matrix.items()} == {
+        "operator": "images/operator.Dockerfile",
+        "trainer-cpu": "images/trainer-cpu.Dockerfile",
+        "trainer": "images/trainer.Dockerfile",
+        "trainer-efa": "images/trainer.Dockerfile",
+    }
+    # The EFA example names the variant the release builds, with AWS's installer in it.
+    assert matrix["trainer-efa"]["build-args"].startswith("EFA_INSTALLER_VERSION=")
+    assert "ARG EFA_INSTALLER_VERSION" in (ROOT / "images" / "trainer.Dockerfile").read_text()
+    efa_example = yaml.safe_load((ROOT / "examples" / "eks-p5-efa.yaml").read_text())
+    assert efa_example["spec"]["image"] == DEFAULT_TRAINER_IMAGE + matrix["trainer-efa"]["suffix"]
+    for m in matrix.values():
+        assert (ROOT / m["dockerfile"]).is_file()
+    assert "linux/arm64" in matrix["operator"]["platforms"]
+    chart = ROOT / "charts" / "gpu-training-operator"
+    values = yaml.safe_load((chart / "values.yaml").read_text())
+    assert f"{registry}/operator" == values["image"]["repository"]
+    assert f"{registry}/trainer" == TRAINER_IMAGE_REPOSITORY
+    (build,) = [
+        s for s in jobs["images"]["steps"] if s.get("uses", "").startswith("docker/build-push-action")
+    ]
+    assert (
+        build["with"]["tags"]
+        == "${{ env.REGISTRY }}/${{ matrix.image }}:${{ needs.version.outputs.version }}${{ matrix.suffix }}"
+    )
+    version_script = next(s["run"] for s in jobs["version"]["steps"] if "run" in s)
+    assert "make -s version" in version_script
+    # `make version` prints pyproject's version, which the chart's appVersion and version carry too.
+    printed = subprocess.run(
+        ["make", "-s", "-C", str(ROOT), "version"], capture_output=True, text=True, check=True
+    )
+    chart_meta = yaml.safe_load((chart / "Chart.yaml").read_text())
+    assert printed.stdout.strip() == chart_meta["appVersion"] == chart_meta["version"]

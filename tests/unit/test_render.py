@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gpuop.backends import render_job
 from gpuop.identity import CREATED_FROM_ANNOTATION, DEFAULT_TRAINER_IMAGE
 from gpuop.quantity import GI, MI
 from gpuop.render import kubeflow_backoff_limit, render_pytorchjob, shm_size_bytes, trainer_settings
@@ -279,6 +280,37 @@ def test_pods_are_restricted() -> None:
         context = pod["containers"][0]["securityContext"]
         assert context["allowPrivilegeEscalation"] is False
         assert context["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_a_custom_image_runs_as_its_own_user() -> None:
+    """spec.securityContext: the UID/GIDs of an image built for another user, still non-root."""
+    body = minimal(workers=2, securityContext={"runAsUser": 1001, "runAsGroup": 0, "fsGroup": 2000})
+    expected = {"runAsNonRoot": True, "runAsUser": 1001, "runAsGroup": 0, "fsGroup": 2000,
+                "seccompProfile": {"type": "RuntimeDefault"}}  # fmt: skip
+
+    def pod_contexts(node: Any) -> list[Any]:
+        if isinstance(node, dict):
+            here = [node["securityContext"]] if "containers" in node else []
+            return here + [c for v in node.values() for c in pod_contexts(v)]
+        return [c for v in node for c in pod_contexts(v)] if isinstance(node, list) else []
+
+    for objects in ([render(body)], render_job(parse(body), "trainjob", default_image="t")):
+        contexts = pod_contexts(objects)
+        assert contexts
+        assert all(c == expected for c in contexts)
+    assert parse(minimal()).spec.security_context.run_as_user == 1000  # the stock images' user
+
+
+def test_extended_resources_reach_every_pod_on_both_backends() -> None:
+    """The InfiniBand device (and any device plugin's): requested as a limit, beside the GPUs."""
+    body = minimal(workers=2, gpusPerWorker=8, nccl={"profile": "aks-infiniband"},
+                   resources={"extended": [{"name": "rdma/rdma_shared_device_a", "count": 1}]})  # fmt: skip
+    for container in containers(render(body)):
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": 8, "rdma/rdma_shared_device_a": 1}
+    runtime, _job = render_job(parse(body), "trainjob", default_image="t")
+    assert "rdma/rdma_shared_device_a" in json.dumps(_job) or "rdma/rdma_shared_device_a" in json.dumps(
+        runtime
+    )
 
 
 def test_infiniband_adds_only_ipc_lock() -> None:

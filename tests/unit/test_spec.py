@@ -115,6 +115,22 @@ TRAINJOB_REFUSES: dict[str, str] = {
 # admitted by the CRD's schema: the API server would refuse these later, at the job or its pods.
 KUBERNETES_RULES: list[tuple[str, dict[str, Any], list[str]]] = [
     (
+        "a gpu as an extended resource",
+        {"resources": {"extended": [{"name": "nvidia.com/gpu", "count": 2}]}},
+        [
+            "spec.resources.extended[0].name: nvidia.com/gpu is set by its own field (gpusPerWorker, nccl.efaDevices, "
+            "resources.cpu or memory), not here"
+        ],
+    ),
+    (
+        "an extended resource without a domain",
+        {"resources": {"extended": [{"name": "rdma", "count": 1}]}},
+        [
+            "spec.resources.extended[0].name: must be an extended resource: a domain other than kubernetes.io, '/', "
+            'a name (got "rdma")'
+        ],
+    ),
+    (
         "a label key with a space",
         {"podMetadata": {"labels": {"bad key!": "v"}}},
         ["spec.podMetadata.labels[bad key!]: must be a name of at most 63 characters (letters, digits, '-', "
@@ -160,6 +176,12 @@ ONLY_GPUOP_VALIDATE: frozenset[str] = frozenset(
 
 BAD_SPECS: list[tuple[str, dict[str, Any], list[str]]] = [
     ("workers zero", {"workers": 0}, ["spec.workers: must be >= 1 (got 0)"]),
+    ("root", {"securityContext": {"runAsUser": 0}}, ["spec.securityContext.runAsUser: must be >= 1 (got 0)"]),
+    (
+        "no devices",
+        {"resources": {"extended": [{"name": "rdma/ib", "count": 0}]}},
+        ["spec.resources.extended[0].count: must be >= 1 (got 0)"],
+    ),
     ("workers too many", {"workers": 5000}, ["spec.workers: must be <= 1024 (got 5000)"]),
     ("workers a string", {"workers": "two"}, ['spec.workers: must be an integer (got "two")']),
     ("workers a bool", {"workers": True}, ["spec.workers: must be an integer (got true)"]),

@@ -55,6 +55,9 @@ ENV_PREFIX: Final = "GPUTRAIN_"
 # message there instead: torchrun's own exit code does not carry the worker's.
 RESULT_FILE: Final = "result.json"
 MODEL_FILE: Final = "model.pt"
+# The run's metric history, beside them: a :class:`HistoryPoint` per line (JSON Lines), appended
+# by rank 0 at each logging interval and evaluation, over every attempt.
+HISTORY_FILE: Final = "metrics.jsonl"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +121,49 @@ class Result:
         return cls(phase=data["phase"], **values)  # type: ignore[arg-type]
 
 
+@dataclasses.dataclass(frozen=True)
+class HistoryPoint:
+    """One line of a run's metric history (:data:`HISTORY_FILE`): the figures at a logging
+    interval, or the accuracy after an evaluation. Keys in camelCase, as in :class:`Result`."""
+
+    time: float  # Unix seconds
+    step: int
+    epoch: int  # from 1
+    percent: float | None = None
+    loss: float | None = None
+    accuracy: float | None = None
+    learning_rate: float | None = None
+    samples_per_second: float | None = None
+    gpu_utilization_percent: float | None = None  # mean over rank 0's pod's GPUs (NVML)
+
+    def to_json(self) -> str:
+        values = {_camel(f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
+        return json.dumps({k: v for k, v in values.items() if v is not None}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> HistoryPoint | None:
+        """The point on a line; None for a line that is not one (a file cut short by a kill)."""
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(data, dict):
+            return None
+        values: dict[str, float | int] = {}
+        for field in dataclasses.fields(cls):
+            value = data.get(_camel(field.name))
+            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+                values[field.name] = int(value) if field.name in ("step", "epoch") else value
+        if not {"time", "step", "epoch"} <= values.keys():
+            return None
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def read_history(text: str) -> list[HistoryPoint]:
+    """Every point of a history file's text, in order; lines that are not points are skipped."""
+    return [p for p in map(HistoryPoint.from_json, text.splitlines()) if p is not None]
+
+
 def _camel(name: str) -> str:
     head, *rest = name.split("_")
     return head + "".join(part.title() for part in rest)
@@ -135,22 +181,30 @@ FAILURE_REASONS: Final = {
 
 
 class Metric:
-    """Prometheus metric names the trainer exposes and the operator scrapes."""
+    """Prometheus metric names the trainer exposes and the operator scrapes, in Prometheus'
+    conventions: base units, 0..1 ``_ratio`` for shares, ``_total`` counters for what only
+    grows (so ``rate()`` works), an ``_info`` series for text."""
 
     EPOCH: Final = "gputrain_epoch"
     TOTAL_EPOCHS: Final = "gputrain_total_epochs"
+    # The run's position (gauges: a resume sets them back to the checkpoint's).
     STEP: Final = "gputrain_step"
     TOTAL_STEPS: Final = "gputrain_total_steps"
-    PROGRESS_PERCENT: Final = "gputrain_progress_percent"
+    PROGRESS_RATIO: Final = "gputrain_progress_ratio"
     LOSS: Final = "gputrain_loss"
     ACCURACY: Final = "gputrain_accuracy"
     SAMPLES_PER_SECOND: Final = "gputrain_samples_per_second"
     ESTIMATED_REMAINING_SECONDS: Final = "gputrain_estimated_remaining_seconds"
-    # Per visible GPU, labelled with GPU_LABEL.
-    GPU_UTILIZATION_PERCENT: Final = "gputrain_gpu_utilization_percent"
+    # What this process has done for the job (counters; they start at 0 with the process).
+    STEPS: Final = "gputrain_steps"  # exposed as gputrain_steps_total
+    SAMPLES: Final = "gputrain_samples"  # exposed as gputrain_samples_total
+    # Per visible GPU, labelled with GPU_LABEL (and the info series with GPU_NAME_LABEL).
+    GPU_UTILIZATION_RATIO: Final = "gputrain_gpu_utilization_ratio"
     GPU_MEMORY_USED_BYTES: Final = "gputrain_gpu_memory_used_bytes"
     GPU_MEMORY_TOTAL_BYTES: Final = "gputrain_gpu_memory_total_bytes"
+    GPU_INFO: Final = "gputrain_gpu"  # exposed as gputrain_gpu_info{gpu, name} 1
     GPU_LABEL: Final = "gpu"
+    GPU_NAME_LABEL: Final = "name"
 
 
 class ContractError(ValueError):

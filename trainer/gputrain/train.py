@@ -25,9 +25,18 @@ from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
 
 from gputrain.checkpoint import CheckpointManager, write_atomically
-from gputrain.contract import MODEL_FILE, RESULT_FILE, ContractError, Progress, Result, TrainerSettings
+from gputrain.contract import (
+    MODEL_FILE,
+    RESULT_FILE,
+    ContractError,
+    HistoryPoint,
+    Progress,
+    Result,
+    TrainerSettings,
+)
 from gputrain.data import DataSource, build_data
 from gputrain.distributed import Cluster
+from gputrain.history import History
 from gputrain.metrics import MetricsServer
 from gputrain.models import build_model
 
@@ -133,6 +142,8 @@ class Trainer:
         self.seconds_trained = 0.0
         # One endpoint per pod: the other local ranks neither serve nor read NVML.
         self.metrics = MetricsServer(settings.metrics_port) if cluster.is_local_main else None
+        # The curves, kept with the outputs: rank 0 writes them for the job.
+        self.history = History(settings.output_dir) if cluster.is_main else None
 
     # ---------------------------------------------------------------------------------------
     # Checkpoints
@@ -261,7 +272,11 @@ class Trainer:
         self.last_loss = total_loss / max(samples, 1.0)
         rate = samples / elapsed
         eta = (self.total_steps - self.position.step) * elapsed / max(steps, 1)
+        if self.metrics is not None:
+            self.metrics.count(steps, samples)
         self._publish(rate, eta)
+        self._remember(loss=self.last_loss, samples_per_second=rate,
+                       learning_rate=self.optimizer.param_groups[0]["lr"])  # fmt: skip
         if self.cluster.is_main:
             log.info(
                 "epoch %d/%d step %d/%d loss %.4f lr %.3g %.0f samples/s eta %.0fs",
@@ -274,6 +289,18 @@ class Trainer:
                 rate,
                 eta,
             )
+
+    def _remember(self, **figures: float | None) -> None:
+        """Add a point to the run's history (rank 0 only: one history per job)."""
+        if self.history is None:
+            return
+        gpu = self.metrics.gpu_utilization_percent() if self.metrics is not None else None
+        epoch = min(self.position.epoch + 1, self.settings.epochs)
+        percent = 100.0 * self._fraction(self.position)
+        self.history.add(HistoryPoint(
+            time=time.time(), step=self.position.step, epoch=epoch, percent=percent,
+            gpu_utilization_percent=gpu, **figures,
+        ))  # fmt: skip
 
     def _publish(self, rate: float | None, eta: float | None) -> None:
         if self.metrics is None:
@@ -319,6 +346,7 @@ class Trainer:
         self.model.train()
         self.test_loss = total_loss / max(total, 1.0)
         self.accuracy = total_correct / max(total, 1.0)
+        self._remember(accuracy=self.accuracy)
         if self.cluster.is_main:
             log.info(
                 "epoch %d/%d test loss %.4f accuracy %.4f",
@@ -432,3 +460,5 @@ class Trainer:
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+        if self.history is not None:
+            self.history.close()

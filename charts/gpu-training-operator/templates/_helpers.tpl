@@ -67,4 +67,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- if eq (int .Values.metrics.port) (int .Values.health.port) -}}
 {{- fail "metrics.port and health.port must differ" -}}
 {{- end -}}
+{{- range .Values.extraEnv -}}
+{{- if or (hasPrefix "GPUOP_" .name) (eq .name "POD_ID") -}}
+{{- fail (printf "extraEnv: %s is set by the chart from its values (see values.yaml under operator, metrics, health and peering); set the value instead" .name) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}

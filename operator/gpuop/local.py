@@ -148,11 +148,9 @@ def scrape(port: int, timeout: float = 1.0) -> TrainerMetrics | None:
         return None
 
 
-def progress_line(metrics: TrainerMetrics, width: int = 24) -> str:
-    """One line of progress for a terminal."""
-    percent = metrics.percent or 0.0
-    filled = int(width * percent / 100)
-    parts = [f"[{'#' * filled}{'-' * (width - filled)}] {percent:5.1f}%"]
+def figures_text(metrics: TrainerMetrics) -> str:
+    """A run's figures on one line; one the trainer has not published yet is left out, not 0."""
+    parts = []
     if metrics.epoch is not None and metrics.total_epochs is not None:
         parts.append(f"epoch {metrics.epoch}/{metrics.total_epochs}")
     if metrics.step is not None and metrics.total_steps is not None:
@@ -163,10 +161,30 @@ def progress_line(metrics: TrainerMetrics, width: int = 24) -> str:
         parts.append(f"acc {metrics.accuracy:.3f}")
     if metrics.samples_per_second is not None:
         parts.append(f"{metrics.samples_per_second:,.0f} samples/s")
+    return "  ".join(parts)
+
+
+def progress_line(metrics: TrainerMetrics, width: int = 24) -> str:
+    """One line of progress for a terminal (or a log: no cursor movement)."""
+    percent = metrics.percent or 0.0
+    filled = int(width * percent / 100)
+    parts = [f"[{'#' * filled}{'-' * (width - filled)}] {percent:5.1f}%", figures_text(metrics)]
     eta = format_eta(metrics.estimated_remaining_seconds)
     if eta is not None:
         parts.append(f"eta {eta}")
-    return "  ".join(parts)
+    return "  ".join(p for p in parts if p)
+
+
+def final_metrics(status: GpuTrainingStatus) -> TrainerMetrics | None:
+    """The run's last figures as the status has them (from the trainer's final record)."""
+    progress = status.progress
+    if progress is None:
+        return None
+    return TrainerMetrics(
+        epoch=progress.epoch, total_epochs=progress.total_epochs, step=progress.step,
+        total_steps=progress.total_steps, percent=progress.percent, loss=progress.loss,
+        accuracy=progress.accuracy, samples_per_second=progress.samples_per_second,
+    )  # fmt: skip
 
 
 def final_status(
@@ -366,23 +384,14 @@ def sparkline(values: Sequence[float], width: int = 40) -> str:
 def summary(run: LocalRun, status: GpuTrainingStatus, points: Sequence[HistoryPoint]) -> list[str]:
     """What the run did, for the end of `gpuop run`: its outcome and final figures, how long it
     took, and its curves in the terminal."""
-    progress = status.progress
-    figures = []
-    if progress is not None:
-        if progress.accuracy is not None:
-            figures.append(f"accuracy {progress.accuracy:.4f}")
-        if progress.loss is not None:
-            figures.append(f"loss {progress.loss:.4f}")
-        if progress.step is not None:
-            figures.append(f"{progress.step} steps")
-        if progress.samples_per_second is not None:
-            figures.append(f"{progress.samples_per_second:,.0f} samples/s")
+    final = final_metrics(status)
+    figures = figures_text(final) if final is not None else ""
     took = ""
     if status.start_time and status.completion_time:
         seconds = (_parse_stamp(status.completion_time) - _parse_stamp(status.start_time)).total_seconds()
         took = f" in {format_eta(seconds)}"
-    lines = [f"{run.training.name} {(status.phase or 'Unknown').lower()}{took}" + (": " if figures else "")
-             + ", ".join(figures)]  # fmt: skip
+    outcome = f"{run.training.name} {(status.phase or 'Unknown').lower()}{took}"
+    lines = [f"{outcome}: {figures}" if figures else outcome]
     for label, field in (("loss", "loss"), ("accuracy", "accuracy"), ("samples/s", "samples_per_second"),
                          ("GPU util %", "gpu_utilization_percent")):  # fmt: skip
         values = [v for v in (getattr(p, field) for p in points) if v is not None]

@@ -15,37 +15,9 @@ from types import TracebackType
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-from gpuop.local import progress_line
+from gpuop.local import figures_text, final_metrics, progress_line
 from gpuop.scrape import TrainerMetrics
 from gpuop.status import GpuTrainingStatus
-
-
-def figures_text(metrics: TrainerMetrics) -> str:
-    """The figures beside the bar; one the trainer has not published yet is left out, not 0."""
-    parts = []
-    if metrics.epoch is not None and metrics.total_epochs is not None:
-        parts.append(f"epoch {metrics.epoch}/{metrics.total_epochs}")
-    if metrics.step is not None and metrics.total_steps is not None:
-        parts.append(f"step {metrics.step}/{metrics.total_steps}")
-    if metrics.loss is not None:
-        parts.append(f"loss {metrics.loss:.4f}")
-    if metrics.accuracy is not None:
-        parts.append(f"acc {metrics.accuracy:.3f}")
-    if metrics.samples_per_second is not None:
-        parts.append(f"{metrics.samples_per_second:,.0f}/s")
-    return "  ".join(parts)
-
-
-def final_metrics(status: GpuTrainingStatus) -> TrainerMetrics | None:
-    """The run's last figures as the status has them (from the trainer's final record)."""
-    progress = status.progress
-    if progress is None:
-        return None
-    return TrainerMetrics(
-        epoch=progress.epoch, total_epochs=progress.total_epochs, step=progress.step,
-        total_steps=progress.total_steps, percent=progress.percent, loss=progress.loss,
-        accuracy=progress.accuracy, samples_per_second=progress.samples_per_second,
-    )  # fmt: skip
 
 
 class Display:

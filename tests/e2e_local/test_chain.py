@@ -438,3 +438,89 @@ def test_kueue_holds_the_second_training_queued_until_the_first_finishes(
     assert "Suspended" not in phases, phases
     assert "Failed" not in phases, phases
     assert phases.index("Queued") < phases.index("Running"), phases
+
+
+def _rank0_pod(name: str, backend: str) -> str:
+    """The rank-0 pod's name, as a pattern for the node agent's logs: Kubeflow v1 names it
+    once; JobSet's Job gives each attempt a new random suffix."""
+    return f"{name}-master-0" if backend == "pytorchjob" else f"{name}-node-0-0-*"
+
+
+@pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
+def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_and_resume(
+    plane: ControlPlane,
+    agent: NodeAgent,
+    kubeflow: WebhookedController,
+    trainer: list[WebhookedController],
+    queueing: WebhookedController,
+    operator: OperatorProcess,
+    timelines: list[Timeline],
+    tmp_path: Path,
+    backend: str,
+) -> None:
+    """The real Kueue preempting: a ClusterQueue that fits one training and preempts lower
+    priorities (`withinClusterQueue: LowerPriority`, priorities from the pods' PriorityClass,
+    as Kueue reads them). A low-priority training runs and checkpoints; a high-priority one
+    arrives; Kueue evicts the low one and suspends its job. The operator shows it Queued with
+    Kueue's reason (Preempted), never resumes it, and once the high one has finished and Kueue
+    admits the low one again, it resumes from its checkpoint to Succeeded."""
+    queue = f"preempting-{backend}"
+    for obj in kueue.queues(queue, NAMESPACE, {"cpu": "2", "memory": "2Gi"},
+                            preemption={"withinClusterQueue": "LowerPriority"}):  # fmt: skip
+        plane.kubectl("apply", "-f", "-", input=json.dumps(obj))
+    for priority_class, value in (("e2e-low", 100), ("e2e-high", 1000)):
+        plane.kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+            "metadata": {"name": priority_class}, "value": value}))  # fmt: skip
+    low, high = f"low-{backend}", f"high-{backend}"
+    claim = f"{low}-checkpoints"
+    plane.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}},
+    }))  # fmt: skip
+    low_spec = _variant(tmp_path, low, training={"epochs": 40}, checkpoint={"volume": {"claimName": claim}},
+                        scheduling={"queueName": queue, "priorityClassName": "e2e-low"}, backend=backend)  # fmt: skip
+    high_spec = _variant(tmp_path, high, scheduling={"queueName": queue, "priorityClassName": "e2e-high"},
+                         backend=backend)  # fmt: skip
+    timelines.append(low_timeline := Timeline(plane, low))
+    timelines.append(high_timeline := Timeline(plane, high))
+    plane.kubectl("apply", "-n", NAMESPACE, "-f", str(low_spec))
+    rank0 = _rank0_pod(low, backend)
+    _wait_for_a_second_checkpoint(agent, rank0, timeout=180)
+    plane.kubectl("apply", "-n", NAMESPACE, "-f", str(high_spec))
+
+    def preempted() -> dict[str, Any] | None:
+        status = (_get(plane, "gtr", low) or {}).get("status", {})
+        found = [c for c in status.get("conditions", []) if c["type"] == "Queued" and c["status"] == "True"]
+        return found[0] if status.get("phase") == "Queued" and found else None
+
+    condition = wait_for(f"{low} Queued after Kueue's preemption", preempted, timeout=90, every=0.5)
+    assert condition["reason"] == "Preempted", condition
+    assert "Preempted to accommodate" in condition["message"], condition
+    job = _get(plane, backend, low)
+    assert job is not None
+    assert (
+        job["spec"]["runPolicy"]["suspend"] if backend == "pytorchjob" else job["spec"]["suspend"]
+    ) is True
+    wait_for(f"{low}'s pods gone", lambda: not _pods_of(plane, low), timeout=90)
+    saved = max(_checkpointed_steps(agent, rank0))
+
+    wait_for(
+        f"{high} finished", lambda: _phase(plane, high) in ("Succeeded", "Failed"), timeout=240, every=0.5
+    )
+    assert _phase(plane, high) == "Succeeded", high_timeline.phases()
+    wait_for(f"{low} finished", lambda: _phase(plane, low) in ("Succeeded", "Failed"), timeout=300, every=0.5)
+    assert _phase(plane, low) == "Succeeded", low_timeline.phases()
+    resumed = _resumed_steps(agent, rank0)
+    assert resumed, "the preempted training started over"
+    assert resumed[-1] >= saved, (resumed, saved)
+    # The operator never fought Kueue: Running, then Queued while evicted, then Running again.
+    phases = low_timeline.caught_up("Succeeded")
+    assert "Suspended" not in phases, phases
+    assert "Failed" not in phases, phases
+    first_queued_after_running = phases.index("Queued", phases.index("Running"))
+    assert "Running" in phases[first_queued_after_running:], phases
+    assert "Stalled" not in low_timeline.conditions()
+    high_phases = high_timeline.caught_up("Succeeded")
+    assert "Suspended" not in high_phases, high_phases
+    assert "Failed" not in high_phases, high_phases

@@ -158,14 +158,18 @@ def kueue(plane: ControlPlane, api: Api, host_ip: str, workdir: Path) -> Webhook
     return WebhookedController(KUEUE, plane, api, host_ip, workdir)
 
 
-def queues(name: str, namespace: str, quota: dict[str, str]) -> list[dict[str, Any]]:
-    """A ResourceFlavor, a ClusterQueue with ``quota`` of it, and a LocalQueue ``name`` in
-    ``namespace`` pointing at it: the smallest setup Kueue's quick start describes."""
+def queues(
+    name: str, namespace: str, quota: dict[str, str], preemption: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """A ResourceFlavor, a ClusterQueue with ``quota`` of it (and Kueue's ``preemption`` policy,
+    if given), and a LocalQueue ``name`` in ``namespace`` pointing at it: the smallest setup
+    Kueue's quick start describes."""
     flavor = f"{name}-flavor"
+    policy = {"preemption": preemption} if preemption else {}
     return [
         {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": flavor}},
         {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": name},
-         "spec": {"namespaceSelector": {}, "resourceGroups": [{
+         "spec": {"namespaceSelector": {}, **policy, "resourceGroups": [{
              "coveredResources": sorted(quota),
              "flavors": [{"name": flavor, "resources": [
                  {"name": resource, "nominalQuota": amount} for resource, amount in sorted(quota.items())]}],

@@ -356,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.close()
         return EXIT_OK
     except (KeyboardInterrupt, click.exceptions.Abort):
-        return 130
+        return EXIT_INTERRUPTED
     return code if isinstance(code, int) else EXIT_OK
 
 

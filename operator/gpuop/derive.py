@@ -166,12 +166,13 @@ def _stamp(moment: datetime) -> str:
     return moment.strftime(TIME_FORMAT)
 
 
-def _parse_time(text: str) -> datetime:
+def parse_time(text: str) -> datetime:
+    """A time as the status writes it (:data:`TIME_FORMAT`), naive UTC."""
     return datetime.strptime(text, TIME_FORMAT).replace(tzinfo=None)
 
 
 def _seconds_between(start: str, end: datetime) -> float:
-    return (end.replace(tzinfo=None) - _parse_time(start)).total_seconds()
+    return (end.replace(tzinfo=None) - parse_time(start)).total_seconds()
 
 
 def _phase(obs: Observation) -> Phase:
@@ -386,7 +387,7 @@ def derive_status(
         return Condition(
             type=kind,
             status=status,
-            reason=condition_reason(reason, kind if status == "True" else f"Not{kind}"),
+            reason=condition_reason(reason, kind, status),
             message=message or "",
             last_transition_time=now,  # kept from the previous one while the status holds (merge)
             observed_generation=generation,
@@ -500,7 +501,7 @@ def _gpu_hours(
     counted = before.gpu_hours_counted_at
     if before.phase in _HOLDING_GPUS and counted is not None and obs.gpus:
         end = completion if phase in _TERMINAL and completion is not None else now
-        held = max(0.0, (_parse_time(end) - _parse_time(counted)).total_seconds())
+        held = max(0.0, (parse_time(end) - parse_time(counted)).total_seconds())
         hours = round((hours or 0.0) + obs.gpus * held / 3600, 4)
     if phase in _HOLDING_GPUS and hours is None:
         hours = 0.0  # from the first moment it holds its GPUs (or runs, on none): 0, not absent
@@ -595,9 +596,9 @@ def _upgraded(document: Mapping[str, Any]) -> Mapping[str, Any]:
     fixed = []
     for c in conditions:
         if isinstance(c, dict) and isinstance(c.get("type"), str):
-            fallback = c["type"] if c.get("status") == "True" else f"Not{c['type']}"
             reason = c.get("reason")
-            c = {**c, "reason": condition_reason(reason if isinstance(reason, str) else None, fallback),
+            c = {**c, "reason": condition_reason(reason if isinstance(reason, str) else None, c["type"],
+                                                 str(c.get("status"))),
                  "message": c.get("message") or ""}  # fmt: skip
         fixed.append(c)
     return {**document, "conditions": fixed}

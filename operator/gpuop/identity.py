@@ -26,6 +26,10 @@ PACKAGE_VERSION: Final = importlib.metadata.version("gpu-training-operator")
 TRAINER_IMAGE_REPOSITORY: Final = "ghcr.io/gpu-training-operator/trainer"
 DEFAULT_TRAINER_IMAGE: Final = f"{TRAINER_IMAGE_REPOSITORY}:{PACKAGE_VERSION}"
 
+# Device resources other fields of the spec own (gpusPerWorker, nccl.efaDevices).
+GPU_RESOURCE: Final = "nvidia.com/gpu"
+EFA_RESOURCE: Final = "vpc.amazonaws.com/efa"
+
 # Kubeflow's training-operator v1.
 PYTORCHJOB_API_VERSION: Final = "kubeflow.org/v1"
 PYTORCHJOB_KIND: Final = "PyTorchJob"

@@ -24,13 +24,29 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-from gpuop.derive import TIME_FORMAT, JobCondition, Observation, PodObservation, Thresholds, derive_status
+from gpuop.derive import (
+    TIME_FORMAT,
+    JobCondition,
+    Observation,
+    PodObservation,
+    Thresholds,
+    derive_status,
+    parse_time,
+)
 from gpuop.render import trainer_env
 from gpuop.schema import encode
 from gpuop.scrape import TrainerMetrics, parse_metrics
 from gpuop.spec import GpuTraining
 from gpuop.status import GpuTrainingStatus, format_eta
-from gputrain.contract import HISTORY_FILE, RESULT_FILE, HistoryPoint, Result, env_name, read_history
+from gputrain.contract import (
+    HISTORY_FILE,
+    RESULT_FILE,
+    TENSORBOARD_DIR,
+    HistoryPoint,
+    Result,
+    env_name,
+    read_history,
+)
 
 POLL_SECONDS = 0.5
 # Failure reasons that mean a signal stopped the trainers after a checkpoint (gputrain.contract).
@@ -388,7 +404,7 @@ def summary(run: LocalRun, status: GpuTrainingStatus, points: Sequence[HistoryPo
     figures = figures_text(final) if final is not None else ""
     took = ""
     if status.start_time and status.completion_time:
-        seconds = (_parse_stamp(status.completion_time) - _parse_stamp(status.start_time)).total_seconds()
+        seconds = (parse_time(status.completion_time) - parse_time(status.start_time)).total_seconds()
         took = f" in {format_eta(seconds)}"
     outcome = f"{run.training.name} {(status.phase or 'Unknown').lower()}{took}"
     lines = [f"{outcome}: {figures}" if figures else outcome]
@@ -399,11 +415,7 @@ def summary(run: LocalRun, status: GpuTrainingStatus, points: Sequence[HistoryPo
             lines.append(f"  {label:<10} {values[0]:>9.4g} {sparkline(values)} {values[-1]:.4g}")
     if points:
         lines.append(f"  history: {run.output_dir / HISTORY_FILE}")
-    board = run.output_dir / "tensorboard"
+    board = run.output_dir / TENSORBOARD_DIR
     if board.is_dir():
         lines.append(f"  TensorBoard: tensorboard --logdir {board}")
     return lines
-
-
-def _parse_stamp(text: str) -> datetime:
-    return datetime.strptime(text, TIME_FORMAT).replace(tzinfo=UTC)

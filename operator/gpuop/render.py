@@ -18,6 +18,8 @@ from gpuop.identity import (
     API_VERSION,
     CREATED_FROM_ANNOTATION,
     DEFAULT_TRAINER_IMAGE,
+    EFA_RESOURCE,
+    GPU_RESOURCE,
     KIND,
     KUEUE_QUEUE_LABEL,
     PYTORCHJOB_API_VERSION,
@@ -43,9 +45,7 @@ from gputrain.contract import (
     TrainerSettings,
 )
 
-GPU_RESOURCE: Final = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL: Final = "nvidia.com/gpu.product"
-EFA_RESOURCE: Final = "vpc.amazonaws.com/efa"
 _CREATED_FROM_MAX_BYTES: Final = 64 * 1024
 
 # NCCL environment per cloud network. Values a user sets in spec.nccl.env win.

@@ -7,7 +7,6 @@ its env variable and the fix, before anything connects to a cluster.
 
 from __future__ import annotations
 
-import os
 import random
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -278,24 +277,3 @@ def from_options(values: Mapping[str, Any]) -> OperatorSettings:
             _number("underutilized-seconds", "UNDERUTILIZED_SECONDS", values["underutilized_seconds"], int)
         ),
     )
-
-
-def parse_operator_args(args: Sequence[str], env: Mapping[str, str] | None = None) -> OperatorSettings:
-    """The settings ``gpuop operator ARGS`` would run with under ``env`` (default: this
-    process's): what the chart's tests check the Deployment's args and env against."""
-
-    @click.command()
-    @operator_options
-    def command(**values: Any) -> None:
-        pass
-
-    saved = dict(os.environ)
-    try:
-        if env is not None:
-            os.environ.clear()
-            os.environ.update(env)
-        with command.make_context("operator", list(args)) as context:
-            return from_options(context.params)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)

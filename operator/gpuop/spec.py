@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Final, Literal
 
 from gpuop import k8svalidation
-from gpuop.identity import API_VERSION, KIND, PYTORCHJOB_KIND, TRAINJOB_KIND
+from gpuop.identity import API_VERSION, EFA_RESOURCE, GPU_RESOURCE, KIND, PYTORCHJOB_KIND, TRAINJOB_KIND
 from gpuop.quantity import parse_quantity
 from gpuop.schema import (
     Problem,
@@ -118,7 +118,7 @@ class ExtendedResource:
 
 
 # Resources other fields own: their own field says how many, and render writes them.
-OWNED_RESOURCES: Final = ("cpu", "memory", "ephemeral-storage", "nvidia.com/gpu", "vpc.amazonaws.com/efa")
+OWNED_RESOURCES: Final = ("cpu", "memory", "ephemeral-storage", GPU_RESOURCE, EFA_RESOURCE)
 
 
 @api_object

@@ -24,14 +24,15 @@ PHASES: Final[tuple[str, ...]] = get_args(Phase)
 REASON_PATTERN: Final = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 
 
-def condition_reason(text: str | None, fallback: str) -> str:
-    """``text`` as a condition reason. Reasons come from Kubeflow, Kueue and the trainer's
-    record (a custom image writes what it likes): one the API server would refuse would stop
-    this object's status writes, so it is made CamelCase here (``out of memory`` ->
-    ``OutOfMemory``), and ``fallback`` stands in for none."""
+def condition_reason(text: str | None, condition_type: str, status: str) -> str:
+    """``text`` as the reason of a ``condition_type`` condition with ``status``. Reasons come
+    from Kubeflow, Kueue and the trainer's record (a custom image writes what it likes): one the
+    API server would refuse would stop this object's status writes, so it is made CamelCase
+    here (``out of memory`` -> ``OutOfMemory``); for none, the type stands in (``NotType`` for
+    a condition that does not hold)."""
     words = re.split(r"[^A-Za-z0-9_]+", text or "")
     camel = "".join(w[:1].upper() + w[1:] for w in words).lstrip("0123456789_")[:1024].rstrip("_")
-    return camel or fallback
+    return camel or (condition_type if status == "True" else f"Not{condition_type}")
 
 
 @api_object

@@ -13,12 +13,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gpuop import settings as operator_settings
 from gpuop.identity import DEFAULT_TRAINER_IMAGE, TRAINING_LABEL
 from gputrain.contract import METRICS_PORT_NAME
 from support import crdschema
 from support.crdschema import ROOT
 from support.helm import CHART, RELEASE_NAMESPACE, TEAM_VALUES, helm, render_error, template
+from support.operator_args import parse_operator_args
 
 CLOUD_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 KUBERNETES_VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0"]
@@ -291,7 +291,7 @@ def test_the_deployment_is_restricted_and_its_settings_are_valid(
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     # The env the chart sets is what `gpuop operator` reads: parse it the operator's way.
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-    parsed = operator_settings.parse_operator_args(container["args"][1:], env)
+    parsed = parse_operator_args(container["args"][1:], env)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert (parsed.metrics_port, parsed.health_port) == (ports["metrics"], ports["health"])
     assert (parsed.peering_name is None) == (values.get("peering.enabled") is False)

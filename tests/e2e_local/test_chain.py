@@ -371,17 +371,14 @@ def _pods_of(plane: ControlPlane, name: str) -> list[dict[str, Any]]:
     return items
 
 
+# What a queued training runs through: the node agent, both Kubeflow APIs, the real Kueue and the operator.
+KUEUE_CHAIN = ("agent", "kubeflow", "trainer", "queueing", "operator")
+
+
+@pytest.mark.usefixtures(*KUEUE_CHAIN)
 @pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
 def test_kueue_holds_the_second_training_queued_until_the_first_finishes(
-    plane: ControlPlane,
-    agent: NodeAgent,
-    kubeflow: WebhookedController,
-    trainer: list[WebhookedController],
-    queueing: WebhookedController,
-    operator: OperatorProcess,
-    timelines: list[Timeline],
-    tmp_path: Path,
-    backend: str,
+    plane: ControlPlane, timelines: list[Timeline], tmp_path: Path, backend: str
 ) -> None:
     """The real Kueue v0.16.2 with a ClusterQueue whose quota fits one kind-cpu training (2 pods
     of 1 CPU and 1 GiB): the first is admitted and runs; the second waits Queued, with Kueue's
@@ -446,17 +443,10 @@ def _rank0_pod(name: str, backend: str) -> str:
     return f"{name}-master-0" if backend == "pytorchjob" else f"{name}-node-0-0-*"
 
 
+@pytest.mark.usefixtures(*KUEUE_CHAIN)
 @pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
 def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_and_resume(
-    plane: ControlPlane,
-    agent: NodeAgent,
-    kubeflow: WebhookedController,
-    trainer: list[WebhookedController],
-    queueing: WebhookedController,
-    operator: OperatorProcess,
-    timelines: list[Timeline],
-    tmp_path: Path,
-    backend: str,
+    plane: ControlPlane, agent: NodeAgent, timelines: list[Timeline], tmp_path: Path, backend: str
 ) -> None:
     """The real Kueue preempting: a ClusterQueue that fits one training and preempts lower
     priorities (`withinClusterQueue: LowerPriority`, priorities from the pods' PriorityClass,

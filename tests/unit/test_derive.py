@@ -608,7 +608,7 @@ def test_gpu_hours_are_absent_until_the_training_first_runs() -> None:
 def test_condition_reasons_always_meet_metav1_condition(text: str | None, reason: str) -> None:
     """Reasons from Kubeflow, Kueue or a custom image's record are made valid, not sent as they
     are to an API server that would refuse the whole status write."""
-    assert condition_reason(text, "Fallback") == reason
+    assert condition_reason(text, "Fallback", "True") == reason
     assert re.fullmatch(REASON_PATTERN, reason)
 
 

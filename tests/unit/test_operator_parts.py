@@ -20,11 +20,12 @@ from gpuop.derive import QueueState
 from gpuop.kube import ApiError, Backoff, Kube, request_target
 from gpuop.reconcile import _mutable_patch
 from gpuop.render import render_pytorchjob
-from gpuop.settings import OperatorSettings, SettingsError, parse_operator_args
+from gpuop.settings import OperatorSettings, SettingsError
 from gpuop.spec import parse
 from gpuop.trainjob import render_trainjob
 from gputrain.contract import Result
 from support.apiserver import ApiServer, RunningApiServer
+from support.operator_args import parse_operator_args
 from support.specs import minimal
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

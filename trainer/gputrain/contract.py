@@ -58,6 +58,8 @@ MODEL_FILE: Final = "model.pt"
 # The run's metric history, beside them: a :class:`HistoryPoint` per line (JSON Lines), appended
 # by rank 0 at each logging interval and evaluation, over every attempt.
 HISTORY_FILE: Final = "metrics.jsonl"
+# TensorBoard's event files of the same history, beside it (when tensorboard is installed).
+TENSORBOARD_DIR: Final = "tensorboard"
 
 
 @dataclasses.dataclass(frozen=True)

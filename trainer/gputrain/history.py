@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gputrain.contract import HISTORY_FILE, HistoryPoint
+from gputrain.contract import HISTORY_FILE, TENSORBOARD_DIR, HistoryPoint
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +43,7 @@ class History:
             except ImportError:
                 log.debug("tensorboard is not installed: the history is %s only", self.path)
             else:
-                self._board = SummaryWriter(log_dir=str(directory / "tensorboard"))
-
-    @property
-    def tensorboard_dir(self) -> Path | None:
-        return None if self._board is None else Path(self._board.log_dir)
+                self._board = SummaryWriter(log_dir=str(directory / TENSORBOARD_DIR))
 
     def add(self, point: HistoryPoint) -> None:
         self._file.write(point.to_json() + "\n")

@@ -50,7 +50,11 @@ def write_curves(points: Sequence[HistoryPoint], path: Path, title: str) -> Path
     axes[-1, 0].set_xlabel("optimizer step")
     figure.suptitle(title)
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    pyplot.close(figure)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(path, dpi=100)
+    except OSError as exc:  # the run is done and kept: say where the picture could not go
+        raise PlotError(f"--plot {path}: cannot write it: {exc.strerror or exc}") from None
+    finally:
+        pyplot.close(figure)
     return path

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -153,3 +154,17 @@ def test_a_history_reads_back_and_skips_a_line_cut_by_a_kill() -> None:
 )
 def test_sparkline(values: list[float], line: str) -> None:
     assert sparkline(values, width=16) == line
+
+
+def test_a_picture_that_cannot_be_written_is_one_line_naming_the_path(tmp_path: Path) -> None:
+    """`gpuop run --plot` after a finished run: a bad path is a PlotError (the CLI's one line),
+    not an OSError traceback; a good one gets its PNG."""
+    from gpuop import plots
+
+    points = [HistoryPoint(time=float(i), step=i, epoch=1, loss=1.0 / (i + 1)) for i in range(5)]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(plots.PlotError, match=r"^--plot .*a-file/curves\.png: cannot write it: "):
+        plots.write_curves(points, blocker / "curves.png", "t")
+    drawn = plots.write_curves(points, tmp_path / "out" / "curves.png", "t")
+    assert drawn.read_bytes().startswith(b"\x89PNG")

@@ -3,7 +3,11 @@ CUDA GPU is visible."""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,3 +34,80 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if reason is not None:
         for item in gpu_tests:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+# -- nothing of one test runs into the next ---------------------------------------------------
+# A thread or child process a test leaves running costs every later test CPU (a process-wide
+# clock once charged a 0.155 s call 1.0009 s) and can act on their objects. Each one still
+# alive when the session ends (every fixture torn down) fails the run, named with the test
+# during which it appeared.
+
+_appeared_in: dict[tuple[str, int], str] = {}  # ("thread"|"process", ident) -> test id
+
+
+def _children() -> set[int]:
+    """Live (not zombie) child processes of this one, from /proc."""
+    me, found = os.getpid(), set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _running() -> set[tuple[str, int]]:
+    threads = {("thread", t.ident) for t in threading.enumerate() if t.ident is not None}
+    return threads | {("process", pid) for pid in _children()}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    before = _running()
+    try:
+        return (yield)
+    finally:
+        for thing in _running() - before:
+            _appeared_in.setdefault(thing, item.nodeid)
+
+
+def _strays() -> list[str]:
+    threads = {t.ident: t for t in threading.enumerate()}
+    running = _running()
+    deadline = time.monotonic() + 5  # what is stopping as the session ends gets a moment
+    while running & _appeared_in.keys() and time.monotonic() < deadline:
+        time.sleep(0.1)
+        running = _running()
+    out = []
+    for kind, ident in sorted(running & _appeared_in.keys()):
+        if kind == "thread":
+            thread = threads.get(ident)
+            name = f"thread {thread.name!r}{' (daemon)' if thread and thread.daemon else ''}"
+        else:
+            try:
+                argv = Path(f"/proc/{ident}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+            except OSError:
+                continue
+            name = f"process {ident} ({argv.strip()})"
+        out.append(f"{name}, started in {_appeared_in[(kind, ident)]}")
+    return out
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    strays = _strays()
+    if strays:
+        session.config.stash[_STRAYS] = strays
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_STRAYS = pytest.StashKey[list[str]]()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    strays = config.stash.get(_STRAYS, [])
+    if strays:
+        terminalreporter.section("left running after the session (each a failure)", red=True)
+        for line in strays:
+            terminalreporter.line(line)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,36 @@ from support.crdschema import ROOT
 from support.specs import minimal
 
 RANK_DUMP = ROOT / "tests" / "trainer" / "rank_dump.py"
+HOLD_SITE = Path(__file__).resolve().parent / "trainer_hold"
+
+
+def hold_env(directory: Path, step: int) -> dict[str, str]:
+    """What makes each rank of a trainer wait at its first logging interval at or past ``step``
+    until :func:`release` or a stop signal (see trainer_hold/sitecustomize.py)."""
+    path = os.pathsep.join(p for p in (str(HOLD_SITE), os.environ.get("PYTHONPATH", "")) if p)
+    return {
+        "PYTHONPATH": path,
+        "GPUTRAIN_TEST_HOLD_AT_STEP": str(step),
+        "GPUTRAIN_TEST_HOLD_DIR": str(directory),
+    }
+
+
+def wait_held(directory: Path, ranks: int, alive: Callable[[], bool], timeout: float = 240) -> int:
+    """Wait until ``ranks`` ranks are held (or ``alive`` says the run ended); the step they hold at."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        held = sorted(directory.glob("held-*"))
+        if len(held) >= ranks:
+            return max(int(h.read_text()) for h in held)
+        assert alive(), f"the run ended before {ranks} ranks were held in {directory}"
+        time.sleep(0.05)
+    raise AssertionError(f"{ranks} ranks not held in {directory} within {timeout}s")
+
+
+def release(directory: Path) -> None:
+    """Let held ranks (and any that a restart brings) train on."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "go").touch()
 
 
 def digits_run(tmp_path: Path, workers: int = 2, gpus: int = 0, **training: Any) -> LocalRun:
@@ -42,8 +75,11 @@ def start(
     steps: int | None = None,
     extra_env: dict[str, str] | None = None,
     share_store_workaround: bool = True,
+    hold_at: int | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start torchrun; its output goes to <workdir>/torchrun.log."""
+    """Start torchrun; its output goes to <workdir>/torchrun.log. ``hold_at``: the ranks wait at
+    that step (the first logging interval at or past it) for :func:`release` or a signal, their
+    figures published; the gate's files are in :func:`hold_dir`."""
     entry: tuple[str, ...] = ("-m", "gputrain")
     if dump_ranks:
         entry = (str(RANK_DUMP), f"--dump-dir={run.workdir / 'ranks'}")
@@ -52,6 +88,9 @@ def start(
         if steps is not None:
             entry += (f"--steps={steps}",)
     env = run.environment() | (extra_env or {})
+    if hold_at is not None:
+        shutil.rmtree(hold_dir(run), ignore_errors=True)  # an earlier attempt's gate in this workdir
+        env |= hold_env(hold_dir(run), hold_at)
     if not share_store_workaround:
         del env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
     run.workdir.mkdir(parents=True, exist_ok=True)
@@ -60,6 +99,10 @@ def start(
     if any(a.startswith("--rdzv-endpoint") for a in launcher_args):
         command.remove("--standalone")
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def hold_dir(run: LocalRun) -> Path:
+    return run.workdir / "hold"
 
 
 def finish(run: LocalRun, process: subprocess.Popen[bytes], timeout: float = 240) -> int:
@@ -80,18 +123,19 @@ def log_of(run: LocalRun) -> str:
 
 
 def wait_for_step(
-    run: LocalRun, process: subprocess.Popen[bytes], step: int, timeout: float = 120
+    run: LocalRun, process: subprocess.Popen[bytes], step: int, timeout: float = 240
 ) -> TrainerMetrics:
-    """Poll the metrics endpoint until the trainer reports at least ``step`` optimizer steps."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"training ended before step {step}:\n{log_of(run)}")
-        metrics = scrape(run.metrics_port)
-        if metrics is not None and metrics.step is not None and metrics.step >= step:
-            return metrics
-        time.sleep(0.05)
-    raise AssertionError(f"no step {step} within {timeout}s:\n{log_of(run)}")
+    """The live figures of a run started with ``hold_at=step``, once every rank waits there.
+
+    Held, the trainer cannot finish (or pass the step) while the test looks, signals or kills:
+    polling a free-running trainer raced it (69 steps of digits can pass between two polls on
+    a loaded machine)."""
+    held = wait_held(hold_dir(run), run.processes, lambda: process.poll() is None, timeout)
+    assert held >= step, (held, step)
+    metrics = scrape(run.metrics_port)
+    assert metrics is not None, log_of(run)
+    assert metrics.step == held, (metrics, held)
+    return metrics
 
 
 def elastic_launcher_args(max_restarts: int) -> tuple[str, ...]:

@@ -16,7 +16,17 @@ import torch
 
 from gputrain.checkpoint import CheckpointManager
 from gputrain.contract import env_name
-from support.training import digits_run, finish, log_of, rank_states, start, train, wait_for_step
+from support.training import (
+    digits_run,
+    finish,
+    hold_dir,
+    log_of,
+    rank_states,
+    release,
+    start,
+    train,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -25,10 +35,10 @@ pytestmark = pytest.mark.gpu
 def test_one_gpu_trains_digits(tmp_path: Path, precision: str) -> None:
     """Learns, serves NVML figures for its GPU while training, and checkpoints the scaler and a
     fused optimizer."""
-    # 20 epochs of ~45 steps: long enough that the endpoint is caught mid-run on a fast GPU.
+    # Held at step 20, so the endpoint is read mid-run however fast the GPU is.
     run = digits_run(tmp_path, workers=1, gpus=1, precision=precision, epochs=20)
     assert run.processes == 1
-    process = start(run)
+    process = start(run, hold_at=20)
     metrics = wait_for_step(run, process, 20)
     assert [g.index for g in metrics.gpus] == ["0"], metrics.gpus
     (gpu,) = metrics.gpus
@@ -38,6 +48,7 @@ def test_one_gpu_trains_digits(tmp_path: Path, precision: str) -> None:
     assert 0 < gpu.memory_used_bytes <= gpu.memory_total_bytes
     assert gpu.utilization_percent is not None
     assert 0 <= gpu.utilization_percent <= 100
+    release(hold_dir(run))
     assert finish(run, process) == 0, log_of(run)
 
     result = json.loads(run.termination_log.read_text())

@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +21,15 @@ from support.training import (
     digits_run,
     elastic_launcher_args,
     finish,
+    hold_dir,
+    hold_env,
     log_of,
     rank_states,
+    release,
     start,
     train,
     wait_for_step,
+    wait_held,
     worker_pids,
 )
 
@@ -163,7 +166,7 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path: P
     assert train(straight, dump_ranks=True) == 0, log_of(straight)
 
     interrupted = digits_run(tmp_path / "interrupted", epochs=3)
-    process = start(interrupted, dump_ranks=True)
+    process = start(interrupted, dump_ranks=True, hold_at=25)
     metrics = wait_for_step(interrupted, process, 25)
     # The metrics endpoint serves live progress while training.
     assert metrics.total_steps == 69
@@ -194,11 +197,14 @@ def test_a_killed_worker_is_restarted_and_finishes_from_the_checkpoint(tmp_path:
     Connection refused".
     """
     run = digits_run(tmp_path, epochs=3)
-    process = start(run, launcher_args=elastic_launcher_args(max_restarts=1), share_store_workaround=False)
+    process = start(
+        run, launcher_args=elastic_launcher_args(max_restarts=1), share_store_workaround=False, hold_at=15
+    )
     wait_for_step(run, process, 15)  # a checkpoint at step 10 exists
     workers = worker_pids(process.pid)
     assert len(workers) == 2
     os.kill(workers[1], signal.SIGKILL)
+    release(hold_dir(run))  # the survivor, and the restarted group, train on
     assert finish(run, process) == 0, log_of(run)
     log = log_of(run)
     resumed = re.search(r"resumed from \S+step-(\d+)\.pt", log)
@@ -302,7 +308,7 @@ def test_resumed_on_one_worker_after_two_progress_and_the_lr_carry_on(tmp_path: 
     where it was, the LR from where it was on the same curve, and the run ends at 100% with
     step == totalSteps (before: "step 565 of 675, 100%", and the schedule started over)."""
     two = digits_run(tmp_path, workers=2, epochs=3)
-    process = start(two)
+    process = start(two, hold_at=25)
     before = wait_for_step(two, process, 25)
     process.send_signal(signal.SIGTERM)
     assert finish(two, process) != 0
@@ -314,11 +320,12 @@ def test_resumed_on_one_worker_after_two_progress_and_the_lr_carry_on(tmp_path: 
     lr_before = float(checkpoint["optimizer"]["param_groups"][0]["lr"])  # the last step's, at the stop
 
     one = digits_run(tmp_path, workers=1, epochs=3)  # the same directories: the same checkpoints
-    process = start(one)
+    process = start(one, hold_at=stopped_at + 1)
     after = wait_for_step(one, process, stopped_at + 1)
     assert after.percent is not None
     assert before.percent is not None
     assert after.percent >= before.percent, (before.percent, after.percent)
+    release(hold_dir(one))
     assert finish(one, process) == 0, log_of(one)
     assert "the world size changed" in log_of(one), log_of(one)
     resumed_log = log_of(one).split(" resumed from ", 1)[1]  # one log file, both attempts
@@ -335,30 +342,29 @@ def test_resumed_on_one_worker_after_two_progress_and_the_lr_carry_on(tmp_path: 
     assert lr_before - lr_after < 0.1 * 0.003, (lr_before, lr_after)
 
 
-def _start_gpuop_run(tmp_path: Path, epochs: int) -> tuple[subprocess.Popen[str], Path]:
-    """`gpuop run` of a digits spec long enough to stop mid-way, in a process group of its own:
-    the foreground group a terminal's Ctrl-C goes to."""
+def _start_gpuop_run(
+    tmp_path: Path, epochs: int, hold_at: int | None = None
+) -> tuple[subprocess.Popen[str], Path]:
+    """`gpuop run` of a digits spec, in a process group of its own: the foreground group a
+    terminal's Ctrl-C goes to. ``hold_at``: its trainers wait at that step for a signal or
+    :func:`release` (the gate's files in ``tmp_path/hold``)."""
     body = {"apiVersion": "gpuop.io/v1alpha1", "kind": "GpuTraining", "metadata": {"name": "t"},
             "spec": {"workers": 2, "gpusPerWorker": 0, "dataset": {"name": "digits", "loaderWorkers": 0},
                      "training": {"epochs": epochs, "batchSize": 32, "precision": "fp32", "logEverySteps": 5},
                      "checkpoint": {"everySteps": 1000, "keep": 1}}}  # fmt: skip
     path = tmp_path / "t.yaml"
     path.write_text(yaml.safe_dump(body))
+    env = dict(os.environ) | (hold_env(tmp_path / "hold", hold_at) if hold_at is not None else {})
     process = subprocess.Popen(
         [GPUOP, "run", "-f", str(path), "-o", "json", "--workdir", str(tmp_path / "work")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env,
     )  # fmt: skip
     return process, tmp_path / "work" / "t"
 
 
-def _wait_for_log(log: Path, pattern: str, process: subprocess.Popen[str], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if log.is_file() and re.search(pattern, log.read_text(errors="replace")):
-            return
-        assert process.poll() is None, process.communicate()
-        time.sleep(0.1)
-    raise AssertionError(f"no {pattern!r} in {log} within {timeout}s")
+def _wait_held(tmp_path: Path, process: subprocess.Popen[str]) -> int:
+    """Both ranks of a `gpuop run` started with ``hold_at`` wait there; the step they hold at."""
+    return wait_held(tmp_path / "hold", 2, lambda: process.poll() is None)
 
 
 def _run_processes(directory: Path) -> list[int]:
@@ -378,10 +384,10 @@ def test_ctrl_c_checkpoints_exits_130_and_a_second_run_resumes(tmp_path: Path) -
     """Ctrl-C as a terminal sends it (SIGINT to the foreground process group): the trainers
     finish their step, checkpoint and stop; `gpuop run` exits 130 with the status Suspended /
     Interrupted, not Failed; the next `gpuop run` resumes there (its own log beside the first)."""
-    process, directory = _start_gpuop_run(tmp_path, epochs=40)
-    _wait_for_log(directory / "trainer.log", r"step 2\d/", process)
+    process, directory = _start_gpuop_run(tmp_path, epochs=3, hold_at=20)
+    _wait_held(tmp_path, process)
     # A second run in the same directory while this one trains: refused, naming the holder.
-    second, _ = _start_gpuop_run(tmp_path, epochs=40)
+    second, _ = _start_gpuop_run(tmp_path, epochs=3)
     assert second.wait(30) == 2
     assert f"is in use by another gpuop run (pid {process.pid})" in second.communicate()[1]
     os.killpg(process.pid, signal.SIGINT)
@@ -395,7 +401,7 @@ def test_ctrl_c_checkpoints_exits_130_and_a_second_run_resumes(tmp_path: Path) -
     assert (directory / "checkpoints" / f"step-{stopped_at:08d}.pt").is_file()
     assert _run_processes(directory) == []  # nothing trains on unobserved
 
-    again, _ = _start_gpuop_run(tmp_path, epochs=40)
+    again, _ = _start_gpuop_run(tmp_path, epochs=3)
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0, err
     assert json.loads(out)["phase"] == "Succeeded"
@@ -405,8 +411,8 @@ def test_ctrl_c_checkpoints_exits_130_and_a_second_run_resumes(tmp_path: Path) -
 
 def test_sigterm_to_gpuop_run_alone_stops_the_whole_run(tmp_path: Path) -> None:
     """Before: torchrun and both trainers went on, orphaned and unobserved."""
-    process, directory = _start_gpuop_run(tmp_path, epochs=40)
-    _wait_for_log(directory / "trainer.log", r"step 1\d/", process)
+    process, directory = _start_gpuop_run(tmp_path, epochs=3, hold_at=10)
+    _wait_held(tmp_path, process)
     process.send_signal(signal.SIGTERM)  # to gpuop run's process only
     out, _ = process.communicate(timeout=120)
     assert process.returncode == 143
@@ -431,11 +437,12 @@ def _trainer_pids(directory: Path) -> list[int]:
 def test_a_killed_worker_is_named_with_its_signal_and_how_to_resume(tmp_path: Path) -> None:
     """SIGKILL of one rank (as the OOM killer does): before, exit 1 "the trainer exited with code
     1" and nothing else; now which rank, which signal, and where a rerun resumes."""
-    process, directory = _start_gpuop_run(tmp_path, epochs=40)
-    _wait_for_log(directory / "trainer.log", r"step (2[5-9]|[3-9]\d)/", process)  # past epoch 1's checkpoint
+    process, directory = _start_gpuop_run(tmp_path, epochs=3, hold_at=25)
+    _wait_held(tmp_path, process)  # past epoch 1's checkpoint
     ranks = _trainer_pids(directory)
     assert len(ranks) == 2, ranks
     os.kill(ranks[-1], signal.SIGKILL)
+    release(tmp_path / "hold")
     out, _ = process.communicate(timeout=120)
     assert process.returncode == 1
     condition = next(c for c in json.loads(out)["conditions"] if c["type"] == "Failed")

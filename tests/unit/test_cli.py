@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import tomllib
 import tracemalloc
 from pathlib import Path
@@ -17,6 +16,7 @@ import yaml
 
 from gpuop import documents
 from gpuop.cli import main
+from support.cost import thread_seconds
 from support.crdschema import ROOT
 
 GOOD = """\
@@ -264,9 +264,9 @@ def test_each_bad_file_costs_under_a_second_and_100_mb(
     tmp_path: Path, text: str, expected: list[str]
 ) -> None:
     path = write(tmp_path, text)
-    started = time.process_time()
-    assert main(["validate", "-f", path]) == 2
-    assert time.process_time() - started < 1.0
+    code, seconds = thread_seconds(lambda: main(["validate", "-f", path]))
+    assert code == 2
+    assert seconds < 1.0  # the slowest case measured 0.155 s; before the bounds, 98 s or a RecursionError
     tracemalloc.start()  # a second run, as tracing slows the first several times over
     try:
         assert main(["validate", "-f", path]) == 2

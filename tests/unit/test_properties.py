@@ -9,7 +9,6 @@ the smallest body that shows it.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from gpuop.backends import render_job
 from gpuop.documents import DocumentError, read_documents
 from gpuop.schema import SpecError
 from gpuop.spec import parse
+from support.cost import thread_seconds
 from support.specs import minimal
 
 # One second per example, as the issue asks of every bad file; the shrinking phase excluded.
@@ -83,11 +83,9 @@ def bodies(draw: st.DrawFn) -> dict[str, Any]:
 
 
 def _timed(call: Any, *args: Any) -> Any:
-    started = time.process_time()
-    try:
-        return call(*args)
-    finally:
-        assert time.process_time() - started < BOUND_SECONDS
+    result, seconds = thread_seconds(lambda: call(*args))
+    assert seconds < BOUND_SECONDS
+    return result
 
 
 @SETTINGS

@@ -32,10 +32,10 @@ OUT_OF_RANGE = ["1e999999999", "9e99999", "1e19", "9Ei", "-9Ei", 2**63, "1" * 64
 
 @pytest.mark.parametrize("text", OUT_OF_RANGE, ids=[str(t)[:20] for t in OUT_OF_RANGE])
 def test_values_no_int64_holds_are_refused_at_once(text: str | int) -> None:
-    started = time.process_time()
+    started = time.thread_time()  # this thread's CPU only (see support/cost.py)
     with pytest.raises(ValueError, match=r"out of range|not a Kubernetes quantity"):
         parse_quantity(text)
-    assert time.process_time() - started < 0.01
+    assert time.thread_time() - started < 0.01
 
 
 def test_the_largest_is_accepted_and_printed() -> None:

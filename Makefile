@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HELM := $(BIN)/helm
 CHART := charts/gpu-training-operator
 
-.PHONY: docs-tools version test run lint typecheck unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries
+.PHONY: docs-tools version test run lint typecheck imports unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,7 @@ CONTROLPLANE := PYTHONPATH=tests $(BIN)/python -m support.controlplane
 ## test: set up .venv, helm and the Go-built binaries, run every check (lint, strict types, the
 ## CRD is current, pytest: unit, chart, operator, trainer, the real control-plane suite and the
 ## local end-to-end chain)
-test: $(STAMP) $(HELM) controlplane-binaries docs-tools lint typecheck crd unit
+test: $(STAMP) $(HELM) controlplane-binaries docs-tools lint typecheck imports crd unit
 
 ## controlplane-binaries: build (or find cached) etcd, kube-apiserver, kube-controller-manager,
 ## kubectl and the Kubeflow training-operator
@@ -51,6 +51,10 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+
+## imports: the operator's layers import only downwards (pyproject.toml's [tool.importlinter])
+imports: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 
 ## crd: fail when crds/gputraining.yaml, the chart's copy or docs/api.md is not what the spec model generates
 crd: $(STAMP)

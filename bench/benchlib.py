@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from gpuop.render import trainer_settings
-from gpuop.spec import parse
+from gpuop.api.spec import parse
+from gpuop.backends.pod import trainer_settings
 from gputrain.contract import TrainerSettings
 from gputrain.distributed import Cluster
 from gputrain.train import Position, Trainer

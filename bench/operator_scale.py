@@ -46,8 +46,8 @@ import yaml
 from kubernetes import client, config, watch
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuop.render import render_pytorchjob
-from gpuop.spec import parse
+from gpuop.api.spec import parse
+from gpuop.backends.pytorchjob import render_pytorchjob
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))

@@ -13,7 +13,7 @@ COPY trainer/ trainer/
 # --no-deps keeps the trainer extra (torch) out.
 RUN python -m pip install --no-deps . \
  && python -m pip install -c constraints.txt kopf kubernetes urllib3 pyyaml prometheus-client click rich \
- && python -c "import gpuop.controller, gpuop.cli" \
+ && python -c "import gpuop.controller.app, gpuop.cli.commands" \
  && ! python -c "import torch" 2>/dev/null \
  && rm -rf /opt/gpuop/operator /opt/gpuop/trainer
 

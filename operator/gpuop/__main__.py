@@ -2,6 +2,6 @@
 
 import sys
 
-from gpuop.cli import main
+from gpuop.cli.commands import main
 
 sys.exit(main())

@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gpuop.identity import DEFAULT_TRAINER_IMAGE, TRAINING_LABEL
+from gpuop.api.identity import DEFAULT_TRAINER_IMAGE, TRAINING_LABEL
 from gputrain.contract import METRICS_PORT_NAME
 from support import crdschema
 from support.crdschema import ROOT
@@ -414,7 +414,7 @@ def _exported_series() -> dict[str, set[str]]:
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from gpuop.telemetry import OperatorMetrics
+    from gpuop.controller.telemetry import OperatorMetrics
     from gputrain.contract import Progress
     from gputrain.metrics import GpuReading, MetricsServer
 

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
-from gpuop.backends import render_job
-from gpuop.schema import SpecError, encode
-from gpuop.spec import JobBackend, parse, trainjob_gaps
+from gpuop._kits.schema import SpecError, encode
+from gpuop.api.spec import JobBackend, parse, trainjob_gaps
+from gpuop.backends.registry import render_job
 from support.controlplane import ControlPlane
 from support.realcluster import OUR_CRD, Api
 from support.specs import EXAMPLES, load_example, minimal

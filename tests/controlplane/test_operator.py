@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gpuop.backends import render_job
-from gpuop.spec import parse
+from gpuop.api.spec import parse
+from gpuop.backends.registry import render_job
 from gputrain.contract import METRICS_PORT, Progress
 from gputrain.metrics import MetricsServer
 from support.cluster import PRINTER_COLUMNS, RUNNING, h100, wait_for

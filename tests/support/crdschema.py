@@ -23,7 +23,7 @@ import celpy
 import jsonschema
 import yaml
 
-from gpuop.quantity import parse_quantity
+from gpuop._kits.quantity import parse_quantity
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "tests" / "reference"

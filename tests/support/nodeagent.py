@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from gpuop.quantity import parse_quantity
+from gpuop._kits.quantity import parse_quantity
 from support.crdschema import ROOT
 from support.realcluster import Api, HttpError
 

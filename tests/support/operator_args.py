@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
-from gpuop.cli import operator as operator_command
-from gpuop.settings import OperatorSettings, from_options
+from gpuop.cli.commands import operator as operator_command
+from gpuop.controller.settings import OperatorSettings, from_options
 
 
 def parse_operator_args(args: Sequence[str], env: Mapping[str, str]) -> OperatorSettings:

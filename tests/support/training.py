@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from gpuop.local import LocalRun, plan, scrape
-from gpuop.scrape import TrainerMetrics
-from gpuop.spec import parse
+from gpuop.api.spec import parse
+from gpuop.local.runner import LocalRun, plan, scrape
+from gpuop.observing.scrape import TrainerMetrics
 from support.crdschema import ROOT
 from support.specs import minimal
 

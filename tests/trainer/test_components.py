@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpuop.derive import gpu_usage
-from gpuop.local import progress_line, scrape
-from gpuop.scrape import parse_metrics
-from gpuop.status import GpuUsage, format_eta
+from gpuop.api.status import GpuUsage, format_eta
+from gpuop.local.runner import progress_line, scrape
+from gpuop.observing.derive import gpu_usage
+from gpuop.observing.scrape import parse_metrics
 from gputrain.checkpoint import CheckpointManager
 from gputrain.contract import Metric, Progress, Result
 from gputrain.data import (
@@ -151,8 +151,8 @@ def _on_the_claim(pod: dict[str, Any], container_path: str, claims: Path) -> Pat
 def test_the_mnist_examples_stated_layout_is_what_its_mount_and_the_reader_find(tmp_path: Path) -> None:
     """examples/mnist.yaml says: the standard files on the `datasets` claim under mnist/. Put
     them there, follow the rendered pod's mount, and the reader finds them."""
-    from gpuop.render import render_pytorchjob
-    from gpuop.spec import parse
+    from gpuop.api.spec import parse
+    from gpuop.backends.pytorchjob import render_pytorchjob
     from support.specs import load_example
 
     training = parse(load_example(ROOT / "examples" / "mnist.yaml"))
@@ -348,8 +348,8 @@ def test_termination_messages() -> None:
 def test_imagefolder_goes_through_dataloader_workers(tmp_path: Path) -> None:
     from PIL import Image
 
-    from gpuop.render import trainer_settings
-    from gpuop.spec import parse
+    from gpuop.api.spec import parse
+    from gpuop.backends.pod import trainer_settings
     from gputrain.data import FolderData
     from support.specs import minimal
 
@@ -390,8 +390,8 @@ def test_fp16_loss_scaling_steps_once_per_optimizer_step(tmp_path: Path) -> None
     digits at 146 samples/s against bf16's 1,634 here), but the loop's handling of the
     GradScaler is the same on both devices, so it is checked here as well as by the GPU tests.
     """
-    from gpuop.render import trainer_settings
-    from gpuop.spec import parse
+    from gpuop.api.spec import parse
+    from gpuop.backends.pod import trainer_settings
     from gputrain.distributed import Cluster
     from gputrain.train import Trainer
     from support.specs import minimal

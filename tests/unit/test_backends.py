@@ -8,10 +8,13 @@ from typing import Any
 
 import pytest
 
-from gpuop import observe
-from gpuop.backends import Choice, choose
-from gpuop.derive import JobCondition, Observation, Thresholds, derive_status, events
-from gpuop.spec import JobBackend
+from gpuop.api.spec import JobBackend
+from gpuop.backends.pytorchjob import PYTORCHJOB
+from gpuop.backends.registry import Choice, choose
+from gpuop.backends.trainjob import TRAINJOB
+from gpuop.observing import observe
+from gpuop.observing.derive import derive_status, events
+from gpuop.observing.records import JobCondition, Observation, Thresholds
 
 BOTH: frozenset[JobBackend] = frozenset({"pytorchjob", "trainjob"})
 V1: frozenset[JobBackend] = frozenset({"pytorchjob"})
@@ -44,21 +47,21 @@ def test_choose(
     backend: JobBackend | None,
     reason: str,
 ) -> None:
-    choice = choose(requested, served, gaps)
+    choice = choose(requested, served, {"trainjob": gaps})
     assert (choice.backend, choice.reason) == (backend, reason)
     assert "\n" not in choice.message
 
 
 def test_refusals_name_the_fix() -> None:
-    assert choose("trainjob", V1, ()).message == (
+    assert choose("trainjob", V1, {}).message == (
         "spec.backend is trainjob, but the cluster serves no TrainJob (trainer.kubeflow.org/v1alpha1): "
         "install Kubeflow Trainer v2 or set spec.backend to auto or pytorchjob"
     )
-    assert choose("pytorchjob", NONE, ()).message == (
+    assert choose("pytorchjob", NONE, {}).message == (
         "spec.backend is pytorchjob, but the cluster serves no PyTorchJob (kubeflow.org/v1): install the "
         "Kubeflow training-operator v1"
     )
-    assert "spec.elastic" in choose("auto", V2, ("spec.elastic",)).message
+    assert "spec.elastic" in choose("auto", V2, {"trainjob": ("spec.elastic",)}).message
 
 
 def trainjob(conditions: list[dict[str, str]], jobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -87,15 +90,15 @@ TRAINJOB_STATES: list[tuple[str, dict[str, Any], set[str]]] = [
     ("job", "holding"), [c[1:] for c in TRAINJOB_STATES], ids=[c[0] for c in TRAINJOB_STATES]
 )
 def test_trainjob_states_read_as_job_conditions(job: dict[str, Any], holding: set[str]) -> None:
-    assert {c.type for c in observe.job_conditions(job) if c.status == "True"} == holding
+    assert {c.type for c in TRAINJOB.conditions(job) if c.status == "True"} == holding
 
 
 def test_a_trainjob_finishes_when_its_condition_turned_true() -> None:
     job = trainjob([true("Complete", at="2026-11-22T10:05:00Z")])
-    assert observe.job_finished(job)
-    assert observe.job_times(job) == (None, "2026-11-22T10:05:00Z")
+    assert observe.finished(TRAINJOB.conditions(job))
+    assert TRAINJOB.times(job) == (None, "2026-11-22T10:05:00Z")
     failed = trainjob([true("Failed", "DeadlineExceeded")])
-    assert next(c for c in observe.job_conditions(failed) if c.type == "Failed").reason == "DeadlineExceeded"
+    assert next(c for c in TRAINJOB.conditions(failed) if c.type == "Failed").reason == "DeadlineExceeded"
 
 
 def test_slim_job_keeps_what_the_patch_and_status_read() -> None:
@@ -116,7 +119,7 @@ NO_ALARMS = Thresholds(stall_timeout_seconds=0)
 
 
 def test_no_backend_here_is_pending_with_one_warning_and_clears_when_one_appears() -> None:
-    choice = choose("trainjob", V1, ())
+    choice = choose("trainjob", V1, {})
     waiting = Observation(
         now=NOW, generation=1, workers_total=1, gpus=0, backend_unavailable=(choice.reason, choice.message)
     )
@@ -125,11 +128,11 @@ def test_no_backend_here_is_pending_with_one_warning_and_clears_when_one_appears
     assert [(e.type, e.reason) for e in events(None, status)] == [("Warning", "NotServed")]
     assert derive_status(status, waiting, NO_ALARMS) is status  # no write while it waits
 
-    chosen = choose("trainjob", BOTH, ())
+    chosen = choose("trainjob", BOTH, {})
     made = Observation(
-        now=NOW, generation=1, workers_total=1, gpus=0, backend="trainjob",
+        now=NOW, generation=1, workers_total=1, gpus=0, job_api=TRAINJOB.facts,
         backend_choice=(chosen.reason, chosen.message), job_name="t",
-        job_conditions=observe.job_conditions(trainjob([])),
+        job_conditions=TRAINJOB.conditions(trainjob([])),
     )  # fmt: skip
     after = derive_status(status, made, NO_ALARMS)
     assert (after.phase, after.backend, after.train_job, after.pytorch_job) == (
@@ -155,9 +158,9 @@ def test_a_trainjob_runs_succeeds_and_says_its_kind() -> None:
 
     def seen(job: dict[str, Any]) -> Observation:
         return Observation(
-            now=NOW, generation=1, workers_total=2, gpus=0, backend="trainjob",
+            now=NOW, generation=1, workers_total=2, gpus=0, job_api=TRAINJOB.facts,
             backend_choice=(choice.reason, choice.message), job_name="t",
-            job_conditions=observe.job_conditions(job),
+            job_conditions=TRAINJOB.conditions(job),
         )  # fmt: skip
 
     running = derive_status(None, seen(trainjob([], NODE_READY)), NO_ALARMS)
@@ -169,6 +172,6 @@ def test_a_trainjob_runs_succeeds_and_says_its_kind() -> None:
 
 def test_job_conditions_of_a_pytorchjob_are_as_kubeflow_wrote_them() -> None:
     job = {"kind": "PyTorchJob", "status": {"conditions": [true("Running", "PyTorchJobRunning")]}}
-    assert observe.job_conditions(job) == (
+    assert PYTORCHJOB.conditions(job) == (
         JobCondition("Running", "True", "PyTorchJobRunning", "Running", "2026-11-22T10:00:00Z"),
     )

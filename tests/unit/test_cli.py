@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gpuop import documents
-from gpuop.cli import main
+from gpuop.cli import documents
+from gpuop.cli.commands import main
 from support.cost import thread_seconds
 from support.crdschema import ROOT
 
@@ -346,9 +346,9 @@ def test_the_installed_command_reads_stdin_and_never_prints_a_traceback() -> Non
 def test_run_refuses_a_gpu_spec_on_a_machine_without_enough_gpus(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gpuop import local
+    from gpuop.local import runner
 
-    monkeypatch.setattr(local, "visible_gpus", lambda: 1)
+    monkeypatch.setattr(runner, "visible_gpus", lambda: 1)
     path = write(
         tmp_path, GOOD.format(name="g").replace("  workers: 2\n", "  workers: 2\n  gpusPerWorker: 4\n")
     )
@@ -372,8 +372,8 @@ def test_run_takes_exactly_one_gputraining(capsys: pytest.CaptureFixture[str], t
 
 
 def test_a_local_gpu_run_sees_only_the_gpus_it_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpuop.local import plan
-    from gpuop.spec import parse
+    from gpuop.api.spec import parse
+    from gpuop.local.runner import plan
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     gpu = parse(
@@ -415,7 +415,7 @@ Root Cause (first observed failure):
     ],
 )  # fmt: skip
 def test_which_rank_stopped_a_local_run_and_how(log: str, said: str | None) -> None:
-    from gpuop.local import stopped_rank
+    from gpuop.local.runner import stopped_rank
 
     assert stopped_rank(log) == said
 
@@ -431,7 +431,7 @@ def test_version_has_one_home(capsys: pytest.CaptureFixture[str]) -> None:
 def _options() -> list[tuple[str, Any]]:
     import click
 
-    from gpuop.cli import cli
+    from gpuop.cli.commands import cli
 
     return [
         (name, param)

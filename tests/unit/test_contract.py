@@ -12,10 +12,10 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuop.local import sparkline
-from gpuop.render import trainer_settings
-from gpuop.scrape import MAX_METRICS_BYTES, parse_metrics
-from gpuop.spec import parse
+from gpuop.api.spec import parse
+from gpuop.backends.pod import trainer_settings
+from gpuop.local.runner import sparkline
+from gpuop.observing.scrape import MAX_METRICS_BYTES, parse_metrics
 from gputrain.contract import (
     ContractError,
     HistoryPoint,
@@ -61,7 +61,7 @@ def _imported_after(statement: str) -> set[str]:
 
 
 def test_the_operator_never_imports_torch() -> None:
-    loaded = _imported_after("import gpuop.cli, gpuop.render, gpuop.crd")
+    loaded = _imported_after("import gpuop.cli.commands, gpuop.backends.pod, gpuop.api.crd")
     assert "torch" not in loaded
     assert "gpuop" in loaded
 
@@ -158,7 +158,7 @@ def test_sparkline(values: list[float], line: str) -> None:
 def test_a_picture_that_cannot_be_written_is_one_line_naming_the_path(tmp_path: Path) -> None:
     """`gpuop run --plot` after a finished run: a bad path is a PlotError (the CLI's one line),
     not an OSError traceback; a good one gets its PNG."""
-    from gpuop import plots
+    from gpuop.local import plots
 
     points = [HistoryPoint(time=float(i), step=i, epoch=1, loss=1.0 / (i + 1)) for i in range(5)]
     blocker = tmp_path / "a-file"

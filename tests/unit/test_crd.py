@@ -11,8 +11,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gpuop.apidoc import api_reference
-from gpuop.crd import build_crd, crd_yaml
+from gpuop.api.apidoc import api_reference
+from gpuop.api.crd import build_crd, crd_yaml
 from support.crdschema import REFERENCE, ROOT, load_schema, validate
 from support.kubeflow import KUBERNETES_VERSIONS
 from support.specs import EXAMPLES, load_example

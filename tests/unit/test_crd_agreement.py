@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from gpuop.schema import SpecError, encode
-from gpuop.spec import parse
+from gpuop._kits.schema import SpecError, encode
+from gpuop.api.spec import parse
 from support.crdschema import ROOT, apply_defaults, load_schema, validate
 from support.specs import EXAMPLES, load_example, minimal
 from unit.test_spec import BAD_SPECS, ONLY_GPUOP_VALIDATE
@@ -157,7 +157,7 @@ def test_the_crd_accepts_changing_a_mutable_field(
 
 
 def test_immutable_updates_cover_every_immutable_field() -> None:
-    from gpuop.spec import MUTABLE_SPEC_FIELDS
+    from gpuop.api.spec import MUTABLE_SPEC_FIELDS
 
     fields = set(SCHEMA["properties"]["spec"]["properties"]) - set(MUTABLE_SPEC_FIELDS)
     assert {c[0] for c in IMMUTABLE_UPDATES} == fields

@@ -8,20 +8,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from gpuop.derive import (
-    JobCondition,
-    Observation,
-    PodObservation,
-    QueueState,
-    Thresholds,
-    derive_status,
-    events,
-    status_from_json,
-    status_patch,
-)
-from gpuop.schema import encode
-from gpuop.scrape import GpuFigures, TrainerMetrics
-from gpuop.status import REASON_PATTERN, GpuTrainingStatus, condition_reason
+from gpuop._kits.schema import encode
+from gpuop.api.status import REASON_PATTERN, GpuTrainingStatus, condition_reason
+from gpuop.backends.pytorchjob import PYTORCHJOB
+from gpuop.observing.derive import derive_status, events, status_from_json, status_patch
+from gpuop.observing.records import JobCondition, Observation, PodObservation, QueueState, Thresholds
+from gpuop.observing.scrape import GpuFigures, TrainerMetrics
 from gputrain.contract import Result
 
 T0 = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)
@@ -67,6 +59,7 @@ def observe(
         "pods": pods,
     }
     fields.update(kw)
+    fields.setdefault("job_api", PYTORCHJOB.facts)  # the backend, once chosen
     return Observation(**fields)  # type: ignore[arg-type]
 
 

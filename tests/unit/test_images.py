@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuop.identity import DEFAULT_TRAINER_IMAGE, TRAINER_IMAGE_REPOSITORY
-from gpuop.spec import SecurityContext
+from gpuop.api.identity import DEFAULT_TRAINER_IMAGE, TRAINER_IMAGE_REPOSITORY
+from gpuop.api.spec import SecurityContext
 from gputrain.contract import METRICS_PORT, RENDEZVOUS_PORT
 from support.crdschema import ROOT
 
@@ -40,7 +40,7 @@ def _instructions(dockerfile: Path, name: str) -> list[str]:
 
 def _third_party_imports(package: Path) -> set[str]:
     modules: set[str] = set()
-    for source in package.glob("*.py"):
+    for source in package.rglob("*.py"):
         for node in ast.walk(ast.parse(source.read_text())):
             if isinstance(node, ast.Import):
                 modules |= {alias.name.split(".")[0] for alias in node.names}

@@ -13,16 +13,14 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s_client
 
-from gpuop import observe
-from gpuop.backends import PYTORCHJOB, TRAINJOB
-from gpuop.controller import check_peering, leadership
-from gpuop.derive import QueueState
-from gpuop.kube import ApiError, Backoff, Kube, request_target
-from gpuop.reconcile import _mutable_patch
-from gpuop.render import render_pytorchjob
-from gpuop.settings import OperatorSettings, SettingsError
-from gpuop.spec import parse
-from gpuop.trainjob import render_trainjob
+from gpuop.api.spec import parse
+from gpuop.backends.pytorchjob import PYTORCHJOB, render_pytorchjob
+from gpuop.backends.trainjob import TRAINJOB, render_trainjob
+from gpuop.controller.app import check_peering, leadership
+from gpuop.controller.kube import ApiError, Backoff, Kube, request_target
+from gpuop.controller.settings import OperatorSettings, SettingsError
+from gpuop.observing import observe
+from gpuop.observing.records import QueueState
 from gputrain.contract import Result
 from support.apiserver import ApiServer, RunningApiServer
 from support.operator_args import parse_operator_args
@@ -75,11 +73,13 @@ def test_job_readings() -> None:
         },
     }
     assert observe.owner_uid(job) == "b"
-    assert observe.job_finished(job)
-    assert observe.job_times(job) == ("s", "c")
-    assert [c.type for c in observe.job_conditions(job)] == ["Created", "Succeeded"]
-    assert observe.job_conditions(None) == ()
-    assert not observe.job_finished({"status": {"conditions": [{"type": "Failed", "status": "False"}]}})
+    assert observe.finished(PYTORCHJOB.conditions(job))
+    assert PYTORCHJOB.times(job) == ("s", "c")
+    assert [c.type for c in PYTORCHJOB.conditions(job)] == ["Created", "Succeeded"]
+    assert PYTORCHJOB.conditions(None) == ()
+    assert not observe.finished(
+        PYTORCHJOB.conditions({"status": {"conditions": [{"type": "Failed", "status": "False"}]}})
+    )
 
 
 def _workload(created: str, *conditions: tuple[str, str, str]) -> dict[str, Any]:
@@ -118,10 +118,11 @@ def test_queue_state_reads_kueues_workload(
 
 
 def test_job_suspended_reads_either_kind() -> None:
-    assert observe.job_suspended({"spec": {"runPolicy": {"suspend": True}}})
-    assert observe.job_suspended({"kind": "TrainJob", "spec": {"suspend": True}})
-    assert not observe.job_suspended({"spec": {"runPolicy": {"suspend": False}}})
-    assert not observe.job_suspended(None)
+    assert PYTORCHJOB.suspended({"spec": {"runPolicy": {"suspend": True}}})
+    assert TRAINJOB.suspended({"kind": "TrainJob", "spec": {"suspend": True}})
+    assert not PYTORCHJOB.suspended({"spec": {"runPolicy": {"suspend": False}}})
+    assert not PYTORCHJOB.suspended(None)
+    assert not TRAINJOB.suspended(None)
 
 
 def test_a_slim_job_reads_the_same_as_the_whole_one() -> None:
@@ -133,7 +134,7 @@ def test_a_slim_job_reads_the_same_as_the_whole_one() -> None:
     whole["metadata"] |= {"uid": "j-1", "resourceVersion": "42", "managedFields": [{"manager": "x"}]}
     whole["status"] = {"conditions": [{"type": "Running", "status": "True"}], "startTime": "s"}
     slim = observe.slim_job(whole)
-    for reading in (observe.owner_uid, observe.job_finished, observe.job_times, observe.job_conditions,
+    for reading in (observe.owner_uid, PYTORCHJOB.suspended, PYTORCHJOB.times, PYTORCHJOB.conditions,
                     observe.created_from, observe.training_of):  # fmt: skip
         assert reading(slim) == reading(whole), reading.__name__
     assert observe.created_from(slim) is not None
@@ -247,12 +248,12 @@ def test_run_policy_patch_changes_only_what_differs() -> None:
         "spec": {"runPolicy": {"suspend": True, "cleanPodPolicy": "None", "activeDeadlineSeconds": 60}}
     }
     child = {"spec": {"runPolicy": {"suspend": False, "cleanPodPolicy": "All", "backoffLimit": 3}}}
-    assert _mutable_patch(PYTORCHJOB, desired, child) == {
+    assert PYTORCHJOB.mutable_patch(desired, child) == {
         "spec": {"runPolicy": {"suspend": True, "activeDeadlineSeconds": 60, "backoffLimit": None}}
     }
     assert (
-        _mutable_patch(
-            PYTORCHJOB, desired, {"spec": {"runPolicy": {"suspend": True, "activeDeadlineSeconds": 60}}}
+        PYTORCHJOB.mutable_patch(
+            desired, {"spec": {"runPolicy": {"suspend": True, "activeDeadlineSeconds": 60}}}
         )
         is None
     )
@@ -397,8 +398,8 @@ def test_with_a_queue_suspend_is_left_to_kueue() -> None:
     assert queued["spec"]["runPolicy"]["suspend"] is True  # Kueue resumes it on admission
     assert queued["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
     admitted = {"spec": {"runPolicy": {**queued["spec"]["runPolicy"], "suspend": False}}}
-    assert _mutable_patch(PYTORCHJOB, queued, admitted, skip=("suspend",)) is None
-    assert _mutable_patch(PYTORCHJOB, queued, admitted) == {"spec": {"runPolicy": {"suspend": True}}}
+    assert PYTORCHJOB.mutable_patch(queued, admitted, skip=("suspend",)) is None
+    assert PYTORCHJOB.mutable_patch(queued, admitted) == {"spec": {"runPolicy": {"suspend": True}}}
 
 
 def test_a_trainjob_is_patched_only_in_suspend() -> None:
@@ -406,9 +407,9 @@ def test_a_trainjob_is_patched_only_in_suspend() -> None:
     immutable there, and is reported as not applied instead of patched into a 422)."""
     desired = render_trainjob(parse(minimal(runPolicy={"suspend": True, "activeDeadlineSeconds": 60})))
     made = {"spec": {"suspend": False, "activeDeadlineSeconds": 30}}
-    assert _mutable_patch(TRAINJOB, desired, made) == {"spec": {"suspend": True}}
-    assert _mutable_patch(TRAINJOB, desired, made, skip=("suspend",)) is None
-    assert _mutable_patch(TRAINJOB, desired, {"spec": {"suspend": True}}) is None
+    assert TRAINJOB.mutable_patch(desired, made) == {"spec": {"suspend": True}}
+    assert TRAINJOB.mutable_patch(desired, made, skip=("suspend",)) is None
+    assert TRAINJOB.mutable_patch(desired, {"spec": {"suspend": True}}) is None
 
 
 @pytest.mark.parametrize(

@@ -15,10 +15,10 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuop.backends import render_job
-from gpuop.documents import DocumentError, read_documents
-from gpuop.schema import SpecError
-from gpuop.spec import parse
+from gpuop._kits.schema import SpecError
+from gpuop.api.spec import parse
+from gpuop.backends.registry import render_job
+from gpuop.cli.documents import DocumentError, read_documents
 from support.cost import thread_seconds
 from support.specs import minimal
 

@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from gpuop.quantity import MAX_QUANTITY, format_bytes, parse_quantity
+from gpuop._kits.quantity import MAX_QUANTITY, format_bytes, parse_quantity
 
 EXACT = [
     ("512Mi", Fraction(512 * 2**20)),

@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 import yaml
 
-from gpuop.backends import render_job
-from gpuop.identity import CREATED_FROM_ANNOTATION, DEFAULT_TRAINER_IMAGE
-from gpuop.quantity import GI, MI
-from gpuop.render import kubeflow_backoff_limit, render_pytorchjob, shm_size_bytes, trainer_settings
-from gpuop.spec import fixed_spec, parse
+from gpuop._kits.quantity import GI, MI
+from gpuop.api.identity import CREATED_FROM_ANNOTATION, DEFAULT_TRAINER_IMAGE
+from gpuop.api.spec import fixed_spec, parse
+from gpuop.backends.pod import kubeflow_backoff_limit, shm_size_bytes, trainer_settings
+from gpuop.backends.pytorchjob import render_pytorchjob
+from gpuop.backends.registry import render_job
 from gputrain.contract import METRICS_PORT, TrainerSettings
 from support.crdschema import ROOT
 from support.kubeflow import all_errors

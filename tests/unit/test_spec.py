@@ -8,8 +8,8 @@ from typing import Any, get_args, get_type_hints
 
 import pytest
 
-from gpuop.schema import SpecError
-from gpuop.spec import (
+from gpuop._kits.schema import SpecError
+from gpuop.api.spec import (
     TRAINJOB_GAPS,
     Dataset,
     GpuTrainingSpec,

@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import yaml
 
-from gpuop import render
-from gpuop.schema import SpecError
-from gpuop.spec import fixed_spec_changes, parse, trainjob_gaps
-from gpuop.trainjob import render_runtime, render_trainjob
+from gpuop._kits.schema import SpecError
+from gpuop.api.spec import fixed_spec_changes, parse, trainjob_gaps
+from gpuop.backends import pod as render
+from gpuop.backends.pytorchjob import render_pytorchjob
+from gpuop.backends.trainjob import render_runtime, render_trainjob
 from gputrain.contract import METRICS_PORT, TERMINATION_LOG
 from support.crdschema import REFERENCE, ROOT
 from support.kubeflow import merged_pod_template, trainjob_errors
@@ -133,7 +134,7 @@ def test_the_pod_is_the_pytorchjobs_but_for_name_ports_launch_and_restart_policy
         checkpoint={"volume": {"claimName": "ckpt"}},
         scheduling={"priorityClassName": "high"},
     )
-    v1 = render.render_pytorchjob(parse(body))["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
+    v1 = render_pytorchjob(parse(body))["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
     v2 = merged_pod_template(*both(body))
     assert v2["metadata"]["labels"] == v1["metadata"]["labels"]
     pod1, pod2 = dict(v1["spec"]), dict(v2["spec"])
@@ -171,7 +172,7 @@ def test_runtime_and_job_are_owned_named_and_labelled_like_the_pytorchjob() -> N
     body = minimal(scheduling={"queueName": "team-a"})
     body["metadata"] |= {"namespace": "ml", "uid": UID}
     job, runtime = both(body)
-    pytorchjob = render.render_pytorchjob(parse(body))
+    pytorchjob = render_pytorchjob(parse(body))
     record = render.CREATED_FROM_ANNOTATION
     assert {**job["metadata"], "annotations": {}} == {**pytorchjob["metadata"], "annotations": {}}
     # The record holds runPolicy but suspend: fixed on a TrainJob, mutable on a PyTorchJob.

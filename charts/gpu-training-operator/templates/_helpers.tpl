@@ -44,7 +44,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
-{{/* The label every trainer pod carries (gpuop.render.TRAINING_LABEL). */}}
+{{/* The label every trainer pod carries (gpuop.api.identity.TRAINING_LABEL). */}}
 {{- define "gpuop.trainingLabel" -}}gpuop.io/gputraining{{- end -}}
 
 {{/* Namespaces that get a NetworkPolicy for trainer pods. */}}

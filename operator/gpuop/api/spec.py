@@ -15,10 +15,9 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, Final, Literal
 
-from gpuop import k8svalidation
-from gpuop.identity import API_VERSION, EFA_RESOURCE, GPU_RESOURCE, KIND, PYTORCHJOB_KIND, TRAINJOB_KIND
-from gpuop.quantity import parse_quantity
-from gpuop.schema import (
+from gpuop._kits import k8svalidation
+from gpuop._kits.quantity import parse_quantity
+from gpuop._kits.schema import (
     Problem,
     Quantity,
     Rule,
@@ -30,6 +29,7 @@ from gpuop.schema import (
     json_name,
     show,
 )
+from gpuop.api.identity import API_VERSION, EFA_RESOURCE, GPU_RESOURCE, KIND
 from gputrain.contract import DatasetName, ModelName, Precision
 
 # The PyTorchJob is named after the GpuTraining, and the training-operator names a Service
@@ -54,19 +54,12 @@ RESERVED_ENV_NAMES: Final = (
 # PyTorchJob (runPolicy) or reads them on every check (stallTimeoutSeconds). Anything else
 # would need new pods, and the CRD's transition rules refuse the change.
 MUTABLE_SPEC_FIELDS: Final = ("runPolicy", "stallTimeoutSeconds")
-# The same for a training on a TrainJob (see fixed_spec).
-TRAINJOB_MUTABLE_FIELDS: Final = ("runPolicy.suspend", "stallTimeoutSeconds")
 RESERVED_ENV_PREFIXES: Final = ("GPUTRAIN_", "PET_", "TORCHELASTIC_", "NCCL_")
 NCCL_ENV_PATTERN: Final = r"^(NCCL|TORCH_NCCL|FI|UCX)_[A-Z0-9_]+$"
 ENV_NAME_PATTERN: Final = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 Backend = Literal["auto", "pytorchjob", "trainjob"]
 JobBackend = Literal["pytorchjob", "trainjob"]  # what auto resolves to
-# The kind each backend makes, as its CRD names it.
-JOB_KINDS: Final[Mapping[JobBackend, str]] = MappingProxyType(
-    {"pytorchjob": PYTORCHJOB_KIND, "trainjob": TRAINJOB_KIND}
-)
-
 _K8S_NAME: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 _K8S_NAME_HINT: Final = "a lowercase DNS name such as my-claim"
 
@@ -831,7 +824,7 @@ class GpuTraining:
 def kubernetes_problems(spec: GpuTrainingSpec) -> list[Problem]:
     """What the API server would refuse at the job or its pods, though the CRD's schema admits
     it: names, label keys and values, paths and mount paths by Kubernetes' own rules
-    (:mod:`gpuop.k8svalidation`). Checked here so that it is one line now, not a failed pod."""
+    (:mod:`gpuop._kits.k8svalidation`). Checked here so that it is one line now, not a failed pod."""
     found: list[Problem] = []
 
     def check(path: str, problem: str | None, value: str) -> None:
@@ -989,21 +982,26 @@ def _check_name(name: object) -> list[Problem]:
 # Fields fixed at creation: what the PyTorchJob was made from, and what changed since.
 
 
-def fixed_spec(spec: GpuTrainingSpec, backend: JobBackend = "pytorchjob") -> dict[str, Any]:
+def fixed_spec(spec: GpuTrainingSpec, mutable: tuple[str, ...] = MUTABLE_SPEC_FIELDS) -> dict[str, Any]:
     """The spec without what may change on a made job, as JSON: what the job is made of.
 
-    A TrainJob takes less: of runPolicy only suspend (its activeDeadlineSeconds is immutable,
-    and backoffLimit is in its TrainingRuntime, made once).
+    ``mutable``: dotted field paths, each backend's own (a TrainJob's is narrower: of runPolicy
+    only suspend, as its activeDeadlineSeconds is immutable and its backoffLimit is in the
+    TrainingRuntime, made once).
     """
-    document = {k: v for k, v in encode(spec).items() if k not in MUTABLE_SPEC_FIELDS}
-    if backend == "trainjob":
-        document["runPolicy"] = {k: v for k, v in encode(spec.run_policy).items() if k != "suspend"}
+    document: dict[str, Any] = encode(spec)
+    for path in mutable:
+        *parents, leaf = path.split(".")
+        node = document
+        for parent in parents:
+            node = node.get(parent) or {}
+        node.pop(leaf, None)
     return document
 
 
-def fixed_spec_record(spec: GpuTrainingSpec, backend: JobBackend = "pytorchjob") -> str:
+def fixed_spec_record(spec: GpuTrainingSpec, mutable: tuple[str, ...] = MUTABLE_SPEC_FIELDS) -> str:
     """:func:`fixed_spec` as the compact JSON a job carries (read by :func:`fixed_spec_changes`)."""
-    return json.dumps(fixed_spec(spec, backend), separators=(",", ":"), sort_keys=True)
+    return json.dumps(fixed_spec(spec, mutable), separators=(",", ":"), sort_keys=True)
 
 
 def fixed_spec_changes(record: str, spec: GpuTrainingSpec) -> tuple[str, ...]:

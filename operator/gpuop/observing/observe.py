@@ -1,44 +1,36 @@
-"""API objects as the operator reads them: a PyTorchJob or TrainJob, a pod, a peering object. Pure.
+"""API objects as the operator reads them: a job's conditions, a pod, Kueue's Workloads, a
+peering object. Pure.
 
 Each function takes the JSON the API server returned and keeps only what the status
-derivation needs, so :mod:`gpuop.derive` never sees the shape of a Kubernetes object and
-these readings are unit-tested on plain dicts.
+derivation needs, as the typed records of :mod:`gpuop.observing.records`, so
+:mod:`gpuop.observing.derive` never sees the shape of a Kubernetes object and these readings
+are unit-tested on plain dicts. What differs between job kinds is read by each backend
+(:mod:`gpuop.backends`), with the helpers here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any, Final
+from typing import Any
 
-from gpuop.derive import JobCondition, PodObservation, QueueState
-from gpuop.identity import (
+from gpuop.api.identity import (
     CREATED_FROM_ANNOTATION,
     PYTORCHJOB_CONTAINER,
     TRAINING_LABEL,
     TRAINJOB_CONTAINER,
-    TRAINJOB_KIND,
 )
-from gpuop.scrape import TrainerMetrics
+from gpuop.observing.records import JobCondition, PodObservation, QueueState
+from gpuop.observing.scrape import TrainerMetrics
 from gputrain.contract import Result
 
 _TERMINAL = ("Succeeded", "Failed")
 
 
-def job_conditions(job: Mapping[str, Any] | None) -> tuple[JobCondition, ...]:
-    """The job's conditions in the PyTorchJob's terms (Created, Running, Suspended, Restarting,
-    Succeeded, Failed), whichever kind it is."""
-    if not job:
-        return ()
-    if job.get("kind") == TRAINJOB_KIND:
-        return _trainjob_conditions(job)
-    return _conditions(job)
-
-
-def _conditions(job: Mapping[str, Any]) -> tuple[JobCondition, ...]:
+def conditions_of(job: Mapping[str, Any] | None) -> tuple[JobCondition, ...]:
+    """An object's ``status.conditions`` (metav1-style: type, status, reason, message), as written."""
     out = []
-    for c in (job.get("status") or {}).get("conditions") or ():
+    for c in ((job or {}).get("status") or {}).get("conditions") or ():
         if isinstance(c, Mapping) and isinstance(c.get("type"), str):
             out.append(
                 JobCondition(
@@ -52,61 +44,30 @@ def _conditions(job: Mapping[str, Any]) -> tuple[JobCondition, ...]:
     return tuple(out)
 
 
-# A TrainJob says Complete where a PyTorchJob says Succeeded; Suspended and Failed are alike.
-_TRAINJOB_TYPES: Final = {"Complete": "Succeeded", "Failed": "Failed", "Suspended": "Suspended"}
+def finished(conditions: Sequence[JobCondition]) -> bool:
+    """Whether a job's conditions (in the PyTorchJob's terms) say it ended, either way."""
+    return any(c.type in _TERMINAL and c.status == "True" for c in conditions)
 
 
-def _trainjob_conditions(job: Mapping[str, Any]) -> tuple[JobCondition, ...]:
-    """A TrainJob's status as PyTorchJob conditions. Trainer v2 has no Created or Running
-    condition: the job exists, so it is created, and it runs while a child Job is ready (all its
-    pods running), which ``status.jobsStatus`` counts."""
-    out = [JobCondition(type="Created", status="True", reason="TrainJobCreated")]
-    for c in _conditions(job):
-        kind = _TRAINJOB_TYPES.get(c.type)
-        if kind is not None:
-            out.append(dataclasses.replace(c, type=kind))
-    jobs = [j for j in (job.get("status") or {}).get("jobsStatus") or () if isinstance(j, Mapping)]
-    ready = sum(j.get("ready") or 0 for j in jobs if isinstance(j.get("ready"), int))
-    finished_or_suspended = any(
-        c.status == "True" for c in out if c.type in ("Succeeded", "Failed", "Suspended")
+def finished_at(conditions: Sequence[JobCondition]) -> str | None:
+    """When the job's Succeeded or Failed condition turned True, if one has."""
+    return next(
+        (c.last_transition_time for c in conditions if c.type in _TERMINAL and c.status == "True"), None
     )
-    running = ready > 0 and not finished_or_suspended
-    out.append(
-        JobCondition(
-            type="Running",
-            status="True" if running else "False",
-            reason="JobsReady" if running else "JobsNotReady",
-            message=f"{ready} of {len(jobs)} child Jobs ready" if jobs else None,
-        )
-    )
-    return tuple(out)
 
 
-def job_finished(job: Mapping[str, Any] | None) -> bool:
-    return any(c.type in _TERMINAL and c.status == "True" for c in job_conditions(job))
-
-
-def job_times(job: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
-    """When the job started and finished, as far as it says (a TrainJob records neither: its
-    finish is when its Complete or Failed condition turned True)."""
+def times(job: Mapping[str, Any] | None, conditions: Sequence[JobCondition]) -> tuple[str | None, str | None]:
+    """When a job started and finished, as its status says; where it records no completion
+    time (a TrainJob records neither), when its Succeeded or Failed condition turned True."""
     status = (job or {}).get("status") or {}
-    start, completion = status.get("startTime"), status.get("completionTime")
-    if completion is None:
-        completion = next(
-            (
-                c.last_transition_time
-                for c in job_conditions(job)
-                if c.type in _TERMINAL and c.status == "True"
-            ),
-            None,
-        )
-    return start, completion
+    return status.get("startTime"), status.get("completionTime") or finished_at(conditions)
 
 
-def job_suspended(job: Mapping[str, Any] | None) -> bool:
-    """Whether the job's spec says suspended (a PyTorchJob's runPolicy, a TrainJob's spec)."""
-    spec = (job or {}).get("spec") or {}
-    return bool(spec.get("suspend") or (spec.get("runPolicy") or {}).get("suspend"))
+def changed(
+    want: Mapping[str, Any], have: Mapping[str, Any], fields: Sequence[str], skip: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The ``fields`` (but those in ``skip``) whose wanted value differs from the one there."""
+    return {k: want.get(k) for k in fields if k not in skip and want.get(k) != have.get(k)}
 
 
 def queue_state(workloads: Sequence[Mapping[str, Any]]) -> QueueState | None:
@@ -144,7 +105,7 @@ def queue_state(workloads: Sequence[Mapping[str, Any]]) -> QueueState | None:
 
 def created_from(job: Mapping[str, Any] | None) -> str | None:
     """The record of the fixed spec a PyTorchJob was made from (None: not recorded, e.g. by an
-    older operator); :func:`gpuop.spec.fixed_spec_changes` reads it."""
+    older operator); :func:`gpuop.api.spec.fixed_spec_changes` reads it."""
     record = (((job or {}).get("metadata") or {}).get("annotations") or {}).get(CREATED_FROM_ANNOTATION)
     return record if isinstance(record, str) else None
 

@@ -10,10 +10,10 @@ from typing import Any, Final
 
 import yaml
 
-from gpuop.identity import GROUP, KIND, PLURAL, VERSION
-from gpuop.schema import openapi_schema
-from gpuop.spec import MUTABLE_SPEC_FIELDS, NAME_RULE, GpuTrainingSpec
-from gpuop.status import GpuTrainingStatus
+from gpuop._kits.schema import openapi_schema
+from gpuop.api.identity import GROUP, KIND, PLURAL, VERSION
+from gpuop.api.spec import MUTABLE_SPEC_FIELDS, NAME_RULE, GpuTrainingSpec
+from gpuop.api.status import GpuTrainingStatus
 
 SHORT_NAME: Final = "gtr"
 

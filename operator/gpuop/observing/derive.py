@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
-from gpuop.schema import SpecError, decode, encode
-from gpuop.scrape import TrainerMetrics
-from gpuop.spec import JOB_KINDS, MUTABLE_SPEC_FIELDS, TRAINJOB_MUTABLE_FIELDS, JobBackend
-from gpuop.status import (
+from gpuop._kits.schema import SpecError, decode, encode
+from gpuop.api.status import (
     Condition,
     ConditionStatus,
     GpuTrainingStatus,
@@ -34,6 +31,8 @@ from gpuop.status import (
     format_eta,
     format_percent,
 )
+from gpuop.observing.records import Event, Observation, Thresholds
+from gpuop.observing.scrape import TrainerMetrics
 from gputrain.contract import Result
 
 _ALARMS: Final = (
@@ -73,93 +72,9 @@ _TERMINAL: Final = ("Succeeded", "Failed")
 # yet placed), Queued and Suspended (no pods) do not.
 _HOLDING_GPUS: Final[tuple[Phase, ...]] = ("Running", "Restarting")
 TIME_FORMAT: Final = "%Y-%m-%dT%H:%M:%SZ"
-
-
-@dataclass(frozen=True)
-class JobCondition:
-    """One condition of the job, in the PyTorchJob's terms (:func:`gpuop.observe.job_conditions`)."""
-
-    type: str
-    status: str
-    reason: str | None = None
-    message: str | None = None
-    last_transition_time: str | None = None
-
-
-@dataclass(frozen=True)
-class QueueState:
-    """Where Kueue has the job's Workload (:func:`gpuop.observe.queue_state`)."""
-
-    admitted: bool
-    reason: str  # Kueue's own: Pending, Preempted, QuotaReserved, ...
-    message: str
-
-
-@dataclass(frozen=True)
-class PodObservation:
-    """One training pod: its state, the trainer's termination message, its scraped metrics."""
-
-    name: str
-    phase: str
-    ready: bool = False
-    result: Result | None = None  # the trainer's final record, from its termination message
-    metrics: TrainerMetrics | None = None
-    restarts: int = 0  # the trainer container's restartCount
-    trainer_started_at: str | None = None  # when its current container started, if running
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """When a running job is Stalled or Underutilized."""
-
-    stall_timeout_seconds: int  # spec.stallTimeoutSeconds; 0 disables
-    underutilized_percent: float = 30.0
-    underutilized_seconds: int = 600
-
-
-@dataclass(frozen=True)
-class Observation:
-    """Everything the operator read about one GpuTraining, at one moment."""
-
-    now: datetime
-    generation: int | None
-    workers_total: int
-    gpus: int
-    invalid_spec: str | None = None  # the parse error, for a spec that got past the CRD
-    name_conflict: str | None = None  # a job of our name that is not ours (never touched)
-    # Fixed fields changed since the job was made (past a CRD without transition rules).
-    spec_not_applied: tuple[str, ...] = ()
-    backend: JobBackend | None = None  # once chosen
-    # What runs the training when no Kubeflow job does (`gpuop run`: torchrun here), named in
-    # the conditions' reasons and messages instead of a job kind.
-    runner: str | None = None
-    # Why this backend, when chosen now (None: as status already says).
-    backend_choice: tuple[str, str] | None = None  # (reason, message)
-    backend_unavailable: tuple[str, str] | None = None  # (reason, message): none can run it here
-    job_name: str | None = None  # None until the job exists
-    job_conditions: tuple[JobCondition, ...] = ()
-    job_start_time: str | None = None
-    job_completion_time: str | None = None
-    pods: tuple[PodObservation, ...] = ()
-    # The training finished and its job is gone since (Kubeflow's TTL, or by hand).
-    job_deleted: bool = False
-    # Whether the trainer is ours (it publishes gputrain_* progress); a custom command may not.
-    reports_progress: bool = True
-    queue_name: str | None = None  # spec.scheduling.queueName: Kueue owns the job's suspend
-    queue: QueueState | None = None  # its Workload, while the job is suspended (None: not found)
-    job_suspended: bool = False  # the job's spec says suspended (Kueue's hold, or the user's)
-    # What is valid but likely unintended (`spec.warnings`, such as a model written to an
-    # emptyDir): said once, in the Created condition and its event, where `kubectl describe` shows it.
-    spec_warnings: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Event:
-    """A transition worth a Kubernetes Event."""
-
-    type: str  # Normal or Warning
-    reason: str
-    message: str
+# Named in a message before any backend is chosen ("waiting for the PyTorchJob"): the one
+# a GpuTraining ran on before there were others.
+_DEFAULT_KIND: Final = "PyTorchJob"
 
 
 def _stamp(moment: datetime) -> str:
@@ -339,13 +254,20 @@ def _queued(obs: Observation, kind: str) -> tuple[str, str]:
 
 def _kind(obs: Observation) -> str:
     """The kind of the training's job (PyTorchJob until a backend is chosen), or its runner."""
-    return obs.runner or JOB_KINDS[obs.backend or "pytorchjob"]
+    return obs.runner or (obs.job_api.kind if obs.job_api is not None else _DEFAULT_KIND)
 
 
 def _mutable_fields(obs: Observation) -> tuple[str, ...]:
     """What may change once the job is made, for the SpecNotApplied message."""
-    fields = TRAINJOB_MUTABLE_FIELDS if obs.backend == "trainjob" else MUTABLE_SPEC_FIELDS
-    return tuple(f"spec.{f}" for f in fields)
+    return tuple(f"spec.{f}" for f in (obs.job_api.mutable_fields if obs.job_api is not None else ()))
+
+
+def _job_names(obs: Observation) -> dict[str, str | None]:
+    """The status fields that name the job: the backend's own, the others unset."""
+    names: dict[str, str | None] = {"pytorch_job": None, "train_job": None}
+    if obs.job_api is not None and obs.job_api.status_field is not None:
+        names[obs.job_api.status_field] = obs.job_name
+    return names
 
 
 def _backend_selected(before: GpuTrainingStatus, obs: Observation) -> tuple[str, str] | None:
@@ -470,9 +392,8 @@ def derive_status(
         phase=phase,
         conditions=conditions,
         observed_generation=generation,
-        backend=obs.backend if obs.backend is not None else before.backend,
-        pytorch_job=obs.job_name if kind == "PyTorchJob" else None,
-        train_job=obs.job_name if kind == "TrainJob" else None,
+        backend=obs.job_api.backend if obs.job_api is not None else before.backend,
+        **_job_names(obs),
         workers=WorkerCounts(ready=ready, total=obs.workers_total),
         progress=progress,
         gpu=gpu,

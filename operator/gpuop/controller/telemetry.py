@@ -19,7 +19,7 @@ from prometheus_client import (
     start_http_server,
 )
 
-from gpuop.status import PHASES
+from gpuop.api.status import PHASES
 
 
 class OperatorMetrics:

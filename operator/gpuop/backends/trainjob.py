@@ -5,7 +5,7 @@ TrainJob, rather than one shared ClusterTrainingRuntime plus ``runtimePatches``.
 (v2.3.0) and its patches cannot say several things the PyTorchJob path guarantees: the Job's
 backoffLimit (spec.runPolicy.backoffLimit), the pods' priorityClassName, the container's
 metrics port and termination-message file. A runtime per job can: its pod template is the
-very one the PyTorchJob's replicas get, from the same functions in :mod:`gpuop.render`. The
+very one the PyTorchJob's replicas get, from the same functions in :mod:`gpuop.backends.pod`. The
 runtime is fixed once made, like the GpuTraining's fixed fields.
 
 * The **TrainingRuntime** (:func:`render_runtime`) carries the pod: volumes (the sized
@@ -19,15 +19,17 @@ runtime is fixed once made, like the GpuTraining's fixed fields.
 What Trainer v2 adds to the container and so must not be rendered here: PET_NNODES,
 PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT (torchrun reads
 them), and the trainer port 29500. What neither object can carry is refused by the spec
-model (:data:`gpuop.spec.TRAINJOB_GAPS`).
+model (:data:`gpuop.api.spec.TRAINJOB_GAPS`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from gpuop import render
-from gpuop.identity import (
+from gpuop._kits.schema import SpecError
+from gpuop.api.identity import (
     DEFAULT_TRAINER_IMAGE,
     RUNTIME_KIND,
     TRAINER_GROUP,
@@ -35,13 +37,19 @@ from gpuop.identity import (
     TRAINJOB_CONTAINER,
     TRAINJOB_KIND,
 )
-from gpuop.schema import SpecError
-from gpuop.spec import GpuTraining, GpuTrainingSpec, trainjob_problems
+from gpuop.api.spec import GpuTraining, GpuTrainingSpec, trainjob_gaps, trainjob_problems
+from gpuop.backends import pod
+from gpuop.observing import observe
+from gpuop.observing.records import JobCondition, JobKind
 from gputrain.contract import METRICS_PORT, METRICS_PORT_NAME
 
 # The replicated job and container Trainer's torch plugin injects its PET_* variables into.
 _ANCESTOR_LABEL: Final = "trainer.kubeflow.org/trainjob-ancestor-step"
 _FRAMEWORK_LABEL: Final = "trainer.kubeflow.org/framework"
+RUNTIME_PLURAL: Final = "trainingruntimes"
+# What may change on a made TrainJob: of runPolicy only suspend (its activeDeadlineSeconds is
+# immutable, and backoffLimit is in its TrainingRuntime, made once).
+TRAINJOB_MUTABLE_FIELDS: Final = ("runPolicy.suspend", "stallTimeoutSeconds")
 
 
 def _launch(spec: GpuTrainingSpec) -> tuple[list[str], list[str] | None]:
@@ -65,7 +73,7 @@ def render_runtime(training: GpuTraining, *, default_image: str = DEFAULT_TRAINE
     ports = [{"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"}]
     # The TrainJob's trainer overrides image, command, args, env and resources; they are
     # rendered here too because a pod template must be whole, and they agree by construction.
-    container = render.trainer_container(
+    container = pod.trainer_container(
         name,
         spec,
         spec.image or default_image,
@@ -73,17 +81,17 @@ def render_runtime(training: GpuTraining, *, default_image: str = DEFAULT_TRAINE
         launch=_launch(spec),
         ports=ports,
     )
-    template = render.pod_template(name, spec, container)
+    template = pod.pod_template(name, spec, container)
     template["spec"] = {"restartPolicy": "OnFailure", **template["spec"]}
     job: dict[str, Any] = {"template": template}
     if spec.run_policy.backoff_limit is not None:
         # The Job controller, like the training-operator, sums every container's restarts.
         job = {
-            "backoffLimit": render.kubeflow_backoff_limit(spec.run_policy.backoff_limit, spec.workers),
+            "backoffLimit": pod.kubeflow_backoff_limit(spec.run_policy.backoff_limit, spec.workers),
             **job,
         }
     # The TrainJob carries Kueue's queue and the record; the runtime is only its pod template.
-    metadata = render.object_metadata(training, {**render.labels(name), _FRAMEWORK_LABEL: "torch"})
+    metadata = pod.object_metadata(training, {**pod.labels(name), _FRAMEWORK_LABEL: "torch"})
     return {
         "apiVersion": TRAINJOB_API_VERSION,
         "kind": RUNTIME_KIND,
@@ -115,16 +123,16 @@ def render_trainjob(training: GpuTraining, *, default_image: str = DEFAULT_TRAIN
         trainer["args"] = args
     trainer.update(
         {
-            "env": render.trainer_env(training.name, spec),
+            "env": pod.trainer_env(training.name, spec),
             "numNodes": spec.workers,
             # Always set: left out, Trainer v2 starts one process per CPU core on a CPU job.
             "numProcPerNode": spec.processes_per_worker,
-            "resourcesPerNode": render.resources(spec),
+            "resourcesPerNode": pod.resources(spec),
         }
     )
     job_spec: dict[str, Any] = {
         "runtimeRef": {"apiGroup": TRAINER_GROUP, "kind": RUNTIME_KIND, "name": training.name},
-        "suspend": render.job_suspended(spec),
+        "suspend": pod.job_suspended(spec),
         "trainer": trainer,
     }
     if spec.run_policy.active_deadline_seconds is not None:
@@ -132,6 +140,82 @@ def render_trainjob(training: GpuTraining, *, default_image: str = DEFAULT_TRAIN
     return {
         "apiVersion": TRAINJOB_API_VERSION,
         "kind": TRAINJOB_KIND,
-        "metadata": render.job_metadata(training, "trainjob"),
+        "metadata": pod.job_metadata(training, TRAINJOB_MUTABLE_FIELDS),
         "spec": job_spec,
     }
+
+
+# A TrainJob says Complete where a PyTorchJob says Succeeded; Suspended and Failed are alike.
+_TRAINJOB_TYPES: Final = {"Complete": "Succeeded", "Failed": "Failed", "Suspended": "Suspended"}
+
+
+def _trainjob_conditions(job: Mapping[str, Any]) -> tuple[JobCondition, ...]:
+    """A TrainJob's status as PyTorchJob conditions. Trainer v2 has no Created or Running
+    condition: the job exists, so it is created, and it runs while a child Job is ready (all its
+    pods running), which ``status.jobsStatus`` counts."""
+    out = [JobCondition(type="Created", status="True", reason="TrainJobCreated")]
+    for c in observe.conditions_of(job):
+        kind = _TRAINJOB_TYPES.get(c.type)
+        if kind is not None:
+            out.append(dataclasses.replace(c, type=kind))
+    jobs = [j for j in (job.get("status") or {}).get("jobsStatus") or () if isinstance(j, Mapping)]
+    ready = sum(j.get("ready") or 0 for j in jobs if isinstance(j.get("ready"), int))
+    finished_or_suspended = any(
+        c.status == "True" for c in out if c.type in ("Succeeded", "Failed", "Suspended")
+    )
+    running = ready > 0 and not finished_or_suspended
+    out.append(
+        JobCondition(
+            type="Running",
+            status="True" if running else "False",
+            reason="JobsReady" if running else "JobsNotReady",
+            message=f"{ready} of {len(jobs)} child Jobs ready" if jobs else None,
+        )
+    )
+    return tuple(out)
+
+
+class TrainJobApi:
+    """The TrainJob as a backend (:class:`gpuop.backends.registry.JobApi`)."""
+
+    backend: Final = "trainjob"
+    api_version: Final = TRAINJOB_API_VERSION
+    kind: Final = TRAINJOB_KIND
+    plural: Final = "trainjobs"
+    installed_by: Final = "Kubeflow Trainer v2"
+    facts: Final = JobKind(backend, TRAINJOB_KIND, "train_job", TRAINJOB_MUTABLE_FIELDS)
+    # Made before the TrainJob, whose webhook wants its runtime to exist.
+    companion_plurals: Final[Mapping[str, str]] = {RUNTIME_KIND: RUNTIME_PLURAL}
+
+    def served(self, resources: Callable[[str], frozenset[str]]) -> bool:
+        """Only beside its TrainingRuntime (one API group, one request)."""
+        return {self.plural, RUNTIME_PLURAL} <= resources(self.api_version)
+
+    def spec_gaps(self, spec: GpuTrainingSpec) -> tuple[str, ...]:
+        return trainjob_gaps(spec)
+
+    def render(self, training: GpuTraining, *, default_image: str) -> list[dict[str, Any]]:
+        return [
+            render_runtime(training, default_image=default_image),
+            render_trainjob(training, default_image=default_image),
+        ]
+
+    def conditions(self, job: Mapping[str, Any] | None) -> tuple[JobCondition, ...]:
+        return _trainjob_conditions(job) if job else ()
+
+    def suspended(self, job: Mapping[str, Any] | None) -> bool:
+        return bool(((job or {}).get("spec") or {}).get("suspend"))
+
+    def times(self, job: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
+        """A TrainJob records neither: it finished when its Complete or Failed turned True."""
+        return observe.times(job, self.conditions(job))
+
+    def mutable_patch(
+        self, desired: Mapping[str, Any], child: Mapping[str, Any], skip: tuple[str, ...] = ()
+    ) -> dict[str, Any] | None:
+        """suspend, its only mutable field, unless Kueue owns it (in ``skip``)."""
+        changes = observe.changed(desired["spec"], child.get("spec") or {}, ("suspend",), skip)
+        return {"spec": changes} if changes else None
+
+
+TRAINJOB: Final = TrainJobApi()

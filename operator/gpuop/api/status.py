@@ -1,6 +1,6 @@
 """The GpuTraining status: its shape, documented for ``kubectl explain``.
 
-Shape only: :mod:`gpuop.derive` decides what goes in it (phase, conditions, progress from the
+Shape only: :mod:`gpuop.observing.derive` decides what goes in it (phase, conditions, progress from the
 trainers' reports, GPU utilization, gpuHours); the CRD's status schema is generated from these
 classes like the spec's.
 Field names follow what Kubeflow users know from Trainer v2's ``trainerStatus``
@@ -13,7 +13,7 @@ import math
 import re
 from typing import Final, Literal, get_args
 
-from gpuop.schema import api_field, api_object
+from gpuop._kits.schema import api_field, api_object
 
 ConditionStatus = Literal["True", "False", "Unknown"]
 Phase = Literal["Pending", "Created", "Queued", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
@@ -177,10 +177,15 @@ class GpuTrainingStatus:
     observed_generation: int | None = api_field(
         "The metadata.generation the status describes.", default=None, minimum=0
     )
-    backend: Literal["pytorchjob", "trainjob"] | None = api_field(
-        "The Kubeflow API the training runs on, chosen once when its job is made (the "
-        "BackendSelected condition says why).",
+    # A name, not an enum: the operator writes it from its backends (gpuop.backends), and a
+    # status must still read back after a backend is added or retired.
+    backend: str | None = api_field(
+        "The Kubeflow API the training runs on (pytorchjob or trainjob), chosen once when its "
+        "job is made (the BackendSelected condition says why).",
         default=None,
+        max_length=63,
+        pattern=r"^[a-z][a-z0-9]*$",
+        pattern_hint="a backend name such as pytorchjob",
     )
     pytorch_job: str | None = api_field(
         "Name of the PyTorchJob that runs the training (backend pytorchjob).", default=None, max_length=253

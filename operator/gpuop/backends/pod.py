@@ -1,46 +1,36 @@
-"""GpuTraining -> Kubeflow PyTorchJob, as small pure functions.
+"""The trainer pod every backend renders: container, env, resources, volumes, placement,
+security, metadata. Pure, small functions.
 
 Nothing here talks to a cluster or reads the clock: the same GpuTraining always renders the
-same manifest, byte for byte, which is what makes golden-file tests and idempotent
+same pod, byte for byte, which is what makes golden-file tests and idempotent
 create-or-adopt possible. The env part (:func:`trainer_env`) is also what the local run
-mode gives torchrun on a laptop.
-
-What Kubeflow's training-operator (v1.9) adds to this manifest when it makes pods, and so
-must not be rendered here: MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, PET_NNODES,
-PET_NODE_RANK, PET_NPROC_PER_NODE (fixed jobs) and PET_RDZV_* (elastic jobs).
+mode gives torchrun on a laptop. Each backend (:mod:`gpuop.backends.pytorchjob`,
+:mod:`gpuop.backends.trainjob`) wraps this pod in its own job.
 """
 
 from __future__ import annotations
 
 from typing import Any, Final
 
-from gpuop.identity import (
+from gpuop._kits.quantity import MI, format_bytes, parse_quantity
+from gpuop.api.identity import (
     API_VERSION,
     CREATED_FROM_ANNOTATION,
-    DEFAULT_TRAINER_IMAGE,
     EFA_RESOURCE,
     GPU_RESOURCE,
     KIND,
     KUEUE_QUEUE_LABEL,
-    PYTORCHJOB_API_VERSION,
-    PYTORCHJOB_CONTAINER,
-    PYTORCHJOB_KIND,
     TRAINING_LABEL,
 )
-from gpuop.quantity import MI, format_bytes, parse_quantity
-from gpuop.spec import (
+from gpuop.api.spec import (
     GpuTraining,
     GpuTrainingSpec,
-    JobBackend,
     Toleration,
     VolumeSource,
     fixed_spec_record,
 )
 from gputrain.contract import (
     METRICS_PORT,
-    METRICS_PORT_NAME,
-    RENDEZVOUS_PORT,
-    RENDEZVOUS_PORT_NAME,
     TERMINATION_LOG,
     TrainerSettings,
 )
@@ -187,20 +177,6 @@ def labels(name: str) -> dict[str, str]:
         "app.kubernetes.io/managed-by": "gpu-training-operator",
         TRAINING_LABEL: name,
     }
-
-
-def _launch(spec: GpuTrainingSpec) -> tuple[list[str], list[str] | None]:
-    """Command and args of the training container."""
-    if spec.command is not None:
-        return list(spec.command), list(spec.args) if spec.args is not None else None
-    args = [f"--nproc-per-node={spec.processes_per_worker}"]
-    if spec.elastic is None:
-        # The training-operator sets PET_NNODES and PET_NODE_RANK, which torchrun reads, but
-        # only MASTER_ADDR/MASTER_PORT for the address; Kubernetes expands $(VAR) from the
-        # container's environment.
-        args += ["--master-addr=$(MASTER_ADDR)", "--master-port=$(MASTER_PORT)"]
-    args += ["-m", "gputrain"]
-    return ["torchrun"], args
 
 
 def resources(spec: GpuTrainingSpec) -> dict[str, Any]:
@@ -370,49 +346,6 @@ def pod_template(name: str, spec: GpuTrainingSpec, container: dict[str, Any]) ->
     return {"metadata": pod_metadata(name, spec), "spec": pod}
 
 
-def _pytorchjob_pod_template(name: str, spec: GpuTrainingSpec, image: str) -> dict[str, Any]:
-    """The pod template shared by Master and Worker."""
-    ports = [
-        {"name": RENDEZVOUS_PORT_NAME, "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"},
-        {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"},
-    ]
-    container = trainer_container(
-        name, spec, image, container_name=PYTORCHJOB_CONTAINER, launch=_launch(spec), ports=ports
-    )
-    return pod_template(name, spec, container)
-
-
-def _replica_specs(name: str, spec: GpuTrainingSpec, image: str) -> dict[str, Any]:
-    # OnFailure restarts the container inside the same pod, so a checkpoint on the default
-    # emptyDir survives the restart. (ExitCode would re-create the pod and lose it; and under
-    # torchrun the pod's exit code is the agent's, not the trainer's.)
-    restart = "OnFailure"
-    if spec.elastic is not None:
-        # Elastic jobs are Worker-only, as in Kubeflow's elastic examples: every pod joins
-        # the c10d rendezvous on worker-0 and the Worker count may scale.
-        return {
-            "Worker": {
-                "replicas": spec.workers,
-                "restartPolicy": restart,
-                "template": _pytorchjob_pod_template(name, spec, image),
-            }
-        }
-    replicas = {
-        "Master": {
-            "replicas": 1,
-            "restartPolicy": restart,
-            "template": _pytorchjob_pod_template(name, spec, image),
-        }
-    }
-    if spec.workers > 1:
-        replicas["Worker"] = {
-            "replicas": spec.workers - 1,
-            "restartPolicy": restart,
-            "template": _pytorchjob_pod_template(name, spec, image),
-        }
-    return replicas
-
-
 def kubeflow_backoff_limit(restarts: int, pods: int) -> int:
     """Kubeflow's backoffLimit for ``restarts`` restarts of the training.
 
@@ -431,28 +364,9 @@ def job_suspended(spec: GpuTrainingSpec) -> bool:
 
     With a Kueue queue it always is, and Kueue resumes it on admission (its webhook would
     suspend it anyway, and without the webhook an unsuspended job would start outside its
-    quota); from then on suspend is Kueue's (gpuop.reconcile never patches it).
+    quota); from then on suspend is Kueue's (gpuop.controller.reconciler never patches it).
     """
     return True if spec.scheduling.queue_name is not None else spec.run_policy.suspend
-
-
-def _run_policy(spec: GpuTrainingSpec) -> dict[str, Any]:
-    rp = spec.run_policy
-    out: dict[str, Any] = {"cleanPodPolicy": rp.clean_pod_policy, "suspend": job_suspended(spec)}
-    if rp.backoff_limit is not None:
-        out["backoffLimit"] = kubeflow_backoff_limit(rp.backoff_limit, spec.workers)
-    if rp.active_deadline_seconds is not None:
-        out["activeDeadlineSeconds"] = rp.active_deadline_seconds
-    if rp.ttl_seconds_after_finished is not None:
-        out["ttlSecondsAfterFinished"] = rp.ttl_seconds_after_finished
-    if spec.scheduling.gang:
-        policy: dict[str, Any] = {"minAvailable": spec.workers}
-        if spec.scheduling.queue_name is not None:
-            policy["queue"] = spec.scheduling.queue_name
-        if spec.scheduling.priority_class_name is not None:
-            policy["priorityClass"] = spec.scheduling.priority_class_name
-        out["schedulingPolicy"] = policy
-    return out
 
 
 def owner_reference(training: GpuTraining) -> dict[str, Any] | None:
@@ -485,42 +399,15 @@ def object_metadata(
     return metadata
 
 
-def job_metadata(training: GpuTraining, backend: JobBackend = "pytorchjob") -> dict[str, Any]:
-    """The job's metadata, either kind: our labels, Kueue's queue, the record, the owner."""
+def job_metadata(training: GpuTraining, mutable_fields: tuple[str, ...]) -> dict[str, Any]:
+    """A job's metadata, any kind: our labels, Kueue's queue, the owner, and the record of the
+    spec it is made from (all but ``mutable_fields``, what may change on it once made)."""
     spec = training.spec
     job_labels = labels(training.name)
     if spec.scheduling.queue_name is not None:
         job_labels[KUEUE_QUEUE_LABEL] = spec.scheduling.queue_name
-    created_from = fixed_spec_record(spec, backend)
+    created_from = fixed_spec_record(spec, mutable_fields)
     # Annotations share a 256 KiB budget; a spec with huge env values goes without the record
     # (and without the SpecNotApplied check) rather than fail to create its job.
     record = {CREATED_FROM_ANNOTATION: created_from} if len(created_from) <= _CREATED_FROM_MAX_BYTES else None
     return object_metadata(training, job_labels, record)
-
-
-def render_pytorchjob(training: GpuTraining, *, default_image: str = DEFAULT_TRAINER_IMAGE) -> dict[str, Any]:
-    """The PyTorchJob for a GpuTraining."""
-    spec = training.spec
-    name = training.name
-    image = spec.image or default_image
-    metadata = job_metadata(training)
-
-    job_spec: dict[str, Any] = {
-        # The webhook forbids elasticPolicy.nProcPerNode beside this; we only set this one.
-        "nprocPerNode": str(spec.processes_per_worker),
-        "pytorchReplicaSpecs": _replica_specs(name, spec, image),
-        "runPolicy": _run_policy(spec),
-    }
-    if spec.elastic is not None:
-        job_spec["elasticPolicy"] = {
-            "minReplicas": spec.elastic.min_workers,
-            "maxReplicas": spec.elastic.max_workers,
-            "maxRestarts": spec.elastic.max_restarts,
-            "rdzvBackend": "c10d",
-        }
-    return {
-        "apiVersion": PYTORCHJOB_API_VERSION,
-        "kind": PYTORCHJOB_KIND,
-        "metadata": metadata,
-        "spec": job_spec,
-    }

@@ -8,9 +8,9 @@ work, and a call with nothing new costs no write at all. That is also why Kopf's
 change-tracking handlers are not used: they persist a diff base in every object (one more
 write per job) and re-run on.create against stale bodies after a restart.
 
-The decisions live in pure modules (:mod:`gpuop.spec`, :mod:`gpuop.render`,
-:mod:`gpuop.derive`, :mod:`gpuop.observe`); this module sequences them and calls
-:mod:`gpuop.kube`, the only one that talks to the API.
+The decisions live in pure modules (:mod:`gpuop.api.spec`, :mod:`gpuop.backends.pod`,
+:mod:`gpuop.observing.derive`, :mod:`gpuop.observing.observe`); this module sequences them and calls
+:mod:`gpuop.controller.kube`, the only one that talks to the API.
 """
 
 from __future__ import annotations
@@ -25,39 +25,24 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from gpuop import observe
-from gpuop.backends import APIS, PYTORCHJOB, RUNTIME_PLURAL, TRAINJOB, Choice, JobApi, choose, render_job
-from gpuop.derive import (
-    Event,
-    Observation,
-    PodObservation,
-    Thresholds,
-    derive_status,
-    events,
-    status_from_json,
-    status_patch,
-)
-from gpuop.kube import ApiError, Kube
-from gpuop.schema import SpecError
-from gpuop.scrape import MAX_METRICS_BYTES, TrainerMetrics, parse_metrics
-from gpuop.settings import OperatorSettings
-from gpuop.spec import (
-    GpuTraining,
-    JobBackend,
-    fixed_spec_changes,
-    parse,
-    trainjob_gaps,
-)
-from gpuop.spec import warnings as spec_warnings
-from gpuop.status import GpuTrainingStatus
-from gpuop.telemetry import OperatorMetrics
+from gpuop._kits.schema import SpecError
+from gpuop.api.spec import GpuTraining, fixed_spec_changes, parse
+from gpuop.api.spec import warnings as spec_warnings
+from gpuop.api.status import GpuTrainingStatus
+from gpuop.backends import registry
+from gpuop.backends.registry import Choice, JobApi
+from gpuop.controller.kube import ApiError, Kube
+from gpuop.controller.settings import OperatorSettings
+from gpuop.controller.telemetry import OperatorMetrics
+from gpuop.observing import observe
+from gpuop.observing.derive import derive_status, events, status_from_json, status_patch
+from gpuop.observing.records import Event, Observation, PodObservation, Thresholds
+from gpuop.observing.scrape import MAX_METRICS_BYTES, TrainerMetrics, parse_metrics
 from gputrain.contract import METRICS_PORT
 
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (namespace, name)
-# The fields of a running PyTorchJob the training-operator acts on when they change.
-MUTABLE_RUN_POLICY: Final = ("suspend", "activeDeadlineSeconds", "ttlSecondsAfterFinished", "backoffLimit")
 _ACTIVE_PHASES: Final = ("Created", "Running", "Restarting")
 # How long a discovery answer (which job APIs the cluster serves) is trusted. It is only asked
 # while some training has no job yet, so a Kubeflow installed meanwhile is found this soon.
@@ -77,11 +62,11 @@ class _SpecView:
     # Fixed fields changed, by the child's created-from record: filled in as records are met.
     not_applied: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
-    def objects(self, backend: JobBackend, default_image: str) -> list[dict[str, Any]]:
+    def objects(self, api: JobApi, default_image: str) -> list[dict[str, Any]]:
         assert self.training is not None  # rendered only when it parsed
-        if backend not in self.rendered:
-            self.rendered[backend] = render_job(self.training, backend, default_image=default_image)
-        return self.rendered[backend]
+        if api.backend not in self.rendered:
+            self.rendered[api.backend] = api.render(self.training, default_image=default_image)
+        return self.rendered[api.backend]
 
 
 @dataclass
@@ -147,7 +132,7 @@ class Reconciler:
         # GpuTrainings should get its PyTorchJobs before its "created" Events.
         self._events = ThreadPoolExecutor(2, thread_name_prefix="events")
         self._via_proxy = settings.scrapes_via_proxy(kube.in_cluster)
-        self._served: tuple[float, frozenset[JobBackend]] | None = None  # (monotonic time, answer)
+        self._served: tuple[float, frozenset[str]] | None = None  # (monotonic time, answer)
         self._served_lock = threading.Lock()
 
     # -- watch events ---------------------------------------------------------------------
@@ -274,27 +259,27 @@ class Reconciler:
         if self._finished_and_gone(tracked, previous, training, api):
             observation = Observation(
                 now=now, generation=generation, workers_total=spec.workers, gpus=spec.total_gpus,
-                backend=api.backend, job_deleted=True,
+                job_api=api.facts, job_deleted=True,
             )  # fmt: skip
             wrote = self._write_status(tracked, previous, observation, Thresholds(stall_timeout_seconds=0))
             return "status" if wrote else "finished"
 
-        objects = view.objects(api.backend, self.settings.trainer_image)
+        objects = view.objects(api, self.settings.trainer_image)
         outcome, conflict = self._ensure_child(tracked, training, api, objects)
         child = tracked.child if conflict is None else None
         pods = tracked.pods
         if (
             child is not None
-            and observe.job_finished(child)
+            and observe.finished(api.conditions(child))
             and (previous is None or previous.phase not in ("Succeeded", "Failed"))
             and not any(p.result for p in pods)
         ):
             pods = tracked.pods = self._final_pods(training)
-        start, completion = observe.job_times(child)
+        start, completion = api.times(child)
         not_applied = self._not_applied(view, child)
         queue_name = spec.scheduling.queue_name
         queue = None
-        suspended = observe.job_suspended(child)
+        suspended = api.suspended(child)
         if queue_name is not None and child is not None and suspended:
             # Only while Kueue holds it: one list per tick per queued training, none once admitted.
             workloads = self.kube.list_workloads(
@@ -308,10 +293,10 @@ class Reconciler:
             gpus=spec.total_gpus,
             name_conflict=conflict,
             spec_not_applied=not_applied,
-            backend=api.backend,
+            job_api=api.facts,
             backend_choice=(choice.reason, choice.message) if choice is not None else None,
             job_name=training.name if child is not None else None,
-            job_conditions=observe.job_conditions(child),
+            job_conditions=api.conditions(child),
             job_start_time=start,
             job_completion_time=completion,
             pods=pods if child is not None else (),
@@ -337,30 +322,22 @@ class Reconciler:
         Chosen once: a training whose status (or job) names its backend keeps it, whatever the
         cluster serves since; a training on it never moves mid-run.
         """
-        if previous is not None and previous.backend is not None:
-            return APIS[previous.backend], None
-        if previous is not None and previous.pytorch_job is not None:  # written before backends
-            return PYTORCHJOB, None
-        if tracked.child is not None:
-            return (TRAINJOB if tracked.child.get("kind") == TRAINJOB.kind else PYTORCHJOB), None
-        choice = choose(training.spec.backend, self._served_backends(), trainjob_gaps(training.spec))
-        return (APIS[choice.backend] if choice.backend is not None else None), choice
+        api = registry.recorded(previous)
+        if api is None and tracked.child is not None:
+            api = registry.of_kind(tracked.child.get("kind"))
+        if api is not None:
+            return api, None
+        spec = training.spec
+        choice = registry.choose(spec.backend, self._served_backends(), registry.gaps(spec))
+        return (registry.APIS[choice.backend] if choice.backend is not None else None), choice
 
-    def _served_backends(self) -> frozenset[JobBackend]:
-        """The job APIs the cluster serves, from discovery, asked at most every DISCOVERY_TTL_SECONDS.
-
-        A TrainJob counts only beside its TrainingRuntime (one API group, one request).
-        """
+    def _served_backends(self) -> frozenset[str]:
+        """The backends the cluster serves, from discovery, asked at most every DISCOVERY_TTL_SECONDS."""
         with self._served_lock:
             cached = self._served
             if cached is not None and time.monotonic() - cached[0] < DISCOVERY_TTL_SECONDS:
                 return cached[1]
-        served: set[JobBackend] = set()
-        if PYTORCHJOB.plural in self.kube.served_resources(PYTORCHJOB.api_version):
-            served.add("pytorchjob")
-        if {TRAINJOB.plural, RUNTIME_PLURAL} <= self.kube.served_resources(TRAINJOB.api_version):
-            served.add("trainjob")
-        answer = frozenset(served)
+        answer = registry.served(self.kube.served_resources)
         with self._served_lock:
             self._served = (time.monotonic(), answer)
         return answer
@@ -441,8 +418,9 @@ class Reconciler:
         desired = objects[-1]
         outcome = "unchanged"
         if tracked.child is None:
-            for companion in objects[:-1]:  # the TrainJob's runtime: the webhook wants it first
-                made, _ = self._create_or_adopt(companion["apiVersion"], RUNTIME_PLURAL, companion)
+            for companion in objects[:-1]:  # e.g. the TrainJob's runtime: its webhook wants it first
+                plural = api.companion_plurals[companion["kind"]]
+                made, _ = self._create_or_adopt(companion["apiVersion"], plural, companion)
                 if observe.owner_uid(made) != uid:
                     return "conflict", _conflict(str(made.get("kind")), name)
             made, outcome = self._create_or_adopt(api.api_version, api.plural, desired)
@@ -455,9 +433,9 @@ class Reconciler:
             # each tick asks again (409 + GET) until the name is free.
             tracked.child = None
             return "conflict", _conflict(api.kind, name)
-        if not observe.job_finished(child):
+        if not observe.finished(api.conditions(child)):
             owned_by_kueue = training.spec.scheduling.queue_name is not None
-            patch = _mutable_patch(api, desired, child, skip=("suspend",) if owned_by_kueue else ())
+            patch = api.mutable_patch(desired, child, skip=("suspend",) if owned_by_kueue else ())
             if patch is not None:
                 tracked.child = observe.slim_job(
                     self.kube.patch_object(api.api_version, api.plural, namespace, name, patch)
@@ -603,21 +581,3 @@ def _conflict(kind: str, name: str) -> str:
         f"a {kind} named {name} already exists and is not owned by this GpuTraining; it is left "
         "untouched: delete it or rename the GpuTraining"
     )
-
-
-def _mutable_patch(
-    api: JobApi, desired: Mapping[str, Any], child: Mapping[str, Any], skip: tuple[str, ...] = ()
-) -> dict[str, Any] | None:
-    """The merge patch that brings the running job's mutable fields to the spec's, but those in
-    ``skip`` (suspend, when Kueue owns it: undoing its suspension would release queued and
-    preempted jobs). A PyTorchJob's runPolicy; a TrainJob's suspend, its only mutable one."""
-    if api is TRAINJOB:
-        want, have = desired["spec"], child.get("spec") or {}
-        fields: tuple[str, ...] = ("suspend",)
-    else:
-        want, have = desired["spec"]["runPolicy"], (child.get("spec") or {}).get("runPolicy") or {}
-        fields = MUTABLE_RUN_POLICY
-    changes = {k: want.get(k) for k in fields if k not in skip and want.get(k) != have.get(k)}
-    if not changes:
-        return None
-    return {"spec": changes} if api is TRAINJOB else {"spec": {"runPolicy": changes}}

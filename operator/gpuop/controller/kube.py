@@ -25,7 +25,7 @@ import urllib3
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
-from gpuop.identity import (
+from gpuop.api.identity import (
     API_VERSION,
     GROUP,
     KIND,

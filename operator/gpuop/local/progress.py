@@ -15,9 +15,9 @@ from types import TracebackType
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-from gpuop.local import figures_text, final_metrics, progress_line
-from gpuop.scrape import TrainerMetrics
-from gpuop.status import GpuTrainingStatus
+from gpuop.api.status import GpuTrainingStatus
+from gpuop.local.runner import figures_text, final_metrics, progress_line
+from gpuop.observing.scrape import TrainerMetrics
 
 
 class Display:

@@ -1,6 +1,6 @@
 """``gpuop operator``: Kopf watches, the scrape tick, metrics and health, wired to the reconciler.
 
-Handlers only forward watch events to :class:`~gpuop.reconcile.Reconciler`; Kopf supplies
+Handlers only forward watch events to :class:`~gpuop.controller.reconciler.Reconciler`; Kopf supplies
 the watching, the per-object serialisation of events, peering between replicas and the
 liveness endpoint.
 
@@ -25,13 +25,13 @@ from typing import Any, Final
 
 import kopf
 
-from gpuop import observe
-from gpuop.backends import APIS
-from gpuop.identity import GROUP, PLURAL, TRAINING_LABEL, VERSION
-from gpuop.kube import ApiError, Kube
-from gpuop.reconcile import Reconciler
-from gpuop.settings import OperatorSettings
-from gpuop.telemetry import OperatorMetrics
+from gpuop.api.identity import GROUP, PLURAL, TRAINING_LABEL, VERSION
+from gpuop.backends.registry import APIS
+from gpuop.controller.kube import ApiError, Kube
+from gpuop.controller.reconciler import Reconciler
+from gpuop.controller.settings import OperatorSettings
+from gpuop.controller.telemetry import OperatorMetrics
+from gpuop.observing import observe
 
 log = logging.getLogger(__name__)
 
@@ -155,14 +155,15 @@ def build_registry(reconciler: Reconciler, settings: OperatorSettings) -> kopf.O
     # Both job APIs, whichever the cluster serves: Kopf warns about one that is not there (and,
     # watching cluster-wide, starts watching it when its CRD appears).
     for api in APIS.values():
+        group, version = api.api_version.split("/")
         kopf.on.event(
-            api.group, api.version, api.plural, id=f"{api.backend}_event",
+            group, version, api.plural, id=f"{api.backend}_event",
             labels={TRAINING_LABEL: kopf.PRESENT}, registry=registry,
         )(job_event)  # fmt: skip
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        # Kopf's own watches log in the same way as gpuop.kube: in-cluster, else kubeconfig.
+        # Kopf's own watches log in the same way as gpuop.controller.kube: in-cluster, else kubeconfig.
         return kopf.login_via_client(**kwargs)
 
     @kopf.on.startup(registry=registry)

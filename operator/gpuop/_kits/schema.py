@@ -28,8 +28,8 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal, NewType, TypeVar, Union, get_args, get_origin
 
-from gpuop import k8svalidation
-from gpuop.quantity import AMOUNT_PATTERN, MAX_QUANTITY, is_quantity, parse_quantity
+from gpuop._kits import k8svalidation
+from gpuop._kits.quantity import AMOUNT_PATTERN, MAX_QUANTITY, is_quantity, parse_quantity
 
 Quantity = NewType("Quantity", str)
 """A Kubernetes resource quantity (``2Gi``, ``500m``), kept as the user wrote it."""

@@ -16,20 +16,20 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Final, TypeVar, cast
+from typing import Any, Final, TypeVar
 
 import click
 import yaml
 from click.core import ParameterSource
 
-from gpuop.apidoc import api_reference
-from gpuop.backends import render_job
-from gpuop.crd import build_crd, crd_yaml
-from gpuop.documents import Document, DocumentError, read_documents
-from gpuop.identity import DEFAULT_TRAINER_IMAGE, PACKAGE_VERSION
-from gpuop.schema import SpecError
-from gpuop.settings import SettingsError, from_options, operator_options
-from gpuop.spec import GpuTraining, JobBackend, parse, warnings
+from gpuop._kits.schema import SpecError
+from gpuop.api.apidoc import api_reference
+from gpuop.api.crd import build_crd, crd_yaml
+from gpuop.api.identity import DEFAULT_TRAINER_IMAGE, PACKAGE_VERSION
+from gpuop.api.spec import GpuTraining, parse, warnings
+from gpuop.backends.registry import APIS, render_job
+from gpuop.cli.documents import Document, DocumentError, read_documents
+from gpuop.controller.settings import SettingsError, from_options, operator_options
 from gputrain.contract import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 EXIT_OK = 0
@@ -148,7 +148,7 @@ def cli() -> None:
 @cli.command()
 @_files()
 @_output("yaml", "json")
-@_option("--backend", type=click.Choice(("pytorchjob", "trainjob")),
+@_option("--backend", type=click.Choice(tuple(APIS)),
          help="The Kubeflow API to render for. Default: spec.backend; pytorchjob for auto, as on a cluster "
          "that serves both.")  # fmt: skip
 @_option("--image", default=DEFAULT_TRAINER_IMAGE, show_default=True,
@@ -161,8 +161,7 @@ def render(filenames: tuple[str, ...], output: str, backend: str | None, image: 
     for document, training in parsed:
         # Without a cluster there is nothing to discover: auto renders what it prefers.
         requested = training.spec.backend
-        fallback: JobBackend = requested if requested != "auto" else "pytorchjob"
-        chosen = cast("JobBackend", backend) or fallback
+        chosen = backend or (requested if requested != "auto" else next(iter(APIS)))
         try:
             objects += render_job(training, chosen, default_image=image)
         except SpecError as exc:
@@ -200,49 +199,49 @@ def validate(filenames: tuple[str, ...]) -> int:
          "(needs the plots extra: matplotlib).")  # fmt: skip
 def run(filename: str, workers: int | None, output: str, fresh: bool, workdir: str, plot: str | None) -> int:
     """Train a GpuTraining on this machine (torchrun; gloo on CPU) and print its status."""
-    from gpuop import local, progress
+    from gpuop.local import progress, runner
 
     loaded = _load([filename])
     if len(loaded) != 1:
         raise _BadInputError([f"{filename}: run takes one GpuTraining; the file has {len(loaded)}"])
     document, training = loaded[0]
-    plan = local.plan(training, workers, Path(workdir))
-    shortfall = local.gpu_shortfall(plan, local.visible_gpus())
+    plan = runner.plan(training, workers, Path(workdir))
+    shortfall = runner.gpu_shortfall(plan, runner.visible_gpus())
     if shortfall is not None:
         raise _BadInputError([f"{document.where('spec.gpusPerWorker')}: {shortfall}"])
     try:
-        with local.hold_run_directory(plan):
+        with runner.hold_run_directory(plan):
             if fresh:
-                moved = local.move_aside(plan)
+                moved = runner.move_aside(plan)
                 if moved is not None:
                     print(f"the earlier run's checkpoints and outputs are in {moved}", file=sys.stderr)
             else:
-                finished = local.finished_result(plan)
+                finished = runner.finished_result(plan)
                 if finished is not None:
                     raise _BadInputError([
                         f"{training.name} already finished in {plan.workdir / training.name} ({finished}); "
                         "add --fresh to train it again from the start"
                     ])  # fmt: skip
-            log_path = local.new_log(plan)
+            log_path = runner.new_log(plan)
             print(
                 f"training {training.name}: {plan.processes} process(es), "
                 f"backend {training.spec.distributed_backend}; trainer log: {log_path}",
                 file=sys.stderr,
             )
             with log_path.open("w") as log, progress.Display(training.name) as display:
-                status = local.execute(plan, display.show, log, lock=False)
+                status = runner.execute(plan, display.show, log, lock=False)
                 display.finish(status)
-    except local.RunDirectoryBusyError as exc:
+    except runner.RunDirectoryBusyError as exc:
         raise _BadInputError([str(exc)]) from None
-    written = local.status_document(status)
+    written = runner.status_document(status)
     if output == "json":
         sys.stdout.write(json.dumps(written, indent=2) + "\n")
     else:
         sys.stdout.write(yaml.safe_dump({"status": written}, sort_keys=False))
-    points = local.history(plan)
-    print("\n".join(local.summary(plan, status, points)), file=sys.stderr)
+    points = runner.history(plan)
+    print("\n".join(runner.summary(plan, status, points)), file=sys.stderr)
     if plot is not None:
-        from gpuop import plots
+        from gpuop.local import plots
 
         try:
             drawn = plots.write_curves(points, Path(plot), f"{training.name}: {status.phase}")
@@ -271,8 +270,8 @@ def run(filename: str, workers: int | None, output: str, fresh: bool, workdir: s
 @operator_options
 def operator(**values: Any) -> int:
     """Run the operator: reconcile GpuTrainings into Kubeflow jobs and report their status."""
-    from gpuop import controller  # kopf and the kubernetes client: only for this command
-    from gpuop.kube import LoginError
+    from gpuop.controller import app as controller  # kopf and the kubernetes client: only for this command
+    from gpuop.controller.kube import LoginError
 
     try:
         settings = from_options(values)

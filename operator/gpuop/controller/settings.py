@@ -15,7 +15,7 @@ from typing import Any, Final, Literal, TypeVar
 
 import click
 
-from gpuop.identity import DEFAULT_TRAINER_IMAGE
+from gpuop.api.identity import DEFAULT_TRAINER_IMAGE
 
 ENV_PREFIX: Final = "GPUOP_"
 ScrapeVia = Literal["auto", "pod-ip", "proxy"]
@@ -37,7 +37,7 @@ class OperatorSettings:
     scrape_via: ScrapeVia = "auto"
     peering_name: str | None = "gpu-training-operator"  # None: standalone, no peering
     # Named by --peering or GPUOP_PEERING (the chart does): wait for the object rather than
-    # fall back to standalone when it is missing (see gpuop.controller.check_peering).
+    # fall back to standalone when it is missing (see gpuop.controller.app.check_peering).
     peering_required: bool = False
     priority: int = 0
     metrics_port: int = 8080  # 0 disables the operator's own /metrics

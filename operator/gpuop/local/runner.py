@@ -1,7 +1,7 @@
 """``gpuop run``: the same GpuTraining, trained on this machine instead of a cluster.
 
 It reuses every piece the operator uses except the cluster: the spec model, the trainer's
-environment from :func:`gpuop.render.trainer_env`, the metrics scrape and the status
+environment from :func:`gpuop.backends.pod.trainer_env`, the metrics scrape and the status
 derivation. Only "create a PyTorchJob" becomes "start torchrun here".
 """
 
@@ -24,20 +24,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-from gpuop.derive import (
-    TIME_FORMAT,
-    JobCondition,
-    Observation,
-    PodObservation,
-    Thresholds,
-    derive_status,
-    parse_time,
-)
-from gpuop.render import trainer_env
-from gpuop.schema import encode
-from gpuop.scrape import TrainerMetrics, parse_metrics
-from gpuop.spec import GpuTraining
-from gpuop.status import GpuTrainingStatus, format_eta
+from gpuop._kits.schema import encode
+from gpuop.api.spec import GpuTraining
+from gpuop.api.status import GpuTrainingStatus, format_eta
+from gpuop.backends.pod import trainer_env
+from gpuop.observing.derive import TIME_FORMAT, derive_status, parse_time
+from gpuop.observing.records import JobCondition, Observation, PodObservation, Thresholds
+from gpuop.observing.scrape import TrainerMetrics, parse_metrics
 from gputrain.contract import (
     HISTORY_FILE,
     RESULT_FILE,

@@ -1,0 +1,174 @@
+"""Kubeflow's v1 training-operator: the PyTorchJob. Legacy (no longer maintained upstream),
+still on most clusters.
+
+What the training-operator (v1.9) adds to this manifest when it makes pods, and so must not
+be rendered here: MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, PET_NNODES, PET_NODE_RANK,
+PET_NPROC_PER_NODE (fixed jobs) and PET_RDZV_* (elastic jobs). Its conditions are already
+the terms status is derived in (Created, Running, Suspended, Restarting, Succeeded, Failed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+from gpuop.api.identity import (
+    DEFAULT_TRAINER_IMAGE,
+    PYTORCHJOB_API_VERSION,
+    PYTORCHJOB_CONTAINER,
+    PYTORCHJOB_KIND,
+)
+from gpuop.api.spec import MUTABLE_SPEC_FIELDS, GpuTraining, GpuTrainingSpec
+from gpuop.backends import pod
+from gpuop.observing import observe
+from gpuop.observing.records import JobCondition, JobKind
+from gputrain.contract import METRICS_PORT, METRICS_PORT_NAME, RENDEZVOUS_PORT, RENDEZVOUS_PORT_NAME
+
+# The fields of a running PyTorchJob the training-operator acts on when they change.
+MUTABLE_RUN_POLICY: Final = ("suspend", "activeDeadlineSeconds", "ttlSecondsAfterFinished", "backoffLimit")
+
+
+def _launch(spec: GpuTrainingSpec) -> tuple[list[str], list[str] | None]:
+    """Command and args of the training container."""
+    if spec.command is not None:
+        return list(spec.command), list(spec.args) if spec.args is not None else None
+    args = [f"--nproc-per-node={spec.processes_per_worker}"]
+    if spec.elastic is None:
+        # The training-operator sets PET_NNODES and PET_NODE_RANK, which torchrun reads, but
+        # only MASTER_ADDR/MASTER_PORT for the address; Kubernetes expands $(VAR) from the
+        # container's environment.
+        args += ["--master-addr=$(MASTER_ADDR)", "--master-port=$(MASTER_PORT)"]
+    args += ["-m", "gputrain"]
+    return ["torchrun"], args
+
+
+def _pytorchjob_pod_template(name: str, spec: GpuTrainingSpec, image: str) -> dict[str, Any]:
+    """The pod template shared by Master and Worker."""
+    ports = [
+        {"name": RENDEZVOUS_PORT_NAME, "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"},
+        {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"},
+    ]
+    container = pod.trainer_container(
+        name, spec, image, container_name=PYTORCHJOB_CONTAINER, launch=_launch(spec), ports=ports
+    )
+    return pod.pod_template(name, spec, container)
+
+
+def _replica_specs(name: str, spec: GpuTrainingSpec, image: str) -> dict[str, Any]:
+    # OnFailure restarts the container inside the same pod, so a checkpoint on the default
+    # emptyDir survives the restart. (ExitCode would re-create the pod and lose it; and under
+    # torchrun the pod's exit code is the agent's, not the trainer's.)
+    restart = "OnFailure"
+    if spec.elastic is not None:
+        # Elastic jobs are Worker-only, as in Kubeflow's elastic examples: every pod joins
+        # the c10d rendezvous on worker-0 and the Worker count may scale.
+        return {
+            "Worker": {
+                "replicas": spec.workers,
+                "restartPolicy": restart,
+                "template": _pytorchjob_pod_template(name, spec, image),
+            }
+        }
+    replicas = {
+        "Master": {
+            "replicas": 1,
+            "restartPolicy": restart,
+            "template": _pytorchjob_pod_template(name, spec, image),
+        }
+    }
+    if spec.workers > 1:
+        replicas["Worker"] = {
+            "replicas": spec.workers - 1,
+            "restartPolicy": restart,
+            "template": _pytorchjob_pod_template(name, spec, image),
+        }
+    return replicas
+
+
+def _run_policy(spec: GpuTrainingSpec) -> dict[str, Any]:
+    rp = spec.run_policy
+    out: dict[str, Any] = {"cleanPodPolicy": rp.clean_pod_policy, "suspend": pod.job_suspended(spec)}
+    if rp.backoff_limit is not None:
+        out["backoffLimit"] = pod.kubeflow_backoff_limit(rp.backoff_limit, spec.workers)
+    if rp.active_deadline_seconds is not None:
+        out["activeDeadlineSeconds"] = rp.active_deadline_seconds
+    if rp.ttl_seconds_after_finished is not None:
+        out["ttlSecondsAfterFinished"] = rp.ttl_seconds_after_finished
+    if spec.scheduling.gang:
+        policy: dict[str, Any] = {"minAvailable": spec.workers}
+        if spec.scheduling.queue_name is not None:
+            policy["queue"] = spec.scheduling.queue_name
+        if spec.scheduling.priority_class_name is not None:
+            policy["priorityClass"] = spec.scheduling.priority_class_name
+        out["schedulingPolicy"] = policy
+    return out
+
+
+def render_pytorchjob(training: GpuTraining, *, default_image: str = DEFAULT_TRAINER_IMAGE) -> dict[str, Any]:
+    """The PyTorchJob for a GpuTraining."""
+    spec = training.spec
+    name = training.name
+    image = spec.image or default_image
+    metadata = pod.job_metadata(training, MUTABLE_SPEC_FIELDS)
+
+    job_spec: dict[str, Any] = {
+        # The webhook forbids elasticPolicy.nProcPerNode beside this; we only set this one.
+        "nprocPerNode": str(spec.processes_per_worker),
+        "pytorchReplicaSpecs": _replica_specs(name, spec, image),
+        "runPolicy": _run_policy(spec),
+    }
+    if spec.elastic is not None:
+        job_spec["elasticPolicy"] = {
+            "minReplicas": spec.elastic.min_workers,
+            "maxReplicas": spec.elastic.max_workers,
+            "maxRestarts": spec.elastic.max_restarts,
+            "rdzvBackend": "c10d",
+        }
+    return {
+        "apiVersion": PYTORCHJOB_API_VERSION,
+        "kind": PYTORCHJOB_KIND,
+        "metadata": metadata,
+        "spec": job_spec,
+    }
+
+
+class PyTorchJobApi:
+    """The PyTorchJob as a backend (:class:`gpuop.backends.registry.JobApi`)."""
+
+    backend: Final = "pytorchjob"
+    api_version: Final = PYTORCHJOB_API_VERSION
+    kind: Final = PYTORCHJOB_KIND
+    plural: Final = "pytorchjobs"
+    installed_by: Final = "the Kubeflow training-operator v1"
+    facts: Final = JobKind(backend, PYTORCHJOB_KIND, "pytorch_job", MUTABLE_SPEC_FIELDS)
+    companion_plurals: Final[Mapping[str, str]] = {}
+
+    def served(self, resources: Callable[[str], frozenset[str]]) -> bool:
+        return self.plural in resources(self.api_version)
+
+    def spec_gaps(self, spec: GpuTrainingSpec) -> tuple[str, ...]:
+        return ()  # the GpuTraining API was made on it: it carries every field
+
+    def render(self, training: GpuTraining, *, default_image: str) -> list[dict[str, Any]]:
+        return [render_pytorchjob(training, default_image=default_image)]
+
+    def conditions(self, job: Mapping[str, Any] | None) -> tuple[JobCondition, ...]:
+        return observe.conditions_of(job)
+
+    def suspended(self, job: Mapping[str, Any] | None) -> bool:
+        return bool((((job or {}).get("spec") or {}).get("runPolicy") or {}).get("suspend"))
+
+    def times(self, job: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
+        return observe.times(job, self.conditions(job))
+
+    def mutable_patch(
+        self, desired: Mapping[str, Any], child: Mapping[str, Any], skip: tuple[str, ...] = ()
+    ) -> dict[str, Any] | None:
+        """The runPolicy fields the training-operator acts on, as the spec now says, but those
+        in ``skip`` (suspend, when Kueue owns it)."""
+        want, have = desired["spec"]["runPolicy"], (child.get("spec") or {}).get("runPolicy") or {}
+        changes = observe.changed(want, have, MUTABLE_RUN_POLICY, skip)
+        return {"spec": {"runPolicy": changes}} if changes else None
+
+
+PYTORCHJOB: Final = PyTorchJobApi()

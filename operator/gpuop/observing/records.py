@@ -1,0 +1,111 @@
+"""The typed records the observing edge produces and the derivation reads. Pure data.
+
+:mod:`gpuop.observing.observe` (and each backend's readers) build them from API objects;
+:mod:`gpuop.observing.derive` decides from them. Kept apart so that the producer does not
+import its consumer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from gpuop.observing.scrape import TrainerMetrics
+from gputrain.contract import Result
+
+
+@dataclass(frozen=True)
+class JobKind:
+    """What status says of the job API a training runs on (its backend's: :mod:`gpuop.backends`)."""
+
+    backend: str  # status.backend
+    kind: str  # the job's kind, in condition reasons and messages
+    status_field: str | None  # the GpuTrainingStatus field that names the job, if it has one
+    mutable_fields: tuple[str, ...]  # spec fields that may change once the job is made
+
+
+@dataclass(frozen=True)
+class JobCondition:
+    """One condition of the job, in the PyTorchJob's terms (each backend's ``conditions``)."""
+
+    type: str
+    status: str
+    reason: str | None = None
+    message: str | None = None
+    last_transition_time: str | None = None
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """Where Kueue has the job's Workload (:func:`gpuop.observing.observe.queue_state`)."""
+
+    admitted: bool
+    reason: str  # Kueue's own: Pending, Preempted, QuotaReserved, ...
+    message: str
+
+
+@dataclass(frozen=True)
+class PodObservation:
+    """One training pod: its state, the trainer's termination message, its scraped metrics."""
+
+    name: str
+    phase: str
+    ready: bool = False
+    result: Result | None = None  # the trainer's final record, from its termination message
+    metrics: TrainerMetrics | None = None
+    restarts: int = 0  # the trainer container's restartCount
+    trainer_started_at: str | None = None  # when its current container started, if running
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When a running job is Stalled or Underutilized."""
+
+    stall_timeout_seconds: int  # spec.stallTimeoutSeconds; 0 disables
+    underutilized_percent: float = 30.0
+    underutilized_seconds: int = 600
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything the operator read about one GpuTraining, at one moment."""
+
+    now: datetime
+    generation: int | None
+    workers_total: int
+    gpus: int
+    invalid_spec: str | None = None  # the parse error, for a spec that got past the CRD
+    name_conflict: str | None = None  # a job of our name that is not ours (never touched)
+    # Fixed fields changed since the job was made (past a CRD without transition rules).
+    spec_not_applied: tuple[str, ...] = ()
+    job_api: JobKind | None = None  # the backend, once chosen
+    # What runs the training when no Kubeflow job does (`gpuop run`: torchrun here), named in
+    # the conditions' reasons and messages instead of a job kind.
+    runner: str | None = None
+    # Why this backend, when chosen now (None: as status already says).
+    backend_choice: tuple[str, str] | None = None  # (reason, message)
+    backend_unavailable: tuple[str, str] | None = None  # (reason, message): none can run it here
+    job_name: str | None = None  # None until the job exists
+    job_conditions: tuple[JobCondition, ...] = ()
+    job_start_time: str | None = None
+    job_completion_time: str | None = None
+    pods: tuple[PodObservation, ...] = ()
+    # The training finished and its job is gone since (Kubeflow's TTL, or by hand).
+    job_deleted: bool = False
+    # Whether the trainer is ours (it publishes gputrain_* progress); a custom command may not.
+    reports_progress: bool = True
+    queue_name: str | None = None  # spec.scheduling.queueName: Kueue owns the job's suspend
+    queue: QueueState | None = None  # its Workload, while the job is suspended (None: not found)
+    job_suspended: bool = False  # the job's spec says suspended (Kueue's hold, or the user's)
+    # What is valid but likely unintended (`spec.warnings`, such as a model written to an
+    # emptyDir): said once, in the Created condition and its event, where `kubectl describe` shows it.
+    spec_warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Event:
+    """A transition worth a Kubernetes Event."""
+
+    type: str  # Normal or Warning
+    reason: str
+    message: str

@@ -1,0 +1,223 @@
+"""A third job API is one class and one registry entry: a toy backend, registered here, runs
+through the real Reconciler (choose, render with a companion, create, read its conditions,
+suspension and times, patch, derive status, events) with nothing else changed.
+
+The Kubernetes API is a small in-memory store: what is under test is that the reconciler asks
+the backend and never branches on which one it is.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import pytest
+
+from gpuop.api.spec import GpuTraining, GpuTrainingSpec
+from gpuop.backends import pod, registry
+from gpuop.controller.reconciler import Reconciler
+from gpuop.controller.settings import OperatorSettings
+from gpuop.observing import observe
+from gpuop.observing.records import JobCondition, JobKind
+from support.specs import minimal
+
+TOY_API: Final = "toy.example.com/v1"
+
+
+class ToyJobApi:
+    """A job API the operator has never heard of: a ToyJob, made after its ToyConfig, whose
+    state is one word and whose only mutable field is ``spec.paused``."""
+
+    backend: Final = "toyjob"
+    api_version: Final = TOY_API
+    kind: Final = "ToyJob"
+    plural: Final = "toyjobs"
+    installed_by: Final = "the toy controller"
+    facts: Final = JobKind("toyjob", "ToyJob", None, ("runPolicy.suspend", "stallTimeoutSeconds"))
+    companion_plurals: Final = {"ToyConfig": "toyconfigs"}
+
+    def served(self, resources: Callable[[str], frozenset[str]]) -> bool:
+        return {"toyjobs", "toyconfigs"} <= resources(TOY_API)
+
+    def spec_gaps(self, spec: GpuTrainingSpec) -> tuple[str, ...]:
+        return ("spec.elastic",) if spec.elastic is not None else ()
+
+    def render(self, training: GpuTraining, *, default_image: str) -> list[dict[str, Any]]:
+        config = {"apiVersion": TOY_API, "kind": "ToyConfig",
+                  "metadata": pod.object_metadata(training, pod.labels(training.name)), "spec": {}}  # fmt: skip
+        job = {"apiVersion": TOY_API, "kind": "ToyJob",
+               "metadata": pod.job_metadata(training, self.facts.mutable_fields),
+               "spec": {"paused": pod.job_suspended(training.spec), "workers": training.spec.workers,
+                        "image": training.spec.image or default_image}}  # fmt: skip
+        return [config, job]
+
+    def conditions(self, job: Mapping[str, Any] | None) -> tuple[JobCondition, ...]:
+        if not job:
+            return ()
+        state = (job.get("status") or {}).get("state")
+        out = [JobCondition("Created", "True", "ToyJobCreated")]
+        kind = {"Running": "Running", "Done": "Succeeded", "Broken": "Failed", "Paused": "Suspended"}.get(
+            state or ""
+        )
+        if kind is not None:
+            out.append(JobCondition(kind, "True", f"Toy{state}", f"the toy is {state}",
+                                    (job.get("status") or {}).get("since")))  # fmt: skip
+        return tuple(out)
+
+    def suspended(self, job: Mapping[str, Any] | None) -> bool:
+        return bool(((job or {}).get("spec") or {}).get("paused"))
+
+    def times(self, job: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
+        status = (job or {}).get("status") or {}
+        return status.get("began"), observe.finished_at(self.conditions(job))
+
+    def mutable_patch(
+        self, desired: Mapping[str, Any], child: Mapping[str, Any], skip: tuple[str, ...] = ()
+    ) -> dict[str, Any] | None:
+        paused = desired["spec"]["paused"]
+        if "suspend" in skip or (child.get("spec") or {}).get("paused") == paused:
+            return None
+        return {"spec": {"paused": paused}}
+
+
+class Store:
+    """The API calls the reconciler makes, on dicts: enough of a cluster serving only the toy."""
+
+    in_cluster = False
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+        self.trainings: dict[tuple[str, str], dict[str, Any]] = {}
+        self.created: list[str] = []
+        self.events: list[str] = []
+        self.status_writes = 0
+        self._versions = itertools.count(1)
+
+    def _stamp(self, obj: dict[str, Any]) -> dict[str, Any]:
+        obj["metadata"]["resourceVersion"] = str(next(self._versions))
+        return obj
+
+    def served_resources(self, api_version: str) -> frozenset[str]:
+        return frozenset({"toyjobs", "toyconfigs"}) if api_version == TOY_API else frozenset()
+
+    def create_object(self, obj: Mapping[str, Any], plural: str) -> dict[str, Any]:
+        meta = obj["metadata"]
+        key = (obj["apiVersion"], plural, meta.get("namespace") or "default", meta["name"])
+        assert key not in self.objects
+        made = self._stamp(copy.deepcopy(dict(obj)))
+        made["metadata"]["uid"] = f"uid-{meta['name']}-{plural}"
+        self.objects[key] = made
+        self.created.append(obj["kind"])
+        return copy.deepcopy(made)
+
+    def get_object(self, api_version: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+        found = self.objects.get((api_version, plural, namespace, name))
+        return copy.deepcopy(found) if found else None
+
+    def patch_object(
+        self, api_version: str, plural: str, namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        obj = self.objects[(api_version, plural, namespace, name)]
+        obj["spec"].update(patch["spec"])
+        return copy.deepcopy(self._stamp(obj))
+
+    def job(self) -> dict[str, Any]:
+        return next(o for o in self.objects.values() if o["kind"] == "ToyJob")
+
+    def get_training(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.trainings.get((namespace, name)))
+
+    def patch_training_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        body = self.trainings[(namespace, name)]
+        status = body.setdefault("status", {})
+        for key, value in patch["status"].items():
+            if value is None:
+                status.pop(key, None)
+            else:
+                status[key] = value
+        self.status_writes += 1
+        return copy.deepcopy(self._stamp(body))
+
+    def post_event(
+        self, training: Mapping[str, Any], kind: str, reason: str, message: str, now: datetime
+    ) -> None:
+        self.events.append(reason)
+
+    def list_training_pods(self, namespace: str) -> list[dict[str, Any]]:
+        return []
+
+    def list_workloads(self, namespace: str, job_uid: str) -> list[dict[str, Any]] | None:
+        return None
+
+
+@pytest.fixture
+def toy(monkeypatch: pytest.MonkeyPatch) -> ToyJobApi:
+    api = ToyJobApi()
+    monkeypatch.setitem(registry.APIS, api.backend, api)
+    return api
+
+
+def test_a_registered_backend_runs_through_reconcile(toy: ToyJobApi) -> None:
+    store = Store()
+    body = minimal()
+    body["metadata"] |= {"name": "t", "namespace": "default", "uid": "u-1", "generation": 1}
+    store.trainings[("default", "t")] = store._stamp(copy.deepcopy(body))
+    clock = iter(datetime(2026, 11, 23, 10, 0, s, tzinfo=UTC) for s in range(60))
+    reconciler = Reconciler(store, OperatorSettings(peering_name=None), clock=lambda: next(clock))  # type: ignore[arg-type]
+    try:
+        reconciler.training_event("ADDED", store.get_training("default", "t") or {})
+        # Auto took the only API served; its companion was made first, the job last, ours.
+        assert store.created == ["ToyConfig", "ToyJob"]
+        job = store.job()
+        assert job["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+        assert observe.created_from(job) is not None
+        status = store.trainings[("default", "t")]["status"]
+        assert (status["phase"], status["backend"]) == ("Created", "toyjob")
+        selected = next(c for c in status["conditions"] if c["type"] == "BackendSelected")
+        assert (
+            selected["message"]
+            == "spec.backend is auto; the cluster serves ToyJob and no PyTorchJob or TrainJob"
+        )
+
+        # Its state, read by the backend, becomes the phase; its start time, status's.
+        job["status"] = {"state": "Running", "began": "2026-11-23T10:00:05Z"}
+        reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
+        status = store.trainings[("default", "t")]["status"]
+        assert (status["phase"], status["message"]) == ("Running", "ToyJob t is running")
+        assert status["startTime"] == "2026-11-23T10:00:05Z"
+
+        # A spec change reaches the job through the backend's patch.
+        training = store.trainings[("default", "t")]
+        training["spec"]["runPolicy"] = {"suspend": True}
+        training["metadata"]["generation"] = 2
+        reconciler.training_event("MODIFIED", store._stamp(copy.deepcopy(training)))
+        assert store.job()["spec"]["paused"] is True
+
+        writes = store.status_writes
+        reconciler.reconcile(("default", "t"))  # nothing new: no write
+        assert store.status_writes == writes
+
+        job = store.job()
+        job["status"] = {"state": "Done", "began": "2026-11-23T10:00:05Z", "since": "2026-11-23T10:00:30Z"}
+        reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
+        status = store.trainings[("default", "t")]["status"]
+        assert status["phase"] == "Succeeded"
+        assert status["completionTime"] == "2026-11-23T10:00:30Z"
+        assert store.events[:2] == ["ToyJobCreated", "ToyRunning"]
+        assert "TrainingSucceeded" in store.events
+    finally:
+        reconciler.close()
+
+
+def test_auto_passes_over_a_backend_that_cannot_carry_the_spec(toy: ToyJobApi) -> None:
+    spec_gaps = {"toyjob": ("spec.elastic",)}
+    choice = registry.choose("auto", frozenset({"toyjob"}), spec_gaps)
+    assert (choice.backend, choice.reason) == (None, "Unsupported")
+    assert choice.message == (
+        "the cluster serves only ToyJob (the toy controller), which cannot carry spec.elastic: install the "
+        "Kubeflow training-operator v1 or Kubeflow Trainer v2, or drop those fields"
+    )
+    assert registry.choose("auto", frozenset({"toyjob", "trainjob"}), spec_gaps).backend == "trainjob"

@@ -50,6 +50,10 @@ from support import crdschema, kubeflow
 
 ROOT = Path(__file__).resolve().parents[2]
 Validator = Callable[[dict[str, Any], dict[str, Any] | None], list[str]]
+# How long a test waits for the emulator's loop to run one of its calls: a guard against a hung
+# loop, not a timing check. The loop also serves the operator under test, and on a loaded
+# 2-core machine a call once waited over 10 s behind a burst of its requests.
+LOOP_CALL_TIMEOUT = 120
 
 # (group/version/plural, kind, namespaced, subresources, short names)
 RESOURCES: tuple[tuple[str, str, bool, tuple[str, ...], tuple[str, ...]], ...] = (
@@ -629,7 +633,7 @@ class RunningApiServer:
             await self._http.__aenter__()
             return str(self._http.url).rstrip("/")
 
-        self.url = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
+        self.url = asyncio.run_coroutine_threadsafe(start(), self.loop).result(LOOP_CALL_TIMEOUT)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -661,7 +665,7 @@ class RunningApiServer:
         async def run() -> Any:
             return fn(*args, **kwargs)
 
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(LOOP_CALL_TIMEOUT)
 
     def kubeconfig(self, path: Path) -> Path:
         config = {

@@ -16,7 +16,7 @@ import torch
 
 from gpuop.api.status import GpuUsage, format_eta
 from gpuop.local.runner import progress_line, scrape
-from gpuop.observing.derive import gpu_usage
+from gpuop.observing.figures import gpu_usage
 from gpuop.observing.scrape import parse_metrics
 from gputrain.checkpoint import CheckpointManager
 from gputrain.contract import Metric, Progress, Result

@@ -9,9 +9,15 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from gpuop._kits.schema import encode
-from gpuop.api.status import REASON_PATTERN, GpuTrainingStatus, condition_reason
+from gpuop.api.status import (
+    REASON_PATTERN,
+    GpuTrainingStatus,
+    condition_reason,
+    status_from_json,
+    status_patch,
+)
 from gpuop.backends.pytorchjob import PYTORCHJOB
-from gpuop.observing.derive import derive_status, events, status_from_json, status_patch
+from gpuop.observing.derive import derive_status, events
 from gpuop.observing.records import JobCondition, Observation, PodObservation, QueueState, Thresholds
 from gpuop.observing.scrape import GpuFigures, TrainerMetrics
 from gputrain.contract import Result

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from gpuop.api.identity import DEFAULT_TRAINER_IMAGE, TRAINER_IMAGE_REPOSITORY
-from gpuop.api.spec import SecurityContext
+from gpuop.api.podspec import SecurityContext
 from gputrain.contract import METRICS_PORT, RENDEZVOUS_PORT
 from support.crdschema import ROOT
 

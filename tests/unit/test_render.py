@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from gpuop._kits.quantity import GI, MI
+from gpuop.api.fixed import fixed_spec
 from gpuop.api.identity import CREATED_FROM_ANNOTATION, DEFAULT_TRAINER_IMAGE
-from gpuop.api.spec import fixed_spec, parse
+from gpuop.api.spec import parse
 from gpuop.backends.pod import kubeflow_backoff_limit, shm_size_bytes, trainer_settings
 from gpuop.backends.pytorchjob import render_pytorchjob
 from gpuop.backends.registry import render_job

@@ -9,17 +9,9 @@ from typing import Any, get_args, get_type_hints
 import pytest
 
 from gpuop._kits.schema import SpecError
-from gpuop.api.spec import (
-    TRAINJOB_GAPS,
-    Dataset,
-    GpuTrainingSpec,
-    Model,
-    Training,
-    fixed_spec,
-    fixed_spec_changes,
-    fixed_spec_record,
-    parse,
-)
+from gpuop.api.fixed import fixed_spec, fixed_spec_changes, fixed_spec_record
+from gpuop.api.runspec import Dataset, Model, Training
+from gpuop.api.spec import TRAINJOB_GAPS, GpuTrainingSpec, parse
 from gputrain.contract import DATASET_NAMES, MODEL_NAMES, PRECISIONS
 from support.specs import minimal
 

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from gpuop._kits.schema import SpecError
-from gpuop.api.spec import fixed_spec_changes, parse, trainjob_gaps
+from gpuop.api.fixed import fixed_spec_changes
+from gpuop.api.spec import parse, trainjob_gaps
 from gpuop.backends import pod as render
 from gpuop.backends.pytorchjob import render_pytorchjob
 from gpuop.backends.trainjob import render_runtime, render_trainjob

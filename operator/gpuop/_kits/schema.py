@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal, NewType, TypeVar, Union, get_args, get_origin
 
 from gpuop._kits import k8svalidation
-from gpuop._kits.quantity import AMOUNT_PATTERN, MAX_QUANTITY, is_quantity, parse_quantity
+from gpuop._kits.quantity import MAX_QUANTITY, is_quantity, parse_quantity
 
 Quantity = NewType("Quantity", str)
 """A Kubernetes resource quantity (``2Gi``, ``500m``), kept as the user wrote it."""
@@ -165,7 +165,7 @@ class _Slot:
     default: Any  # dataclasses.MISSING when required
 
 
-def _slots(cls: type) -> tuple[_Slot, ...]:
+def field_slots(cls: type) -> tuple[_Slot, ...]:
     cached: tuple[_Slot, ...] | None = cls.__dict__.get("_gpuop_slots")
     if cached is not None:
         return cached
@@ -175,7 +175,7 @@ def _slots(cls: type) -> tuple[_Slot, ...]:
         doc = f.metadata.get(_META_KEY)
         if doc is None:
             raise TypeError(f"{cls.__name__}.{f.name} is not declared with api_field()")
-        hint, optional = _unwrap_optional(hints[f.name])
+        hint, optional = unwrap_optional(hints[f.name])
         if f.default is not dataclasses.MISSING:
             default = f.default
         elif f.default_factory is not dataclasses.MISSING:
@@ -188,7 +188,7 @@ def _slots(cls: type) -> tuple[_Slot, ...]:
     return result
 
 
-def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
+def unwrap_optional(hint: Any) -> tuple[Any, bool]:
     if get_origin(hint) in (Union, types.UnionType):
         args = [a for a in get_args(hint) if a is not type(None)]
         if len(args) == 1 and len(get_args(hint)) == 2:
@@ -197,16 +197,16 @@ def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
-def _class_rules(cls: type) -> tuple[Rule, ...]:
+def class_rules(cls: type) -> tuple[Rule, ...]:
     rules: tuple[Rule, ...] = getattr(cls, "RULES", ())
     return rules
 
 
-def _is_tuple(hint: Any) -> bool:
+def is_tuple(hint: Any) -> bool:
     return get_origin(hint) is tuple
 
 
-def _is_mapping(hint: Any) -> bool:
+def is_mapping(hint: Any) -> bool:
     return get_origin(hint) in (Mapping, dict)
 
 
@@ -227,7 +227,7 @@ def _decode_object(cls: type[_T], data: Any, path: str, problems: list[Problem])
     if not isinstance(data, Mapping):
         problems.append(Problem(path, f"must be an object (got {show(data)})"))
         return None
-    slots = _slots(cls)
+    slots = field_slots(cls)
     known = {s.key for s in slots}
     before = len(problems)
     for key in data:
@@ -257,7 +257,7 @@ def _decode_object(cls: type[_T], data: Any, path: str, problems: list[Problem])
     if len(problems) > before:
         return None
     obj = cls(**values)
-    for rule in _class_rules(cls):
+    for rule in class_rules(cls):
         message = rule.check(obj)
         if message is not None:
             problems.append(Problem(_join(path, rule.field.lstrip(".")), message))
@@ -275,9 +275,9 @@ def _decode_value(hint: Any, doc: FieldDoc, raw: Any, path: str, problems: list[
         return raw
     if hint is Quantity:
         return _decode_quantity(raw, path, problems)
-    if _is_tuple(hint):
+    if is_tuple(hint):
         return _decode_list(get_args(hint)[0], doc, raw, path, problems)
-    if _is_mapping(hint):
+    if is_mapping(hint):
         return _decode_mapping(doc, raw, path, problems)
     if hint is bool:
         if not isinstance(raw, bool):
@@ -321,7 +321,7 @@ def _decode_list(
     before = len(problems)
     items = []
     for index, item in enumerate(raw):
-        items.append(_decode_value(item_hint, _item_doc(doc), item, f"{path}[{index}]", problems))
+        items.append(_decode_value(item_hint, item_doc(doc), item, f"{path}[{index}]", problems))
     if doc.list_map_key is not None and len(problems) == before:
         seen: set[Any] = set()
         for index, item in enumerate(raw):
@@ -336,7 +336,7 @@ def _decode_list(
 _ITEM_DOC: Final = FieldDoc(description="")
 
 
-def _item_doc(doc: FieldDoc) -> FieldDoc:
+def item_doc(doc: FieldDoc) -> FieldDoc:
     """What each item of a list field must be: bounded as the field says."""
     return (
         _ITEM_DOC if doc.item_max_length is None else FieldDoc(description="", max_length=doc.item_max_length)
@@ -448,7 +448,7 @@ def encode(obj: Any) -> Any:
     """The JSON form of a decoded object: camelCase keys, absent optionals left out."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out: dict[str, Any] = {}
-        for slot in _slots(type(obj)):
+        for slot in field_slots(type(obj)):
             value = getattr(obj, slot.name)
             # An absent collection means an empty one, as in Kubernetes: leave both out.
             if value is not None and not (isinstance(value, (tuple, Mapping)) and not value):
@@ -459,99 +459,3 @@ def encode(obj: Any) -> Any:
     if isinstance(obj, Mapping):
         return {key: encode(value) for key, value in obj.items()}
     return obj
-
-
-# --------------------------------------------------------------------------------------------
-# The structural openAPIV3Schema for the CRD.
-
-
-def openapi_schema(cls: type, description: str) -> dict[str, Any]:
-    """The structural schema of a dataclass, with descriptions, defaults, bounds and CEL."""
-    properties: dict[str, Any] = {}
-    required: list[str] = []
-    for slot in _slots(cls):
-        schema = _value_schema(slot.hint, slot.doc, slot.doc.description)
-        if slot.default is not dataclasses.MISSING and slot.default is not None:
-            default = encode(slot.default)
-            if default not in ([], {}) or dataclasses.is_dataclass(slot.hint):
-                # An object default of {} lets the API server default its fields; an empty
-                # list or map needs no default, absent already means empty.
-                schema["default"] = default
-        elif slot.default is dataclasses.MISSING and not slot.optional:
-            required.append(slot.key)
-        rules = [_cel(rule) for rule in slot.doc.rules]
-        if rules:
-            schema["x-kubernetes-validations"] = rules
-        properties[slot.key] = schema
-    # No empty description: the API server drops it (list items carry theirs on the list).
-    schema = {
-        "type": "object",
-        **({"description": description} if description else {}),
-        "properties": properties,
-    }
-    if required:
-        schema["required"] = required
-    rules = [_cel(rule) for rule in _class_rules(cls)]
-    if rules:
-        schema["x-kubernetes-validations"] = rules
-    return schema
-
-
-def _value_schema(hint: Any, doc: FieldDoc, description: str) -> dict[str, Any]:
-    if dataclasses.is_dataclass(hint):
-        return openapi_schema(typing.cast(type, hint), description)
-    schema: dict[str, Any] = {"description": description} if description else {}
-    if get_origin(hint) is Literal:
-        schema.update(type="string", enum=list(get_args(hint)))
-    elif hint is Quantity:
-        schema.update(
-            {
-                "anyOf": [{"type": "integer"}, {"type": "string"}],
-                "pattern": AMOUNT_PATTERN,
-                "x-kubernetes-int-or-string": True,
-            }
-        )
-    elif _is_tuple(hint):
-        schema.update(type="array", items=_value_schema(get_args(hint)[0], _item_doc(doc), ""))
-        if doc.max_items is not None:
-            schema["maxItems"] = doc.max_items
-        if doc.list_map_key is not None:
-            schema["x-kubernetes-list-type"] = "map"
-            schema["x-kubernetes-list-map-keys"] = [doc.list_map_key]
-    elif _is_mapping(hint):
-        values: dict[str, Any] = {"type": "string"}
-        if doc.item_max_length is not None:
-            values["maxLength"] = doc.item_max_length
-        schema.update(type="object", additionalProperties=values)
-        if doc.max_properties is not None:
-            schema["maxProperties"] = doc.max_properties
-    elif hint is bool:
-        schema["type"] = "boolean"
-    elif hint is int or hint is float:
-        schema["type"] = "integer" if hint is int else "number"
-        if doc.minimum is not None:
-            schema["minimum"] = doc.minimum
-            if doc.exclusive_minimum:
-                schema["exclusiveMinimum"] = True
-        if doc.maximum is not None:
-            schema["maximum"] = doc.maximum
-    elif hint is str:
-        schema["type"] = "string"
-        if doc.min_length is not None:
-            schema["minLength"] = doc.min_length
-        if doc.max_length is not None:
-            schema["maxLength"] = doc.max_length
-        if doc.pattern is not None:
-            schema["pattern"] = doc.pattern
-        if doc.date_time:
-            schema["format"] = "date-time"
-    else:
-        raise TypeError(f"unsupported field type {hint!r}")
-    return schema
-
-
-def _cel(rule: Rule) -> dict[str, str]:
-    out = {"rule": rule.cel, "message": rule.message}
-    if rule.field:
-        out["fieldPath"] = rule.field
-    return out

@@ -10,7 +10,7 @@ from typing import Any, Final
 
 import yaml
 
-from gpuop._kits.schema import openapi_schema
+from gpuop._kits.openapi import openapi_schema
 from gpuop.api.identity import GROUP, KIND, PLURAL, VERSION
 from gpuop.api.spec import MUTABLE_SPEC_FIELDS, NAME_RULE, GpuTrainingSpec
 from gpuop.api.status import GpuTrainingStatus

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Final, Literal, get_args
+from collections.abc import Mapping
+from typing import Any, Final, Literal, get_args
 
-from gpuop._kits.schema import api_field, api_object
+from gpuop._kits.schema import SpecError, api_field, api_object, decode, encode
 
 ConditionStatus = Literal["True", "False", "Unknown"]
 Phase = Literal["Pending", "Created", "Queued", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
@@ -71,7 +72,7 @@ class WorkerCounts:
 
 
 @api_object
-class Progress:
+class ProgressStatus:
     """Training progress, scraped from the trainers' metrics while running and read from
     their termination messages when they finish."""
 
@@ -194,7 +195,7 @@ class GpuTrainingStatus:
         "Name of the TrainJob that runs the training (backend trainjob).", default=None, max_length=253
     )
     workers: WorkerCounts | None = api_field("Worker pods ready and asked for.", default=None)
-    progress: Progress | None = api_field("Training progress.", default=None)
+    progress: ProgressStatus | None = api_field("Training progress.", default=None)
     gpu: GpuUsage | None = api_field("GPU utilization and memory.", default=None)
     start_time: str | None = api_field(
         "When the job started running.", default=None, date_time=True, max_length=64
@@ -243,3 +244,47 @@ def format_percent(percent: float | None) -> str | None:
     if percent is None:
         return None
     return f"{max(0, min(100, math.floor(percent)))}%"
+
+
+# -- the status as JSON: read back, and the patch from one to the next -----------------------
+
+
+def status_from_json(document: Mapping[str, Any] | None) -> GpuTrainingStatus | None:
+    """The status the operator wrote before, read back (unknown or malformed: start afresh)."""
+    if not document:
+        return None
+    try:
+        return decode(GpuTrainingStatus, _upgraded(document), "status")
+    except SpecError:
+        return None
+
+
+def _upgraded(document: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A status written by an earlier version, in today's shape: conditions then could lack
+    a reason or message (metav1.Condition requires both), and reading such a status as
+    malformed would forget what it holds (a finished training's result, its gpuHours)."""
+    conditions = document.get("conditions")
+    if not isinstance(conditions, list):
+        return document
+    fixed = []
+    for c in conditions:
+        if isinstance(c, dict) and isinstance(c.get("type"), str):
+            reason = c.get("reason")
+            c = {**c, "reason": condition_reason(reason if isinstance(reason, str) else None, c["type"],
+                                                 str(c.get("status"))),
+                 "message": c.get("message") or ""}  # fmt: skip
+        fixed.append(c)
+    return {**document, "conditions": fixed}
+
+
+def status_patch(previous: GpuTrainingStatus | None, new: GpuTrainingStatus) -> dict[str, Any] | None:
+    """The merge patch for the status subresource, or None when there is nothing to write."""
+    if previous is not None and new == previous:
+        return None
+    document: dict[str, Any] = encode(new)
+    old: dict[str, Any] = encode(previous) if previous is not None else {}
+    # A merge patch removes a key only when told to: null out what is gone.
+    for key in old:
+        if key not in document:
+            document[key] = None
+    return {"status": document}

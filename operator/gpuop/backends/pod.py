@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 from gpuop._kits.quantity import MI, format_bytes, parse_quantity
+from gpuop.api.fixed import fixed_spec_record
 from gpuop.api.identity import (
     API_VERSION,
     CREATED_FROM_ANNOTATION,
@@ -22,13 +23,9 @@ from gpuop.api.identity import (
     KUEUE_QUEUE_LABEL,
     TRAINING_LABEL,
 )
-from gpuop.api.spec import (
-    GpuTraining,
-    GpuTrainingSpec,
-    Toleration,
-    VolumeSource,
-    fixed_spec_record,
-)
+from gpuop.api.podspec import Toleration
+from gpuop.api.runspec import VolumeSource
+from gpuop.api.spec import GpuTraining, GpuTrainingSpec
 from gputrain.contract import (
     METRICS_PORT,
     TERMINATION_LOG,

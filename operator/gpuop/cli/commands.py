@@ -278,7 +278,7 @@ def operator(**values: Any) -> int:
     except SettingsError as exc:
         raise _BadInputError([str(exc)]) from None
     try:
-        return controller.run(settings)
+        return controller.run_operator(settings)
     except LoginError as exc:
         raise _BadInputError([str(exc)]) from None
 

@@ -228,7 +228,7 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
         reconciler.close()
 
 
-def run(settings: OperatorSettings) -> int:
+def run_operator(settings: OperatorSettings) -> int:
     """The ``gpuop operator`` command."""
     kopf.configure(
         verbose=settings.verbose,

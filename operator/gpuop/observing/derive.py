@@ -13,24 +13,22 @@ writing them on every tick would turn each running job into a steady stream of p
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
-from gpuop._kits.schema import SpecError, decode, encode
 from gpuop.api.status import (
     Condition,
     ConditionStatus,
     GpuTrainingStatus,
     GpuUsage,
     Phase,
-    Progress,
+    ProgressStatus,
     WorkerCounts,
-    WorkerGpu,
     condition_reason,
     format_eta,
-    format_percent,
 )
+from gpuop.observing.figures import gpu_usage, progress_from_metrics, progress_from_result
 from gpuop.observing.records import Event, Observation, Thresholds
 from gpuop.observing.scrape import TrainerMetrics
 from gputrain.contract import Result
@@ -113,7 +111,7 @@ def _latest_metrics(obs: Observation) -> TrainerMetrics | None:
     return max(scraped, key=lambda m: m.step or 0, default=None)
 
 
-def _same_figures(a: Progress | None, b: Progress | None) -> bool:
+def _same_figures(a: ProgressStatus | None, b: ProgressStatus | None) -> bool:
     if a is None or b is None:
         return a is b
     return dataclasses.replace(a, updated_at=None, step_advanced_at=None) == dataclasses.replace(
@@ -121,7 +119,9 @@ def _same_figures(a: Progress | None, b: Progress | None) -> bool:
     )
 
 
-def _progress(previous: Progress | None, obs: Observation, phase: Phase, now: str) -> Progress | None:
+def _progress(
+    previous: ProgressStatus | None, obs: Observation, phase: Phase, now: str
+) -> ProgressStatus | None:
     if phase == "Succeeded":
         record = _trainer_record(obs, "Succeeded")
         fresh = progress_from_result(record, now) if record is not None else previous
@@ -133,7 +133,7 @@ def _progress(previous: Progress | None, obs: Observation, phase: Phase, now: st
         # all the same (a hang before step 1, in NCCL's init say, is a stall). A custom command
         # may never publish any: no clock, no verdict, rather than a false Stalled.
         if phase == "Running" and obs.reports_progress:
-            return Progress(step_advanced_at=now)
+            return ProgressStatus(step_advanced_at=now)
         return None
     if previous is not None and _same_figures(previous, fresh):
         return previous
@@ -211,7 +211,7 @@ def _merge_conditions(
     return tuple(sorted(merged.values(), key=lambda c: (order.get(c.type, len(order)), c.type)))
 
 
-def _restart_note(obs: Observation, progress: Progress | None) -> str | None:
+def _restart_note(obs: Observation, progress: ProgressStatus | None) -> str | None:
     """Why a running job is Restarting, if it is: a pod's trainer container was restarted in
     place and the training has not advanced since. Kubeflow says nothing then: with restartPolicy
     OnFailure kubelet restarts the container and the job stays Running (seen on the real
@@ -287,6 +287,35 @@ def _job_reason(obs: Observation, kind: str) -> tuple[str | None, str | None]:
     return None, None
 
 
+@dataclass(frozen=True)
+class _Moment:
+    """What one derivation works from: the observation, the status before, and what was
+    decided first (phase, figures), shared by the condition builders below."""
+
+    obs: Observation
+    before: GpuTrainingStatus
+    thresholds: Thresholds
+    now: str
+    phase: Phase
+    kind: str
+    progress: ProgressStatus | None
+    gpu: GpuUsage | None
+    restart_note: str | None
+    selected: tuple[str, str] | None
+
+    def condition(
+        self, kind: str, status: ConditionStatus, reason: str | None, message: str | None
+    ) -> Condition:
+        return Condition(
+            type=kind,
+            status=status,
+            reason=condition_reason(reason, kind, status),
+            message=message or "",
+            last_transition_time=self.now,  # kept from the previous one while the status holds (merge)
+            observed_generation=self.obs.generation,
+        )
+
+
 def derive_status(
     previous: GpuTrainingStatus | None, obs: Observation, thresholds: Thresholds
 ) -> GpuTrainingStatus:
@@ -294,121 +323,133 @@ def derive_status(
     now = _stamp(obs.now)
     if obs.job_deleted and previous is not None and previous.phase in _TERMINAL:
         return _job_deleted_after_finishing(previous, obs, now)
-    phase = _phase(obs)
-    phase = _kueue_phase(obs, phase)
-    kind = _kind(obs)
+    phase = _kueue_phase(obs, _phase(obs))
     before = previous or GpuTrainingStatus()
-    selected = _backend_selected(before, obs)
     progress = _progress(before.progress, obs, phase, now)
     restart_note = _restart_note(obs, progress) if phase == "Running" else None
-    if restart_note is not None:
-        phase = "Restarting"
-    generation = obs.generation
+    moment = _Moment(
+        obs=obs, before=before, thresholds=thresholds, now=now,
+        phase="Restarting" if restart_note is not None else phase, kind=_kind(obs), progress=progress,
+        gpu=_gpu(before.gpu, obs, thresholds, now), restart_note=restart_note,
+        selected=_backend_selected(before, obs),
+    )  # fmt: skip
+    wanted, message = _conditions(moment)
+    candidate = _status(moment, wanted, message)
+    if previous is not None and candidate == previous:
+        return previous
+    phase = moment.phase
+    terminal = phase in _TERMINAL
+    hours, counted_at = _gpu_hours(before, obs, phase, candidate.completion_time, now)
+    if hours is None and terminal and candidate.start_time is not None:
+        hours = 0.0  # it ran, perhaps between two looks (a short local run): none held since
+    return dataclasses.replace(candidate, gpu_hours=hours, gpu_hours_counted_at=counted_at)
 
-    def condition(kind: str, status: ConditionStatus, reason: str | None, message: str | None) -> Condition:
-        return Condition(
-            type=kind,
-            status=status,
-            reason=condition_reason(reason, kind, status),
-            message=message or "",
-            last_transition_time=now,  # kept from the previous one while the status holds (merge)
-            observed_generation=generation,
-        )
 
+def _conditions(m: _Moment) -> tuple[list[Condition], str]:
+    """The conditions that hold now (before merging with the previous ones), and the message."""
+    obs, kind = m.obs, m.kind
     wanted: list[Condition] = []
-    message: str | None
-    gpu = _gpu(before.gpu, obs, thresholds, now)
     if obs.invalid_spec is not None:
         message = obs.invalid_spec
         wanted += [
-            condition("InvalidSpec", "True", "InvalidSpec", obs.invalid_spec),
-            condition("Failed", "True", "InvalidSpec", obs.invalid_spec),
+            m.condition("InvalidSpec", "True", "InvalidSpec", obs.invalid_spec),
+            m.condition("Failed", "True", "InvalidSpec", obs.invalid_spec),
         ]
     elif obs.name_conflict is not None:
         message = obs.name_conflict
-        wanted.append(condition("NameConflict", "True", "NameConflict", obs.name_conflict))
-    elif phase == "Pending":
+        wanted.append(m.condition("NameConflict", "True", "NameConflict", obs.name_conflict))
+    elif m.phase == "Pending":
         message = f"waiting for the {kind} to be created"
         if obs.backend_unavailable is not None:
             message = obs.backend_unavailable[1]
-            wanted.append(condition("BackendUnavailable", "True", *obs.backend_unavailable))
+            wanted.append(m.condition("BackendUnavailable", "True", *obs.backend_unavailable))
     else:
-        why = f" ({selected[1]})" if selected is not None else ""
-        warned = "".join(f"; warning: {w}" for w in obs.spec_warnings)
-        wanted.append(
-            condition("Created", "True", f"{kind}Created", f"{kind} {obs.job_name} created{why}{warned}")
-        )
-        wanted.append(
-            condition("Running", "True" if phase == "Running" else "False", *_job_reason(obs, "Running"))
-        )
-        message = f"{kind} {obs.job_name} is {phase.lower()}"
-        if phase == "Failed":
-            record = _trainer_record(obs, "Failed")
-            earlier = next((c for c in before.conditions if c.type == "Failed" and c.status == "True"), None)
-            if record is not None:
-                reason, text = record.reason, record.message
-            elif earlier is not None:  # the pods (and their records) may be gone by now
-                reason, text = earlier.reason, earlier.message
-            else:
-                reason, text = _job_reason(obs, "Failed")
-            message = text or f"the {kind} failed"
-            wanted.append(condition("Failed", "True", reason or f"{kind}Failed", message))
-        elif phase == "Succeeded":
-            message = "training finished"
-            wanted.append(condition("Succeeded", "True", "TrainingSucceeded", message))
-        elif phase == "Queued":
-            reason, message = _queued(obs, kind)
-            wanted.append(condition("Queued", "True", reason, message))
-        elif phase in ("Suspended", "Restarting"):
-            reason, text = _job_reason(obs, phase)
-            if restart_note is not None:
-                reason, text = "TrainerRestarted", restart_note
-            message = text or message
-            wanted.append(condition(phase, "True", reason or f"{kind}{phase}", message))
-        if phase == "Running":
-            wanted += _running_alarms(progress, gpu, thresholds, obs.now, condition)
-        if obs.spec_not_applied:
-            wanted.append(
-                condition(
-                    "SpecNotApplied",
-                    "True",
-                    "FixedFieldChanged",
-                    f"{', '.join(obs.spec_not_applied)} changed after the {kind} was created and "
-                    f"cannot change on it (only {' and '.join(_mutable_fields(obs))} can); the job runs "
-                    "as created: change it back, or delete the GpuTraining and create it again",
-                )
-            )
+        message = _job_conditions(m, wanted)
+    if m.selected is not None:
+        wanted.insert(0, m.condition("BackendSelected", "True", *m.selected))
+    return wanted, message
 
-    if selected is not None:
-        wanted.insert(0, condition("BackendSelected", "True", *selected))
-    conditions = _merge_conditions(before.conditions, wanted, set(_CLEARABLE), now)
-    ready = sum(1 for p in obs.pods if p.ready and p.phase == "Running")
+
+def _job_conditions(m: _Moment, wanted: list[Condition]) -> str:
+    """Append the conditions of a training whose job exists; returns the status message."""
+    obs, kind, phase = m.obs, m.kind, m.phase
+    why = f" ({m.selected[1]})" if m.selected is not None else ""
+    warned = "".join(f"; warning: {w}" for w in obs.spec_warnings)
+    wanted.append(
+        m.condition("Created", "True", f"{kind}Created", f"{kind} {obs.job_name} created{why}{warned}")
+    )
+    wanted.append(
+        m.condition("Running", "True" if phase == "Running" else "False", *_job_reason(obs, "Running"))
+    )
+    message = f"{kind} {obs.job_name} is {phase.lower()}"
+    said = _phase_condition(m, message)
+    if said is not None:
+        wanted.append(said)
+        message = said.message
+    if phase == "Running":
+        wanted += _running_alarms(m.progress, m.gpu, m.thresholds, obs.now, m.condition)
+    if obs.spec_not_applied:
+        wanted.append(
+            m.condition(
+                "SpecNotApplied",
+                "True",
+                "FixedFieldChanged",
+                f"{', '.join(obs.spec_not_applied)} changed after the {kind} was created and "
+                f"cannot change on it (only {' and '.join(_mutable_fields(obs))} can); the job runs "
+                "as created: change it back, or delete the GpuTraining and create it again",
+            )
+        )
+    return message
+
+
+def _phase_condition(m: _Moment, message: str) -> Condition | None:
+    """The condition named after the phase, for the phases that have one, with its words."""
+    obs, kind, phase = m.obs, m.kind, m.phase
+    if phase == "Failed":
+        record = _trainer_record(obs, "Failed")
+        earlier = next((c for c in m.before.conditions if c.type == "Failed" and c.status == "True"), None)
+        if record is not None:
+            reason, text = record.reason, record.message
+        elif earlier is not None:  # the pods (and their records) may be gone by now
+            reason, text = earlier.reason, earlier.message
+        else:
+            reason, text = _job_reason(obs, "Failed")
+        return m.condition("Failed", "True", reason or f"{kind}Failed", text or f"the {kind} failed")
+    if phase == "Succeeded":
+        return m.condition("Succeeded", "True", "TrainingSucceeded", "training finished")
+    if phase == "Queued":
+        return m.condition("Queued", "True", *_queued(obs, kind))
+    if phase in ("Suspended", "Restarting"):
+        reason, text = _job_reason(obs, phase)
+        if m.restart_note is not None:
+            reason, text = "TrainerRestarted", m.restart_note
+        return m.condition(phase, "True", reason or f"{kind}{phase}", text or message)
+    return None
+
+
+def _status(m: _Moment, wanted: list[Condition], message: str) -> GpuTrainingStatus:
+    """The status of this moment, its gpuHours as they were (brought up to date by the caller)."""
+    obs, before, phase, now = m.obs, m.before, m.phase, m.now
     start = obs.job_start_time or before.start_time
     if start is None and phase in ("Running", "Restarting"):
         start = now
     terminal = phase in _TERMINAL
-    completion = (obs.job_completion_time or before.completion_time or now) if terminal else None
-    candidate = GpuTrainingStatus(
+    return GpuTrainingStatus(
         phase=phase,
-        conditions=conditions,
-        observed_generation=generation,
+        conditions=_merge_conditions(before.conditions, wanted, set(_CLEARABLE), now),
+        observed_generation=obs.generation,
         backend=obs.job_api.backend if obs.job_api is not None else before.backend,
         **_job_names(obs),
-        workers=WorkerCounts(ready=ready, total=obs.workers_total),
-        progress=progress,
-        gpu=gpu,
+        workers=WorkerCounts(ready=sum(1 for p in obs.pods if p.ready and p.phase == "Running"),
+                             total=obs.workers_total),
+        progress=m.progress,
+        gpu=m.gpu,
         start_time=start,
-        completion_time=completion,
+        completion_time=(obs.job_completion_time or before.completion_time or now) if terminal else None,
         gpu_hours=before.gpu_hours,
         gpu_hours_counted_at=before.gpu_hours_counted_at,
         message=message,
-    )
-    if previous is not None and candidate == previous:
-        return previous
-    hours, counted_at = _gpu_hours(before, obs, phase, completion, now)
-    if hours is None and terminal and start is not None:
-        hours = 0.0  # it ran, perhaps between two looks (a short local run): none held since
-    return dataclasses.replace(candidate, gpu_hours=hours, gpu_hours_counted_at=counted_at)
+    )  # fmt: skip
 
 
 def _gpu_hours(
@@ -430,7 +471,11 @@ def _gpu_hours(
 
 
 def _running_alarms(
-    progress: Progress | None, gpu: GpuUsage | None, thresholds: Thresholds, now: datetime, condition: Any
+    progress: ProgressStatus | None,
+    gpu: GpuUsage | None,
+    thresholds: Thresholds,
+    now: datetime,
+    condition: Any,
 ) -> list[Condition]:
     alarms: list[Condition] = []
     advanced = progress.step_advanced_at if progress is not None else None
@@ -464,19 +509,6 @@ def _running_alarms(
     return alarms
 
 
-def status_patch(previous: GpuTrainingStatus | None, new: GpuTrainingStatus) -> dict[str, Any] | None:
-    """The merge patch for the status subresource, or None when there is nothing to write."""
-    if previous is not None and new == previous:
-        return None
-    document: dict[str, Any] = encode(new)
-    old: dict[str, Any] = encode(previous) if previous is not None else {}
-    # A merge patch removes a key only when told to: null out what is gone.
-    for key in old:
-        if key not in document:
-            document[key] = None
-    return {"status": document}
-
-
 def events(previous: GpuTrainingStatus | None, new: GpuTrainingStatus) -> list[Event]:
     """One Event per condition that became True, Warning for the bad ones.
 
@@ -495,102 +527,3 @@ def events(previous: GpuTrainingStatus | None, new: GpuTrainingStatus) -> list[E
             if event not in out:
                 out.append(event)
     return out
-
-
-def status_from_json(document: Mapping[str, Any] | None) -> GpuTrainingStatus | None:
-    """The status the operator wrote before, read back (unknown or malformed: start afresh)."""
-    if not document:
-        return None
-    try:
-        return decode(GpuTrainingStatus, _upgraded(document), "status")
-    except SpecError:
-        return None
-
-
-def _upgraded(document: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A status written by an earlier version, in today's shape: conditions then could lack
-    a reason or message (metav1.Condition requires both), and reading such a status as
-    malformed would forget what it holds (a finished training's result, its gpuHours)."""
-    conditions = document.get("conditions")
-    if not isinstance(conditions, list):
-        return document
-    fixed = []
-    for c in conditions:
-        if isinstance(c, dict) and isinstance(c.get("type"), str):
-            reason = c.get("reason")
-            c = {**c, "reason": condition_reason(reason if isinstance(reason, str) else None, c["type"],
-                                                 str(c.get("status"))),
-                 "message": c.get("message") or ""}  # fmt: skip
-        fixed.append(c)
-    return {**document, "conditions": fixed}
-
-
-# -- figures from what the trainers report (also `gpuop run`'s) ------------------------------
-
-
-def _round(value: float | None, digits: int) -> float | None:
-    return None if value is None else round(value, digits)
-
-
-def progress_from_metrics(metrics: TrainerMetrics, now: str) -> Progress:
-    """Progress as scraped from a running trainer."""
-    return _status_progress(metrics, metrics.percent, metrics.estimated_remaining_seconds, now)
-
-
-def progress_from_result(result: Result, now: str) -> Progress:
-    """Progress of a finished run, from the trainer's final result."""
-    return _status_progress(result, 100.0, 0, now)
-
-
-def _status_progress(
-    figures: TrainerMetrics | Result, percent: float | None, eta: float | None, now: str
-) -> Progress:
-    """The trainer's figures (either report) in the status's shape and precision."""
-    return Progress(
-        percent=_round(percent, 1),
-        epoch=figures.epoch,
-        total_epochs=figures.total_epochs,
-        step=figures.step,
-        total_steps=figures.total_steps,
-        loss=_round(figures.loss, 6),
-        accuracy=_round(figures.accuracy, 6),
-        samples_per_second=_round(figures.samples_per_second, 1),
-        estimated_remaining_seconds=None if eta is None else round(eta),
-        eta=format_eta(eta),
-        percent_text=format_percent(percent),
-        updated_at=now,
-    )
-
-
-def gpu_usage(per_pod: Mapping[str, TrainerMetrics], count: int) -> GpuUsage:
-    """GPU figures of the job: the mean utilization over every GPU, memory summed."""
-    workers = []
-    all_utilization: list[float] = []
-    for pod, metrics in sorted(per_pod.items()):
-        utilization = [g.utilization_percent for g in metrics.gpus if g.utilization_percent is not None]
-        used = [g.memory_used_bytes for g in metrics.gpus if g.memory_used_bytes is not None]
-        total = [g.memory_total_bytes for g in metrics.gpus if g.memory_total_bytes is not None]
-        all_utilization += utilization
-        workers.append(
-            WorkerGpu(
-                pod=pod,
-                utilization_percent=round(sum(utilization) / len(utilization), 1) if utilization else None,
-                memory_used_bytes=sum(used) if used else None,
-                memory_total_bytes=sum(total) if total else None,
-            )
-        )
-    models = sorted({g.name for metrics in per_pod.values() for g in metrics.gpus if g.name})
-    used_all = [w.memory_used_bytes for w in workers if w.memory_used_bytes is not None]
-    total_all = [w.memory_total_bytes for w in workers if w.memory_total_bytes is not None]
-    mean = round(sum(all_utilization) / len(all_utilization), 1) if all_utilization else None
-    return GpuUsage(
-        count=count,
-        utilization_percent=mean,
-        utilization_text=format_percent(mean),
-        model=", ".join(models)[:512] or None,
-        memory_used_bytes=sum(used_all) if used_all else None,
-        memory_total_bytes=sum(total_all) if total_all else None,
-        per_worker=tuple(
-            w for w in workers if w.utilization_percent is not None or w.memory_total_bytes is not None
-        ),
-    )

@@ -1,0 +1,229 @@
+"""The parts of a GpuTraining spec that say what is trained and how the run goes: model,
+dataset, training settings, checkpoints, outputs, elasticity and the run policy, with their
+defaults and rules.
+
+Part of the spec model (:mod:`gpuop.api.spec` assembles it).
+"""
+
+from typing import ClassVar, Literal
+
+from gpuop._kits.schema import (
+    Rule,
+    api_field,
+    api_object,
+)
+from gpuop.api.podspec import K8S_NAME_HINT, K8S_NAME_PATTERN
+from gputrain.contract import DatasetName, ModelName, Precision
+
+
+@api_object
+class VolumeSource:
+    """A PersistentVolumeClaim to mount."""
+
+    claim_name: str = api_field(
+        "Name of a PersistentVolumeClaim in the GpuTraining's namespace. For multi-worker jobs "
+        "it must be ReadWriteMany (or ReadOnlyMany for datasets).",
+        min_length=1,
+        max_length=253,
+        pattern=K8S_NAME_PATTERN,
+        pattern_hint=K8S_NAME_HINT,
+    )
+    sub_path: str | None = api_field(
+        "Path inside the volume to mount instead of its root.", default=None, max_length=1024
+    )
+
+
+@api_object
+class Model:
+    """The network the built-in trainer trains."""
+
+    name: ModelName = api_field(
+        "Model architecture: cnn (a small conv net), resnet18 or resnet50 (torchvision, "
+        "randomly initialised).",
+        default="cnn",
+    )
+
+
+@api_object
+class Dataset:
+    """The data the built-in trainer reads."""
+
+    name: DatasetName = api_field(
+        "Dataset: mnist or cifar10 (their standard files under path), imagefolder "
+        "(path/train/<class>/*.jpg and path/val/<class>/*.jpg), digits (scikit-learn's 8x8 "
+        "digits, shipped in the image) or synthetic (random tensors, for benchmarks)."
+    )
+    path: str = api_field(
+        "Directory the dataset is read from inside the container. Never downloaded: the files must be there.",
+        default="/data",
+        min_length=1,
+        max_length=1024,
+        pattern=r"^/",
+        pattern_hint="an absolute path",
+    )
+    volume: VolumeSource | None = api_field(
+        "PersistentVolumeClaim holding the dataset, mounted read-only at path.", default=None
+    )
+    loader_workers: int = api_field(
+        "DataLoader worker processes per training process. Also sizes /dev/shm when shmSize is not given.",
+        default=4,
+        minimum=0,
+        maximum=64,
+    )
+
+
+@api_object
+class Training:
+    """Optimisation settings for the built-in trainer."""
+
+    epochs: int = api_field("Passes over the training set.", default=10, minimum=1, maximum=100000)
+    batch_size: int = api_field(
+        "Samples per training process (one per GPU) per micro-step. The global batch is "
+        "batchSize x gradientAccumulationSteps x processes.",
+        default=64,
+        minimum=1,
+        maximum=65536,
+    )
+    learning_rate: float = api_field(
+        "Peak learning rate of AdamW.", default=0.001, minimum=0, exclusive_minimum=True, maximum=10
+    )
+    precision: Precision = api_field(
+        "Numeric precision: bf16 (autocast, GPU or CPU), fp16 (autocast with loss scaling, GPU "
+        "only) or fp32.",
+        default="bf16",
+    )
+    gradient_accumulation_steps: int = api_field(
+        "Micro-steps whose gradients are summed before each optimizer step.",
+        default=1,
+        minimum=1,
+        maximum=1024,
+    )
+    seed: int = api_field(
+        "Random seed for initialisation, shuffling and augmentation.",
+        default=0,
+        minimum=0,
+        maximum=2**31 - 1,
+    )
+    max_grad_norm: float = api_field(
+        "Gradients are clipped to this global L2 norm; 0 disables clipping.",
+        default=1.0,
+        minimum=0,
+        maximum=1e6,
+    )
+    channels_last: bool = api_field(
+        "Use the channels_last memory format (faster convolutions on tensor cores).",
+        default=False,
+    )
+    compile: bool = api_field("Compile the model with torch.compile.", default=False)
+    log_every_steps: int = api_field(
+        "Steps between progress reports (metrics, logs). Loss is read from the GPU only then.",
+        default=20,
+        minimum=1,
+        maximum=100000,
+    )
+
+
+@api_object
+class Checkpoint:
+    """Checkpointing. Without a volume, checkpoints go to an emptyDir: they survive container
+    restarts within a pod, not the pod's deletion."""
+
+    volume: VolumeSource | None = api_field(
+        "PersistentVolumeClaim for checkpoints, mounted read-write at path.", default=None
+    )
+    path: str = api_field(
+        "Directory for checkpoints inside the container.",
+        default="/checkpoints",
+        min_length=1,
+        max_length=1024,
+        pattern=r"^/",
+        pattern_hint="an absolute path",
+    )
+    every_steps: int = api_field(
+        "Optimizer steps between checkpoints; one is also written at the end of every epoch.",
+        default=500,
+        minimum=1,
+        maximum=10**9,
+    )
+    keep: int = api_field("Checkpoints kept; older ones are deleted.", default=3, minimum=1, maximum=100)
+
+
+@api_object
+class Output:
+    """Where the final model and result are written."""
+
+    volume: VolumeSource | None = api_field(
+        "PersistentVolumeClaim for the final model and result JSON, mounted read-write at path. "
+        "Without one they go to an emptyDir and only the termination message outlives the pod.",
+        default=None,
+    )
+    path: str = api_field(
+        "Directory for outputs inside the container.",
+        default="/output",
+        min_length=1,
+        max_length=1024,
+        pattern=r"^/",
+        pattern_hint="an absolute path",
+    )
+
+
+@api_object
+class Elastic:
+    """Elastic training with torchrun's c10d rendezvous: the job keeps running when workers
+    come and go between minWorkers and maxWorkers, restarting the worker group each time."""
+
+    min_workers: int = api_field("Fewest workers the job runs with.", default=1, minimum=1, maximum=1024)
+    max_workers: int = api_field("Most workers the job runs with.", minimum=1, maximum=1024)
+    max_restarts: int = api_field(
+        "Worker-group restarts torchrun allows before the job fails.",
+        default=3,
+        minimum=0,
+        maximum=1000,
+    )
+
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="self.minWorkers <= self.maxWorkers",
+            message="minWorkers must be <= maxWorkers",
+            check=lambda e: (
+                None
+                if e.min_workers <= e.max_workers
+                else f"must be >= minWorkers ({e.min_workers}) (got {e.max_workers})"
+            ),
+            field=".maxWorkers",
+        ),
+    )
+
+
+@api_object
+class RunPolicy:
+    """How the PyTorchJob runs and is cleaned up (Kubeflow's runPolicy)."""
+
+    backoff_limit: int | None = api_field(
+        "Times the training may fail and restart before it is marked Failed (0: never restart). One "
+        "failure restarts every pod's container, and Kubeflow counts container restarts over all pods, "
+        "so the PyTorchJob gets workers x this + 1.",
+        default=None,
+        minimum=0,
+        maximum=1000,
+    )
+    active_deadline_seconds: int | None = api_field(
+        "Seconds the job may run before it is terminated.", default=None, minimum=1, maximum=2**31 - 1
+    )
+    ttl_seconds_after_finished: int | None = api_field(
+        "Seconds after the job finishes before Kubeflow deletes the PyTorchJob and its pods. "
+        "The GpuTraining keeps its status and result, and its job is never made again.",
+        default=None,
+        minimum=0,
+        maximum=2**31 - 1,
+    )
+    suspend: bool = api_field(
+        "Suspend the job: its pods are deleted and re-created on resume. With "
+        "scheduling.queueName, Kueue suspends and resumes the job instead and this is ignored.",
+        default=False,
+    )
+    clean_pod_policy: Literal["None", "Running", "All"] = api_field(
+        "Pods deleted when the job finishes: None keeps them (logs stay readable), Running "
+        "deletes those still running, All deletes every pod.",
+        default="None",
+    )

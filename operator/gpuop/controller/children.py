@@ -1,0 +1,114 @@
+"""A training's children in the cluster: made, adopted, patched, or found gone. Blocking calls.
+
+Children are named after their GpuTraining, so a create that finds the name taken (409) reads
+the object and adopts it when its controller ownerReference is ours (the operator restarted
+mid-reconcile, or a retried create had succeeded); a stranger's is never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from gpuop.api.spec import GpuTraining
+from gpuop.api.status import GpuTrainingStatus
+from gpuop.backends.registry import JobApi
+from gpuop.controller.kube import ApiError, Kube
+from gpuop.controller.table import Tracked
+from gpuop.observing import observe
+
+log = logging.getLogger(__name__)
+
+
+def conflict(kind: str, name: str) -> str:
+    """Why a training has no job: a stranger holds its name."""
+    return (
+        f"a {kind} named {name} already exists and is not owned by this GpuTraining; it is left "
+        "untouched: delete it or rename the GpuTraining"
+    )
+
+
+class Children:
+    """Makes, adopts and patches one training's objects through the API client."""
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+
+    def ensure(
+        self, tracked: Tracked, training: GpuTraining, api: JobApi, objects: list[dict[str, Any]]
+    ) -> tuple[str, str | None]:
+        """Create the job (after its companions), adopt ours, or refuse a stranger's; bring a
+        running job's mutable fields to the spec's. Returns (outcome, conflict message)."""
+        uid = training.uid
+        namespace, name = objects[-1]["metadata"].get("namespace") or "default", training.name
+        for obj in objects:
+            obj["metadata"]["namespace"] = namespace
+        desired = objects[-1]
+        outcome = "unchanged"
+        if tracked.child is None:
+            for companion in objects[:-1]:  # e.g. the TrainJob's runtime: its webhook wants it first
+                plural = api.companion_plurals[companion["kind"]]
+                made, _ = self._create_or_adopt(companion["apiVersion"], plural, companion)
+                if observe.owner_uid(made) != uid:
+                    return "conflict", conflict(str(made.get("kind")), name)
+            made, outcome = self._create_or_adopt(api.api_version, api.plural, desired)
+            tracked.child = observe.slim_job(made)
+            if outcome == "created":
+                log.info("gputraining %s/%s: created %s %s", namespace, name, api.kind, name)
+        child = tracked.child
+        if observe.owner_uid(child) != uid:
+            # Forget it: a stranger may not carry our label, so no event would say it left;
+            # each tick asks again (409 + GET) until the name is free.
+            tracked.child = None
+            return "conflict", conflict(api.kind, name)
+        if not observe.finished(api.conditions(child)):
+            # With a queue, suspend is Kueue's: undoing its suspension would release queued and
+            # preempted jobs.
+            owned_by_kueue = training.spec.scheduling.queue_name is not None
+            patch = api.mutable_patch(desired, child, skip=("suspend",) if owned_by_kueue else ())
+            if patch is not None:
+                tracked.child = observe.slim_job(
+                    self.kube.patch_object(api.api_version, api.plural, namespace, name, patch)
+                )
+                log.info("gputraining %s/%s: updated the %s: %s", namespace, name, api.kind, patch)
+                outcome = "updated" if outcome == "unchanged" else outcome
+        return outcome, None
+
+    def _create_or_adopt(
+        self, api_version: str, plural: str, desired: dict[str, Any]
+    ) -> tuple[dict[str, Any], str]:
+        """Create an object, or find the one of its name (ours from an earlier life, or someone
+        else's: the caller tells them apart by owner)."""
+        meta = desired["metadata"]
+        try:
+            return self.kube.create_object(desired, plural), "created"
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            found = self.kube.get_object(api_version, plural, meta["namespace"], meta["name"])
+            if found is None:  # deleted in between: the next call creates it
+                raise
+            return found, "adopted"
+
+    def finished_and_gone(
+        self, tracked: Tracked, previous: GpuTrainingStatus | None, training: GpuTraining, api: JobApi
+    ) -> bool:
+        """Whether this GpuTraining finished with a job that is gone since.
+
+        Unseen is not gone: after a restart the GpuTraining's event can come before its job's,
+        so the job is asked for once before it counts as deleted.
+        """
+        if previous is None or previous.phase not in ("Succeeded", "Failed"):
+            return False
+        if previous.pytorch_job is None and previous.train_job is None:
+            return False
+        if tracked.child is not None:
+            return False
+        if not tracked.child_gone:
+            namespace = training.namespace or "default"
+            found = self.kube.get_object(api.api_version, api.plural, namespace, training.name)
+            if found is not None and observe.owner_uid(found) == training.uid:
+                tracked.child = observe.slim_job(found)
+                return False
+            tracked.child_gone = True
+        return True

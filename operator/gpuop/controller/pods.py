@@ -1,0 +1,100 @@
+"""Reading the training pods: one list per namespace per tick, each running trainer's metrics
+scraped concurrently, and the termination messages of a finished job's pods. Blocking calls.
+
+A pod's answer is untrusted input (any user's image serves it): it is read bounded, parsed
+by :mod:`gpuop.observing.scrape`, and any failure means no figures for that pod this tick.
+"""
+
+from __future__ import annotations
+
+import logging
+import urllib.request
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from gpuop.api.spec import GpuTraining
+from gpuop.controller.kube import Kube
+from gpuop.controller.settings import OperatorSettings
+from gpuop.controller.telemetry import OperatorMetrics
+from gpuop.observing import observe
+from gpuop.observing.records import PodObservation
+from gpuop.observing.scrape import MAX_METRICS_BYTES, TrainerMetrics, parse_metrics
+from gputrain.contract import METRICS_PORT
+
+log = logging.getLogger(__name__)
+
+
+class PodReader:
+    """The training pods of a namespace, observed; metrics requests in a pool of their own."""
+
+    def __init__(self, kube: Kube, settings: OperatorSettings, metrics: OperatorMetrics) -> None:
+        self.kube = kube
+        self.settings = settings
+        self.metrics = metrics
+        self._pool = ThreadPoolExecutor(settings.max_workers, thread_name_prefix="scrape")
+        self._via_proxy = settings.scrapes_via_proxy(kube.in_cluster)
+
+    def observe_namespace(
+        self, namespace: str, names: Sequence[str]
+    ) -> dict[str, tuple[PodObservation, ...] | None]:
+        """Per training name, its pods with their scraped figures (None: reading them failed,
+        keep what was seen). Raises ApiError when the pods cannot be listed.
+
+        Metrics requests run concurrently with a timeout each, so one hung pod costs one
+        timeout, not a tick.
+        """
+        by_training: dict[str, list[dict[str, Any]]] = {}
+        for pod in self.kube.list_training_pods(namespace):
+            owner = observe.training_of(pod)
+            if owner is not None:
+                by_training.setdefault(owner, []).append(pod)
+        futures = {
+            name: [(pod, self._pool.submit(self._scrape, pod)) for pod in by_training.get(name, [])]
+            for name in names
+        }
+        observed: dict[str, tuple[PodObservation, ...] | None] = {}
+        for name in names:
+            try:
+                observed[name] = tuple(observe.pod_observation(pod, f.result()) for pod, f in futures[name])
+            except Exception:  # one training's odd pods must not stop the others' scrape
+                log.exception("gputraining %s/%s: reading its pods failed", namespace, name)
+                observed[name] = None
+        return observed
+
+    def final(self, training: GpuTraining) -> tuple[PodObservation, ...]:
+        """The job's pods as they ended: their termination messages hold the trainers' records."""
+        pods = [
+            pod
+            for pod in self.kube.list_training_pods(training.namespace or "default")
+            if observe.training_of(pod) == training.name
+        ]
+        return tuple(observe.pod_observation(p, None) for p in pods)
+
+    def _scrape(self, pod: Mapping[str, Any]) -> TrainerMetrics | None:
+        ip = observe.pod_ip(pod)
+        if ip is None:
+            return None
+        meta = pod.get("metadata") or {}
+        timeout = self.settings.scrape_timeout_seconds
+        try:
+            if self._via_proxy:
+                text = self.kube.pod_metrics_via_proxy(
+                    str(meta.get("namespace")), str(meta.get("name")), METRICS_PORT, timeout
+                )
+            else:
+                with urllib.request.urlopen(f"http://{ip}:{METRICS_PORT}/metrics", timeout=timeout) as reply:
+                    # One byte past the bound is enough to refuse it: no pod makes us read more.
+                    text = reply.read(MAX_METRICS_BYTES + 1).decode("utf-8", errors="replace")
+            metrics = parse_metrics(text)
+        except Exception as exc:
+            # Not serving yet (starting, loading data), gone, or serving anything at all: a pod's
+            # answer is untrusted input, and any failure means no figures this tick.
+            log.debug("scraping %s: %s", meta.get("name"), exc)
+            self.metrics.scrapes.labels(outcome="error").inc()
+            return None
+        self.metrics.scrapes.labels(outcome="ok").inc()
+        return metrics
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,134 @@
+"""The operator's state table: what it last saw of each GpuTraining and its children.
+
+One :class:`Tracked` entry per GpuTraining, each with a lock of its own so that reconciles of
+different trainings run side by side while one training's are never interleaved. Each entry
+keeps its parsed spec per generation (:class:`SpecView`), since a job's life runs dozens of
+reconciles (watch events, ticks) over the same few generations.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuop._kits.schema import SpecError
+from gpuop.api.fixed import fixed_spec_changes
+from gpuop.api.spec import GpuTraining, parse
+from gpuop.backends.registry import JobApi
+from gpuop.observing import observe
+from gpuop.observing.records import PodObservation
+
+Key = tuple[str, str]  # (namespace, name)
+
+
+def key_of(obj: Mapping[str, Any], name: str | None = None) -> Key:
+    """An object's (namespace, name), or its namespace with ``name`` (a child's parent)."""
+    meta = obj.get("metadata") or {}
+    return str(meta.get("namespace") or "default"), str(name or meta.get("name"))
+
+
+def newer(candidate: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
+    """False when ``candidate`` is an older version than ``current``.
+
+    resourceVersions are opaque by contract but integers in every API server; an event
+    queued before our own status patch must not overwrite the patch's reply. Anything
+    that is not two integers counts as newer.
+    """
+    a = str((candidate.get("metadata") or {}).get("resourceVersion", ""))
+    b = str((current.get("metadata") or {}).get("resourceVersion", ""))
+    return not (a.isdigit() and b.isdigit() and int(a) < int(b))
+
+
+@dataclass(frozen=True)
+class SpecView:
+    """What one generation of a GpuTraining's spec yields: parsed (or why not), rendered per
+    backend when first asked, and the fixed fields changed since each child was made."""
+
+    version: tuple[str, int] | None  # uid, metadata.generation (None: not cacheable)
+    training: GpuTraining | None
+    invalid: str | None  # the parse error, when it did not parse
+    # The objects to create per backend (the job last), rendered when first asked for.
+    rendered: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    # Fixed fields changed, by the child's created-from record: filled in as records are met.
+    not_applied: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def objects(self, api: JobApi, default_image: str) -> list[dict[str, Any]]:
+        assert self.training is not None  # rendered only when it parsed
+        if api.backend not in self.rendered:
+            self.rendered[api.backend] = api.render(self.training, default_image=default_image)
+        return self.rendered[api.backend]
+
+    def not_applied_to(self, child: Mapping[str, Any] | None) -> tuple[str, ...]:
+        """Fixed fields changed since the child was made (remembered per record)."""
+        record = observe.created_from(child)
+        if self.training is None or record is None:
+            return ()
+        if record not in self.not_applied:
+            self.not_applied[record] = fixed_spec_changes(record, self.training.spec)
+        return self.not_applied[record]
+
+
+@dataclass
+class Tracked:
+    """What the operator last saw of one GpuTraining and its children."""
+
+    body: dict[str, Any]
+    child: dict[str, Any] | None = None
+    pods: tuple[PodObservation, ...] = ()
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    view: SpecView | None = None
+    failure: str | None = None  # the last unexpected error, said once
+    child_gone: bool = False  # asked for and not found, after the training finished
+
+    @property
+    def phase(self) -> str | None:
+        phase = (self.body.get("status") or {}).get("phase")
+        return phase if isinstance(phase, str) else None
+
+    def spec_view(self) -> SpecView:
+        """The GpuTraining parsed, or what its current generation gave already."""
+        meta = self.body.get("metadata") or {}
+        uid, generation = meta.get("uid"), meta.get("generation")
+        version = (str(uid), generation) if uid and isinstance(generation, int) else None
+        if version is not None and self.view is not None and self.view.version == version:
+            return self.view
+        try:
+            view = SpecView(version, parse(self.body), None)
+        except SpecError as exc:
+            view = SpecView(version, None, "; ".join(str(p) for p in exc.problems))
+        if version is not None:
+            self.view = view
+        return view
+
+
+class Table:
+    """Every tracked GpuTraining by key. Thread-safe; each entry has its own lock as well."""
+
+    def __init__(self) -> None:
+        self._entries: dict[Key, Tracked] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Key) -> Tracked | None:
+        with self._lock:
+            return self._entries.get(key)
+
+    def get_or_add(self, key: Key, body: dict[str, Any]) -> Tracked:
+        with self._lock:
+            tracked = self._entries.get(key)
+            if tracked is None:
+                tracked = self._entries[key] = Tracked(body=body)
+            return tracked
+
+    def forget(self, key: Key) -> None:
+        with self._lock:
+            self._entries.pop(key, None)
+
+    def items(self) -> list[tuple[Key, Tracked]]:
+        with self._lock:
+            return list(self._entries.items())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)

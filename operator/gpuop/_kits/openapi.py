@@ -111,7 +111,7 @@ def _value_schema(hint: Any, doc: FieldDoc, description: str) -> dict[str, Any]:
 
 
 def _cel(rule: Rule) -> dict[str, str]:
-    out = {"rule": rule.cel, "message": rule.message}
+    out = {"rule": rule.cel, "message": rule.cel_message}
     if rule.field:
         out["fieldPath"] = rule.field
     return out

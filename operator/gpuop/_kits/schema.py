@@ -57,20 +57,42 @@ class SpecError(ValueError):
         self.problems = tuple(problems)
 
 
+class _Words(dict[str, object]):
+    """Values for a message's ``{placeholders}``; one not given reads as nothing."""
+
+    def __missing__(self, key: str) -> str:
+        return ""
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """A validation rule, as CEL for the API server and as Python for ``parse``.
+    """A validation rule, as CEL for the API server and as Python for ``parse``, with its
+    message written once.
 
     ``cel`` sees ``self`` as the JSON of the object the rule is attached to (after
     defaulting). ``check`` sees the same object typed, and returns ``None`` when the rule
-    holds or the message to show. ``field`` names the offending field relative to that
-    object, both for the CRD's ``fieldPath`` and for the path in the Python message.
+    holds, else the values to put in the message's ``{placeholders}`` (what was given, e.g.
+    ``{"got": " (got 5)"}``). The CRD's message cannot name values: it reads ``cel_words``
+    there, and nothing for a placeholder they do not fill. ``field`` names the offending
+    field relative to that object, both for the CRD's ``fieldPath`` and for the path in the
+    Python message.
     """
 
     cel: str
     message: str
-    check: Callable[[Any], str | None]
+    check: Callable[[Any], Mapping[str, object] | None]
     field: str = ""
+    cel_words: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def cel_message(self) -> str:
+        """The message as the API server says it."""
+        return self.message.format_map(_Words(self.cel_words))
+
+    def violation(self, value: Any) -> str | None:
+        """The message for ``value``, or None when the rule holds."""
+        found = self.check(value)
+        return None if found is None else self.message.format_map(_Words(found))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +272,7 @@ def _decode_object(cls: type[_T], data: Any, path: str, problems: list[Problem])
         value = _decode_value(slot.hint, slot.doc, raw, where, problems)
         if value is not None:
             for rule in slot.doc.rules:
-                message = rule.check(value)
+                message = rule.violation(value)
                 if message is not None:
                     problems.append(Problem(_join(where, rule.field.lstrip(".")), message))
         values[slot.name] = value
@@ -258,7 +280,7 @@ def _decode_object(cls: type[_T], data: Any, path: str, problems: list[Problem])
         return None
     obj = cls(**values)
     for rule in class_rules(cls):
-        message = rule.check(obj)
+        message = rule.violation(obj)
         if message is not None:
             problems.append(Problem(_join(path, rule.field.lstrip(".")), message))
     return None if len(problems) > before else obj

@@ -85,7 +85,10 @@ def _table(path: str, schema: dict[str, Any]) -> list[str]:
         )
     rules = list(schema.get("x-kubernetes-validations", []))
     for sub_name, sub in schema["properties"].items():
-        rules += [dict(r, fieldPath=f".{sub_name}") for r in sub.get("x-kubernetes-validations", [])]
+        rules += [
+            dict(r, fieldPath=f".{sub_name}{r.get('fieldPath', '')}")
+            for r in sub.get("x-kubernetes-validations", [])
+        ]
     if rules:
         lines += ["", "Rules the API server enforces (CEL):", ""]
         lines += [f"- `{path}{r.get('fieldPath', '')}`: {r['message']}" for r in rules]

@@ -12,7 +12,7 @@ import yaml
 
 from gpuop._kits.openapi import openapi_schema
 from gpuop.api.identity import GROUP, KIND, PLURAL, VERSION
-from gpuop.api.spec import MUTABLE_SPEC_FIELDS, NAME_RULE, GpuTrainingSpec
+from gpuop.api.spec import MUTABLE_SPEC_FIELDS, NAME_RULES, GpuTrainingSpec
 from gpuop.api.status import GpuTrainingStatus
 
 SHORT_NAME: Final = "gtr"
@@ -129,7 +129,7 @@ def build_crd() -> dict[str, Any]:
             ),
         },
         "x-kubernetes-validations": [
-            {"rule": NAME_RULE.cel, "message": NAME_RULE.message, "fieldPath": NAME_RULE.field}
+            {"rule": rule.cel, "message": rule.cel_message, "fieldPath": rule.field} for rule in NAME_RULES
         ],
     }
     return {

@@ -47,19 +47,19 @@ K8S_NAME_PATTERN: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*
 K8S_NAME_HINT: Final = "a lowercase DNS name such as my-claim"
 
 
-def _reserved_env_name(name: str) -> str | None:
-    if name.startswith("NCCL_"):
-        return f"{name} is an NCCL setting: put it in spec.nccl.env"
-    if name in RESERVED_ENV_NAMES or name.startswith(RESERVED_ENV_PREFIXES):
-        return f"{name} is set by the operator and cannot be overridden; remove it"
-    return None
+# NCCL_* is reserved too, with a rule of its own that says where those go.
+_OPERATOR_PREFIXES: Final = tuple(p for p in RESERVED_ENV_PREFIXES if p != "NCCL_")
 
 
-_RESERVED_ENV_CEL: Final = (
+def _set_by_operator(name: str) -> bool:
+    return name in RESERVED_ENV_NAMES or name.startswith(_OPERATOR_PREFIXES)
+
+
+_OPERATOR_ENV_CEL: Final = (
     "!(self in ["
     + ", ".join(f"'{n}'" for n in RESERVED_ENV_NAMES)
     + "]) && "
-    + " && ".join(f"!self.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES)
+    + " && ".join(f"!self.startsWith('{p}')" for p in _OPERATOR_PREFIXES)
 )
 
 
@@ -189,15 +189,11 @@ class Nccl:
         rules=(
             Rule(
                 cel=f"self.all(k, k.matches('{NCCL_ENV_PATTERN}'))",
-                message="keys must be NCCL_*, TORCH_NCCL_*, FI_* or UCX_* variable names",
+                message="{key} is not an NCCL_*, TORCH_NCCL_*, FI_* or UCX_* variable; put it in spec.env",
                 check=lambda env: next(
-                    (
-                        f"{k} is not an NCCL_*, TORCH_NCCL_*, FI_* or UCX_* variable; put it in spec.env"
-                        for k in env
-                        if not k8svalidation.fullmatch(NCCL_ENV_PATTERN, k)
-                    ),
-                    None,
+                    ({"key": k} for k in env if not k8svalidation.fullmatch(NCCL_ENV_PATTERN, k)), None
                 ),
+                cel_words={"key": "a key"},
             ),
         ),
     )
@@ -228,11 +224,7 @@ class EnvSource:
         Rule(
             cel="has(self.secretKeyRef) != has(self.configMapKeyRef)",
             message="set exactly one of secretKeyRef and configMapKeyRef",
-            check=lambda s: (
-                None
-                if (s.secret_key_ref is None) != (s.config_map_key_ref is None)
-                else "set exactly one of secretKeyRef and configMapKeyRef"
-            ),
+            check=lambda s: None if (s.secret_key_ref is None) != (s.config_map_key_ref is None) else {},
         ),
     )
 
@@ -250,9 +242,16 @@ class EnvVar:
         pattern_hint="a C identifier such as WANDB_PROJECT",
         rules=(
             Rule(
-                cel=_RESERVED_ENV_CEL,
-                message="this name is set by the operator; NCCL_* belong in spec.nccl.env",
-                check=_reserved_env_name,
+                cel="!self.startsWith('NCCL_')",
+                message="{name} is an NCCL setting: put it in spec.nccl.env",
+                check=lambda name: {"name": name} if name.startswith("NCCL_") else None,
+                cel_words={"name": "this variable"},
+            ),
+            Rule(
+                cel=_OPERATOR_ENV_CEL,
+                message="{name} is set by the operator and cannot be overridden; remove it",
+                check=lambda name: {"name": name} if _set_by_operator(name) else None,
+                cel_words={"name": "this variable"},
             ),
         ),
     )
@@ -263,11 +262,7 @@ class EnvVar:
         Rule(
             cel="has(self.value) != has(self.valueFrom)",
             message="set exactly one of value and valueFrom",
-            check=lambda e: (
-                None
-                if (e.value is None) != (e.value_from is None)
-                else "set exactly one of value and valueFrom"
-            ),
+            check=lambda e: None if (e.value is None) != (e.value_from is None) else {},
         ),
     )
 

@@ -184,11 +184,11 @@ class Elastic:
     RULES: ClassVar[tuple[Rule, ...]] = (
         Rule(
             cel="self.minWorkers <= self.maxWorkers",
-            message="minWorkers must be <= maxWorkers",
+            message="must be >= minWorkers{min}{got}",
             check=lambda e: (
                 None
                 if e.min_workers <= e.max_workers
-                else f"must be >= minWorkers ({e.min_workers}) (got {e.max_workers})"
+                else {"min": f" ({e.min_workers})", "got": f" (got {e.max_workers})"}
             ),
             field=".maxWorkers",
         ),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar, Final, Literal
 
 from gpuop._kits import k8svalidation
@@ -63,12 +64,15 @@ class _TrainJobGap:
     used: Callable[[GpuTrainingSpec], bool]
     why: str
 
+    @property
+    def refusal(self) -> str:
+        return f"cannot be used with backend trainjob: {self.why}"
+
     def rule(self) -> Rule:
-        refusal = f"cannot be used with backend trainjob: {self.why}"
         return Rule(
             cel=f"self.backend != 'trainjob' || !({self.cel})",
-            message=f"spec{self.field} {refusal}",
-            check=lambda s: refusal if s.backend == "trainjob" and self.used(s) else None,
+            message=self.refusal,
+            check=lambda s: {} if s.backend == "trainjob" and self.used(s) else None,
             field=self.field,
         )
 
@@ -106,55 +110,44 @@ def trainjob_gaps(spec: GpuTrainingSpec) -> tuple[str, ...]:
 
 def trainjob_problems(spec: GpuTrainingSpec) -> list[Problem]:
     """:func:`trainjob_gaps` with the reason and the fix, one line each."""
-    return [
-        Problem(f"spec{gap.field}", f"cannot be used with backend trainjob: {gap.why}")
-        for gap in TRAINJOB_GAPS
-        if gap.used(spec)
-    ]
+    return [Problem(f"spec{gap.field}", gap.refusal) for gap in TRAINJOB_GAPS if gap.used(spec)]
 
 
-def _fp16_needs_gpus(s: GpuTrainingSpec) -> str | None:
-    if s.training.precision == "fp16" and not s.uses_gpus:
-        return "fp16 needs GPUs (gpusPerWorker >= 1); use bf16 or fp32 on CPU"
-    return None
+# Each check returns None when its rule holds, else what fills its message (Rule).
+_HOLDS: Final = None
+_BROKEN: Final[Mapping[str, str]] = MappingProxyType({})
 
 
-def _workers_within_elastic(s: GpuTrainingSpec) -> str | None:
+def _fp16_needs_gpus(s: GpuTrainingSpec) -> Mapping[str, str] | None:
+    return _BROKEN if s.training.precision == "fp16" and not s.uses_gpus else _HOLDS
+
+
+def _workers_within_elastic(s: GpuTrainingSpec) -> Mapping[str, str] | None:
     e = s.elastic
     if e is not None and not e.min_workers <= s.workers <= e.max_workers:
-        bounds = f"{e.min_workers}..{e.max_workers}"
-        return f"must be within elastic.minWorkers..maxWorkers ({bounds}) (got {s.workers})"
-    return None
+        return {"bounds": f" ({e.min_workers}..{e.max_workers})", "got": f" (got {s.workers})"}
+    return _HOLDS
 
 
-def _args_need_command(s: GpuTrainingSpec) -> str | None:
-    if s.args is not None and s.command is None:
-        return "needs spec.command: args are passed to your command (the built-in trainer takes none)"
-    return None
+def _args_need_command(s: GpuTrainingSpec) -> Mapping[str, str] | None:
+    return _BROKEN if s.args is not None and s.command is None else _HOLDS
 
 
-def _needs_dataset(s: GpuTrainingSpec) -> str | None:
-    if s.dataset is None and s.command is None:
-        return "required unless spec.command runs your own training code"
-    return None
+def _needs_dataset(s: GpuTrainingSpec) -> Mapping[str, str] | None:
+    return _BROKEN if s.dataset is None and s.command is None else _HOLDS
 
 
-def _shm_within_memory(s: GpuTrainingSpec) -> str | None:
+def _shm_within_memory(s: GpuTrainingSpec) -> Mapping[str, str] | None:
     memory = s.resources.memory
-    if s.shm_size is None or memory is None:
-        return None
-    if parse_quantity(s.shm_size) >= parse_quantity(memory):
-        return (
-            f"must be smaller than resources.memory ({memory}): /dev/shm is memory-backed and "
-            f"counts against it (got {s.shm_size})"
-        )
-    return None
+    if s.shm_size is None or memory is None or parse_quantity(s.shm_size) < parse_quantity(memory):
+        return _HOLDS
+    return {"memory": f" ({memory})", "got": f" (got {s.shm_size})"}
 
 
-def _efa_needs_profile(s: GpuTrainingSpec) -> str | None:
+def _efa_needs_profile(s: GpuTrainingSpec) -> Mapping[str, str] | None:
     if s.nccl.efa_devices > 0 and s.nccl.profile != "eks-efa":
-        return f'efaDevices needs profile eks-efa (got "{s.nccl.profile}")'
-    return None
+        return {"got": f' (got "{s.nccl.profile}")'}
+    return _HOLDS
 
 
 @api_object
@@ -271,25 +264,25 @@ class GpuTrainingSpec:
         Rule(
             cel="!has(self.elastic) || "
             "(self.elastic.minWorkers <= self.workers && self.workers <= self.elastic.maxWorkers)",
-            message="workers must be within elastic.minWorkers..maxWorkers",
+            message="must be within elastic.minWorkers..maxWorkers{bounds}{got}",
             check=_workers_within_elastic,
             field=".workers",
         ),
         Rule(
             cel="has(self.dataset) || has(self.command)",
-            message="dataset is required unless command is set",
+            message="required unless spec.command runs your own training code",
             check=_needs_dataset,
             field=".dataset",
         ),
         Rule(
             cel="!has(self.args) || has(self.command)",
-            message="args needs command (the built-in trainer takes no args)",
+            message="needs spec.command: args are passed to your command (the built-in trainer takes none)",
             check=_args_need_command,
             field=".args",
         ),
         Rule(
             cel="self.nccl.efaDevices == 0 || self.nccl.profile == 'eks-efa'",
-            message="nccl.efaDevices needs nccl.profile eks-efa",
+            message="efaDevices needs profile eks-efa{got}",
             check=_efa_needs_profile,
             field=".nccl.efaDevices",
         ),
@@ -297,7 +290,8 @@ class GpuTrainingSpec:
             # The Kubernetes quantity library is in the CRD CEL environment from 1.29 on.
             cel="!has(self.shmSize) || !has(self.resources.memory) || "
             "quantity(string(self.shmSize)).isLessThan(quantity(string(self.resources.memory)))",
-            message="shmSize must be smaller than resources.memory: /dev/shm counts against it",
+            message="must be smaller than resources.memory{memory}: /dev/shm is memory-backed and counts "
+            "against it{got}",
             check=_shm_within_memory,
             field=".shmSize",
         ),
@@ -462,32 +456,29 @@ def parse(body: Mapping[str, Any]) -> GpuTraining:
     )
 
 
-def _name_problem(name: str) -> str | None:
-    if len(name) > MAX_NAME_LENGTH:
-        return (
-            f"must be at most {MAX_NAME_LENGTH} characters (got {len(name)}): it names the "
-            "PyTorchJob and its per-pod Services"
-        )
-    if not k8svalidation.fullmatch(NAME_PATTERN, name):
-        return (
-            "must be a DNS-1035 label: lowercase letters, digits and '-', starting with a "
-            f"letter (got {show(name)})"
-        )
-    return None
-
-
-# A root rule of the CRD, where CEL may read metadata.name; its check takes the name itself.
-NAME_RULE: Final = Rule(
-    cel=f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && self.metadata.name.matches('{NAME_PATTERN}')",
-    message=f"metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting "
-    f"with a letter) of at most {MAX_NAME_LENGTH} characters: it names the PyTorchJob and its pods",
-    check=_name_problem,
-    field=".metadata.name",
+# The CRD's root rules, where CEL may read metadata.name; their checks take the name itself.
+NAME_RULES: Final = (
+    Rule(
+        cel=f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",
+        message=f"must be at most {MAX_NAME_LENGTH} characters{{got}}: it names the PyTorchJob and its "
+        "per-pod Services",
+        check=lambda name: {"got": f" (got {len(name)})"} if len(name) > MAX_NAME_LENGTH else None,
+        field=".metadata.name",
+    ),
+    Rule(
+        cel=f"self.metadata.name.matches('{NAME_PATTERN}')",
+        message="must be a DNS-1035 label: lowercase letters, digits and '-', starting with a letter{got}",
+        check=lambda name: (
+            None if k8svalidation.fullmatch(NAME_PATTERN, name) else {"got": f" (got {show(name)})"}
+        ),
+        field=".metadata.name",
+    ),
 )
 
 
 def _check_name(name: object) -> list[Problem]:
+    """The name's first problem: a name too long is not also said to be malformed."""
     if not isinstance(name, str) or not name:
         return [Problem("metadata.name", "required")]
-    message = NAME_RULE.check(name)
+    message = next((m for rule in NAME_RULES if (m := rule.violation(name)) is not None), None)
     return [] if message is None else [Problem("metadata.name", message)]

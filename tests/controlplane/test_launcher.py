@@ -78,13 +78,19 @@ def test_a_port_taken_meanwhile_makes_it_pick_another(
     ports = iter([taken.getsockname()[1]])
     real = controlplane.free_port
     monkeypatch.setattr(controlplane, "free_port", lambda: next(ports, None) or real())
-    said: list[str] = []
-    plane = controlplane.ControlPlane(tmp_path, controlplane.ensure_binaries(), say=said.append)
+    said: list[tuple[float, str]] = []
+    plane = controlplane.ControlPlane(
+        tmp_path, controlplane.ensure_binaries(), say=lambda line: said.append((time.monotonic(), line))
+    )
     try:
         started = time.monotonic()
         plane.start()
-        assert time.monotonic() - started < 60
-        assert any("trying other ports" in line for line in said), said
+        clash = next((at for at, line in said if "trying other ports" in line), None)
+        assert clash is not None, said
+        # The clash is noticed when etcd exits (in seconds), not by waiting out the 120 s
+        # readiness timeout. Only the failed attempt is timed: the good one's cold start of
+        # three servers takes what a loaded machine gives it.
+        assert clash - started < 60, said
         plane.check_alive()
     finally:
         plane.stop()

@@ -221,6 +221,9 @@ def test_lifecycle_as_the_charts_service_account(
         "NVIDIA H100 80GB HBM3",
     )
     assert float(cells["SAMPLES/S"]) == status["progress"]["samplesPerSecond"]
+    # The status said Running by now: the span gpuHours counts starts at or before this moment
+    # (not at running_since: a slow first reconcile moves its start past running_since + 3).
+    seen_running = time.time()
 
     # A runPolicy change reaches the running job.
     plane.kubectl("patch", "gtr", "mnist", "-n", NAMESPACE, "--type=merge",
@@ -233,7 +236,7 @@ def test_lifecycle_as_the_charts_service_account(
               "worldSize": 2}  # fmt: skip
     for pod in pods:
         kubeflow.finish_pod(pod, record)
-    time.sleep(max(0.0, running_since + 3 - time.time()))  # a span gpuHours can show at 4 decimals
+    time.sleep(max(0.0, seen_running + 3 - time.time()))  # a span gpuHours can show at 4 decimals
     finished = time.time()
     kubeflow.job_status("mnist", "Created", "Succeeded", startTime=_stamp(running_since),
                         completionTime=_stamp(finished))  # fmt: skip
@@ -582,18 +585,31 @@ def test_a_finished_training_is_never_run_again_when_kubeflow_deletes_its_job(
     api.delete("pytorchjobs", "ttl", NAMESPACE)  # what the TTL controller does
     gone = wait_for("JobDeleted", lambda: (s := _status(api, "ttl")) and any(
         c["type"] == "JobDeleted" for c in s.get("conditions", [])) and s)  # fmt: skip
+
+    def ttl_reasons() -> list[str]:
+        return plane.kubectl("get", "events", "-n", NAMESPACE, "--field-selector", "involvedObject.name=ttl",
+                             "-o", "jsonpath={.items[*].reason}").stdout.split()  # fmt: skip
+
+    # Events are posted a moment after the status, off the reconcile path: the SIGKILL below
+    # would lose one not posted yet.
+    wait_for("the PyTorchJobDeleted event", lambda: "PyTorchJobDeleted" in ttl_reasons())
     time.sleep(3)  # three ticks
     operator.kill()  # and a restart, which sees the GpuTraining before any job event
     operator.start()
-    time.sleep(5)
+    # The restarted operator at work (it starts in seconds idle, in more on a loaded machine):
+    # a training made after the restart has its job; then three ticks more.
+    plane.kubectl("create", "-f", "-", input=json.dumps(training("ttl-probe")))
+    wait_for(
+        "ttl-probe Created by the restarted operator", lambda: _phase(api, "ttl-probe", "Created"), timeout=60
+    )
+    time.sleep(3)
     assert api.get("pytorchjobs", "ttl", NAMESPACE) is None
     after = _status(api, "ttl")
     assert after["phase"] == "Succeeded"
     for key in ("completionTime", "progress", "gpuHours", "pytorchJob"):
         assert after[key] == done[key] == gone[key], key
     assert after["progress"]["accuracy"] == 0.97
-    reasons = plane.kubectl("get", "events", "-n", NAMESPACE, "--field-selector", "involvedObject.name=ttl",
-                            "-o", "jsonpath={.items[*].reason}").stdout.split()  # fmt: skip
+    reasons = ttl_reasons()
     assert reasons.count("PyTorchJobDeleted") == 1
     assert reasons.count("PyTorchJobCreated") == 1
 

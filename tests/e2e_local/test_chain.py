@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import textwrap
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +27,17 @@ from support.controlplane import ControlPlane
 from support.crdschema import ROOT
 from support.nodeagent import NodeAgent
 from support.realcluster import Api, OperatorProcess
+from support.training import HOLD_SITE, hold_env, release, wait_held
 from support.trainingoperator import WebhookedController
 
 NAMESPACE = "e2e"
 KIND_CPU = ROOT / "examples" / "kind-cpu.yaml"
 KIND_CPU_ELASTIC = ROOT / "examples" / "kind-cpu-elastic.yaml"
+# Where a training's checkpoint claim is mounted (spec.checkpoint.path's default).
+CHECKPOINTS = "/checkpoints"
+# The kind example's digits on 2 workers of batch 32 are 23 steps an epoch: by step 50, in the
+# third epoch, two epoch-end checkpoints are written.
+HOLD_AT_STEP = 50
 
 
 def _get(plane: ControlPlane, kind: str, name: str) -> dict[str, Any] | None:
@@ -105,24 +113,73 @@ def _variant(tmp: Path, name: str, source: Path = KIND_CPU, **spec: Any) -> Path
     return path
 
 
-def _start_long_training(plane: ControlPlane, name: str, tmp: Path) -> Timeline:
-    """The kind example for 40 epochs (about 15 s of training here), its checkpoints on a claim
-    so that they outlive its pods; applied, with a timeline of its status."""
-    claim = f"{name}-checkpoints"
+def _claim(plane: ControlPlane, claim: str) -> None:
     plane.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump({
         "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
         "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}},
     }))  # fmt: skip
-    spec = _variant(tmp, name, training={"epochs": 40}, checkpoint={"volume": {"claimName": claim}})
+
+
+@dataclass(frozen=True)
+class Gate:
+    """The trainer gate of support.training (trainer_hold) in a training's pods: each rank waits
+    at HOLD_AT_STEP until :meth:`release` or a stop signal (SIGTERM, as pods are deleted). So
+    the test kills, suspends or preempts a run that cannot have finished meanwhile, however
+    slowly it got there: a free 40-epoch run is some 15 s of training here.
+
+    spec.env refuses GPUTRAIN_* (the operator's names): PYTHONPATH brings in a sitecustomize
+    on the training's checkpoint claim that sets the gate's variables and runs the gate."""
+
+    directory: Path  # the gate's folder as this host sees it
+    env: list[dict[str, str]]  # for spec.env
+
+    def wait_held(self, alive: Callable[[], bool]) -> int:
+        """The step both ranks wait at, once they do."""
+        return wait_held(self.directory, 2, alive, timeout=240)
+
+    def release(self) -> None:
+        release(self.directory)
+
+
+def _gate(agent: NodeAgent, claim: str) -> Gate:
+    """A gate for a training whose checkpoints are on ``claim``, the claim's folder shared by
+    its pods (the node agent's, as ReadWriteMany) and seen by this host."""
+    shared = agent.workdir / "claims" / NAMESPACE / claim
+    site = shared / "hold-site"
+    site.mkdir(parents=True, exist_ok=True)
+    # Made here, writable by all: the trainers run as the pod's user, and a release before they
+    # get there makes it too (as root, closed to them otherwise).
+    (shared / "hold").mkdir(parents=True, exist_ok=True)
+    (shared / "hold").chmod(0o777)
+    variables = hold_env(Path(CHECKPOINTS) / "hold", HOLD_AT_STEP)
+    del variables["PYTHONPATH"]  # this host's; the pods get theirs from spec.env
+    # The work tree is at the same path in every container, the gate with it.
+    (site / "sitecustomize.py").write_text(textwrap.dedent(f"""\
+        import importlib.util
+        import os
+        import sys
+
+        os.environ.update({variables!r})
+        _spec = importlib.util.spec_from_file_location("trainer_hold", {str(HOLD_SITE / "sitecustomize.py")!r})
+        _gate = importlib.util.module_from_spec(_spec)
+        sys.modules[_spec.name] = _gate
+        _spec.loader.exec_module(_gate)
+        """))  # fmt: skip
+    return Gate(shared / "hold", [{"name": "PYTHONPATH", "value": f"{CHECKPOINTS}/hold-site"}])
+
+
+def _start_long_training(plane: ControlPlane, name: str, tmp: Path, gate: Gate) -> Timeline:
+    """The kind example for 40 epochs (about 15 s of training here), its checkpoints on a claim
+    so that they outlive its pods, held at HOLD_AT_STEP by ``gate``; applied, with a timeline
+    of its status."""
+    claim = f"{name}-checkpoints"
+    _claim(plane, claim)
+    spec = _variant(
+        tmp, name, training={"epochs": 40}, checkpoint={"volume": {"claimName": claim}}, env=gate.env
+    )
     timeline = Timeline(plane, name)
     plane.kubectl("apply", "-n", NAMESPACE, "-f", str(spec))
     return timeline
-
-
-def _wait_for_a_second_checkpoint(agent: NodeAgent, pod: str, timeout: float) -> None:
-    """One past the first epoch: something to resume from that is not the start."""
-    wait_for("a checkpoint past the first epoch", lambda: len(_checkpointed_steps(agent, pod)) >= 2,
-             timeout=timeout, every=0.2)  # fmt: skip
 
 
 def _phase(plane: ControlPlane, name: str) -> str | None:
@@ -228,17 +285,21 @@ def test_progress_then_a_killed_trainer_resumes_from_its_checkpoint(
     """SIGKILL the master's trainer mid-run: its container restarts in place, training goes on
     from the newest checkpoint on the claim, and the status never says Stalled."""
     name = "killed"
-    timelines.append(timeline := _start_long_training(plane, name, tmp_path))
+    gate = _gate(agent, f"{name}-checkpoints")
+    timelines.append(timeline := _start_long_training(plane, name, tmp_path, gate))
     pod = f"{name}-master-0"
-    # Progress advances while it trains: two scrapes with different steps, every figure there.
-    wait_for("two progress reports", lambda: len({s.get("progress", {}).get("step") for s in timeline.seen
-                                                   if s.get("progress", {}).get("step")}) >= 2, timeout=180)  # fmt: skip
-    progress = next(s["progress"] for s in reversed(timeline.seen) if s.get("progress", {}).get("step"))
+    held = gate.wait_held(lambda: not {"Succeeded", "Failed"} & set(timeline.phases()))
+    # While it waits there, the status has that step, every figure there.
+    progress = wait_for("the held step in the status", lambda: next(
+        (s["progress"] for s in reversed(timeline.seen) if s.get("progress", {}).get("step") == held), None),
+        timeout=60)  # fmt: skip
     assert {"step", "totalSteps", "percent", "loss", "samplesPerSecond", "eta"} <= set(progress), progress
-    _wait_for_a_second_checkpoint(agent, pod, timeout=120)
+    assert len(_checkpointed_steps(agent, pod)) >= 2  # one past the first epoch: not the start
     pid = wait_for("the trainer process", lambda: _trainer_pid(agent, pod), timeout=10)
     before_kill = max(_checkpointed_steps(agent, pod))
     os.kill(pid, signal.SIGKILL)
+    # The other rank goes on, finds its peer gone and restarts too, as it would have unheld.
+    gate.release()
     wait_for("the container restarted", lambda: (_get(plane, "pod", pod) or {}).get("status", {}).get(
         "containerStatuses", [{}])[0].get("restartCount", 0) >= 1, timeout=60)  # fmt: skip
     wait_for(
@@ -256,6 +317,13 @@ def test_progress_then_a_killed_trainer_resumes_from_its_checkpoint(
     # the trainer advances again, then Running.
     assert "Restarting" in phases, phases
     assert phases[phases.index("Restarting") + 1] == "Running", phases
+    # Progress advanced while it trained: scrapes with different steps while Running.
+    steps = {
+        s["progress"]["step"]
+        for s in timeline.seen
+        if s.get("phase") == "Running" and s.get("progress", {}).get("step")
+    }
+    assert len(steps) >= 2, steps
 
 
 def test_suspended_mid_run_its_pods_go_and_it_resumes_from_the_checkpoint(
@@ -266,9 +334,11 @@ def test_suspended_mid_run_its_pods_go_and_it_resumes_from_the_checkpoint(
     tmp_path: Path,
 ) -> None:
     name = "paused"
-    timelines.append(timeline := _start_long_training(plane, name, tmp_path))
+    gate = _gate(agent, f"{name}-checkpoints")
+    timelines.append(timeline := _start_long_training(plane, name, tmp_path, gate))
     pod = f"{name}-master-0"
-    _wait_for_a_second_checkpoint(agent, pod, timeout=180)
+    gate.wait_held(lambda: not {"Succeeded", "Failed"} & set(timeline.phases()))
+    assert len(_checkpointed_steps(agent, pod)) >= 2  # one past the first epoch: not the start
     plane.kubectl(
         "patch", "gtr", name, "-n", NAMESPACE, "--type=merge", "-p", '{"spec":{"runPolicy":{"suspend":true}}}'
     )
@@ -279,6 +349,7 @@ def test_suspended_mid_run_its_pods_go_and_it_resumes_from_the_checkpoint(
         timeout=60,
     )
     saved = max(_checkpointed_steps(agent, pod))
+    gate.release()  # the resumed pods' trainers train on (SIGTERM let the deleted ones go)
     plane.kubectl(
         "patch",
         "gtr",
@@ -378,7 +449,7 @@ KUEUE_CHAIN = ("agent", "kubeflow", "trainer", "queueing", "operator")
 @pytest.mark.usefixtures(*KUEUE_CHAIN)
 @pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
 def test_kueue_holds_the_second_training_queued_until_the_first_finishes(
-    plane: ControlPlane, timelines: list[Timeline], tmp_path: Path, backend: str
+    plane: ControlPlane, agent: NodeAgent, timelines: list[Timeline], tmp_path: Path, backend: str
 ) -> None:
     """The real Kueue v0.16.2 with a ClusterQueue whose quota fits one kind-cpu training (2 pods
     of 1 CPU and 1 GiB): the first is admitted and runs; the second waits Queued, with Kueue's
@@ -390,7 +461,13 @@ def test_kueue_holds_the_second_training_queued_until_the_first_finishes(
         plane.kubectl("apply", "-f", "-", input=json.dumps(obj))
     first_name, second_name = f"q1-{backend}", f"q2-{backend}"
     queued = {"scheduling": {"queueName": queue}, "backend": backend}
-    first = _variant(tmp_path, first_name, training={"epochs": 25}, **queued)
+    # The first waits at HOLD_AT_STEP until the second has been seen queued: it cannot have
+    # finished (and given its quota back) meanwhile.
+    claim = f"{first_name}-checkpoints"
+    _claim(plane, claim)
+    gate = _gate(agent, claim)
+    first = _variant(tmp_path, first_name, training={"epochs": 25}, checkpoint={"volume": {"claimName": claim}},
+                     env=gate.env, **queued)  # fmt: skip
     second = _variant(tmp_path, second_name, **queued)
     timelines.append(first_timeline := Timeline(plane, first_name))
     timelines.append(second_timeline := Timeline(plane, second_name))
@@ -413,6 +490,7 @@ def test_kueue_holds_the_second_training_queued_until_the_first_finishes(
         job["spec"]["runPolicy"]["suspend"] if backend == "pytorchjob" else job["spec"]["suspend"]
     ) is True
     assert _pods_of(plane, second_name) == []
+    gate.release()
 
     wait_for(f"{first_name} finished", lambda: _phase(plane, first_name) in ("Succeeded", "Failed"),
              timeout=240, every=0.5)  # fmt: skip
@@ -464,19 +542,19 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
             "metadata": {"name": priority_class}, "value": value}))  # fmt: skip
     low, high = f"low-{backend}", f"high-{backend}"
     claim = f"{low}-checkpoints"
-    plane.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump({
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
-        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}},
-    }))  # fmt: skip
+    _claim(plane, claim)
+    gate = _gate(agent, claim)  # the low one waits at HOLD_AT_STEP: still running when preempted
     low_spec = _variant(tmp_path, low, training={"epochs": 40}, checkpoint={"volume": {"claimName": claim}},
-                        scheduling={"queueName": queue, "priorityClassName": "e2e-low"}, backend=backend)  # fmt: skip
+                        scheduling={"queueName": queue, "priorityClassName": "e2e-low"}, backend=backend,
+                        env=gate.env)  # fmt: skip
     high_spec = _variant(tmp_path, high, scheduling={"queueName": queue, "priorityClassName": "e2e-high"},
                          backend=backend)  # fmt: skip
     timelines.append(low_timeline := Timeline(plane, low))
     timelines.append(high_timeline := Timeline(plane, high))
     plane.kubectl("apply", "-n", NAMESPACE, "-f", str(low_spec))
     rank0 = _rank0_pod(low, backend)
-    _wait_for_a_second_checkpoint(agent, rank0, timeout=180)
+    gate.wait_held(lambda: not {"Succeeded", "Failed"} & set(low_timeline.phases()))
+    assert len(_checkpointed_steps(agent, rank0)) >= 2  # one past the first epoch: not the start
     plane.kubectl("apply", "-n", NAMESPACE, "-f", str(high_spec))
 
     def preempted() -> dict[str, Any] | None:
@@ -494,6 +572,7 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
     ) is True
     wait_for(f"{low}'s pods gone", lambda: not _pods_of(plane, low), timeout=90)
     saved = max(_checkpointed_steps(agent, rank0))
+    gate.release()  # for its pods when Kueue admits it again (SIGTERM let the evicted ones go)
 
     wait_for(
         f"{high} finished", lambda: _phase(plane, high) in ("Succeeded", "Failed"), timeout=240, every=0.5

@@ -66,11 +66,13 @@ def test_lifecycle_from_apply_to_succeeded(env: Cluster) -> None:
     running_since = time.time()
     env.job_condition("mnist", "Created", "Running", startTime=_stamp(running_since))
     pods = env.start_pods("mnist", 2, RUNNING, gpu_percent=85.0)
+    # Both pods, seen by one tick: the first look may come between the two pods' creation.
     status = wait_for(
-        "progress and GPU figures in status",
+        "progress and both pods' GPU figures in status",
         lambda: (
             (s := env.status("mnist")).get("progress", {}).get("step") == 30
-            and s.get("gpu", {}).get("perWorker")
+            and len(s.get("gpu", {}).get("perWorker", ())) == 2
+            and s.get("workers", {}).get("ready") == 2
             and s
         ),
     )

@@ -197,8 +197,10 @@ def test_lifecycle_as_the_charts_service_account(
     running_since = time.time()
     kubeflow.job_status("mnist", "Created", "Running", startTime=_stamp(running_since))
     pods = kubeflow.start_pods(job, RUNNING, gpu_percent=85.0)
-    status = wait_for("progress and GPU figures", lambda: (
-        (s := _status(api, "mnist")).get("progress", {}).get("step") == 30 and s.get("gpu", {}).get("perWorker")
+    # Both pods, seen by one tick: the first look may come between the two pods' creation.
+    status = wait_for("progress and both pods' GPU figures", lambda: (
+        (s := _status(api, "mnist")).get("progress", {}).get("step") == 30
+        and len(s.get("gpu", {}).get("perWorker", ())) == 2 and s.get("workers", {}).get("ready") == 2
         and s), timeout=30)  # fmt: skip
     assert status["phase"] == "Running"
     assert status["workers"] == {"ready": 2, "total": 2}

@@ -16,12 +16,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[operator,trainer,plots,tensorboard,dev]'
 	touch $(STAMP)
 
-$(HELM): tests/support/fetch_helm.py | $(STAMP)
-	$(BIN)/python tests/support/fetch_helm.py $(HELM)
+$(HELM): tests/support/tools/fetch_helm.py | $(STAMP)
+	$(BIN)/python tests/support/tools/fetch_helm.py $(HELM)
 
 # The real control plane (etcd, kube-apiserver, kube-controller-manager, kubectl), built from
 # the Go modules in tests/controlplane/ into ~/.cache/gpuop (once per machine; see the script).
-CONTROLPLANE := PYTHONPATH=tests $(BIN)/python -m support.controlplane
+CONTROLPLANE := PYTHONPATH=tests $(BIN)/python -m support.plane.controlplane
 
 ## test: set up .venv, helm and the Go-built binaries, run every check (lint, strict types, the
 ## CRD is current, pytest: unit, chart, operator, trainer, the real control-plane suite and the
@@ -43,7 +43,7 @@ controlplane-down: $(STAMP)
 
 ## docs-tools: install (or find cached) Mermaid's parser from npm, for the docs' diagram test
 docs-tools: $(STAMP)
-	PYTHONPATH=tests $(BIN)/python -m support.mermaid
+	PYTHONPATH=tests $(BIN)/python -m support.tools.mermaid
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -52,8 +52,9 @@ from gpuop.backends.pytorchjob import render_pytorchjob
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from support.apiserver import ApiServer  # noqa: E402
-from support.cluster import GPUOP, JOBS, TRAININGS, cluster, training  # noqa: E402
+from support.emulator.cluster import GPUOP, JOBS, TRAININGS, cluster  # noqa: E402
+from support.emulator.server import ApiServer  # noqa: E402
+from support.specs import training  # noqa: E402
 
 CRDS = [ROOT / "crds" / "gputraining.yaml", ROOT / "tests" / "reference" / "kubeflow.org_pytorchjobs.yaml"]
 

@@ -15,10 +15,10 @@ import yaml
 
 from gpuop.api.identity import DEFAULT_TRAINER_IMAGE, TRAINING_LABEL
 from gputrain.contract import METRICS_PORT_NAME
-from support import crdschema
-from support.crdschema import ROOT
-from support.helm import CHART, RELEASE_NAMESPACE, TEAM_VALUES, helm, render_error, template
-from support.operator_args import parse_operator_args
+from support.paths import ROOT
+from support.schemas import crd as crdschema
+from support.tools.helm import CHART, RELEASE_NAMESPACE, TEAM_VALUES, helm, render_error, template
+from support.tools.operator_args import parse_operator_args
 
 CLOUD_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 KUBERNETES_VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0"]

@@ -19,8 +19,8 @@ import yaml
 from gpuop._kits.schema import SpecError, encode
 from gpuop.api.spec import JobBackend, parse, trainjob_gaps
 from gpuop.backends.registry import render_job
-from support.controlplane import ControlPlane
-from support.realcluster import OUR_CRD, Api
+from support.plane.cluster import OUR_CRD, Api
+from support.plane.controlplane import ControlPlane
 from support.specs import EXAMPLES, load_example, minimal
 from unit.test_crd_agreement import IMMUTABLE_UPDATES, MUTABLE_UPDATES, NAMES_REFUSED
 from unit.test_spec import BAD_SPECS, ONLY_GPUOP_VALIDATE

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from support.controlplane import ControlPlane
-from support.helm import CHART, RELEASE, RELEASE_NAMESPACE, TEAM_VALUES, helm, value_args
-from support.realcluster import OUR_CRD, Api, install_crds
+from support.plane.cluster import OUR_CRD, Api, install_crds
+from support.plane.controlplane import ControlPlane
 from support.specs import minimal
+from support.tools.helm import CHART, RELEASE, RELEASE_NAMESPACE, TEAM_VALUES, helm, value_args
 
 MONITORING_CRDS = sorted((Path(__file__).parents[1] / "reference").glob("monitoring.coreos.com_*.yaml"))
 CLOUDS = [None, *sorted((CHART / "ci").glob("*-values.yaml"))]

@@ -1,4 +1,4 @@
-"""`make controlplane` and `make controlplane-down` (``python -m support.controlplane``) keep
+"""`make controlplane` and `make controlplane-down` (``python -m support.plane.controlplane``) keep
 their promises: up, usable with the kubectl they put beside the kubeconfig, down leaving no
 process and no state; a killed supervisor takes its children along; a port taken between
 choosing it and binding it makes it pick others."""
@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from support import controlplane
-from support.cluster import wait_for
-from support.crdschema import ROOT
+from support.paths import ROOT
+from support.plane import controlplane
+from support.waiting import wait_for
 
 
 def _launcher(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "support.controlplane", *args], cwd=ROOT, capture_output=True, text=True,
+        [sys.executable, "-m", "support.plane.controlplane", *args], cwd=ROOT, capture_output=True, text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT / "tests")}, timeout=180,
     )  # fmt: skip
 
@@ -35,7 +35,7 @@ def _processes_under(state: Path) -> list[str]:
                 command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if str(state) in command and "support.controlplane" not in command:
+            if str(state) in command and "support.plane.controlplane" not in command:
                 found.append(command[:120])
     return found
 

@@ -8,6 +8,7 @@ No Kubeflow controller and no kubelet run here: the test plays both, writing wha
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -21,13 +22,9 @@ import yaml
 
 from gpuop.api.spec import parse
 from gpuop.backends.registry import render_job
-from gputrain.contract import METRICS_PORT, Progress
-from gputrain.metrics import MetricsServer
-from support.cluster import PRINTER_COLUMNS, RUNNING, h100, wait_for
-from support.controlplane import ControlPlane
-from support.faultproxy import FaultProxy
-from support.helm import RELEASE, RELEASE_NAMESPACE, helm
-from support.realcluster import (
+from gputrain.contract import Progress
+from support import specs
+from support.plane.cluster import (
     Api,
     Installed,
     OperatorProcess,
@@ -35,7 +32,11 @@ from support.realcluster import (
     service_account_kubeconfig,
     uninstall_chart,
 )
-from support.specs import minimal
+from support.plane.controlplane import ControlPlane
+from support.plane.faultproxy import FaultProxy
+from support.samples import PRINTER_COLUMNS, RUNNING, StandInTrainers
+from support.tools.helm import RELEASE, RELEASE_NAMESPACE, helm
+from support.waiting import wait_for
 
 NAMESPACE = "training"
 STAMP = "%Y-%m-%dT%H:%M:%SZ"
@@ -50,47 +51,44 @@ def _helm(plane: ControlPlane, *args: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def installed(plane: ControlPlane, api: Api) -> Iterator[Installed]:
+def suite_chart(plane: ControlPlane, api: Api) -> Iterator[Installed]:
     """The chart installed (cluster-wide RBAC, peering) for this suite."""
-    installed = install_chart(plane, VALUES)
+    suite_chart = install_chart(plane, VALUES)
     plane.kubectl("create", "namespace", NAMESPACE)
-    yield installed
+    yield suite_chart
     uninstall_chart(plane)
 
 
 @pytest.fixture
-def operator(plane: ControlPlane, installed: Installed, tmp_path: Path) -> Iterator[OperatorProcess]:
+def fresh_operator(plane: ControlPlane, suite_chart: Installed, tmp_path: Path) -> Iterator[OperatorProcess]:
     """``gpuop operator`` with the chart's environment and its ServiceAccount's token."""
     config = service_account_kubeconfig(
-        plane, RELEASE_NAMESPACE, installed.service_account, tmp_path / "kubeconfig"
+        plane, RELEASE_NAMESPACE, suite_chart.service_account, tmp_path / "kubeconfig"
     )
-    process = OperatorProcess(config, tmp_path, env=installed.env)
+    process = OperatorProcess(config, tmp_path, env=suite_chart.env)
     yield process
     process.stop()
     assert "Traceback" not in process.log(), process.log()[-4000:]
 
 
 @pytest.fixture(autouse=True)
-def clean_namespace(plane: ControlPlane, api: Api, installed: Installed) -> Iterator[None]:
+def clean_namespace(plane: ControlPlane, api: Api, suite_chart: Installed) -> Iterator[None]:
     """Each test starts with no GpuTraining and no PyTorchJob in the namespace, whatever the last left."""
     yield
     plane.kubectl("delete", "gputrainings", "--all", "-n", NAMESPACE, "--wait=true")
     wait_for("the children garbage-collected", lambda: _jobs(api) == [], timeout=90)
 
 
-def training(name: str, namespace: str = NAMESPACE, **spec: Any) -> dict[str, Any]:
-    body = minimal(workers=2, gpusPerWorker=1, **spec)
-    body["metadata"] = {"name": name, "namespace": namespace}
-    return body
+# The suite's GpuTrainings live in its own namespace.
+training = functools.partial(specs.training, namespace=NAMESPACE)
 
 
-class Kubeflow:
+class KubeflowStandIn:
     """The test's stand-in for the training-operator and the kubelet, writing what they write."""
 
     def __init__(self, api: Api) -> None:
         self.api = api
-        self.trainers: dict[str, MetricsServer] = {}
-        self._next_ip = 10
+        self.trainers = StandInTrainers(first_ip=10)
 
     def job_status(self, name: str, *conditions: str, **fields: Any) -> None:
         now = time.strftime(STAMP, time.gmtime())
@@ -111,11 +109,7 @@ class Kubeflow:
         names = []
         for role in ("master", "worker"):
             pod_name = f"{name}-{role}-0"
-            ip = f"127.0.0.{self._next_ip}"
-            self._next_ip += 1
-            server = MetricsServer(METRICS_PORT, addr=ip)
-            server.update(progress, gpus=h100(gpu_percent))
-            self.trainers[pod_name] = server
+            ip = self.trainers.start(pod_name, progress, gpu_percent)
             pod = {
                 "apiVersion": "v1", "kind": "Pod",
                 "metadata": {
@@ -137,9 +131,7 @@ class Kubeflow:
         return names
 
     def finish_pod(self, pod: str, record: dict[str, Any]) -> None:
-        server = self.trainers.pop(pod, None)
-        if server is not None:
-            server.close()
+        self.trainers.stop(pod)
         self.api.patch_status("pods", pod, {
             "phase": "Succeeded", "conditions": [{"type": "Ready", "status": "False"}],
             "containerStatuses": [{
@@ -149,13 +141,12 @@ class Kubeflow:
         }, NAMESPACE)  # fmt: skip
 
     def close(self) -> None:
-        for server in self.trainers.values():
-            server.close()
+        self.trainers.close()
 
 
 @pytest.fixture
-def kubeflow(api: Api) -> Iterator[Kubeflow]:
-    stand_in = Kubeflow(api)
+def stand_in(api: Api) -> Iterator[KubeflowStandIn]:
+    stand_in = KubeflowStandIn(api)
     yield stand_in
     stand_in.close()
 
@@ -183,9 +174,13 @@ def _forbidden(plane: ControlPlane, user: str) -> list[dict[str, Any]]:
 
 
 def test_lifecycle_as_the_charts_service_account(
-    plane: ControlPlane, api: Api, installed: Installed, operator: OperatorProcess, kubeflow: Kubeflow
+    plane: ControlPlane,
+    api: Api,
+    suite_chart: Installed,
+    fresh_operator: OperatorProcess,
+    stand_in: KubeflowStandIn,
 ) -> None:
-    operator.start()
+    fresh_operator.start()
     plane.kubectl("create", "-f", "-", input=json.dumps(training("mnist")))
 
     job = wait_for("the PyTorchJob", lambda: api.get("pytorchjobs", "mnist", NAMESPACE), timeout=60)
@@ -195,8 +190,8 @@ def test_lifecycle_as_the_charts_service_account(
     wait_for("phase Created", lambda: _phase(api, "mnist", "Created"))
 
     running_since = time.time()
-    kubeflow.job_status("mnist", "Created", "Running", startTime=_stamp(running_since))
-    pods = kubeflow.start_pods(job, RUNNING, gpu_percent=85.0)
+    stand_in.job_status("mnist", "Created", "Running", startTime=_stamp(running_since))
+    pods = stand_in.start_pods(job, RUNNING, gpu_percent=85.0)
     # Both pods, seen by one tick: the first look may come between the two pods' creation.
     status = wait_for("progress and both pods' GPU figures", lambda: (
         (s := _status(api, "mnist")).get("progress", {}).get("step") == 30
@@ -237,10 +232,10 @@ def test_lifecycle_as_the_charts_service_account(
               "accuracy": 0.955, "testLoss": 0.18, "samplesPerSecond": 530.0, "durationSeconds": 95.0,
               "worldSize": 2}  # fmt: skip
     for pod in pods:
-        kubeflow.finish_pod(pod, record)
+        stand_in.finish_pod(pod, record)
     time.sleep(max(0.0, seen_running + 3 - time.time()))  # a span gpuHours can show at 4 decimals
     finished = time.time()
-    kubeflow.job_status("mnist", "Created", "Succeeded", startTime=_stamp(running_since),
+    stand_in.job_status("mnist", "Created", "Succeeded", startTime=_stamp(running_since),
                         completionTime=_stamp(finished))  # fmt: skip
     status = wait_for("Succeeded", lambda: (s := _status(api, "mnist")).get("phase") == "Succeeded" and s)
     # 2 GPUs held from the first Running status to the completion: seconds' worth.
@@ -263,7 +258,7 @@ def test_lifecycle_as_the_charts_service_account(
     described = plane.kubectl("describe", "gtr", "mnist", "-n", NAMESPACE).stdout
     assert described.count("warning: spec.output.volume: not set") == 2, described  # condition, event
 
-    assert _forbidden(plane, installed.user) == []  # the chart's rules allowed every call the operator made
+    assert _forbidden(plane, suite_chart.user) == []  # the chart's rules allowed every call the operator made
     plane.kubectl("delete", "gtr", "mnist", "-n", NAMESPACE)
     wait_for("the PyTorchJob garbage-collected", lambda: api.get("pytorchjobs", "mnist", NAMESPACE) is None,
              timeout=60)  # fmt: skip
@@ -290,13 +285,13 @@ def _trainjob_status(api: Api, name: str, conditions: dict[str, str], ready: int
 
 
 def test_a_trainjob_training_as_the_charts_service_account(
-    plane: ControlPlane, api: Api, installed: Installed, operator: OperatorProcess
+    plane: ControlPlane, api: Api, suite_chart: Installed, fresh_operator: OperatorProcess
 ) -> None:
     """backend trainjob: the TrainingRuntime, then the TrainJob, made by the chart's
     ServiceAccount and accepted by Trainer v2.3.0's CRDs; suspend patched through; Trainer's
     status read into phases; the GC takes both with the GpuTraining. (Trainer's controller does
     not run in this suite: the test writes its status. tests/e2e_local runs the real one.)"""
-    operator.start()
+    fresh_operator.start()
     plane.kubectl("create", "-f", "-", input=json.dumps(training("tj", backend="trainjob")))
     job = wait_for("the TrainJob", lambda: api.get("trainjobs", "tj", NAMESPACE), timeout=60)
     runtime = api.get("trainingruntimes", "tj", NAMESPACE)
@@ -348,14 +343,14 @@ def test_a_trainjob_training_as_the_charts_service_account(
     api.delete("trainjobs", "taken", NAMESPACE)
     api.delete("trainingruntimes", "taken-rt", NAMESPACE)
 
-    assert _forbidden(plane, installed.user) == []
+    assert _forbidden(plane, suite_chart.user) == []
     plane.kubectl("delete", "gtr", "tj", "-n", NAMESPACE)
     wait_for("the TrainJob and its runtime garbage-collected", lambda: api.get("trainjobs", "tj", NAMESPACE) is None
              and api.get("trainingruntimes", "tj", NAMESPACE) is None, timeout=60)  # fmt: skip
 
 
 def test_a_call_outside_the_charts_rules_is_refused_by_the_real_authorizer(
-    plane: ControlPlane, api: Api, installed: Installed, operator: OperatorProcess
+    plane: ControlPlane, api: Api, suite_chart: Installed, fresh_operator: OperatorProcess
 ) -> None:
     """Prove the RBAC check can fail: take `create` on pytorchjobs out of the chart's
     ClusterRole; the operator's create meets 403, and works again once the rule is back."""
@@ -371,14 +366,14 @@ def test_a_call_outside_the_charts_rules_is_refused_by_the_real_authorizer(
             rule["verbs"] = [v for v in rule["verbs"] if v != "create"]
     api.request("PUT", api.path("clusterroles", None, role_name), role)
     try:
-        operator.start()
+        fresh_operator.start()
         plane.kubectl("create", "-f", "-", input=json.dumps(training("denied")))
         wait_for("a 403 for the create", lambda: [
-            e for e in _forbidden(plane, installed.user)
+            e for e in _forbidden(plane, suite_chart.user)
             if e["verb"] == "create" and e["objectRef"]["resource"] == "pytorchjobs"
             and e["objectRef"]["namespace"] == NAMESPACE], timeout=30)  # fmt: skip
         assert api.get("pytorchjobs", "denied", NAMESPACE) is None
-        wait_for("the operator saying so", lambda: "403" in operator.log())
+        wait_for("the operator saying so", lambda: "403" in fresh_operator.log())
     finally:
         role = api.get("clusterroles", role_name, None)
         assert role is not None
@@ -388,23 +383,23 @@ def test_a_call_outside_the_charts_rules_is_refused_by_the_real_authorizer(
 
 
 def test_killed_at_random_moments_ends_with_exactly_one_job_each(
-    plane: ControlPlane, api: Api, operator: OperatorProcess
+    plane: ControlPlane, api: Api, fresh_operator: OperatorProcess
 ) -> None:
     rng = random.Random(11)
     names = [f"crash-{i:02d}" for i in range(20)]
-    operator.start()
+    fresh_operator.start()
     kills = 0
     for name in names:
         plane.kubectl("create", "-f", "-", input=json.dumps(training(name)))
         time.sleep(rng.uniform(0.0, 0.6))
-        operator.kill()  # SIGKILL: no cleanup, mid-request or mid-reconcile
+        fresh_operator.kill()  # SIGKILL: no cleanup, mid-request or mid-reconcile
         kills += 1
-        operator.start()
+        fresh_operator.start()
     for _ in range(4):
         time.sleep(rng.uniform(0.2, 1.5))
-        operator.kill()
+        fresh_operator.kill()
         kills += 1
-        operator.start()
+        fresh_operator.start()
     assert kills >= 20
 
     for name in names:
@@ -427,10 +422,10 @@ def test_killed_at_random_moments_ends_with_exactly_one_job_each(
 
 
 def test_api_faults_on_a_fifth_of_requests_every_job_converges_once(
-    plane: ControlPlane, api: Api, installed: Installed, kubeflow: Kubeflow, tmp_path: Path
+    plane: ControlPlane, api: Api, suite_chart: Installed, stand_in: KubeflowStandIn, tmp_path: Path
 ) -> None:
     token_config = service_account_kubeconfig(
-        plane, RELEASE_NAMESPACE, installed.service_account, tmp_path / "sa"
+        plane, RELEASE_NAMESPACE, suite_chart.service_account, tmp_path / "sa"
     )
     token = json.loads(token_config.read_text())["users"][0]["user"]["token"]
     # Every watch is cut after 0.5-3 s (a load balancer that drops long connections): at
@@ -443,16 +438,16 @@ def test_api_faults_on_a_fifth_of_requests_every_job_converges_once(
         "users": [{"name": "u", "user": {"token": token}}],
         "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
     }))  # fmt: skip
-    operator = OperatorProcess(config, tmp_path, env=installed.env)
+    fresh_operator = OperatorProcess(config, tmp_path, env=suite_chart.env)
     names = [f"faulty-{i:02d}" for i in range(50)]
     try:
-        operator.start()
+        fresh_operator.start()
         for name in names:
             plane.kubectl("create", "-f", "-", input=json.dumps(training(name)))
         for name in names:
             wait_for(f"{name} Created", lambda n=name: _phase(api, n, "Created"), timeout=180)
         for name in names[:5]:
-            kubeflow.job_status(name, "Created", "Running", startTime="2026-01-01T00:00:00Z")
+            stand_in.job_status(name, "Created", "Running", startTime="2026-01-01T00:00:00Z")
         for name in names[:5]:
             wait_for(f"{name} Running", lambda n=name: _phase(api, n, "Running"), timeout=60)
         assert sorted(j["metadata"]["name"] for j in _jobs(api)) == names
@@ -467,9 +462,9 @@ def test_api_faults_on_a_fifth_of_requests_every_job_converges_once(
         plane.kubectl("create", "-f", "-", input=json.dumps(training("after-cuts")))
         wait_for("after-cuts Created", lambda: _phase(api, "after-cuts", "Created"), timeout=60)
     finally:
-        operator.stop()
+        fresh_operator.stop()
         proxy.close()
-    assert "Traceback" not in operator.log(), operator.log()[-4000:]
+    assert "Traceback" not in fresh_operator.log(), fresh_operator.log()[-4000:]
     events = [e for e in api.list("events", NAMESPACE)  # earlier tests' events outlive their objects
               if e["reason"] == "PyTorchJobCreated" and e["involvedObject"]["name"] in names]  # fmt: skip
     assert len(events) <= len(names) + proxy.injected["lost-reply"], "an event per created job, not per retry"
@@ -481,28 +476,28 @@ def test_without_the_peering_object_the_operator_says_so_and_runs_standalone(
     """A newcomer's `gpuop operator` where the chart's peering object is not: not a silent
     pause (Kopf waits for it, logging at DEBUG), but a WARNING and a working operator."""
     plane.kubectl("create", "namespace", "lonely")
-    operator = OperatorProcess(plane.kubeconfig, tmp_path)
+    fresh_operator = OperatorProcess(plane.kubeconfig, tmp_path)
     try:
-        operator.start("--namespace", "lonely", "--scrape-interval", "1", "--scrape-timeout", "0.5")
-        plane.kubectl("create", "-f", "-", input=json.dumps(training("alone", "lonely")))
+        fresh_operator.start("--namespace", "lonely", "--scrape-interval", "1", "--scrape-timeout", "0.5")
+        plane.kubectl("create", "-f", "-", input=json.dumps(training("alone", namespace="lonely")))
         wait_for("its PyTorchJob", lambda: api.get("pytorchjobs", "alone", "lonely"), timeout=60)
     finally:
-        operator.stop()
+        fresh_operator.stop()
     assert re.search(r"WARNING.*no KopfPeering/gpu-training-operator in lonely .*running standalone",
-                     operator.log()), operator.log()  # fmt: skip
+                     fresh_operator.log()), fresh_operator.log()  # fmt: skip
 
 
 def test_a_required_peering_object_is_waited_for_with_a_warning(
     plane: ControlPlane, api: Api, tmp_path: Path
 ) -> None:
     plane.kubectl("create", "namespace", "waiting")
-    operator = OperatorProcess(plane.kubeconfig, tmp_path)
+    fresh_operator = OperatorProcess(plane.kubeconfig, tmp_path)
     try:
-        operator.start("--namespace", "waiting", "--peering", "team-peering", "--priority", "5")
-        plane.kubectl("create", "-f", "-", input=json.dumps(training("patient", "waiting")))
+        fresh_operator.start("--namespace", "waiting", "--peering", "team-peering", "--priority", "5")
+        plane.kubectl("create", "-f", "-", input=json.dumps(training("patient", namespace="waiting")))
         wait_for("the warning", lambda: re.search(
             r"WARNING.*waiting for KopfPeering/team-peering in waiting: peering 'team-peering' is required",
-            operator.log()))  # fmt: skip
+            fresh_operator.log()))  # fmt: skip
         time.sleep(3)
         assert api.get("pytorchjobs", "patient", "waiting") is None  # paused, as Kopf does
         plane.kubectl("create", "-f", "-", input=json.dumps({
@@ -512,19 +507,21 @@ def test_a_required_peering_object_is_waited_for_with_a_warning(
         wait_for("its PyTorchJob once the peering exists",
                  lambda: api.get("pytorchjobs", "patient", "waiting"), timeout=60)  # fmt: skip
     finally:
-        operator.stop()
+        fresh_operator.stop()
 
 
 def test_two_replicas_under_the_charts_peering_one_works_and_the_other_takes_over(
-    plane: ControlPlane, api: Api, installed: Installed, tmp_path: Path
+    plane: ControlPlane, api: Api, suite_chart: Installed, tmp_path: Path
 ) -> None:
     """The chart's set-up for replicas > 1: the peering object it creates, each pod its own
     identity (POD_ID) and a random priority; one replica works, the next takes over."""
-    config = service_account_kubeconfig(plane, RELEASE_NAMESPACE, installed.service_account, tmp_path / "sa")
+    config = service_account_kubeconfig(
+        plane, RELEASE_NAMESPACE, suite_chart.service_account, tmp_path / "sa"
+    )
     replicas = {}
     for pod in ("gpuop-a", "gpuop-b"):
         (tmp_path / pod).mkdir()
-        replicas[pod] = OperatorProcess(config, tmp_path / pod, env={**installed.env, "POD_ID": pod})
+        replicas[pod] = OperatorProcess(config, tmp_path / pod, env={**suite_chart.env, "POD_ID": pod})
 
     def peers() -> dict[str, Any]:
         peering = api.request("GET", "/apis/kopf.dev/v1/clusterkopfpeerings/gpu-training-operator")
@@ -544,7 +541,7 @@ def test_two_replicas_under_the_charts_peering_one_works_and_the_other_takes_ove
             plane.kubectl("create", "-f", "-", input=json.dumps(training(name)))
         for name in names:
             wait_for(f"{name} Created", lambda n=name: _phase(api, n, "Created"), timeout=60)
-        creates = [e for e in plane.audit(installed.user) if e["verb"] == "create"
+        creates = [e for e in plane.audit(suite_chart.user) if e["verb"] == "create"
                    and e["objectRef"]["resource"] == "pytorchjobs" and e["objectRef"].get("name") in names]  # fmt: skip
         assert sorted(e["responseStatus"]["code"] for e in creates) == [
             201,
@@ -567,20 +564,20 @@ def test_two_replicas_under_the_charts_peering_one_works_and_the_other_takes_ove
 
 
 def test_a_finished_training_is_never_run_again_when_kubeflow_deletes_its_job(
-    plane: ControlPlane, api: Api, operator: OperatorProcess, kubeflow: Kubeflow
+    plane: ControlPlane, api: Api, fresh_operator: OperatorProcess, stand_in: KubeflowStandIn
 ) -> None:
     """Kubeflow deletes a finished PyTorchJob after runPolicy.ttlSecondsAfterFinished. Making it
     again would train again on the GPUs: the status and result stay, the deletion is recorded."""
-    operator.start()
+    fresh_operator.start()
     plane.kubectl(
         "create", "-f", "-", input=json.dumps(training("ttl", runPolicy={"ttlSecondsAfterFinished": 60}))
     )
     job = wait_for("the PyTorchJob", lambda: api.get("pytorchjobs", "ttl", NAMESPACE), timeout=60)
-    kubeflow.job_status("ttl", "Created", "Running", startTime="2026-01-01T00:00:00Z")
-    pods = kubeflow.start_pods(job, RUNNING, gpu_percent=80.0)
+    stand_in.job_status("ttl", "Created", "Running", startTime="2026-01-01T00:00:00Z")
+    pods = stand_in.start_pods(job, RUNNING, gpu_percent=80.0)
     for pod in pods:
-        kubeflow.finish_pod(pod, {"phase": "Succeeded", "step": 100, "totalSteps": 100, "accuracy": 0.97})
-    kubeflow.job_status("ttl", "Created", "Succeeded", startTime="2026-01-01T00:00:00Z",
+        stand_in.finish_pod(pod, {"phase": "Succeeded", "step": 100, "totalSteps": 100, "accuracy": 0.97})
+    stand_in.job_status("ttl", "Created", "Succeeded", startTime="2026-01-01T00:00:00Z",
                         completionTime="2026-01-01T01:00:00Z")  # fmt: skip
     done = wait_for("Succeeded", lambda: (s := _status(api, "ttl")).get("phase") == "Succeeded" and s)
 
@@ -596,8 +593,8 @@ def test_a_finished_training_is_never_run_again_when_kubeflow_deletes_its_job(
     # would lose one not posted yet.
     wait_for("the PyTorchJobDeleted event", lambda: "PyTorchJobDeleted" in ttl_reasons())
     time.sleep(3)  # three ticks
-    operator.kill()  # and a restart, which sees the GpuTraining before any job event
-    operator.start()
+    fresh_operator.kill()  # and a restart, which sees the GpuTraining before any job event
+    fresh_operator.start()
     # The restarted operator at work (it starts in seconds idle, in more on a loaded machine):
     # a training made after the restart has its job; then three ticks more.
     plane.kubectl("create", "-f", "-", input=json.dumps(training("ttl-probe")))
@@ -617,11 +614,11 @@ def test_a_finished_training_is_never_run_again_when_kubeflow_deletes_its_job(
 
 
 def test_one_poisonous_training_stops_no_other(
-    plane: ControlPlane, api: Api, operator: OperatorProcess
+    plane: ControlPlane, api: Api, fresh_operator: OperatorProcess
 ) -> None:
     """A memory the CRD's pattern admits but no int64 holds (the operator's exact arithmetic
     once spent a minute of a core on it while every other training waited)."""
-    operator.start()
+    fresh_operator.start()
     plane.kubectl(
         "create", "-f", "-", input=json.dumps(training("poison", resources={"memory": "1e999999999"}))
     )
@@ -636,11 +633,13 @@ def test_one_poisonous_training_stops_no_other(
     assert api.get("pytorchjobs", "poison", NAMESPACE) is None
 
 
-def test_with_a_queue_suspend_is_kueues(plane: ControlPlane, api: Api, operator: OperatorProcess) -> None:
+def test_with_a_queue_suspend_is_kueues(
+    plane: ControlPlane, api: Api, fresh_operator: OperatorProcess
+) -> None:
     """Kueue suspends a queued job and resumes it on admission, and suspends it again to preempt
     it; the operator makes the job suspended and never undoes either. (Kueue itself does not
     run here: the test writes what it writes.)"""
-    operator.start()
+    fresh_operator.start()
     plane.kubectl(
         "create", "-f", "-", input=json.dumps(training("queued", scheduling={"queueName": "team-a"}))
     )
@@ -673,14 +672,14 @@ def _granted(plane: ControlPlane) -> set[tuple[str, str, str]]:
 
 
 def test_the_charts_rules_are_exactly_what_the_operator_asked_for(
-    plane: ControlPlane, installed: Installed
+    plane: ControlPlane, suite_chart: Installed
 ) -> None:
     """Read from the API server's audit log, after the tests above: each request the chart's
     ServiceAccount made was allowed (but the one whose rule a test took away), and each rule
     the chart grants was used by at least one request: nothing missing, nothing more."""
     asked: set[tuple[str, str, str]] = set()
     refused: set[tuple[str, str, str]] = set()
-    for event in plane.audit(installed.user):
+    for event in plane.audit(suite_chart.user):
         ref = event.get("objectRef")
         if ref is None:  # discovery (/api, /apis): every authenticated user may
             continue
@@ -694,7 +693,7 @@ def test_the_charts_rules_are_exactly_what_the_operator_asked_for(
 
 
 def test_in_role_mode_the_operator_needs_nothing_cluster_scoped(
-    plane: ControlPlane, api: Api, installed: Installed, tmp_path: Path
+    plane: ControlPlane, api: Api, suite_chart: Installed, tmp_path: Path
 ) -> None:
     """`watchNamespaces`: the chart makes Roles only, and the operator works with them under the
     real authorizer (Kopf's cluster scanning off; a KopfPeering in the namespace). Last in
@@ -710,13 +709,13 @@ def test_in_role_mode_the_operator_needs_nothing_cluster_scoped(
     assert role_mode.env["GPUOP_NAMESPACES"] == NAMESPACE
     since = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
     config = service_account_kubeconfig(plane, RELEASE_NAMESPACE, role_mode.service_account, tmp_path / "sa")
-    operator = OperatorProcess(config, tmp_path, env=role_mode.env)
+    fresh_operator = OperatorProcess(config, tmp_path, env=role_mode.env)
     try:
-        operator.start()
+        fresh_operator.start()
         plane.kubectl("create", "-f", "-", input=json.dumps(training("scoped")))
         wait_for("scoped Created", lambda: _phase(api, "scoped", "Created"), timeout=60)
     finally:
-        operator.stop()
-    assert "Traceback" not in operator.log(), operator.log()[-3000:]
+        fresh_operator.stop()
+    assert "Traceback" not in fresh_operator.log(), fresh_operator.log()[-3000:]
     refused = [e for e in _forbidden(plane, role_mode.user) if e["requestReceivedTimestamp"] >= since]
     assert refused == []

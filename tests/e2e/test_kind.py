@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 import yaml
 
-from support.cluster import wait_for
-from support.crdschema import ROOT
-from support.helm import CHART, helm_binary
+from support.paths import ROOT
+from support.tools.helm import CHART, helm_binary
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -14,9 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from support import controlplane, kueue, nodeagent, trainerv2, trainingoperator
-from support.helm import RELEASE_NAMESPACE
-from support.realcluster import (
+from support import nodeagent
+from support.controllers import kueue, trainerv2, trainingoperator
+from support.plane import controlplane
+from support.plane.cluster import (
     Api,
     Installed,
     OperatorProcess,
@@ -24,23 +25,12 @@ from support.realcluster import (
     install_crds,
     service_account_kubeconfig,
 )
+from support.tools.helm import RELEASE_NAMESPACE
 
 # The chart's defaults but a 1 s scrape (its default 10 s would outlast a short training).
 VALUES = {"operator.scrapeInterval": 1, "operator.scrapeTimeout": 0.8}
 # Two nodes the size of a small CPU node pool: both pods of a spec fit, as on kind.
 NODES = [nodeagent.Node("node-a", cpu="4", memory="8Gi"), nodeagent.Node("node-b", cpu="4", memory="8Gi")]
-
-
-@pytest.fixture(scope="session")
-def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[controlplane.ControlPlane]:
-    with controlplane.running(tmp_path_factory.mktemp("e2e-controlplane")) as running:
-        yield running
-
-
-@pytest.fixture(scope="session")
-def api(plane: controlplane.ControlPlane) -> Api:
-    install_crds(plane)
-    return Api(plane)
 
 
 @pytest.fixture(scope="session")

@@ -21,14 +21,14 @@ from typing import Any
 import pytest
 import yaml
 
-from support import kueue
-from support.cluster import wait_for
-from support.controlplane import ControlPlane
-from support.crdschema import ROOT
+from support.controllers import kueue
+from support.controllers.webhooked import WebhookedController
 from support.nodeagent import NodeAgent
-from support.realcluster import Api, OperatorProcess
+from support.paths import ROOT
+from support.plane.cluster import Api, OperatorProcess
+from support.plane.controlplane import ControlPlane
 from support.training import HOLD_SITE, hold_env, release, wait_held
-from support.trainingoperator import WebhookedController
+from support.waiting import wait_for
 
 NAMESPACE = "e2e"
 KIND_CPU = ROOT / "examples" / "kind-cpu.yaml"

@@ -64,8 +64,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from gpuop._kits.quantity import parse_quantity
-from support.crdschema import ROOT
-from support.realcluster import Api, HttpError
+from support.paths import ROOT
+from support.plane.cluster import Api, HttpError
 
 AGENT_NAME: Final = "gpuop-node-agent"
 STAMP: Final = "%Y-%m-%dT%H:%M:%SZ"

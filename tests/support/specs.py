@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from support.crdschema import ROOT
+from support.paths import ROOT
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
@@ -37,4 +37,12 @@ def with_spec(body: dict[str, Any], **spec: Any) -> dict[str, Any]:
 
 def load_example(path: Path) -> dict[str, Any]:
     body: dict[str, Any] = yaml.safe_load(path.read_text())
+    return body
+
+
+def training(name: str, namespace: str = "default", **spec: Any) -> dict[str, Any]:
+    """A two-worker, one-GPU-each GpuTraining named ``name`` in ``namespace``, as the operator
+    suites apply them (``spec`` fields merged in)."""
+    body = minimal(**{"workers": 2, "gpusPerWorker": 1, **spec})
+    body["metadata"] = {"name": name, "namespace": namespace}
     return body

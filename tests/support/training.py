@@ -16,7 +16,7 @@ import torch
 from gpuop.api.spec import parse
 from gpuop.local.runner import LocalRun, plan, scrape
 from gpuop.observing.scrape import TrainerMetrics
-from support.crdschema import ROOT
+from support.paths import ROOT
 from support.specs import minimal
 
 RANK_DUMP = ROOT / "tests" / "trainer" / "rank_dump.py"

@@ -15,7 +15,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from support.crdschema import ROOT
+from support.paths import ROOT
 
 BENCH = ROOT / "bench"
 

@@ -30,9 +30,10 @@ from gputrain.data import (
 )
 from gputrain.metrics import MetricsServer
 from gputrain.models import build_model
-from gputrain.train import Position, resume_at, warmup_cosine
+from gputrain.schedule import resume_at, warmup_cosine
+from gputrain.state import Figures, Position, RngState, Stateful, checkpoint_of, load_checkpoint
 from gputrain.vision import import_torchvision
-from support.crdschema import ROOT
+from support.paths import ROOT
 
 # --- checkpoints ----------------------------------------------------------------------------
 
@@ -99,6 +100,100 @@ def test_checkpoints_refuse_to_run_code(tmp_path: Path) -> None:
     path = tmp_path / "step-00000001.pt"
     torch.save({"x": Boom()}, path)
     assert CheckpointManager(tmp_path, keep=1).load_latest() is None
+
+
+# --- the trainer's checkpointed state: components that save and load themselves -------------
+
+
+def test_each_components_state_round_trips_through_a_checkpoint_file(tmp_path: Path) -> None:
+    """What a component saves, a fresh one loads back, through a file read as the trainer reads
+    it (weights_only: plain values and tensors only)."""
+    torch.manual_seed(3)
+    saved: dict[str, Stateful] = {
+        "position": Position(epoch=1, next_batch=10, step=33, batches=23),
+        "figures": Figures(loss=0.5, accuracy=None, test_loss=0.4, samples_trained=96.0, seconds_trained=2.0),
+        "rng": RngState(torch.device("cpu")),
+    }
+    path = CheckpointManager(tmp_path, keep=1).save(checkpoint_of(saved, "cnn"), 33)
+    draw = torch.rand(4)  # what the generator gives next from the saved state
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    loaded: dict[str, Stateful] = {
+        "position": Position(),
+        "figures": Figures(),
+        "rng": RngState(torch.device("cpu")),
+    }
+    load_checkpoint(loaded, state)
+    assert state["model_name"] == "cnn"
+    assert loaded["position"] == saved["position"]
+    assert loaded["figures"] == saved["figures"]
+    assert torch.equal(torch.rand(4), draw)
+
+
+def test_a_checkpoint_in_the_format_before_the_components_loads_into_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Users' volumes hold checkpoints that the trainer built key by key; the components load
+    them, and write the same keys back."""
+    from gpuop.api.spec import parse
+    from gpuop.backends.pod import trainer_settings
+    from gputrain.distributed import Cluster
+    from gputrain.train import Trainer
+    from support.specs import minimal
+
+    training = parse(
+        minimal(
+            dataset={"name": "digits", "loaderWorkers": 0},
+            training={"epochs": 3, "batchSize": 32},
+            checkpoint={"path": str(tmp_path / "ck"), "keep": 2},
+            output={"path": str(tmp_path / "out")},
+        )
+    )
+    settings = trainer_settings(training.name, training.spec)
+    cluster = Cluster(rank=0, local_rank=0, world=1, device=torch.device("cpu"), backend=settings.backend)
+    trainer = Trainer(settings, cluster, termination_log=None)
+    try:
+        weights = {k: torch.full_like(v, 0.25) if v.is_floating_point() else v
+                   for k, v in trainer.model.state_dict().items()}  # fmt: skip
+        optimizer = trainer.optimizer.state_dict()
+        optimizer["param_groups"][0]["lr"] = 0.0123
+        rng = torch.manual_seed(7).get_state()
+        draw = torch.rand(3)
+        old = {
+            "model": weights,
+            "optimizer": optimizer,
+            "scaler": trainer.scaler.state_dict(),
+            "position": {"epoch": 1, "next_batch": 10, "step": 33, "batches": trainer.batches},
+            "model_name": settings.model,
+            "figures": {"loss": 0.5, "accuracy": 0.9, "test_loss": 0.4, "samples_trained": 1437.0,
+                        "seconds_trained": 2.0},
+            "rng": {"torch": rng, "cuda": []},
+        }  # fmt: skip
+        manager = CheckpointManager(settings.checkpoint_dir, keep=2)
+        manager.save(old, 33)
+        with caplog.at_level(logging.INFO, logger="gputrain"):
+            trainer.resume()
+        assert "at epoch 2, step 33" in caplog.text
+        assert all(torch.equal(v, weights[k]) for k, v in trainer.model.state_dict().items())
+        assert trainer.optimizer.param_groups[0]["lr"] == 0.0123
+        assert trainer.position == Position(1, 10, 33, trainer.batches)
+        assert trainer.figures == Figures(0.5, 0.9, 0.4, 1437.0, 2.0)
+        assert torch.equal(torch.rand(3), draw)  # the generator continues from the saved state
+
+        trainer.position.step = 34
+        trainer.save_checkpoint()
+        found = manager.load_latest()
+        assert found is not None
+        new, path = found
+        assert path.name == "step-00000034.pt"
+        assert new.keys() == old.keys()
+        assert new["model"].keys() == weights.keys()
+        assert new["optimizer"].keys() == optimizer.keys()
+        assert new["position"] == old["position"] | {"step": 34}
+        assert new["figures"] == old["figures"]
+        assert new["rng"].keys() == {"torch", "cuda"}
+        assert new["rng"]["cuda"] == []
+    finally:
+        trainer.close()
 
 
 # --- data ------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from gputrain.contract import EXIT_BAD_CONFIG, EXIT_DATA_MISSING, HISTORY_FILE, read_history
-from support.crdschema import ROOT
+from support.paths import ROOT
 from support.training import (
     digits_run,
     elastic_launcher_args,

@@ -206,10 +206,10 @@ def test_a_registered_backend_runs_through_reconcile(toy: ToyJobApi) -> None:
         status = store.trainings[("default", "t")]["status"]
         assert status["phase"] == "Succeeded"
         assert status["completionTime"] == "2026-11-23T10:00:30Z"
-        assert store.events[:2] == ["ToyJobCreated", "ToyRunning"]
-        assert "TrainingSucceeded" in store.events
     finally:
-        reconciler.close()
+        reconciler.close()  # waits for the Events, posted off the reconcile's thread
+    # Posted by a pool of threads: in any order.
+    assert sorted(store.events) == ["ToyJobCreated", "ToyRunning", "TrainingSucceeded"]
 
 
 def test_auto_passes_over_a_backend_that_cannot_carry_the_spec(toy: ToyJobApi) -> None:

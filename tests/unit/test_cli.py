@@ -17,7 +17,7 @@ import yaml
 from gpuop.cli import documents
 from gpuop.cli.commands import main
 from support.cost import thread_seconds
-from support.crdschema import ROOT
+from support.paths import ROOT
 
 GOOD = """\
 apiVersion: gpuop.io/v1alpha1

@@ -13,8 +13,9 @@ import yaml
 
 from gpuop.api.apidoc import api_reference
 from gpuop.api.crd import build_crd, crd_yaml
-from support.crdschema import REFERENCE, ROOT, load_schema, validate
-from support.kubeflow import KUBERNETES_VERSIONS
+from support.paths import REFERENCE, ROOT
+from support.schemas.crd import load_schema, validate
+from support.schemas.kubeflow import KUBERNETES_VERSIONS
 from support.specs import EXAMPLES, load_example
 
 CRD_FILE = ROOT / "crds" / "gputraining.yaml"

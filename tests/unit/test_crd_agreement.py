@@ -15,7 +15,8 @@ import pytest
 
 from gpuop._kits.schema import SpecError, encode
 from gpuop.api.spec import parse
-from support.crdschema import ROOT, apply_defaults, load_schema, validate
+from support.paths import ROOT
+from support.schemas.crd import apply_defaults, load_schema, validate
 from support.specs import EXAMPLES, load_example, minimal
 from unit.test_spec import BAD_SPECS, ONLY_GPUOP_VALIDATE
 

@@ -1,10 +1,10 @@
-"""The docs' diagrams parse with Mermaid, as GitHub renders them (tests/support/mermaid.py)."""
+"""The docs' diagrams parse with Mermaid, as GitHub renders them (tests/support/tools/mermaid.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from support import mermaid
+from support.tools import mermaid
 
 ROOT = Path(__file__).resolve().parents[2]
 

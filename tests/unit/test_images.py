@@ -15,7 +15,7 @@ import yaml
 from gpuop.api.identity import DEFAULT_TRAINER_IMAGE, TRAINER_IMAGE_REPOSITORY
 from gpuop.api.podspec import SecurityContext
 from gputrain.contract import METRICS_PORT, RENDEZVOUS_PORT
-from support.crdschema import ROOT
+from support.paths import ROOT
 
 IMAGES = sorted((ROOT / "images").glob("*.Dockerfile"))
 TRAINER_IMAGES = [p for p in IMAGES if p.name.startswith("trainer")]

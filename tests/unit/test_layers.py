@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from support.crdschema import ROOT
+from support.paths import ROOT
 
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 

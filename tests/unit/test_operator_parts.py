@@ -22,9 +22,9 @@ from gpuop.controller.settings import OperatorSettings, SettingsError
 from gpuop.observing import observe
 from gpuop.observing.records import QueueState
 from gputrain.contract import Result
-from support.apiserver import ApiServer, RunningApiServer
-from support.operator_args import parse_operator_args
+from support.emulator.server import ApiServer, RunningApiServer
 from support.specs import minimal
+from support.tools.operator_args import parse_operator_args
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
@@ -329,14 +329,14 @@ def test_bad_settings_are_one_line_naming_flag_and_env(argv: list[str], message:
 
 
 @pytest.fixture
-def api() -> Iterator[RunningApiServer]:
+def emulator() -> Iterator[RunningApiServer]:
     with RunningApiServer(ApiServer()) as running:
         yield running
 
 
-def _kube(api: RunningApiServer, attempts: int = 8) -> Kube:
+def _kube(emulator: RunningApiServer, attempts: int = 8) -> Kube:
     configuration = k8s_client.Configuration()
-    configuration.host = api.url
+    configuration.host = emulator.url
     return Kube(k8s_client.ApiClient(configuration), backoff=Backoff(attempts=attempts, base_seconds=0.001))
 
 
@@ -345,36 +345,36 @@ def _job(name: str) -> dict[str, Any]:
             "spec": {}}  # fmt: skip
 
 
-def test_the_client_retries_faults_until_it_gets_through(api: RunningApiServer) -> None:
-    kube = _kube(api, attempts=30)
-    api.server.faults.rate = 0.5
-    api.server.faults.statuses = (500, 502, 503, 504, 429)
+def test_the_client_retries_faults_until_it_gets_through(emulator: RunningApiServer) -> None:
+    kube = _kube(emulator, attempts=30)
+    emulator.server.faults.rate = 0.5
+    emulator.server.faults.statuses = (500, 502, 503, 504, 429)
     for i in range(10):
         kube.create_object(_job(f"j{i}"), "pytorchjobs")
-    assert api.server.faults.injected >= 3
+    assert emulator.server.faults.injected >= 3
     codes = {code for (_, _, code) in kube.requests.counts}
     assert 201 in codes
     assert codes & {500, 502, 503, 504, 429}
-    assert len(list(api.iter_objects("kubeflow.org/v1/pytorchjobs"))) == 10
+    assert len(list(emulator.iter_objects("kubeflow.org/v1/pytorchjobs"))) == 10
 
 
-def test_a_409_on_a_status_patch_is_retried(api: RunningApiServer) -> None:
-    kube = _kube(api)
-    api.call(
-        api.server.create,
+def test_a_409_on_a_status_patch_is_retried(emulator: RunningApiServer) -> None:
+    kube = _kube(emulator)
+    emulator.call(
+        emulator.server.create,
         "gpuop.io/v1alpha1/gputrainings",
         {"metadata": {"name": "t", "namespace": "default"}, "spec": {}},
     )
-    api.server.faults.rate = 0.6
-    api.server.faults.statuses = (409,)
+    emulator.server.faults.rate = 0.6
+    emulator.server.faults.statuses = (409,)
     body = kube.patch_training_status("default", "t", {"status": {"phase": "Created"}})
     assert body is not None
     assert body["status"] == {"phase": "Created"}
     assert kube.patch_training_status("default", "absent", {"status": {}}) is None
 
 
-def test_errors_that_mean_something_are_not_retried(api: RunningApiServer) -> None:
-    kube = _kube(api)
+def test_errors_that_mean_something_are_not_retried(emulator: RunningApiServer) -> None:
+    kube = _kube(emulator)
     kube.create_object(_job("once"), "pytorchjobs")
     with pytest.raises(ApiError) as error:
         kube.create_object(_job("once"), "pytorchjobs")

@@ -19,8 +19,8 @@ from gpuop.backends.pod import kubeflow_backoff_limit, shm_size_bytes, trainer_s
 from gpuop.backends.pytorchjob import render_pytorchjob
 from gpuop.backends.registry import render_job
 from gputrain.contract import METRICS_PORT, TrainerSettings
-from support.crdschema import ROOT
-from support.kubeflow import all_errors
+from support.paths import ROOT
+from support.schemas.kubeflow import all_errors
 from support.specs import EXAMPLES, load_example, minimal
 
 GOLDEN = ROOT / "tests" / "golden"

@@ -17,8 +17,8 @@ from gpuop.backends import pod as render
 from gpuop.backends.pytorchjob import render_pytorchjob
 from gpuop.backends.trainjob import render_runtime, render_trainjob
 from gputrain.contract import METRICS_PORT, TERMINATION_LOG
-from support.crdschema import REFERENCE, ROOT
-from support.kubeflow import merged_pod_template, trainjob_errors
+from support.paths import REFERENCE, ROOT
+from support.schemas.kubeflow import merged_pod_template, trainjob_errors
 from support.specs import EXAMPLES, load_example, minimal
 
 GOLDEN = ROOT / "tests" / "golden" / "trainjob"

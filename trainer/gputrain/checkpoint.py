@@ -31,7 +31,8 @@ def _step(path: Path) -> int:
 
 
 class CheckpointManager:
-    """Saves, prunes and finds checkpoints in one directory."""
+    """Saves, prunes and finds checkpoints in one directory. What one holds is the trainer's
+    to say (its components, :mod:`gputrain.state`): here a checkpoint is a dict of them."""
 
     def __init__(self, directory: str | Path, keep: int) -> None:
         self.directory = Path(directory)

@@ -21,12 +21,12 @@ from typing import Final, Literal, get_args, get_type_hints
 ModelName = Literal["cnn", "resnet18", "resnet50"]
 DatasetName = Literal["mnist", "cifar10", "imagefolder", "digits", "synthetic"]
 Precision = Literal["fp32", "bf16", "fp16"]
-Backend = Literal["nccl", "gloo"]
+CommBackend = Literal["nccl", "gloo"]  # torch.distributed's communication backend
 
 MODEL_NAMES: Final[tuple[str, ...]] = get_args(ModelName)
 DATASET_NAMES: Final[tuple[str, ...]] = get_args(DatasetName)
 PRECISIONS: Final[tuple[str, ...]] = get_args(Precision)
-BACKENDS: Final[tuple[str, ...]] = get_args(Backend)
+COMM_BACKENDS: Final[tuple[str, ...]] = get_args(CommBackend)
 
 # Ports on the `pytorch` container. The rendezvous port carries Kubeflow's default port name,
 # which the training-operator looks up to build MASTER_PORT and the elastic rendezvous endpoint.
@@ -242,7 +242,7 @@ class TrainerSettings:
     checkpoint_every_steps: int
     checkpoint_keep: int
     output_dir: str
-    backend: Backend
+    backend: CommBackend
     metrics_port: int
 
     def __post_init__(self) -> None:

@@ -10,6 +10,7 @@ therefore keys its rendezvous under its own prefix, from TORCHELASTIC_RESTART_CO
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gputrain.contract import Backend, ContractError
+from gputrain.contract import CommBackend, ContractError
 
 # Long enough for a slow checkpoint load on one rank; short enough that a dead peer fails
 # the job in minutes rather than NCCL's default half hour.
@@ -32,7 +33,7 @@ class Cluster:
     local_rank: int
     world: int
     device: torch.device
-    backend: Backend
+    backend: CommBackend
 
     @property
     def is_main(self) -> bool:
@@ -62,7 +63,7 @@ def _store(restart: str) -> Any:
     return dist.PrefixStore(f"gputrain/attempt-{restart}/", store)  # type: ignore[attr-defined]
 
 
-def join(backend: Backend) -> Cluster:
+def join(backend: CommBackend) -> Cluster:
     """Join the job's process group (a world of one when not launched by torchrun)."""
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -86,6 +87,15 @@ def join(backend: Backend) -> Cluster:
                 backend, store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
             )
     return Cluster(rank=rank, local_rank=local_rank, world=world, device=device, backend=backend)
+
+
+def sum_over_ranks(cluster: Cluster, values: Sequence[torch.Tensor | float]) -> list[float]:
+    """``values`` summed over every rank, in float64: one collective and one host sync for
+    them all (the loop keeps its figures on the device until a logging interval ends)."""
+    tensor = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=cluster.device) for v in values])
+    if cluster.distributed:
+        dist.all_reduce(tensor)
+    return [float(v) for v in tensor.tolist()]
 
 
 def leave(cluster: Cluster) -> None:

@@ -5,7 +5,7 @@ Built from their Go modules (``tests/controlplane/go.mod``: ``k8s.io/kubernetes`
 client, once per machine: the binaries are cached outside the work tree, keyed by a hash of
 go.mod and go.sum, so a version bump rebuilds and a second run starts in seconds.
 
-The same code serves ``make controlplane`` (``python -m support.controlplane up``: a detached
+The same code serves ``make controlplane`` (``python -m support.plane.controlplane up``: a detached
 supervisor that owns the three processes until ``down``) and the session fixture of the
 control-plane suite (:class:`ControlPlane` in the pytest process). Either way every child
 gets ``PR_SET_PDEATHSIG``: when whatever started it dies, even by SIGKILL, the kernel kills
@@ -42,12 +42,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Final
 
-from support import gobuild
+from support.paths import ROOT
+from support.plane import gobuild
 
-ROOT: Final = Path(__file__).resolve().parents[2]
 MODULE: Final = ROOT / "tests" / "controlplane"
 STATE: Final = ROOT / ".controlplane"
-# Binary name -> Go package (etcd's comes out as "server" and is renamed: see support.gobuild).
+# Binary name -> Go package (etcd's comes out as "server" and is renamed: see support.plane.gobuild).
 PACKAGES: Final = {
     "kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
     "kube-controller-manager": "k8s.io/kubernetes/cmd/kube-controller-manager",
@@ -557,7 +557,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
-            from support import kueue, trainingoperator  # the other Go-built binaries the tests run
+            from support.controllers import (
+                kueue,
+                trainingoperator,
+            )  # the other Go-built binaries the tests run
 
             print(ensure_binaries())
             print(trainingoperator.ensure_binary())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from support.cluster import Cluster, admit_all, cluster
+from support.emulator.cluster import Cluster, admit_all, cluster
 
 
 @pytest.fixture

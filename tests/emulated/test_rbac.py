@@ -12,8 +12,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from support.cluster import JOBS, RUNNING, Cluster, stranger_job, training, wait_for
-from support.helm import rules, template
+from support.emulator.cluster import JOBS, Cluster, stranger_job
+from support.samples import RUNNING
+from support.specs import training
+from support.tools.helm import rules, template
+from support.waiting import wait_for
 
 PEERING = "gpu-training-operator"
 Request = tuple[str, str, str, str | None, str | None]  # verb, group, resource, namespace, name

@@ -25,9 +25,6 @@ import yaml
 
 from gpuop._kits.quantity import parse_quantity
 
-ROOT = Path(__file__).resolve().parents[2]
-REFERENCE = ROOT / "tests" / "reference"
-
 
 def load_schema(crd_path: Path, version: str | None = None) -> dict[str, Any]:
     """The openAPIV3Schema of one served version of a CRD file."""

@@ -18,7 +18,8 @@ from typing import Any
 
 import kubernetes_validate
 
-from support.crdschema import REFERENCE, load_schema, validate
+from support.paths import REFERENCE
+from support.schemas.crd import load_schema, validate
 
 KUBERNETES_VERSIONS = ("1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0")
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")

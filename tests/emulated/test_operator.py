@@ -11,20 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from gputrain.contract import Progress
-from support.apiserver import ApiServer
-from support.cluster import (
-    JOBS,
-    PRINTER_COLUMNS,
-    RUNNING,
-    TRAININGS,
-    Cluster,
-    admit_all,
-    cluster,
-    stranger_job,
-    training,
-    wait_for,
-)
-from support.kubeflow import all_errors
+from support.emulator.cluster import JOBS, TRAININGS, Cluster, admit_all, cluster, stranger_job
+from support.emulator.server import ApiServer
+from support.samples import PRINTER_COLUMNS, RUNNING
+from support.schemas.kubeflow import all_errors
+from support.specs import training
+from support.waiting import wait_for
 
 
 def _result(**figures: Any) -> dict[str, Any]:

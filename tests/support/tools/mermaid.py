@@ -5,7 +5,7 @@ error box instead of the diagram. tests/docs/ pins mermaid and jsdom (package-lo
 are installed with ``npm ci`` into the cache, keyed by the lock file's hash (cold: measured 8 s
 and 172 MB on disk; warm: nothing).
 
-    PYTHONPATH=tests python -m support.mermaid     # install (or find), print the directory
+    PYTHONPATH=tests python -m support.tools.mermaid     # install (or find), print the directory
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support.gobuild import cache_root
+from support.paths import TESTS
+from support.plane.gobuild import cache_root
 
-SOURCE = Path(__file__).resolve().parents[1] / "docs"
+SOURCE = TESTS / "docs"
 FILES = ("package.json", "package-lock.json", "mermaid_check.mjs")
 BLOCK = re.compile(r"^```mermaid\n(.*?)^```", re.MULTILINE | re.DOTALL)
 

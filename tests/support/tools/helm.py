@@ -1,4 +1,4 @@
-"""The chart rendered by the real helm binary that `make test` fetches (tests/support/fetch_helm.py)."""
+"""The chart rendered by the real helm binary that `make test` fetches (tests/support/tools/fetch_helm.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from support.crdschema import ROOT
+from support.paths import ROOT
 
 CHART = ROOT / "charts" / "gpu-training-operator"
 RELEASE = "gpuop"

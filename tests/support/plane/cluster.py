@@ -24,10 +24,10 @@ from typing import Any, Final
 
 import yaml
 
-from support.cluster import wait_for
-from support.controlplane import ControlPlane, kubeconfig
-from support.crdschema import ROOT
-from support.helm import CHART, RELEASE, RELEASE_NAMESPACE, helm, value_args
+from support.paths import ROOT
+from support.plane.controlplane import ControlPlane, kubeconfig
+from support.tools.helm import CHART, RELEASE, RELEASE_NAMESPACE, helm, value_args
+from support.waiting import wait_for
 
 GPUOP: Final = str(Path(sys.executable).with_name("gpuop"))
 KUBEFLOW_CRD: Final = ROOT / "tests" / "reference" / "kubeflow.org_pytorchjobs.yaml"

@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from gputrain.contract import METRICS_PORT, Progress
-from gputrain.metrics import GpuReading, MetricsServer
-from support.apiserver import ApiServer, RunningApiServer
-from support.controlplane import ensure_binaries
+from gputrain.contract import Progress
+from support.emulator.server import ApiServer, RunningApiServer
+from support.plane.controlplane import ensure_binaries
+from support.samples import StandInTrainers
 
 TRAININGS = "gpuop.io/v1alpha1/gputrainings"
 JOBS = "kubeflow.org/v1/pytorchjobs"
@@ -33,37 +33,6 @@ GPUOP = str(Path(sys.executable).with_name("gpuop"))
 # The kubectl built with the control plane: a machine need not have one installed.
 KUBECTL = str(ensure_binaries() / "kubectl")
 STAMP = "%Y-%m-%dT%H:%M:%SZ"
-# What `kubectl get gputrainings` prints as its header (the CRD's printer columns).
-PRINTER_COLUMNS = ["NAME", "PHASE", "WORKERS", "GPUS", "PROGRESS", "LOSS", "GPU-UTIL", "ETA", "AGE"]
-
-
-def wait_for(
-    what: str,
-    check: Callable[[], Any],
-    timeout: float = 20.0,
-    every: float = 0.1,
-    tolerate: tuple[type[Exception], ...] = (),
-) -> Any:
-    """Poll until ``check`` returns something truthy; fail naming ``what``. Exceptions of the
-    ``tolerate`` kinds (a command that fails while a cluster settles) count as 'not yet'."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-            if last:
-                return last
-        except tolerate as exc:
-            last = str(exc)[-500:]
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what} (last: {last!r})")
-
-
-# A trainer's figures mid-run, as the tests' trainer pods report them.
-RUNNING = Progress(
-    epoch=1, total_epochs=2, step=30, total_steps=100, loss=0.9, accuracy=None,
-    samples_per_second=512.0, estimated_remaining_seconds=140.0,
-)  # fmt: skip
 
 
 def admit_all(server: ApiServer) -> None:
@@ -82,24 +51,6 @@ def stranger_job(name: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def training(name: str, namespace: str = "default", **spec: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "apiVersion": "gpuop.io/v1alpha1",
-        "kind": "GpuTraining",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {"dataset": {"name": "digits"}, "workers": 2, "gpusPerWorker": 1},
-    }
-    body["spec"].update(spec)
-    return body
-
-
-def h100(utilization_percent: float | None) -> list[GpuReading]:
-    """What NVML reads from one busy H100 (none without a utilization figure)."""
-    if utilization_percent is None:
-        return []
-    return [GpuReading(0, "NVIDIA H100 80GB HBM3", utilization_percent, 10 * 2**30, 80 * 2**30)]
-
-
 class Cluster:
     def __init__(self, api: RunningApiServer, workdir: Path) -> None:
         self.api = api
@@ -109,8 +60,7 @@ class Cluster:
         self.operator: subprocess.Popen[bytes] | None = None
         self.replicas: list[subprocess.Popen[bytes]] = []
         self.operator_args: list[str] = []
-        self.trainers: dict[str, MetricsServer] = {}
-        self._next_ip = 2
+        self.trainers = StandInTrainers(first_ip=2)
         self._log_index = 0
 
     # -- the operator ---------------------------------------------------------------------
@@ -227,11 +177,7 @@ class Cluster:
         for index in range(count):
             role = "master" if index == 0 else "worker"
             pod_name = f"{job}-{role}-{index if index == 0 else index - 1}"
-            ip = f"127.0.0.{self._next_ip}"
-            self._next_ip += 1
-            server = MetricsServer(METRICS_PORT, addr=ip)
-            server.update(progress, gpus=h100(gpu_percent))
-            self.trainers[pod_name] = server
+            ip = self.trainers.start(pod_name, progress, gpu_percent)
             pod = {
                 "apiVersion": "v1",
                 "kind": "Pod",
@@ -253,13 +199,11 @@ class Cluster:
         return names
 
     def progress(self, pod: str, progress: Progress, gpu_percent: float | None = None) -> None:
-        self.trainers[pod].update(progress, gpus=h100(gpu_percent) or None)
+        self.trainers.report(pod, progress, gpu_percent)
 
     def finish_pod(self, pod: str, record: dict[str, Any], phase: str = "Succeeded") -> None:
         """The trainer exits: its metrics endpoint goes, its termination message stays."""
-        server = self.trainers.pop(pod, None)
-        if server is not None:
-            server.close()
+        self.trainers.stop(pod)
         terminated = {"exitCode": 0 if phase == "Succeeded" else 1, "message": json.dumps(record)}
         self.api.call(
             self.server.patch, PODS, "default", pod,
@@ -271,9 +215,7 @@ class Cluster:
     def close(self) -> None:
         for process in self.replicas:
             self.stop_operator(process)
-        for server in self.trainers.values():
-            server.close()
-        self.trainers.clear()
+        self.trainers.close()
 
 
 @contextlib.contextmanager

@@ -30,11 +30,11 @@ from typing import Any, Final
 
 import yaml
 
-from support import gobuild
-from support.controlplane import ControlPlane
-from support.crdschema import ROOT
-from support.realcluster import Api, install_crds
-from support.trainingoperator import ControllerSpec, Ports, WebhookedController
+from support.controllers.webhooked import ControllerSpec, Ports, WebhookedController
+from support.paths import ROOT
+from support.plane import gobuild
+from support.plane.cluster import Api, install_crds
+from support.plane.controlplane import ControlPlane
 
 MODULE: Final = ROOT / "tests" / "kueue"
 NAMESPACE: Final = "kueue-system"

@@ -1,20 +1,10 @@
-"""The real Kubeflow training-operator (v1, the PyTorchJob controller and its validating webhook),
-built from its Go module and run against a control plane as its Deployment would run it.
+"""A Kubeflow-style controller manager run against the control plane with its webhooks: its
+namespace, Service and endpoint (the test host's address on the node agent's bridge), the
+Secret its own cert rotator fills, its webhook configurations as released, and its process.
 
-Built from ``tests/kubeflow/go.mod`` (``github.com/kubeflow/training-operator v1.9.4``, go.sum
-committed) through :mod:`support.gobuild`. That is a module of its own rather than the control
-plane's: v1.9.4 needs k8s.io/* v0.36 and controller-runtime v0.24, while the control plane's
-module pins every k8s.io staging module to v0.35.4 with ``replace``; one module cannot hold both.
-
-Its webhook is real as well: the training-operator's own cert rotator makes a CA and a serving
-certificate for ``training-operator.kubeflow.svc``, stores them in its Secret and writes the CA
-into the ValidatingWebhookConfiguration, which is the upstream one
-(tests/reference/training-operator-webhook.yaml, the pytorchjob entry, named as the release
-manifests name it). The API server reaches the webhook through the Service's endpoint, the test
-host's address on the node agent's bridge (``--enable-aggregator-routing``: no kube-proxy here).
-The rotator reads its files from a fixed /tmp path, where the Deployment mounts the Secret; here
-the process gets a private tmpfs there (a mount namespace of its own, so two suites on one
-machine cannot overwrite each other's keys) and a thread plays the secret volume.
+The training-operator, Trainer v2, JobSet and Kueue all run this way
+(:mod:`support.controllers.trainingoperator`, :mod:`~support.controllers.trainerv2`,
+:mod:`~support.controllers.kueue`).
 """
 
 from __future__ import annotations
@@ -31,56 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-import yaml
+from support.plane.cluster import Api, HttpError
+from support.plane.controlplane import ControlPlane, free_port
 
-from support import gobuild
-from support.controlplane import ControlPlane, free_port
-from support.crdschema import ROOT
-from support.realcluster import Api, HttpError
-
-MODULE: Final = ROOT / "tests" / "kubeflow"
-WEBHOOKS: Final = ROOT / "tests" / "reference" / "training-operator-webhook.yaml"
-NAMESPACE: Final = "kubeflow"
-SERVICE: Final = "training-operator"
-SECRET: Final = "training-operator-webhook-cert"
-WEBHOOK_CONFIGURATION: Final = "validator.training-operator.kubeflow.org"
 CERT_DIR: Final = "/tmp/k8s-webhook-server"
-
-
-def recipe() -> gobuild.Recipe:
-    """The Kubeflow controllers, from one tools module: the training-operator v1, Trainer v2 and
-    JobSet (MVS settles them on one k8s.io and controller-runtime version)."""
-    versions = {
-        "training-operator": gobuild.required_version(MODULE, "github.com/kubeflow/training-operator"),
-        "trainer": gobuild.required_version(MODULE, "github.com/kubeflow/trainer/v2"),
-        "jobset": gobuild.required_version(MODULE, "sigs.k8s.io/jobset"),
-    }
-    return gobuild.Recipe(
-        name="kubeflow",
-        module=MODULE,
-        packages={
-            "training-operator": "github.com/kubeflow/training-operator/cmd/training-operator.v1",
-            "trainer-controller-manager": "github.com/kubeflow/trainer/v2/cmd/trainer-controller-manager",
-            "jobset": "sigs.k8s.io/jobset",
-        },
-        label="-".join(f"{name}-{version}" for name, version in versions.items()),
-        cold_cost="measured 2.0 min on 2 cores for all three with their modules cached; 1.2 min for the "
-        "training-operator alone with the control plane's modules already cached",
-        renames={"training-operator.v1": "training-operator"},
-    )
-
-
-def ensure_binary(name: str = "training-operator") -> Path:
-    return gobuild.ensure(recipe()) / name
-
-
-def webhook_configuration() -> dict[str, Any]:
-    """Upstream's pytorchjob webhook, with the names the release manifests give it."""
-    upstream = next(d for d in yaml.safe_load_all(WEBHOOKS.read_text()) if d)
-    hook = next(w for w in upstream["webhooks"] if w["name"].startswith("validator.pytorchjob."))
-    hook["clientConfig"]["service"].update(name=SERVICE, namespace=NAMESPACE, port=443)
-    return {"apiVersion": upstream["apiVersion"], "kind": upstream["kind"],
-            "metadata": {"name": WEBHOOK_CONFIGURATION}, "webhooks": [hook]}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -199,22 +143,3 @@ class WebhookedController:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
-
-
-TRAINING_OPERATOR: Final = ControllerSpec(
-    name="training-operator",
-    binary=ensure_binary,
-    namespace=NAMESPACE,
-    service=SERVICE,
-    secret=SECRET,
-    webhooks=lambda: [webhook_configuration()],
-    command=lambda binary, ports, _: [
-        str(binary), "--enable-scheme=pytorchjob", f"--webhook-server-port={ports.webhook}",
-        f"--health-probe-bind-address=127.0.0.1:{ports.health}", "--metrics-bind-address=0",
-        "--leader-elect=false", "--zap-log-level=info",
-    ],
-)  # fmt: skip
-
-
-def training_operator(plane: ControlPlane, api: Api, host_ip: str, workdir: Path) -> WebhookedController:
-    return WebhookedController(TRAINING_OPERATOR, plane, api, host_ip, workdir)

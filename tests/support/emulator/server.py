@@ -46,9 +46,10 @@ import jsonpatch
 import kmock
 import yaml
 
-from support import crdschema, kubeflow
+from support.paths import ROOT
+from support.schemas import crd as crdschema
+from support.schemas import kubeflow
 
-ROOT = Path(__file__).resolve().parents[2]
 Validator = Callable[[dict[str, Any], dict[str, Any] | None], list[str]]
 # How long a test waits for the emulator's loop to run one of its calls: a guard against a hung
 # loop, not a timing check. The loop also serves the operator under test, and on a loaded

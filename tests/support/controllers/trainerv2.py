@@ -25,10 +25,11 @@ from typing import Any, Final
 
 import yaml
 
-from support.controlplane import ControlPlane
-from support.crdschema import REFERENCE
-from support.realcluster import Api
-from support.trainingoperator import ControllerSpec, Ports, WebhookedController, ensure_binary
+from support.controllers.trainingoperator import ensure_binary
+from support.controllers.webhooked import ControllerSpec, Ports, WebhookedController
+from support.paths import REFERENCE
+from support.plane.cluster import Api
+from support.plane.controlplane import ControlPlane
 
 JOBSET_CRD: Final = REFERENCE / "jobset.x-k8s.io_jobsets.yaml"
 TRAINER_NAMESPACE: Final = "kubeflow-system"

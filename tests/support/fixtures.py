@@ -1,0 +1,35 @@
+"""The session's shared fixtures, defined once (tests/conftest.py loads this as a plugin).
+
+One real control plane serves the whole session: the control-plane suite first, the
+end-to-end chain after it (each cleans up what it installs). Fixtures that only one suite
+needs stay in that suite's conftest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from support.plane import controlplane
+from support.plane.cluster import Api, install_crds
+
+
+@pytest.fixture(scope="session")
+def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[controlplane.ControlPlane]:
+    """etcd + kube-apiserver + kube-controller-manager, built from their Go modules."""
+    with controlplane.running(tmp_path_factory.mktemp("controlplane")) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def crd_warnings(plane: controlplane.ControlPlane) -> str:
+    """Our CRD, Kubeflow's PyTorchJob and Trainer v2 CRDs and Kopf's peering CRDs, created and
+    Established once; the value is whatever kubectl printed on stderr while applying them."""
+    return install_crds(plane)
+
+
+@pytest.fixture(scope="session")
+def api(plane: controlplane.ControlPlane, crd_warnings: str) -> Api:
+    """The test's client of the control plane, its CRDs installed."""
+    return Api(plane)

@@ -1,7 +1,12 @@
 """The one module that talks to the Kubernetes API (Kopf's watches aside).
 
 Objects travel as plain JSON dicts: the operator reads a handful of fields, and the client's
-generated model classes would cost a deserialisation of every pod for nothing. Every call goes
+generated model classes would cost a deserialisation of every pod for nothing. Of the
+kubernetes client only the public surface every version from 29 on has is used: its
+kubeconfig and in-cluster loaders fill a ``Configuration``, whose TLS, proxy and pool fields
+and ``auth_settings()`` (which refreshes a rotating token) set up our own urllib3 pool. Its
+``ApiClient`` internals changed across versions (``param_serialize`` is 36+ only: with the
+Kubeflow SDK's ``kubernetes<36`` every request failed). Every call goes
 through :meth:`Kube._request`, which retries what a real API server sends under load or during
 a control-plane upgrade (429, 500, 502, 503, 504, timeouts, refused connections) with capped
 exponential backoff and jitter, honouring ``Retry-After``. Everything else is the caller's to
@@ -13,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import ssl
 import threading
 import time
 import urllib.parse
@@ -109,8 +115,8 @@ class Kube:
         timeout_seconds: float = 30.0,
         in_cluster: bool = False,
     ) -> None:
-        self.api = api
-        self.api.user_agent = USER_AGENT
+        self.configuration = api.configuration
+        self._pool = _pool(self.configuration)
         self.backoff = backoff or Backoff()
         self.timeout_seconds = timeout_seconds
         self.in_cluster = in_cluster
@@ -152,24 +158,22 @@ class Kube:
     ) -> Any:
         if query:
             path = f"{path}?{urllib.parse.urlencode(query)}"
-        headers = {"Accept": "*/*" if raw else "application/json"}
+        headers = {"Accept": "*/*" if raw else "application/json", "User-Agent": USER_AGENT}
         if body is not None:
             headers["Content-Type"] = content_type
+        payload = json.dumps(body).encode() if body is not None else None
+        url = f"{self.configuration.host}{path}"
         verb, resource = request_target(method, path)
         for attempt in range(self.backoff.attempts):
             started = time.monotonic()
-            _, url, header_params, _, _ = self.api.param_serialize(
-                method, path, header_params=dict(headers), auth_settings=["BearerToken"]
-            )
             try:
-                response = self.api.call_api(
-                    method, url, header_params=header_params, body=body,
-                    _request_timeout=timeout or self.timeout_seconds,
+                response = self._pool.request(
+                    method, url, body=payload, headers=headers | _auth_header(self.configuration),
+                    timeout=urllib3.Timeout(total=timeout or self.timeout_seconds), retries=False,
                 )  # fmt: skip
-                data = response.read()  # type: ignore[no-untyped-call]
+                data = response.data
                 status = response.status
                 retry_after = _retry_after(response.headers)
-                response.response.release_conn()
             except (urllib3.exceptions.HTTPError, OSError) as exc:
                 self.requests.record(verb, resource, 0, time.monotonic() - started)
                 if attempt + 1 == self.backoff.attempts:
@@ -338,6 +342,40 @@ class Kube:
             "count": 1,
         }
         self._request("POST", f"/api/v1/namespaces/{ns}/events", body=event)
+
+
+def _pool(configuration: k8s_client.Configuration) -> urllib3.PoolManager:
+    """A connection pool set up as the client's own REST layer sets one up, from the
+    Configuration's public fields: the API server's CA, a client certificate, hostname
+    checks, a proxy, the pool's size."""
+    args: dict[str, Any] = {
+        "cert_reqs": ssl.CERT_REQUIRED if configuration.verify_ssl else ssl.CERT_NONE,
+        "ca_certs": configuration.ssl_ca_cert,
+        "cert_file": configuration.cert_file,
+        "key_file": configuration.key_file,
+    }
+    ca_data = getattr(configuration, "ca_cert_data", None)  # kubeconfig's inline CA, client 31+
+    if ca_data:
+        args["ca_cert_data"] = ca_data
+    if configuration.assert_hostname is not None:
+        args["assert_hostname"] = configuration.assert_hostname
+    if configuration.tls_server_name:
+        args["server_hostname"] = configuration.tls_server_name
+    if configuration.connection_pool_maxsize is not None:
+        args["maxsize"] = configuration.connection_pool_maxsize
+    if configuration.proxy:
+        return urllib3.ProxyManager(
+            proxy_url=configuration.proxy, proxy_headers=configuration.proxy_headers, **args
+        )
+    return urllib3.PoolManager(**args)
+
+
+def _auth_header(configuration: k8s_client.Configuration) -> dict[str, str]:
+    """The bearer token, asked for on every request: the in-cluster loader's refresh hook
+    rereads a projected token as the kubelet rotates it."""
+    bearer: Mapping[str, Any] = configuration.auth_settings().get("BearerToken") or {}
+    value = bearer.get("value")
+    return {"Authorization": str(value)} if value else {}
 
 
 def _objects(api_version: str, plural: str, namespace: str) -> str:

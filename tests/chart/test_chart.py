@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -341,10 +343,28 @@ def test_image_tag_defaults_to_the_app_version() -> None:
 # -- RBAC, peering, monitoring, network -----------------------------------------------------
 
 
-def test_namespaced_mode_grants_nothing_cluster_scoped() -> None:
+def test_namespaced_mode_grants_nothing_cluster_scoped_but_token_reviews_and_the_exporters_endpoints() -> (
+    None
+):
+    """TokenReview has no namespaced form: checking a progress report's token needs a
+    ClusterRole whatever the operator watches (Kubernetes' own system:auth-delegator is the
+    same grant); so does reading dcgm-exporter's Endpoints in the GPU Operator's namespace,
+    which may not exist at install time (granted by name only). With both off, nothing."""
+    off = {"watchNamespaces": ["a"], "reports": {"enabled": False}, "gpuMetrics": {"source": "none"}}
+    assert not _of_kind(template(off), "ClusterRole")
     objects = template({"watchNamespaces": ["team-a", "team-b"]})
-    assert not _of_kind(objects, "ClusterRole")
-    assert not _of_kind(objects, "ClusterRoleBinding")
+    (cluster_role,) = _of_kind(objects, "ClusterRole")
+    assert cluster_role["rules"] == [
+        {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
+        {
+            "apiGroups": [""],
+            "resources": ["endpoints"],
+            "resourceNames": ["nvidia-dcgm-exporter"],
+            "verbs": ["get"],
+        },
+    ]
+    (cluster_binding,) = _of_kind(objects, "ClusterRoleBinding")
+    assert cluster_binding["roleRef"]["name"] == cluster_role["metadata"]["name"]
     assert sorted(r["metadata"]["namespace"] for r in _of_kind(objects, "Role")) == ["team-a", "team-b"]
     assert sorted(p["metadata"]["namespace"] for p in _of_kind(objects, "KopfPeering")) == [
         "team-a",
@@ -397,8 +417,15 @@ def test_trainer_monitoring_and_network_policy_select_the_trainer_pods_and_port(
             == _deployment(objects)["spec"]["selector"]["matchLabels"]
         )
     (service_monitor,) = _of_kind(objects, "ServiceMonitor")
-    (service,) = _of_kind(objects, "Service")
-    assert service_monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    services = {s["metadata"]["name"].rsplit("-", 1)[-1]: s for s in _of_kind(objects, "Service")}
+    assert sorted(services) == ["metrics", "reports"]
+    assert (
+        service_monitor["spec"]["selector"]["matchLabels"].items()
+        <= services["metrics"]["metadata"]["labels"].items()
+    )
+    # The monitor's labels match the reports Service too; it has no port of the monitor's name.
+    (endpoint,) = service_monitor["spec"]["endpoints"]
+    assert endpoint["port"] not in {p["name"] for p in services["reports"]["spec"]["ports"]}
 
 
 # -- Grafana dashboards ------------------------------------------------------------------------
@@ -500,3 +527,66 @@ def test_each_dashboard_is_a_dashboard_model_over_series_we_export() -> None:
                     )
                 for variable in re.findall(r"\$([a-z]+)", expr):
                     assert variable in variables | {"__rate_interval"}, where
+
+
+# -- the progress-report endpoint ----------------------------------------------------------------
+
+
+def _env(objects: list[dict[str, Any]]) -> dict[str, str]:
+    (container,) = _deployment(objects)["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e.get("value") for e in container["env"]}
+
+
+def test_the_report_endpoint_has_a_service_a_certificate_for_its_name_and_the_operator_is_told_its_url() -> (
+    None
+):
+    objects = template({})
+    env = _env(objects)
+    (service,) = [s for s in _of_kind(objects, "Service") if s["metadata"]["name"].endswith("-reports")]
+    name = service["metadata"]["name"]
+    assert env["GPUOP_REPORT_URL"] == f"https://{name}.{RELEASE_NAMESPACE}.svc:443"
+    assert service["spec"]["ports"] == [
+        {"name": "reports", "port": 443, "targetPort": "reports", "protocol": "TCP"}
+    ]
+    (container,) = _deployment(objects)["spec"]["template"]["spec"]["containers"]
+    assert {"name": "reports", "containerPort": 8443, "protocol": "TCP"} in container["ports"]
+    assert env["GPUOP_REPORT_PORT"] == "8443"
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "report-tls")
+    assert mount["mountPath"] == env["GPUOP_REPORT_TLS_DIR"]
+    (secret,) = _of_kind(objects, "Secret")
+    assert secret["type"] == "kubernetes.io/tls"
+    assert sorted(secret["data"]) == [
+        "ca.crt",
+        "tls.crt",
+        "tls.key",
+    ]
+    volumes = _deployment(objects)["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "report-tls", "secret": {"secretName": secret["metadata"]["name"]}} in volumes
+    # The certificate names the Service as trainers reach it (openssl reads it back).
+    pem = base64.b64decode(secret["data"]["tls.crt"])
+    text = subprocess.run(
+        ["openssl", "x509", "-noout", "-ext", "subjectAltName"], input=pem, capture_output=True, check=True
+    ).stdout.decode()
+    assert f"DNS:{name}.{RELEASE_NAMESPACE}.svc" in text
+
+
+def test_a_given_certificate_secret_is_mounted_and_none_is_made_and_reports_off_leaves_no_trace() -> None:
+    objects = template({"reports": {"tls": {"secretName": "from-cert-manager"}}})
+    assert not _of_kind(objects, "Secret")
+    volumes = _deployment(objects)["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "report-tls", "secret": {"secretName": "from-cert-manager"}} in volumes
+    off = template({"reports": {"enabled": False}})
+    assert not any(k.startswith("GPUOP_REPORT") for k in _env(off))
+    assert not [s for s in _of_kind(off, "Service") if s["metadata"]["name"].endswith("-reports")]
+    assert not _of_kind(off, "Secret")
+
+
+def test_gpu_figures_source_reaches_the_operator_and_prometheus_needs_its_url() -> None:
+    env = _env(template({}))
+    assert env["GPUOP_GPU_METRICS"] == "dcgm-exporter"
+    assert env["GPUOP_DCGM_EXPORTER_SERVICE"] == "gpu-operator/nvidia-dcgm-exporter"
+    url = "http://prometheus-operated.monitoring:9090"
+    env = _env(template({"gpuMetrics": {"source": "prometheus", "prometheus": {"url": url}}}))
+    assert (env["GPUOP_GPU_METRICS"], env["GPUOP_GPU_METRICS_PROMETHEUS_URL"]) == ("prometheus", url)
+    assert "gpuMetrics" in render_error({"gpuMetrics": {"source": "prometheus"}})
+    assert "gpuMetrics" in render_error({"gpuMetrics": {"dcgmExporter": {"service": "no-namespace"}}})

@@ -25,7 +25,10 @@ from support.plane.cluster import (
     install_crds,
     service_account_kubeconfig,
 )
+from support.plane.controlplane import free_port
 from support.tools.helm import RELEASE_NAMESPACE
+
+REPORT_PORT = free_port()
 
 # The chart's defaults but a 1 s scrape (its default 10 s would outlast a short training).
 VALUES = {"operator.scrapeInterval": 1, "operator.scrapeTimeout": 0.8}
@@ -93,9 +96,27 @@ def queueing(
         process.stop()
 
 
+# The report endpoint's certificate, as cert-manager would provide it (the chart's
+# reports.tls.secretName), valid for the Service's names and the host's address.
+REPORT_SECRET = "gpuop-report-tls-e2e"
+
+
 @pytest.fixture(scope="session")
-def installed(plane: controlplane.ControlPlane, api: Api) -> Installed:
-    return install_chart(plane, VALUES)
+def installed(plane: controlplane.ControlPlane, api: Api, agent: nodeagent.NodeAgent) -> Installed:
+    """The chart, with the operator's report endpoint where the pods reach it: the operator runs
+    on the host, not in a pod behind its Service (no cluster DNS or kube-proxy here), so the
+    trainers are told the host's address on the node agent's network."""
+    service = "gpuop-gpu-training-operator-reports"
+    cert, key = plane.ca.issue("reports", service, sans=[
+        f"IP:{agent.host_ip}", f"DNS:{service}.{RELEASE_NAMESPACE}.svc",
+    ])  # fmt: skip
+    plane.kubectl("create", "namespace", RELEASE_NAMESPACE, check=False)
+    plane.kubectl("delete", "secret", REPORT_SECRET, "-n", RELEASE_NAMESPACE, "--ignore-not-found")
+    plane.kubectl("create", "secret", "generic", REPORT_SECRET, "-n", RELEASE_NAMESPACE, "--type=kubernetes.io/tls",
+                  f"--from-file=tls.crt={cert}", f"--from-file=tls.key={key}", f"--from-file=ca.crt={plane.ca.cert}")  # fmt: skip
+    installed = install_chart(plane, {**VALUES, "reports.tls.secretName": REPORT_SECRET})
+    installed.env["GPUOP_REPORT_URL"] = f"https://{agent.host_ip}:{REPORT_PORT}"
+    return installed
 
 
 @pytest.fixture(scope="session")
@@ -110,7 +131,7 @@ def operator(
     config = service_account_kubeconfig(
         plane, RELEASE_NAMESPACE, installed.service_account, workdir / "kubeconfig"
     )
-    process = OperatorProcess(config, workdir, env=installed.env)
+    process = OperatorProcess(config, workdir, env=installed.env, report_port=REPORT_PORT)
     process.start()
     yield process
     process.stop()

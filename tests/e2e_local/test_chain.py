@@ -27,7 +27,7 @@ from support.nodeagent import NodeAgent
 from support.paths import ROOT
 from support.plane.cluster import Api, OperatorProcess
 from support.plane.controlplane import ControlPlane
-from support.training import HOLD_SITE, hold_env, release, wait_held
+from support.training import HOLD_SITE, hold_env, pace_env, release, wait_held
 from support.waiting import wait_for
 
 NAMESPACE = "e2e"
@@ -593,3 +593,83 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
     high_phases = high_timeline.caught_up("Succeeded")
     assert "Suspended" not in high_phases, high_phases
     assert "Failed" not in high_phases, high_phases
+
+
+# -- the code people actually train: their own command, reporting by Kubeflow's protocol ---------
+
+# Each program as the spec's own command, 12 steps in all on two workers.
+PROGRAMS = {
+    # A real transformers.Trainer (a tiny GPT-2 from a config, data it makes), no code of ours:
+    # Transformers finds Kubeflow's variables the operator rendered and reports by itself.
+    "hf": [
+        str(ROOT / "examples" / "hf-trainer" / "train.py"),
+        "--samples",
+        "96",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "4",
+        "--output-dir",
+        "/tmp/hf-out",
+    ],
+    # A hand-written DDP loop with one gpureport.report() call a step.
+    "loop": [str(ROOT / "examples" / "plain-loop" / "train.py"), "--steps", "12"],
+}
+
+
+@pytest.mark.usefixtures("agent", "kubeflow", "trainer", "operator")
+@pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_the_code_people_train_reports_progress_into_status_on_either_backend(
+    plane: ControlPlane, program: str, backend: str, timelines: list[Timeline], tmp_path: Path
+) -> None:
+    """The user's program under plain torchrun (both Kubeflow APIs set PET_NNODES, PET_NODE_RANK,
+    PET_MASTER_ADDR/PORT), reporting with the projected token to the operator's endpoint:
+    status moves while it runs and ends at 100."""
+    name = f"{program}-{backend}"
+    spec = {
+        "image": "registry.example.com/team/own-code:1",  # the node agent runs the host's venv
+        "command": ["torchrun"],
+        "args": PROGRAMS[program],
+        "backend": backend,
+        "workers": 2,
+        "gpusPerWorker": 0,
+        "resources": {"cpu": "1", "memory": "2Gi"},
+        # 12 steps of at least 1.5 s: long enough by construction for clients that report at
+        # most every 5 s to be seen reporting while they run (support.training.pace_env).
+        "env": [{"name": k, "value": v} for k, v in pace_env(1.5).items()],
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "gpuop.io/v1alpha1", "kind": "GpuTraining",
+                                    "metadata": {"name": name}, "spec": spec}))  # fmt: skip
+    timelines.append(timeline := Timeline(plane, name))
+    plane.kubectl("apply", "-n", NAMESPACE, "-f", str(path))
+    wait_for(f"{name}'s two pods", lambda: len(_pods_of(plane, name)) == 2, timeout=120, every=0.5)
+    pods = _pods_of(plane, name)
+    wait_for(
+        f"{name} finished", lambda: _phase(plane, name) in ("Succeeded", "Failed"), timeout=300, every=0.5
+    )
+    status = _get(plane, "gtr", name)["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    progress = status["progress"]
+    assert progress["source"] == "TrainerStatus", progress
+    assert progress["percent"] == 100
+    assert progress["totalSteps"] == 12  # HF: 96 samples / (batch 4 x 2 workers), one epoch
+    assert progress["loss"] > 0
+    # Rank 0 alone reports, from the pod that runs it (the Master, or JobSet's first node).
+    names = [p["metadata"]["name"] for p in pods]
+    rank0 = next(n for n in names if n.startswith((f"{name}-master-0", f"{name}-node-0-0")))
+    assert progress["reportedBy"] == rank0, (progress, names)
+    # While it ran, steps and percent moved in status, with a loss.
+    running = [s["progress"] for s in timeline.seen if s.get("phase") == "Running" and s.get("progress")]
+    steps = sorted({p["step"] for p in running if p.get("step")})
+    assert len(steps) >= 2, running[-3:]
+    assert any(p.get("loss") for p in running), running[-3:]
+    assert any(0 < p.get("percent", 0) < 100 for p in running), running[-3:]
+    assert "Stalled" not in timeline.conditions()
+    # The token the pods reported with was minted for this training's audience, bound to the pod.
+    volume = next(v for v in pods[0]["spec"]["volumes"] if v["name"] == "gpuop-reports")
+    token = volume["projected"]["sources"][0]["serviceAccountToken"]
+    assert token["audience"] == f"gpuop.io/reports/{NAMESPACE}/{name}"
+    plane.kubectl("delete", "gtr", name, "-n", NAMESPACE, "--wait=true")
+    wait_for(f"{name}'s pods gone", lambda: not _pods_of(plane, name), timeout=90)

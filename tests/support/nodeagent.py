@@ -308,7 +308,10 @@ class ContainerLauncher:
             f"mount --bind {q(str(pod_dir / 'resolv.conf'))} {r}/etc/resolv.conf",
         ]  # fmt: skip
         for kind, source, target, read_only in mounts:
-            t = f"{r}{q(target)}"
+            # Resolved inside the root, as a runtime does: /var/run is a link to /run, which
+            # outside the root would put the mount on the host's /run, out of the pod's sight.
+            lines.append(f"t={r}$(chroot {r} /usr/bin/realpath -m {q(target)})")
+            t = '"$t"'
             lines.append(f"mkdir -p {t}")
             if kind == "tmpfs":
                 lines.append(f"mount -t tmpfs -o mode=1777,size={int(float(source))} ctr-mem {t}")
@@ -516,6 +519,20 @@ class PodRuntime(threading.Thread):
                     (path / name).write_text(content)
                     (path / name).chmod(0o644)
             return "bind", str(path)
+        elif "secret" in volume or "configMap" in volume:
+            # As kubelet mounts them: each key a file (a Secret's values decoded), read once.
+            path = self.dir / "volumes" / volume["name"]
+            path.mkdir(parents=True, exist_ok=True)
+            kind, source = (
+                ("secrets", volume["secret"]) if "secret" in volume else ("configmaps", volume["configMap"])
+            )
+            name = source.get("secretName") or source.get("name")
+            found = self.agent.api.request("GET", f"/api/v1/namespaces/{self.namespace}/{kind}/{name}")
+            for key, value in (found.get("data") or {}).items():
+                data = base64.b64decode(value) if kind == "secrets" else str(value).encode()
+                (path / key).write_bytes(data)
+                (path / key).chmod(0o644)
+            return "bind", str(path)
         elif "persistentVolumeClaim" in volume:
             claim = volume["persistentVolumeClaim"]["claimName"]
             path = self.agent.workdir / "claims" / self.namespace / claim  # shared, as ReadWriteMany
@@ -533,11 +550,17 @@ class PodRuntime(threading.Thread):
         if "serviceAccountToken" in source:
             token = source["serviceAccountToken"]
             account = self.spec.get("serviceAccountName", "default")
+            request: dict[str, Any] = {
+                "expirationSeconds": token.get("expirationSeconds", 3600),
+                "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": self.name, "uid": self.uid},
+            }
+            if token.get("audience"):  # kubelet's rule: the source's audience, else the API server's
+                request["audiences"] = [token["audience"]]
             reply = self.agent.api.request(
-                "POST", f"/api/v1/namespaces/{self.namespace}/serviceaccounts/{account}/token",
-                {"spec": {"expirationSeconds": token.get("expirationSeconds", 3600),
-                          "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": self.name, "uid": self.uid}}},
-            )  # fmt: skip
+                "POST",
+                f"/api/v1/namespaces/{self.namespace}/serviceaccounts/{account}/token",
+                {"spec": request},
+            )
             return {token["path"]: reply["status"]["token"]}
         if "configMap" in source:
             ref = source["configMap"]

@@ -34,6 +34,13 @@ def hold_env(directory: Path, step: int) -> dict[str, str]:
     }
 
 
+def pace_env(step_seconds: float) -> dict[str, str]:
+    """What makes a Hugging Face Trainer take at least ``step_seconds`` a step (see
+    trainer_hold/sitecustomize.py): a run long enough by construction to be seen reporting."""
+    path = os.pathsep.join(p for p in (str(HOLD_SITE), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "GPUOP_TEST_STEP_SECONDS": str(step_seconds)}
+
+
 def wait_held(directory: Path, ranks: int, alive: Callable[[], bool], timeout: float = 240) -> int:
     """Wait until ``ranks`` ranks are held (or ``alive`` says the run ended); the step they hold at."""
     deadline = time.monotonic() + timeout

@@ -27,3 +27,14 @@ def wait_for(
             last = str(exc)[-500:]
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what} (last: {last!r})")
+
+
+class ManualClock:
+    """A monotonic clock the test moves (``clock.now += 5``): throttles, rate buckets and caches
+    are tested on time the test decides, never on sleeps."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now

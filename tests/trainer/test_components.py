@@ -407,7 +407,7 @@ def test_gpu_figures_per_pod_and_mean() -> None:
     )
     one = parse_metrics(text + "\n")
     other = parse_metrics(f'{Metric.GPU_UTILIZATION_RATIO}{{gpu="0"}} 0.2\n')
-    usage = gpu_usage({"job-worker-0": other, "job-master-0": one}, count=3)
+    usage = gpu_usage({"job-worker-0": other.gpus, "job-master-0": one.gpus}, count=3)
     assert isinstance(usage, GpuUsage)
     assert usage.utilization_percent == 60.0  # mean over the three GPUs, not over pods
     assert (usage.memory_used_bytes, usage.memory_total_bytes) == (40, 200)

@@ -45,7 +45,9 @@ class ToyJobApi:
     def spec_gaps(self, spec: GpuTrainingSpec) -> tuple[str, ...]:
         return ("spec.elastic",) if spec.elastic is not None else ()
 
-    def render(self, training: GpuTraining, *, default_image: str) -> list[dict[str, Any]]:
+    def render(
+        self, training: GpuTraining, *, default_image: str, reports: pod.ReportEndpoint | None = None
+    ) -> list[dict[str, Any]]:
         config = {"apiVersion": TOY_API, "kind": "ToyConfig",
                   "metadata": pod.object_metadata(training, pod.labels(training.name)), "spec": {}}  # fmt: skip
         job = {"apiVersion": TOY_API, "kind": "ToyJob",

@@ -49,7 +49,7 @@ def _third_party_imports(package: Path) -> set[str]:
     return {
         m
         for m in modules
-        if m not in sys.stdlib_module_names and m not in ("gpuop", "gputrain", *OPTIONAL_EXTRAS)
+        if m not in sys.stdlib_module_names and m not in ("gpuop", "gputrain", "gpureport", *OPTIONAL_EXTRAS)
     }
 
 

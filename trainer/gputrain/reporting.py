@@ -1,15 +1,23 @@
-"""Where a rank's figures go: the pod's metrics endpoint, the run's history, and the log.
+"""Where a rank's figures go: the pod's metrics endpoint, the run's history, the log, and
+progress reports.
 
 Every rank reports; what each one reaches depends on where it sits: local rank 0 serves its
 pod's endpoint (and reads NVML), rank 0 alone keeps the history and logs. The figures come
 already reduced across ranks, so every pod's endpoint reports the whole job.
+
+Where ``KUBEFLOW_TRAINER_SERVER_URL`` is set, rank 0 also sends each logging interval (and
+the end of the run) to it through :mod:`gpureport`, the client any training code can use;
+without it nothing is made and nothing changes.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
+
+import gpureport
 
 from gputrain.contract import HistoryPoint, Progress, TrainerSettings
 from gputrain.distributed import Cluster
@@ -63,6 +71,10 @@ class Reporter:
         self.metrics = MetricsServer(settings.metrics_port) if cluster.is_local_main else None
         # The curves, kept with the outputs: rank 0 writes them for the job.
         self.history = History(settings.output_dir) if cluster.is_main else None
+        # Progress reports (Kubeflow Trainer's protocol), from rank 0 only; report() returns
+        # at once and POSTs on its own thread, at most every 5 s.
+        wanted = cluster.is_main and bool(os.environ.get(gpureport.URL_ENV))
+        self.progress = gpureport.Reporter() if wanted else None
 
     def publish(
         self, at: Standing, figures: Figures, rate: float | None = None, eta: float | None = None
@@ -90,6 +102,12 @@ class Reporter:
         if self.metrics is not None:
             self.metrics.count(interval.steps, interval.samples)
         self.publish(at, figures, interval.rate, eta)
+        if self.progress is not None:
+            self.progress.report(
+                at.step, at.total_steps, figures.loss, epoch=at.shown_epoch, total_epochs=at.epochs,
+                percent=at.percent, eta_seconds=eta, samples_per_second=interval.rate,
+                accuracy=figures.accuracy, learning_rate=interval.learning_rate,
+            )  # fmt: skip
         self._remember(at, loss=figures.loss, samples_per_second=interval.rate,
                        learning_rate=interval.learning_rate)  # fmt: skip
         if self.logs:
@@ -112,6 +130,15 @@ class Reporter:
             log.info("epoch %d/%d test loss %.4f accuracy %.4f",
                      at.epoch + 1, at.epochs, figures.test_loss, figures.accuracy)  # fmt: skip
 
+    def finished(self, at: Standing, figures: Figures) -> None:
+        """The run's final progress report (100 %, its figures), once its result is written;
+        waits up to 5 s for the report to be answered."""
+        if self.progress is not None:
+            self.progress.finish(
+                at.step, at.total_steps, figures.loss, epoch=at.shown_epoch, total_epochs=at.epochs,
+                samples_per_second=figures.samples_per_second, accuracy=figures.accuracy,
+            )  # fmt: skip
+
     def _remember(self, at: Standing, **figures: float | None) -> None:
         if self.history is None:
             return
@@ -122,6 +149,8 @@ class Reporter:
         ))  # fmt: skip
 
     def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
         if self.metrics is not None:
             self.metrics.close()
         if self.history is not None:

@@ -371,6 +371,7 @@ class Trainer:
             world_size=self.cluster.world,
         )
         write_outputs(result, self.model, self.cluster, self.settings.output_dir, self.termination_log)
+        self.reporter.finished(self._standing(), self.figures)
         return result
 
     def close(self) -> None:

@@ -73,3 +73,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+The progress-report endpoint: its Service, the URL trainers are given, its TLS Secret.
+*/}}
+{{- define "gpuop.reportService" -}}
+{{ include "gpuop.fullname" . }}-reports
+{{- end }}
+
+{{- define "gpuop.reportURL" -}}
+https://{{ include "gpuop.reportService" . }}.{{ .Release.Namespace }}.svc:{{ .Values.reports.service.port }}
+{{- end }}
+
+{{- define "gpuop.reportSecret" -}}
+{{ .Values.reports.tls.secretName | default (printf "%s-report-tls" (include "gpuop.fullname" .)) }}
+{{- end }}

@@ -26,6 +26,27 @@ PACKAGE_VERSION: Final = importlib.metadata.version("gpu-training-operator")
 TRAINER_IMAGE_REPOSITORY: Final = "ghcr.io/gpu-training-operator/trainer"
 DEFAULT_TRAINER_IMAGE: Final = f"{TRAINER_IMAGE_REPOSITORY}:{PACKAGE_VERSION}"
 
+# Progress reports (Kubeflow Trainer's trainerStatus protocol, served by the operator). The
+# variables are Kubeflow's, so Hugging Face's KubeflowCallback and the Kubeflow SDK report to us
+# with no change; the path is shaped like Kubeflow's, under our API.
+REPORT_PATH: Final = f"/apis/{GROUP}/{VERSION}/namespaces/{{namespace}}/{PLURAL}/{{name}}/status"
+REPORT_URL_ENV: Final = "KUBEFLOW_TRAINER_SERVER_URL"
+REPORT_CA_ENV: Final = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
+REPORT_TOKEN_ENV: Final = "KUBEFLOW_TRAINER_SERVER_TOKEN"
+REPORT_MOUNT: Final = "/var/run/secrets/gpuop.io/reports"  # the projected token and the CA
+
+
+def report_audience(namespace: str, name: str) -> str:
+    """The audience of a training's report tokens: one per training, so a token minted for one
+    training's pods is worth nothing at another's URL (the API server checks it)."""
+    return f"{GROUP}/reports/{namespace}/{name}"
+
+
+def report_ca_config_map(name: str) -> str:
+    """The ConfigMap in a training's namespace that carries the endpoint's CA for its pods."""
+    return f"{name}-report-ca"
+
+
 # Device resources other fields of the spec own (gpusPerWorker, nccl.efaDevices).
 GPU_RESOURCE: Final = "nvidia.com/gpu"
 EFA_RESOURCE: Final = "vpc.amazonaws.com/efa"

@@ -29,6 +29,10 @@ RESERVED_ENV_NAMES: Final = (
     "LOCAL_WORLD_SIZE",
     "GROUP_RANK",
     "NODE_RANK",
+    # Where the training code reports progress (Kubeflow's variables, the operator's endpoint).
+    "KUBEFLOW_TRAINER_SERVER_URL",
+    "KUBEFLOW_TRAINER_SERVER_CA_CERT",
+    "KUBEFLOW_TRAINER_SERVER_TOKEN",
 )
 
 

@@ -71,10 +71,22 @@ class WorkerCounts:
     total: int = api_field("Worker pods the job asks for.", default=0, minimum=0)
 
 
+# Where a training's progress figures came from (ProgressStatus.source).
+ProgressSource = Literal["TrainerStatus", "TrainerMetrics", "TrainerResult"]
+
+
+@api_object
+class NamedMetric:
+    """One metric a training code reported that no progress field holds."""
+
+    name: str = api_field("The metric's name, as the training code sent it.", max_length=128)
+    value: str = api_field("Its value, as sent.", max_length=64)
+
+
 @api_object
 class ProgressStatus:
-    """Training progress, scraped from the trainers' metrics while running and read from
-    their termination messages when they finish."""
+    """Training progress: from the reports the training code sends (Kubeflow's trainerStatus
+    protocol) while it runs, and from the trainer's termination message when it finishes."""
 
     percent: float | None = api_field(
         "Progress in percent of the run's data (epochs x the training split): unlike steps, it keeps "
@@ -114,6 +126,21 @@ class ProgressStatus:
         date_time=True,
         max_length=64,
     )
+    source: ProgressSource | None = api_field(
+        "Where these figures came from: TrainerStatus (the training code's reports: Hugging Face's "
+        "KubeflowCallback, the Kubeflow SDK, gpureport), TrainerMetrics (the built-in trainer's metrics "
+        "endpoint) or TrainerResult (the trainer's final record).",
+        default=None,
+    )
+    reported_by: str | None = api_field(
+        "The pod whose report these figures are.", default=None, max_length=253
+    )
+    metrics: tuple[NamedMetric, ...] = api_field(
+        "Other metrics of the latest report (learning rate, grad norm, eval loss, ...), as sent.",
+        default=(),
+        max_items=16,
+        list_map_key="name",
+    )
 
 
 @api_object
@@ -132,9 +159,14 @@ class WorkerGpu:
     )
 
 
+# Where a training's GPU figures came from (GpuUsage.source).
+GpuSource = Literal["DcgmExporter", "Trainer"]
+
+
 @api_object
 class GpuUsage:
-    """GPU usage of the job, read from NVML inside the trainers."""
+    """GPU usage of the job: from NVIDIA's dcgm-exporter on the nodes (any image), or from NVML
+    inside the built-in trainer."""
 
     count: int | None = api_field("GPUs the job holds (workers x gpusPerWorker).", default=None, minimum=0)
     utilization_percent: float | None = api_field(
@@ -159,6 +191,11 @@ class GpuUsage:
     )
     per_worker: tuple[WorkerGpu, ...] = api_field(
         "Per worker pod.", default=(), max_items=1024, list_map_key="pod"
+    )
+    source: GpuSource | None = api_field(
+        "Where these figures came from: DcgmExporter (the node's exporter, any image) or Trainer "
+        "(NVML inside the built-in trainer).",
+        default=None,
     )
 
 

@@ -10,6 +10,7 @@ mode gives torchrun on a laptop. Each backend (:mod:`gpuop.backends.pytorchjob`,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Final
 
 from gpuop._kits.quantity import MI, format_bytes, parse_quantity
@@ -21,7 +22,14 @@ from gpuop.api.identity import (
     GPU_RESOURCE,
     KIND,
     KUEUE_QUEUE_LABEL,
+    REPORT_CA_ENV,
+    REPORT_MOUNT,
+    REPORT_PATH,
+    REPORT_TOKEN_ENV,
+    REPORT_URL_ENV,
     TRAINING_LABEL,
+    report_audience,
+    report_ca_config_map,
 )
 from gpuop.api.podspec import Toleration
 from gpuop.api.runspec import VolumeSource
@@ -69,6 +77,82 @@ _PREFETCH_FACTOR: Final = 2  # PyTorch's DataLoader default
 _NCCL_SHM_PER_PROCESS: Final = 64 * MI  # ~33 MiB per communicator; DDP may hold two
 _SHM_FLOOR: Final = 512 * MI
 _SHM_STEP: Final = 256 * MI
+
+
+@dataclass(frozen=True)
+class ReportEndpoint:
+    """The operator's progress-report endpoint as trainers reach it: a setting of the operator's
+    (its Service, its certificate), not of any spec."""
+
+    base_url: str  # https://<service>.<namespace>.svc:<port>, no trailing slash
+    ca_pem: str  # the CA that signed the endpoint's certificate
+
+
+@dataclass(frozen=True)
+class TrainingReports:
+    """Where one training's code sends its reports, and with what credentials."""
+
+    url: str
+    audience: str
+    ca_config_map: str
+
+
+# A token lives an hour, as Kubeflow's do; kubelet renews a projected token at 80% of its life,
+# so a long training always has a valid one and a leaked one is worth an hour at most.
+REPORT_TOKEN_SECONDS: Final = 3600
+_REPORT_VOLUME: Final = "gpuop-reports"
+
+
+def training_reports(training: GpuTraining, endpoint: ReportEndpoint | None) -> TrainingReports | None:
+    if endpoint is None:
+        return None
+    namespace = training.namespace or "default"
+    path = REPORT_PATH.format(namespace=namespace, name=training.name)
+    return TrainingReports(
+        url=f"{endpoint.base_url}{path}",
+        audience=report_audience(namespace, training.name),
+        ca_config_map=report_ca_config_map(training.name),
+    )
+
+
+def report_env(reports: TrainingReports) -> dict[str, str]:
+    """Kubeflow's three variables: Hugging Face's KubeflowCallback, the Kubeflow SDK and
+    gpureport find the endpoint by them, with no code of ours in the image."""
+    return {
+        REPORT_URL_ENV: reports.url,
+        REPORT_CA_ENV: f"{REPORT_MOUNT}/ca.crt",
+        REPORT_TOKEN_ENV: f"{REPORT_MOUNT}/token",
+    }
+
+
+def report_volume(reports: TrainingReports) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The projected volume of the report token (bound to the pod, this training's audience)
+    and the endpoint's CA, and its mount."""
+    volume = {
+        "name": _REPORT_VOLUME,
+        "projected": {
+            "sources": [
+                {"serviceAccountToken": {"audience": reports.audience,
+                                         "expirationSeconds": REPORT_TOKEN_SECONDS, "path": "token"}},
+                {"configMap": {"name": reports.ca_config_map,
+                               "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+            ]
+        },
+    }  # fmt: skip
+    return volume, {"name": _REPORT_VOLUME, "mountPath": REPORT_MOUNT, "readOnly": True}
+
+
+def report_ca_object(training: GpuTraining, endpoint: ReportEndpoint) -> dict[str, Any]:
+    """The ConfigMap that carries the endpoint's CA into the training's namespace (a pod can
+    mount nothing from the operator's), owned by the training so it goes with it."""
+    metadata = object_metadata(training, labels(training.name))
+    metadata["name"] = report_ca_config_map(training.name)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata,
+        "data": {"ca.crt": endpoint.ca_pem},
+    }
 
 
 def shm_size_bytes(spec: GpuTrainingSpec) -> int:
@@ -138,10 +222,14 @@ def nccl_env(spec: GpuTrainingSpec) -> dict[str, str]:
     return env
 
 
-def trainer_env(name: str, spec: GpuTrainingSpec) -> list[dict[str, Any]]:
-    """The container's environment, in a fixed order: contract, NCCL, runtime, user."""
+def trainer_env(
+    name: str, spec: GpuTrainingSpec, reports: TrainingReports | None = None
+) -> list[dict[str, Any]]:
+    """The container's environment, in a fixed order: contract, NCCL, reports, runtime, user."""
     env: dict[str, str] = dict(trainer_settings(name, spec).to_env())
     env.update(nccl_env(spec))
+    if reports is not None:
+        env.update(report_env(reports))
     user_names = {e.name for e in spec.env}
     if not spec.uses_gpus and spec.resources.cpu is not None and "OMP_NUM_THREADS" not in user_names:
         # torchrun sets OMP_NUM_THREADS=1 when unset, which starves a CPU (gloo) trainer.
@@ -292,6 +380,7 @@ def trainer_container(
     container_name: str,
     launch: tuple[list[str], list[str] | None],
     ports: list[dict[str, Any]],
+    reports: TrainingReports | None = None,
 ) -> dict[str, Any]:
     """The training container, either backend: each names it and launches torchrun its way."""
     command, args = launch
@@ -305,10 +394,10 @@ def trainer_container(
         container["args"] = args
     container.update(
         {
-            "env": trainer_env(name, spec),
+            "env": trainer_env(name, spec, reports),
             "ports": ports,
             "resources": resources(spec),
-            "volumeMounts": volumes(spec)[1],
+            "volumeMounts": volumes(spec)[1] + ([report_volume(reports)[1]] if reports is not None else []),
             "securityContext": container_security_context(spec),
             "terminationMessagePath": TERMINATION_LOG,
             # A trainer that dies before writing its result still leaves its last log lines.
@@ -318,7 +407,9 @@ def trainer_container(
     return container
 
 
-def pod_template(name: str, spec: GpuTrainingSpec, container: dict[str, Any]) -> dict[str, Any]:
+def pod_template(
+    name: str, spec: GpuTrainingSpec, container: dict[str, Any], reports: TrainingReports | None = None
+) -> dict[str, Any]:
     """The pod template around the training container, either backend."""
     node_selector, tolerations = placement(spec)
     pod: dict[str, Any] = {
@@ -339,7 +430,7 @@ def pod_template(name: str, spec: GpuTrainingSpec, container: dict[str, Any]) ->
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
     pod["containers"] = [container]
-    pod["volumes"] = volumes(spec)[0]
+    pod["volumes"] = volumes(spec)[0] + ([report_volume(reports)[0]] if reports is not None else [])
     return {"metadata": pod_metadata(name, spec), "spec": pod}
 
 

@@ -42,19 +42,24 @@ def _launch(spec: GpuTrainingSpec) -> tuple[list[str], list[str] | None]:
     return ["torchrun"], args
 
 
-def _pytorchjob_pod_template(name: str, spec: GpuTrainingSpec, image: str) -> dict[str, Any]:
+def _pytorchjob_pod_template(
+    name: str, spec: GpuTrainingSpec, image: str, reports: pod.TrainingReports | None
+) -> dict[str, Any]:
     """The pod template shared by Master and Worker."""
     ports = [
         {"name": RENDEZVOUS_PORT_NAME, "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"},
         {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"},
     ]
     container = pod.trainer_container(
-        name, spec, image, container_name=PYTORCHJOB_CONTAINER, launch=_launch(spec), ports=ports
-    )
-    return pod.pod_template(name, spec, container)
+        name, spec, image, container_name=PYTORCHJOB_CONTAINER, launch=_launch(spec), ports=ports,
+        reports=reports,
+    )  # fmt: skip
+    return pod.pod_template(name, spec, container, reports)
 
 
-def _replica_specs(name: str, spec: GpuTrainingSpec, image: str) -> dict[str, Any]:
+def _replica_specs(
+    name: str, spec: GpuTrainingSpec, image: str, reports: pod.TrainingReports | None
+) -> dict[str, Any]:
     # OnFailure restarts the container inside the same pod, so a checkpoint on the default
     # emptyDir survives the restart. (ExitCode would re-create the pod and lose it; and under
     # torchrun the pod's exit code is the agent's, not the trainer's.)
@@ -66,21 +71,21 @@ def _replica_specs(name: str, spec: GpuTrainingSpec, image: str) -> dict[str, An
             "Worker": {
                 "replicas": spec.workers,
                 "restartPolicy": restart,
-                "template": _pytorchjob_pod_template(name, spec, image),
+                "template": _pytorchjob_pod_template(name, spec, image, reports),
             }
         }
     replicas = {
         "Master": {
             "replicas": 1,
             "restartPolicy": restart,
-            "template": _pytorchjob_pod_template(name, spec, image),
+            "template": _pytorchjob_pod_template(name, spec, image, reports),
         }
     }
     if spec.workers > 1:
         replicas["Worker"] = {
             "replicas": spec.workers - 1,
             "restartPolicy": restart,
-            "template": _pytorchjob_pod_template(name, spec, image),
+            "template": _pytorchjob_pod_template(name, spec, image, reports),
         }
     return replicas
 
@@ -104,7 +109,12 @@ def _run_policy(spec: GpuTrainingSpec) -> dict[str, Any]:
     return out
 
 
-def render_pytorchjob(training: GpuTraining, *, default_image: str = DEFAULT_TRAINER_IMAGE) -> dict[str, Any]:
+def render_pytorchjob(
+    training: GpuTraining,
+    *,
+    default_image: str = DEFAULT_TRAINER_IMAGE,
+    reports: pod.ReportEndpoint | None = None,
+) -> dict[str, Any]:
     """The PyTorchJob for a GpuTraining."""
     spec = training.spec
     name = training.name
@@ -114,7 +124,7 @@ def render_pytorchjob(training: GpuTraining, *, default_image: str = DEFAULT_TRA
     job_spec: dict[str, Any] = {
         # The webhook forbids elasticPolicy.nProcPerNode beside this; we only set this one.
         "nprocPerNode": str(spec.processes_per_worker),
-        "pytorchReplicaSpecs": _replica_specs(name, spec, image),
+        "pytorchReplicaSpecs": _replica_specs(name, spec, image, pod.training_reports(training, reports)),
         "runPolicy": _run_policy(spec),
     }
     if spec.elastic is not None:
@@ -149,8 +159,10 @@ class PyTorchJobApi:
     def spec_gaps(self, spec: GpuTrainingSpec) -> tuple[str, ...]:
         return ()  # the GpuTraining API was made on it: it carries every field
 
-    def render(self, training: GpuTraining, *, default_image: str) -> list[dict[str, Any]]:
-        return [render_pytorchjob(training, default_image=default_image)]
+    def render(
+        self, training: GpuTraining, *, default_image: str, reports: pod.ReportEndpoint | None = None
+    ) -> list[dict[str, Any]]:
+        return [render_pytorchjob(training, default_image=default_image, reports=reports)]
 
     def conditions(self, job: Mapping[str, Any] | None) -> tuple[JobCondition, ...]:
         return observe.conditions_of(job)

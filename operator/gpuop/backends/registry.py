@@ -20,6 +20,7 @@ from typing import Any, Final, Protocol
 
 from gpuop.api.spec import GpuTraining, GpuTrainingSpec
 from gpuop.api.status import GpuTrainingStatus
+from gpuop.backends.pod import ReportEndpoint, report_ca_object
 from gpuop.backends.pytorchjob import PYTORCHJOB
 from gpuop.backends.trainjob import TRAINJOB
 from gpuop.observing.records import JobCondition, JobKind
@@ -54,8 +55,11 @@ class JobApi(Protocol):
         """The spec's fields it cannot carry (``auto`` passes it over for them)."""
         ...
 
-    def render(self, training: GpuTraining, *, default_image: str) -> list[dict[str, Any]]:
-        """The objects to create, in creation order, the job last."""
+    def render(
+        self, training: GpuTraining, *, default_image: str, reports: ReportEndpoint | None = None
+    ) -> list[dict[str, Any]]:
+        """The objects to create, in creation order, the job last; with ``reports``, its pods
+        report progress to that endpoint."""
         ...
 
     def conditions(self, job: Mapping[str, Any] | None) -> tuple[JobCondition, ...]:
@@ -163,9 +167,24 @@ def _auto_message(chosen: JobApi, present: list[JobApi], spec_gaps: Mapping[str,
     )
 
 
-def render_job(training: GpuTraining, backend: str, *, default_image: str) -> list[dict[str, Any]]:
-    """The objects to create for a training on ``backend``, in creation order (the job last)."""
-    return APIS[backend].render(training, default_image=default_image)
+# Objects every backend's training may have beside its job, kind -> plural.
+COMMON_COMPANIONS: Final[Mapping[str, str]] = {"ConfigMap": "configmaps"}
+
+
+def render_job(
+    training: GpuTraining, backend: str, *, default_image: str, reports: ReportEndpoint | None = None
+) -> list[dict[str, Any]]:
+    """The objects to create for a training on ``backend``, in creation order (the job last):
+    with ``reports``, first the ConfigMap that carries the report endpoint's CA to its pods."""
+    return render_objects(APIS[backend], training, default_image=default_image, reports=reports)
+
+
+def render_objects(
+    api: JobApi, training: GpuTraining, *, default_image: str, reports: ReportEndpoint | None = None
+) -> list[dict[str, Any]]:
+    """:func:`render_job` for a backend in hand."""
+    ca = [report_ca_object(training, reports)] if reports is not None else []
+    return ca + api.render(training, default_image=default_image, reports=reports)
 
 
 def of_kind(kind: object) -> JobApi | None:

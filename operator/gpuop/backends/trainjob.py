@@ -65,7 +65,12 @@ def _refuse_gaps(spec: GpuTrainingSpec) -> None:
         raise SpecError(problems)
 
 
-def render_runtime(training: GpuTraining, *, default_image: str = DEFAULT_TRAINER_IMAGE) -> dict[str, Any]:
+def render_runtime(
+    training: GpuTraining,
+    *,
+    default_image: str = DEFAULT_TRAINER_IMAGE,
+    reports: pod.ReportEndpoint | None = None,
+) -> dict[str, Any]:
     """The TrainingRuntime of one GpuTraining's TrainJob; raises SpecError for what it cannot say."""
     spec = training.spec
     _refuse_gaps(spec)
@@ -80,8 +85,9 @@ def render_runtime(training: GpuTraining, *, default_image: str = DEFAULT_TRAINE
         container_name=TRAINJOB_CONTAINER,
         launch=_launch(spec),
         ports=ports,
+        reports=pod.training_reports(training, reports),
     )
-    template = pod.pod_template(name, spec, container)
+    template = pod.pod_template(name, spec, container, pod.training_reports(training, reports))
     template["spec"] = {"restartPolicy": "OnFailure", **template["spec"]}
     job: dict[str, Any] = {"template": template}
     if spec.run_policy.backoff_limit is not None:
@@ -113,7 +119,12 @@ def render_runtime(training: GpuTraining, *, default_image: str = DEFAULT_TRAINE
     }
 
 
-def render_trainjob(training: GpuTraining, *, default_image: str = DEFAULT_TRAINER_IMAGE) -> dict[str, Any]:
+def render_trainjob(
+    training: GpuTraining,
+    *,
+    default_image: str = DEFAULT_TRAINER_IMAGE,
+    reports: pod.ReportEndpoint | None = None,
+) -> dict[str, Any]:
     """The TrainJob of a GpuTraining, on the runtime :func:`render_runtime` makes for it."""
     spec = training.spec
     _refuse_gaps(spec)
@@ -123,7 +134,7 @@ def render_trainjob(training: GpuTraining, *, default_image: str = DEFAULT_TRAIN
         trainer["args"] = args
     trainer.update(
         {
-            "env": pod.trainer_env(training.name, spec),
+            "env": pod.trainer_env(training.name, spec, pod.training_reports(training, reports)),
             "numNodes": spec.workers,
             # Always set: left out, Trainer v2 starts one process per CPU core on a CPU job.
             "numProcPerNode": spec.processes_per_worker,
@@ -194,10 +205,12 @@ class TrainJobApi:
     def spec_gaps(self, spec: GpuTrainingSpec) -> tuple[str, ...]:
         return trainjob_gaps(spec)
 
-    def render(self, training: GpuTraining, *, default_image: str) -> list[dict[str, Any]]:
+    def render(
+        self, training: GpuTraining, *, default_image: str, reports: pod.ReportEndpoint | None = None
+    ) -> list[dict[str, Any]]:
         return [
-            render_runtime(training, default_image=default_image),
-            render_trainjob(training, default_image=default_image),
+            render_runtime(training, default_image=default_image, reports=reports),
+            render_trainjob(training, default_image=default_image, reports=reports),
         ]
 
     def conditions(self, job: Mapping[str, Any] | None) -> tuple[JobCondition, ...]:

@@ -231,7 +231,7 @@ def run(filename: str, workers: int | None, output: str, fresh: bool, workdir: s
             with log_path.open("w") as log, progress.Display(training.name) as display:
                 status = runner.execute(plan, display.show, log, lock=False)
                 display.finish(status)
-    except runner.RunDirectoryBusyError as exc:
+    except (runner.RunDirectoryBusyError, runner.CommandNotFoundError) as exc:
         raise _BadInputError([str(exc)]) from None
     written = runner.status_document(status)
     if output == "json":
@@ -279,7 +279,7 @@ def operator(**values: Any) -> int:
         raise _BadInputError([str(exc)]) from None
     try:
         return controller.run_operator(settings)
-    except LoginError as exc:
+    except (LoginError, SettingsError) as exc:
         raise _BadInputError([str(exc)]) from None
 
 

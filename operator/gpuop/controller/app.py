@@ -20,18 +20,22 @@ import logging
 import os
 import random
 import socket
+import ssl
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Final
 
 import kopf
 
 from gpuop.api.identity import GROUP, PLURAL, TRAINING_LABEL, VERSION
+from gpuop.backends.pod import ReportEndpoint
 from gpuop.backends.registry import APIS
 from gpuop.controller.kube import ApiError, Kube
+from gpuop.controller.receiver import ClusterGate
 from gpuop.controller.reconciler import Reconciler
-from gpuop.controller.settings import OperatorSettings
+from gpuop.controller.settings import OperatorSettings, SettingsError
 from gpuop.controller.telemetry import OperatorMetrics
-from gpuop.observing import observe
+from gpuop.observing import endpoint, observe
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +205,11 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
     metrics = OperatorMetrics()
     kube.requests.listeners.append(metrics.api_request)
     identity = own_identity()
-    reconciler = Reconciler(kube, settings, metrics, leadership=leadership(kube, settings, identity))
+    report_endpoint, receiver = _report_endpoint(settings, kube, metrics)
+    reconciler = Reconciler(
+        kube, settings, metrics, leadership=leadership(kube, settings, identity),
+        report_endpoint=report_endpoint, reports=receiver.book if receiver is not None else None,
+    )  # fmt: skip
     registry = build_registry(reconciler, settings)
     if settings.metrics_port:
         metrics.serve(settings.metrics_port)
@@ -226,6 +234,37 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         reconciler.close()
+        if receiver is not None:
+            receiver.close()
+
+
+def _report_endpoint(
+    settings: OperatorSettings, kube: Kube, metrics: OperatorMetrics
+) -> tuple[ReportEndpoint | None, endpoint.ReportServer | None]:
+    """The progress-report endpoint, started, and what trainers are told of it; none without
+    --report-url. A certificate that cannot be read stops the start with one line."""
+    if settings.report_url is None:
+        return None, None
+    tls_dir = Path(settings.report_tls_dir) if settings.report_url.startswith("https:") else None
+    try:
+        ca = endpoint.ca_bundle(tls_dir) if tls_dir is not None else ""
+
+        def counted(outcome: str, seconds: float) -> None:
+            metrics.reports.labels(outcome=outcome).inc()
+            metrics.report_latency.observe(seconds)
+
+        server = endpoint.ReportServer(
+            ClusterGate(kube, endpoint.Limits()), endpoint.ReportBook(), port=settings.report_port,
+            tls_dir=tls_dir, counted=counted,
+        )  # fmt: skip
+    except (OSError, ssl.SSLError) as exc:
+        raise SettingsError(
+            f"--report-tls-dir / GPUOP_REPORT_TLS_DIR: cannot serve HTTPS from {settings.report_tls_dir} "
+            f"({exc}); it needs tls.crt, tls.key and ca.crt"
+        ) from None
+    server.start()
+    log.info("progress reports: listening on :%d, trainers told %s", server.port, settings.report_url)
+    return ReportEndpoint(base_url=settings.report_url, ca_pem=ca), server
 
 
 def run_operator(settings: OperatorSettings) -> int:

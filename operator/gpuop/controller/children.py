@@ -12,6 +12,7 @@ from typing import Any
 
 from gpuop.api.spec import GpuTraining
 from gpuop.api.status import GpuTrainingStatus
+from gpuop.backends import registry
 from gpuop.backends.registry import JobApi
 from gpuop.controller.kube import ApiError, Kube
 from gpuop.controller.table import Tracked
@@ -47,7 +48,8 @@ class Children:
         outcome = "unchanged"
         if tracked.child is None:
             for companion in objects[:-1]:  # e.g. the TrainJob's runtime: its webhook wants it first
-                plural = api.companion_plurals[companion["kind"]]
+                kind = companion["kind"]
+                plural = api.companion_plurals.get(kind) or registry.COMMON_COMPANIONS[kind]
                 made, _ = self._create_or_adopt(companion["apiVersion"], plural, companion)
                 if observe.owner_uid(made) != uid:
                     return "conflict", conflict(str(made.get("kind")), name)

@@ -208,7 +208,8 @@ class Kube:
         return body
 
     def create_object(self, obj: Mapping[str, Any], plural: str) -> dict[str, Any]:
-        """Create a namespaced custom object; ApiError 409 AlreadyExists when its name is taken."""
+        """Create a namespaced object (a custom one, or a core one such as a ConfigMap);
+        ApiError 409 AlreadyExists when its name is taken."""
         path = _objects(str(obj["apiVersion"]), plural, obj["metadata"]["namespace"])
         created: dict[str, Any] = self._request("POST", path, body=obj)
         return created
@@ -287,6 +288,34 @@ class Kube:
         )
         items: list[dict[str, Any]] = reply.get("items") or []
         return items
+
+    def get_endpoints(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A Service's Endpoints (dcgm-exporter's: where its pods answer)."""
+        return self._get_or_none(f"/api/v1/namespaces/{namespace}/endpoints/{name}")
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._get_or_none(f"/api/v1/namespaces/{namespace}/pods/{name}")
+
+    # -- authentication -------------------------------------------------------------------
+
+    def review_token(self, token: str, audience: str, timeout: float) -> dict[str, Any]:
+        """The API server's verdict on a bearer token for ``audience`` (a TokenReview's
+        status: authenticated, user.username, user.extra, audiences, error). Not retried: the
+        caller answers its client, who sends again."""
+        review = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenReview",
+            "spec": {"token": token, "audiences": [audience]},
+        }
+        reply = self._request(
+            "POST",
+            "/apis/authentication.k8s.io/v1/tokenreviews",
+            body=review,
+            timeout=timeout,
+            retried=frozenset(),
+        )
+        status: dict[str, Any] = (reply or {}).get("status") or {}
+        return status
 
     def pod_metrics_via_proxy(self, namespace: str, pod: str, port: int, timeout: float) -> str:
         """The pod's /metrics through the API server's pod proxy (the operator is outside)."""
@@ -379,7 +408,8 @@ def _auth_header(configuration: k8s_client.Configuration) -> dict[str, str]:
 
 
 def _objects(api_version: str, plural: str, namespace: str) -> str:
-    return f"/apis/{api_version}/namespaces/{namespace}/{plural}"
+    root = "/api" if "/" not in api_version else "/apis"  # "v1" is the core group's
+    return f"{root}/{api_version}/namespaces/{namespace}/{plural}"
 
 
 _VERBS: Final = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}

@@ -1,5 +1,6 @@
 """Reading the training pods: one list per namespace per tick, each running trainer's metrics
-scraped concurrently, and the termination messages of a finished job's pods. Blocking calls.
+scraped concurrently, their GPUs as dcgm-exporter sees them (any image; :mod:`gpusource`), and
+the termination messages of a finished job's pods. Blocking calls.
 
 A pod's answer is untrusted input (any user's image serves it): it is read bounded, parsed
 by :mod:`gpuop.observing.scrape`, and any failure means no figures for that pod this tick.
@@ -8,21 +9,25 @@ by :mod:`gpuop.observing.scrape`, and any failure means no figures for that pod 
 from __future__ import annotations
 
 import logging
+import time
 import urllib.request
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Final
 
 from gpuop.api.spec import GpuTraining
-from gpuop.controller.kube import Kube
+from gpuop.controller.gpusource import DcgmSource
+from gpuop.controller.kube import ApiError, Kube
 from gpuop.controller.settings import OperatorSettings
 from gpuop.controller.telemetry import OperatorMetrics
-from gpuop.observing import observe
+from gpuop.observing import dcgm, observe
 from gpuop.observing.records import PodObservation
-from gpuop.observing.scrape import MAX_METRICS_BYTES, TrainerMetrics, parse_metrics
+from gpuop.observing.scrape import MAX_METRICS_BYTES, GpuFigures, TrainerMetrics, parse_metrics
 from gputrain.contract import METRICS_PORT
 
 log = logging.getLogger(__name__)
+
+_EXPORTERS_EVERY_SECONDS: Final = 30.0
 
 
 class PodReader:
@@ -34,6 +39,16 @@ class PodReader:
         self.metrics = metrics
         self._pool = ThreadPoolExecutor(settings.max_workers, thread_name_prefix="scrape")
         self._via_proxy = settings.scrapes_via_proxy(kube.in_cluster)
+        self._gpus: DcgmSource | None = None
+        if settings.gpu_metrics != "none":
+            self._gpus = DcgmSource(
+                prometheus_url=settings.gpu_metrics_prometheus_url
+                if settings.gpu_metrics == "prometheus"
+                else None,
+                timeout_seconds=settings.scrape_timeout_seconds,
+                count=lambda outcome: metrics.scrapes.labels(outcome=f"dcgm_{outcome}").inc(),
+            )
+        self._exporters_read_at: float | None = None
 
     def observe_namespace(
         self, namespace: str, names: Sequence[str]
@@ -53,14 +68,48 @@ class PodReader:
             name: [(pod, self._pool.submit(self._scrape, pod)) for pod in by_training.get(name, [])]
             for name in names
         }
+        gpus = self._exporter_gpus(namespace, [p for name in names for p in by_training.get(name, [])])
         observed: dict[str, tuple[PodObservation, ...] | None] = {}
         for name in names:
             try:
-                observed[name] = tuple(observe.pod_observation(pod, f.result()) for pod, f in futures[name])
+                observed[name] = tuple(
+                    observe.pod_observation(pod, f.result(), gpus.get(str(pod["metadata"].get("name"))))
+                    for pod, f in futures[name]
+                )
             except Exception:  # one training's odd pods must not stop the others' scrape
                 log.exception("gputraining %s/%s: reading its pods failed", namespace, name)
                 observed[name] = None
         return observed
+
+    def _exporter_gpus(self, namespace: str, pods: list[dict[str, Any]]) -> dict[str, tuple[GpuFigures, ...]]:
+        """The running pods' GPUs as dcgm-exporter sees them ({} when not configured or not read)."""
+        running = [str(p["metadata"].get("name")) for p in pods if observe.pod_ip(p) is not None]
+        if self._gpus is None or not running:
+            return {}
+        if self.settings.gpu_metrics == "dcgm-exporter":
+            self._refresh_exporters()
+        return self._gpus.read({namespace: running}).get(namespace, {})
+
+    def _refresh_exporters(self) -> None:
+        """The exporters behind their Service, asked again every 30 s: GPU nodes come and go
+        rarely, and one GET a tick for a list that seldom changes is load for nothing."""
+        now = time.monotonic()
+        if self._exporters_read_at is not None and now - self._exporters_read_at < _EXPORTERS_EVERY_SECONDS:
+            return
+        self._exporters_read_at = now
+        assert self._gpus is not None
+        namespace, _, name = self.settings.dcgm_exporter_service.partition("/")
+        try:
+            endpoints = self.kube.get_endpoints(namespace, name)
+        except ApiError as exc:
+            log.warning("reading dcgm-exporter's endpoints %s: %s", self.settings.dcgm_exporter_service, exc)
+            return
+        if endpoints is None:
+            log.debug(
+                "no dcgm-exporter Service %s: no GPU figures for custom images",
+                self.settings.dcgm_exporter_service,
+            )
+        self._gpus.set_exporters(dcgm.exporter_urls(endpoints or {}))
 
     def final(self, training: GpuTraining) -> tuple[PodObservation, ...]:
         """The job's pods as they ended: their termination messages hold the trainers' records."""
@@ -98,3 +147,5 @@ class PodReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._gpus is not None:
+            self._gpus.close()

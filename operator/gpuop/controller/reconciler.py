@@ -27,6 +27,7 @@ from gpuop.api.spec import GpuTraining
 from gpuop.api.spec import warnings as spec_warnings
 from gpuop.api.status import GpuTrainingStatus, status_from_json
 from gpuop.backends import registry
+from gpuop.backends.pod import ReportEndpoint
 from gpuop.backends.registry import Choice, JobApi
 from gpuop.controller.children import Children
 from gpuop.controller.discovery import ServedBackends
@@ -37,6 +38,7 @@ from gpuop.controller.statuswriter import StatusWriter
 from gpuop.controller.table import Key, SpecView, Table, Tracked, key_of, newer
 from gpuop.controller.telemetry import OperatorMetrics
 from gpuop.observing import observe
+from gpuop.observing.endpoint import ReportBook
 from gpuop.observing.records import Event, Observation, Thresholds
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,8 @@ class Reconciler:
         *,
         clock: Callable[[], datetime] = _now,
         leadership: Callable[[], Callable[[str], bool]] = lambda: lambda _namespace: True,
+        report_endpoint: ReportEndpoint | None = None,
+        reports: ReportBook | None = None,
     ) -> None:
         self.kube = kube
         self.settings = settings
@@ -71,6 +75,9 @@ class Reconciler:
         self._pods = PodReader(kube, settings, self.metrics)
         self._status = StatusWriter(kube, self.metrics, clock)
         self._served = ServedBackends(kube)
+        # Where trainers report (rendered into their pods), and what they reported so far.
+        self.report_endpoint = report_endpoint
+        self.reports = reports or ReportBook()
 
     # -- watch events ---------------------------------------------------------------------
 
@@ -78,6 +85,7 @@ class Reconciler:
         key = key_of(body)
         if event_type == "DELETED":
             self._table.forget(key)
+            self.reports.forget(key)
             return
         tracked = self._table.get_or_add(key, body)
         with tracked.lock:
@@ -190,7 +198,7 @@ class Reconciler:
             )  # fmt: skip
             return "status" if self._status.write(tracked, previous, observation, _NO_ALARMS) else "finished"
 
-        objects = view.objects(api, self.settings.trainer_image)
+        objects = view.objects(api, self.settings.trainer_image, self.report_endpoint)
         outcome, conflict = self._children.ensure(tracked, view.training, api, objects)
         observation = self._observe(tracked, previous, view, api, choice, conflict, now, generation)
         thresholds = Thresholds(
@@ -232,6 +240,7 @@ class Reconciler:
                 training.namespace or "default", str(child["metadata"].get("uid"))
             )
             queue = observe.queue_state(workloads) if workloads is not None else None
+        reports = self.reports.of(key_of(tracked.body)) if child is not None else ()
         return Observation(
             now=now,
             generation=generation,
@@ -246,7 +255,8 @@ class Reconciler:
             job_start_time=start,
             job_completion_time=completion,
             pods=tracked.pods if child is not None else (),
-            reports_progress=spec.command is None,
+            reports_progress=spec.command is None or bool(reports),
+            reports=reports,
             queue_name=spec.scheduling.queue_name,
             queue=queue,
             job_suspended=suspended,

@@ -11,7 +11,7 @@ import random
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, Literal, TypeVar, cast, get_args
 
 import click
 
@@ -19,6 +19,7 @@ from gpuop.api.identity import DEFAULT_TRAINER_IMAGE
 
 ENV_PREFIX: Final = "GPUOP_"
 ScrapeVia = Literal["auto", "pod-ip", "proxy"]
+GpuMetrics = Literal["none", "dcgm-exporter", "prometheus"]
 _NAMESPACE_RE: Final = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -47,6 +48,16 @@ class OperatorSettings:
     max_workers: int = 16  # threads for the blocking API calls of concurrent reconciles
     underutilized_percent: float = 30.0
     underutilized_seconds: int = 600
+    # The progress-report endpoint (Kubeflow's trainerStatus protocol). Off without a URL: the
+    # trainers must be told where to reach it (the chart's Service), and it needs a certificate.
+    report_url: str | None = None  # what trainers are given, https://<service>.<ns>.svc:<port>
+    report_port: int = 8443
+    report_tls_dir: str = "/etc/gpuop/report-tls"  # tls.crt, tls.key, ca.crt
+    # GPU figures of any image: NVIDIA's dcgm-exporter on the GPU nodes, read directly (its
+    # Service's endpoints) or through a Prometheus-compatible query API that scrapes it.
+    gpu_metrics: GpuMetrics = "none"
+    dcgm_exporter_service: str = "gpu-operator/nvidia-dcgm-exporter"  # the GPU Operator's
+    gpu_metrics_prometheus_url: str | None = None
 
     def scrapes_via_proxy(self, in_cluster: bool) -> bool:
         """Whether trainer metrics are read through the API server's pod proxy.
@@ -80,6 +91,33 @@ class OperatorSettings:
                 raise SettingsError(f"--{flag} / {env}: must be 0..65535, 0 to disable (got {port})")
         if self.metrics_port and self.metrics_port == self.health_port:
             raise SettingsError("--metrics-port and --health-port must differ")
+        if self.report_url is not None:
+            if not re.match(r"^https?://[^/\s]+$", self.report_url):
+                raise SettingsError(
+                    f"--report-url / {ENV_PREFIX}REPORT_URL: scheme, host and port only, e.g. "
+                    f"https://gpuop-reports.gpuop-system.svc:8443 (got {self.report_url!r})"
+                )
+            taken = (self.metrics_port, self.health_port)
+            if not 1 <= self.report_port <= 65535 or self.report_port in taken:
+                raise SettingsError(
+                    f"--report-port / {ENV_PREFIX}REPORT_PORT: must be 1..65535 and differ from the "
+                    f"metrics and health ports (got {self.report_port})"
+                )
+        if self.gpu_metrics == "prometheus" and not (self.gpu_metrics_prometheus_url or "").startswith(
+            ("http://", "https://")
+        ):
+            raise SettingsError(
+                f"--gpu-metrics-prometheus-url / {ENV_PREFIX}GPU_METRICS_PROMETHEUS_URL: --gpu-metrics "
+                "prometheus needs the query API's base URL, e.g. http://prometheus-operated.monitoring:9090"
+            )
+        if self.gpu_metrics == "dcgm-exporter" and not re.match(
+            r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-a-z0-9]*[a-z0-9])?$", self.dcgm_exporter_service
+        ):
+            raise SettingsError(
+                f"--dcgm-exporter-service / {ENV_PREFIX}DCGM_EXPORTER_SERVICE: NAMESPACE/NAME of the "
+                "exporter's Service, e.g. gpu-operator/nvidia-dcgm-exporter "
+                f"(got {self.dcgm_exporter_service!r})"
+            )
         if not 1 <= self.max_workers <= 256:
             raise SettingsError(
                 f"--max-workers / {ENV_PREFIX}MAX_WORKERS: must be 1..256 (got {self.max_workers})"
@@ -208,6 +246,50 @@ def operator_options(command: F) -> F:
             default=str(d.underutilized_seconds),
             show_default=True,
         ),
+        _option(
+            "--report-url",
+            "REPORT_URL",
+            "Where training pods reach the progress-report endpoint (scheme://host:port; the chart sets its "
+            "Service's); unset: no endpoint, and trainers get no report variables.",
+            metavar="URL",
+        ),
+        _option(
+            "--report-port",
+            "REPORT_PORT",
+            "Port the progress-report endpoint listens on.",
+            default=str(d.report_port),
+            show_default=True,
+        ),
+        _option(
+            "--report-tls-dir",
+            "REPORT_TLS_DIR",
+            "Directory with the endpoint's tls.crt, tls.key and ca.crt (a kubernetes.io/tls Secret with "
+            "its CA); re-read when they change.",
+            default=d.report_tls_dir,
+            show_default=True,
+            metavar="DIR",
+        ),
+        _option(
+            "--gpu-metrics",
+            "GPU_METRICS",
+            "GPU figures for any image: dcgm-exporter (read the exporters behind --dcgm-exporter-service), "
+            "prometheus (query --gpu-metrics-prometheus-url for their series) or none.",
+            default=d.gpu_metrics,
+            show_default=True,
+        ),
+        _option(
+            "--dcgm-exporter-service",
+            "DCGM_EXPORTER_SERVICE",
+            "NAMESPACE/NAME of dcgm-exporter's Service (the NVIDIA GPU Operator's by default).",
+            default=d.dcgm_exporter_service,
+            show_default=True,
+        ),
+        _option(
+            "--gpu-metrics-prometheus-url",
+            "GPU_METRICS_PROMETHEUS_URL",
+            "Base URL of a Prometheus-compatible query API that scrapes dcgm-exporter.",
+            metavar="URL",
+        ),
         click.option(
             "-v",
             "--verbose",
@@ -276,4 +358,21 @@ def from_options(values: Mapping[str, Any]) -> OperatorSettings:
         underutilized_seconds=int(
             _number("underutilized-seconds", "UNDERUTILIZED_SECONDS", values["underutilized_seconds"], int)
         ),
+        report_url=(values.get("report_url") or "").rstrip("/") or None,
+        report_port=int(
+            _number("report-port", "REPORT_PORT", values.get("report_port") or str(d.report_port), int)
+        ),
+        report_tls_dir=values.get("report_tls_dir") or d.report_tls_dir,
+        gpu_metrics=_gpu_metrics(values.get("gpu_metrics") or d.gpu_metrics),
+        dcgm_exporter_service=values.get("dcgm_exporter_service") or d.dcgm_exporter_service,
+        gpu_metrics_prometheus_url=values.get("gpu_metrics_prometheus_url") or None,
+    )
+
+
+def _gpu_metrics(text: str) -> GpuMetrics:
+    for choice in get_args(GpuMetrics):
+        if text == choice:
+            return cast(GpuMetrics, choice)
+    raise SettingsError(
+        f"--gpu-metrics / {ENV_PREFIX}GPU_METRICS: must be none, dcgm-exporter or prometheus (got {text!r})"
     )

@@ -16,6 +16,8 @@ from typing import Any
 from gpuop._kits.schema import SpecError
 from gpuop.api.fixed import fixed_spec_changes
 from gpuop.api.spec import GpuTraining, parse
+from gpuop.backends import registry
+from gpuop.backends.pod import ReportEndpoint
 from gpuop.backends.registry import JobApi
 from gpuop.observing import observe
 from gpuop.observing.records import PodObservation
@@ -54,10 +56,14 @@ class SpecView:
     # Fixed fields changed, by the child's created-from record: filled in as records are met.
     not_applied: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
-    def objects(self, api: JobApi, default_image: str) -> list[dict[str, Any]]:
+    def objects(
+        self, api: JobApi, default_image: str, reports: ReportEndpoint | None = None
+    ) -> list[dict[str, Any]]:
         assert self.training is not None  # rendered only when it parsed
         if api.backend not in self.rendered:
-            self.rendered[api.backend] = api.render(self.training, default_image=default_image)
+            self.rendered[api.backend] = registry.render_objects(
+                api, self.training, default_image=default_image, reports=reports
+            )
         return self.rendered[api.backend]
 
     def not_applied_to(self, child: Mapping[str, Any] | None) -> tuple[str, ...]:

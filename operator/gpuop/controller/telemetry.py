@@ -69,6 +69,18 @@ class OperatorMetrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.reports = Counter(
+            "gpuop_reports_total",
+            "Progress reports (trainerStatus) received, by outcome: accepted, or why refused.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.report_latency = Histogram(
+            "gpuop_report_duration_seconds",
+            "Time to answer one progress report, authentication included.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=self.registry,
+        )
         self.trainings = Gauge(
             "gpuop_trainings", "GpuTrainings by status phase.", ["phase"], registry=self.registry
         )

@@ -1,8 +1,11 @@
 """``gpuop run``: the same GpuTraining, trained on this machine instead of a cluster.
 
 It reuses every piece the operator uses except the cluster: the spec model, the trainer's
-environment from :func:`gpuop.backends.pod.trainer_env`, the metrics scrape and the status
-derivation. Only "create a PyTorchJob" becomes "start torchrun here".
+environment from :func:`gpuop.backends.pod.trainer_env`, the progress-report endpoint
+(:mod:`gpuop.local.reporting`), the metrics scrape and the status derivation. Only "create a
+PyTorchJob" becomes "start torchrun here" -- or, for a spec with its own ``command``, "run
+that command with the environment a pod of the job would have" (torchrun's PET_* variables,
+the rendezvous address), as the training-operator would start it in the container.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final, TextIO
@@ -28,8 +31,9 @@ from gpuop._kits.schema import encode
 from gpuop.api.spec import GpuTraining
 from gpuop.api.status import GpuTrainingStatus, format_eta
 from gpuop.backends.pod import trainer_env
+from gpuop.local import reporting
 from gpuop.observing.derive import TIME_FORMAT, derive_status, parse_time
-from gpuop.observing.records import JobCondition, Observation, PodObservation, Thresholds
+from gpuop.observing.records import JobCondition, Observation, PodObservation, ReceivedReport, Thresholds
 from gpuop.observing.scrape import TrainerMetrics, parse_metrics
 from gputrain.contract import (
     HISTORY_FILE,
@@ -78,9 +82,16 @@ class LocalRun:
     def termination_log(self) -> Path:
         return self.workdir / self.training.name / "termination-log"
 
-    def environment(self) -> dict[str, str]:
-        """This machine's environment plus the trainer's, with local directories and port."""
+    @property
+    def custom(self) -> bool:
+        """Whether the spec runs its own command (its own code) rather than the built-in trainer."""
+        return self.training.spec.command is not None
+
+    def environment(self, reports: Mapping[str, str] | None = None) -> dict[str, str]:
+        """This machine's environment plus the trainer's, with local directories and port, and
+        where to report progress."""
         env = dict(os.environ)
+        env.update(reports or {})
         for var in trainer_env(self.training.name, self.training.spec):
             if "value" in var:
                 env[var["name"]] = var["value"]
@@ -94,7 +105,23 @@ class LocalRun:
         # The trainer keys its rendezvous per restart too; this also protects custom code.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if self.custom:
+            # `torchrun` and `python` of the environment gpuop runs in, activated or not.
+            scripts = str(Path(sys.executable).parent)
+            env["PATH"] = os.pathsep.join([scripts, env.get("PATH", "")])
+            # What Kubeflow gives a one-node job's pod (both APIs set PET_*, torchrun's own
+            # defaults): a plain `torchrun train.py` starts this run's processes.
+            port = str(_free_port())
+            env.update({"PET_NNODES": "1", "PET_NODE_RANK": "0", "PET_NPROC_PER_NODE": str(self.processes),
+                        "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port, "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": port, "WORLD_SIZE": "1", "RANK": "0"})  # fmt: skip
         return env
+
+    def custom_command(self, env: Mapping[str, str]) -> list[str]:
+        """The spec's command and args, with ``$(VAR)`` expanded from ``env`` as Kubernetes does."""
+        spec = self.training.spec
+        assert spec.command is not None
+        return [expand(part, env) for part in (*spec.command, *(spec.args or ()))]
 
     def command(
         self, launcher_args: tuple[str, ...] = (), entry: tuple[str, ...] = ("-m", "gputrain")
@@ -110,6 +137,18 @@ class LocalRun:
             *entry,
             f"--termination-log={self.termination_log}",
         ]
+
+
+def expand(text: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' rule for command and args: ``$(VAR)`` becomes VAR's value when VAR is set
+    (else stays as written), ``$$`` is one ``$``."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", one, text)
 
 
 def visible_gpus() -> int:
@@ -197,16 +236,24 @@ def final_metrics(status: GpuTrainingStatus) -> TrainerMetrics | None:
 
 
 def final_status(
-    run: LocalRun, code: int, last: TrainerMetrics | None, started: datetime, finished: datetime
+    run: LocalRun,
+    code: int,
+    last: TrainerMetrics | None,
+    started: datetime,
+    finished: datetime,
+    report: ReceivedReport | None = None,
 ) -> GpuTrainingStatus:
     """The status the operator would write for this run, by the operator's own derivation.
 
     torchrun plays the PyTorchJob: it succeeded when it exited 0 and the trainer left a
-    success record. The trainer's own failure record, when there is one, gives the reason.
+    success record (for the spec's own command, its exit 0 is enough, as for a Job). The
+    trainer's own failure record, when there is one, gives the reason.
     """
     message = run.termination_log.read_text() if run.termination_log.is_file() else None
     record = Result.from_json(message) if message is not None else None
-    if code == 0 and record is not None and record.phase == "Succeeded":
+    if code == 0 and (
+        (record is not None and record.phase == "Succeeded") or (run.custom and record is None)
+    ):
         outcome = JobCondition("Succeeded", "True")
     elif record is not None and record.reason in STOPPED_BY_SIGNAL:
         # Stopped on purpose and checkpointed: paused, not failed; a rerun resumes.
@@ -231,6 +278,7 @@ def final_status(
         job_start_time=started.strftime(TIME_FORMAT),
         job_completion_time=finished.strftime(TIME_FORMAT),
         pods=(PodObservation(LOCAL_POD, outcome.type, result=record, metrics=last),),
+        reports=(report,) if report is not None else (),
     )
     return derive_status(None, observation, Thresholds(stall_timeout_seconds=0))
 
@@ -333,21 +381,33 @@ def execute(
         run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         run.output_dir.mkdir(parents=True, exist_ok=True)
         run.termination_log.unlink(missing_ok=True)  # a stale record must not pass for this run's
+        namespace = run.training.namespace or "default"
+        endpoint = held.enter_context(
+            reporting.serving(namespace, run.training.name, run.workdir / run.training.name, LOCAL_POD)
+        )
         started = _now()
-        process = subprocess.Popen(run.command(), env=run.environment(), stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)  # fmt: skip
+        env = run.environment(endpoint.env)
+        command = run.custom_command(env) if run.custom else run.command()
+        try:
+            process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True)  # fmt: skip
+        except OSError as exc:  # the spec's command is not on this machine
+            raise CommandNotFoundError(
+                f"spec.command: cannot run {command[0]!r} here: {exc.strerror}"
+            ) from None
 
         def stop(signum: int, frame: object) -> None:
             raise _Stopped(signum)
 
         previous = signal.signal(signal.SIGTERM, stop)
         last: TrainerMetrics | None = None
+        points: list[HistoryPoint] = []
         try:
             try:
                 while process.poll() is None:
                     time.sleep(POLL_SECONDS)
-                    metrics = scrape(run.metrics_port)
-                    if metrics is not None and metrics.total_steps:  # 0 until the trainer has published
+                    metrics = _latest_figures(run, endpoint, points)
+                    if metrics is not None:
                         last = metrics
                         if show is not None:
                             show(metrics)
@@ -361,7 +421,32 @@ def execute(
                     process.wait()
         finally:
             signal.signal(signal.SIGTERM, previous)
-        return final_status(run, process.returncode, last, started, _now())
+        _latest_figures(run, endpoint, points)  # the final report, sent as the process ended
+        if run.custom and points and not (run.output_dir / HISTORY_FILE).exists():
+            # Our trainer writes its own history; for other code, the reports are the history.
+            (run.output_dir / HISTORY_FILE).write_text("".join(p.to_json() + "\n" for p in points))
+        return final_status(run, process.returncode, last, started, _now(), endpoint.latest())
+
+
+class CommandNotFoundError(Exception):
+    """The spec's command cannot be started on this machine; the message says which."""
+
+
+def _latest_figures(
+    run: LocalRun, endpoint: reporting.LocalEndpoint, points: list[HistoryPoint]
+) -> TrainerMetrics | None:
+    """The run's figures now: its code's latest report (appended to ``points`` when new), else
+    the built-in trainer's metrics endpoint (an older trainer that does not report)."""
+    received = endpoint.latest()
+    if received is not None:
+        point = reporting.history_point(received)
+        if point is not None and (not points or points[-1].time != point.time):
+            points.append(point)
+        return reporting.as_metrics(received.report)
+    if run.custom:
+        return None
+    metrics = scrape(run.metrics_port)
+    return metrics if metrics is not None and metrics.total_steps else None  # 0 until published
 
 
 def status_document(status: GpuTrainingStatus) -> dict[str, Any]:

@@ -27,9 +27,15 @@ from gpuop.api.status import (
     WorkerCounts,
     condition_reason,
     format_eta,
+    format_percent,
 )
-from gpuop.observing.figures import gpu_usage, progress_from_metrics, progress_from_result
-from gpuop.observing.records import Event, Observation, Thresholds
+from gpuop.observing.figures import (
+    gpu_usage,
+    progress_from_metrics,
+    progress_from_report,
+    progress_from_result,
+)
+from gpuop.observing.records import Event, Observation, ReceivedReport, Thresholds
 from gpuop.observing.scrape import TrainerMetrics
 from gputrain.contract import Result
 
@@ -119,38 +125,77 @@ def _same_figures(a: ProgressStatus | None, b: ProgressStatus | None) -> bool:
     )
 
 
+def _latest_report(obs: Observation) -> ReceivedReport | None:
+    """The newest report: only rank 0 reports, but a restarted pod's old one may linger."""
+    return max(obs.reports, key=lambda r: r.received_at, default=None)
+
+
+def _completed(progress: ProgressStatus) -> ProgressStatus:
+    """A training that succeeded is done, whatever its code last sent (a client may end
+    without a final report, or between two of its throttled ones)."""
+    return dataclasses.replace(
+        progress, percent=100.0, percent_text=format_percent(100.0), estimated_remaining_seconds=0,
+        eta=format_eta(0),
+    )  # fmt: skip
+
+
+def _fresh_progress(
+    previous: ProgressStatus | None, obs: Observation, phase: Phase, now: str
+) -> ProgressStatus | None:
+    """The figures as the sources say now, most authoritative first: the trainer's final record,
+    the training code's reports, the built-in trainer's scrape (older images that do not report)."""
+    report = _latest_report(obs)
+    if phase == "Succeeded":
+        record = _trainer_record(obs, "Succeeded")
+        if record is not None:
+            return progress_from_result(record, now)
+        last = progress_from_report(report, now) if report is not None else previous
+        return _completed(last) if last is not None else None
+    if report is not None:
+        return progress_from_report(report, now)
+    metrics = _latest_metrics(obs)
+    return progress_from_metrics(metrics, now) if metrics is not None else previous
+
+
 def _progress(
     previous: ProgressStatus | None, obs: Observation, phase: Phase, now: str
 ) -> ProgressStatus | None:
-    if phase == "Succeeded":
-        record = _trainer_record(obs, "Succeeded")
-        fresh = progress_from_result(record, now) if record is not None else previous
-    else:
-        metrics = _latest_metrics(obs)
-        fresh = progress_from_metrics(metrics, now) if metrics is not None else previous
+    fresh = _fresh_progress(previous, obs, phase, now)
     if fresh is None:
-        # No figures yet: our trainer publishes them within seconds, so the stall clock starts
-        # all the same (a hang before step 1, in NCCL's init say, is a stall). A custom command
-        # may never publish any: no clock, no verdict, rather than a false Stalled.
+        # No figures yet: our trainer reports within seconds, so the stall clock starts all the
+        # same (a hang before step 1, in NCCL's init say, is a stall). A custom command may
+        # never report: no clock, no verdict until its first report, rather than a false Stalled.
         if phase == "Running" and obs.reports_progress:
             return ProgressStatus(step_advanced_at=now)
         return None
     if previous is not None and _same_figures(previous, fresh):
         return previous
     advanced = now
-    # A step that went back is a restart from an older checkpoint: activity, not a stall.
-    if previous is not None and previous.step_advanced_at is not None and fresh.step == previous.step:
+    # A step that went back is a restart from an older checkpoint: activity, not a stall. A
+    # client that sends percent and no steps (the Kubeflow SDK's) advances with its percent.
+    if (
+        previous is not None
+        and previous.step_advanced_at is not None
+        and fresh.step == previous.step
+        and (fresh.step is not None or fresh.percent == previous.percent)
+    ):
         advanced = previous.step_advanced_at
     return dataclasses.replace(fresh, updated_at=now, step_advanced_at=advanced)
 
 
 def _gpu(previous: GpuUsage | None, obs: Observation, thresholds: Thresholds, now: str) -> GpuUsage | None:
-    scraped = {p.name: p.metrics for p in obs.pods if p.metrics is not None}
-    if not scraped:
+    # The node's exporter sees any image's GPUs and needs nothing of the trainer; the built-in
+    # trainer's NVML figures serve where no exporter is read (a GPU cluster without it).
+    exported = {p.name: p.exporter_gpus for p in obs.pods if p.exporter_gpus}
+    scraped = {p.name: p.metrics.gpus for p in obs.pods if p.metrics is not None and p.metrics.gpus}
+    if not exported and not scraped:
         if previous is not None:  # finished or between scrapes: keep the last figures
             return previous if previous.count == obs.gpus else dataclasses.replace(previous, count=obs.gpus)
         return GpuUsage(count=obs.gpus) if obs.gpus else None
-    usage = gpu_usage(scraped, obs.gpus)
+    if exported:
+        usage = gpu_usage(exported, obs.gpus, "DcgmExporter")
+    else:
+        usage = gpu_usage(scraped, obs.gpus, "Trainer")
     low = (
         usage.utilization_percent is not None and usage.utilization_percent < thresholds.underutilized_percent
     )

@@ -21,7 +21,7 @@ from gpuop.api.identity import (
     TRAINJOB_CONTAINER,
 )
 from gpuop.observing.records import JobCondition, PodObservation, QueueState
-from gpuop.observing.scrape import TrainerMetrics
+from gpuop.observing.scrape import GpuFigures, TrainerMetrics
 from gputrain.contract import Result
 
 _TERMINAL = ("Succeeded", "Failed")
@@ -187,7 +187,11 @@ def _termination_message(container: Mapping[str, Any]) -> str | None:
     return None
 
 
-def pod_observation(pod: Mapping[str, Any], metrics: TrainerMetrics | None) -> PodObservation:
+def pod_observation(
+    pod: Mapping[str, Any],
+    metrics: TrainerMetrics | None,
+    exporter_gpus: tuple[GpuFigures, ...] | None = None,
+) -> PodObservation:
     status = pod.get("status") or {}
     ready = any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ()
@@ -201,6 +205,7 @@ def pod_observation(pod: Mapping[str, Any], metrics: TrainerMetrics | None) -> P
         ready=ready,
         result=_result(trainer),
         metrics=metrics,
+        exporter_gpus=exporter_gpus,
         restarts=restarts if isinstance(restarts, int) else 0,
         trainer_started_at=started if isinstance(started, str) else None,
     )

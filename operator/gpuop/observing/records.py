@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from gpuop.observing.scrape import TrainerMetrics
+from gpuop.observing.reports import TrainerReport
+from gpuop.observing.scrape import GpuFigures, TrainerMetrics
 from gputrain.contract import Result
 
 
@@ -53,8 +54,19 @@ class PodObservation:
     ready: bool = False
     result: Result | None = None  # the trainer's final record, from its termination message
     metrics: TrainerMetrics | None = None
+    # The pod's GPUs as the node's dcgm-exporter sees them (any image; None: not read).
+    exporter_gpus: tuple[GpuFigures, ...] | None = None
     restarts: int = 0  # the trainer container's restartCount
     trainer_started_at: str | None = None  # when its current container started, if running
+
+
+@dataclass(frozen=True)
+class ReceivedReport:
+    """A training code's latest progress report, as the endpoint accepted it from one pod."""
+
+    pod: str
+    report: TrainerReport
+    received_at: datetime
 
 
 @dataclass(frozen=True)
@@ -92,8 +104,11 @@ class Observation:
     pods: tuple[PodObservation, ...] = ()
     # The training finished and its job is gone since (Kubeflow's TTL, or by hand).
     job_deleted: bool = False
-    # Whether the trainer is ours (it publishes gputrain_* progress); a custom command may not.
+    # Whether the trainer is ours (it reports from its first seconds); a custom command may
+    # never report, and is judged Stalled only once a report has come.
     reports_progress: bool = True
+    # The training code's progress reports (trainerStatus), the latest per pod.
+    reports: tuple[ReceivedReport, ...] = ()
     queue_name: str | None = None  # spec.scheduling.queueName: Kueue owns the job's suspend
     queue: QueueState | None = None  # its Workload, while the job is suspended (None: not found)
     job_suspended: bool = False  # the job's spec says suspended (Kueue's hold, or the user's)

@@ -8,6 +8,7 @@ PyTorchJob's status, a kubelet reporting pods). Everything a user does goes thro
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ from typing import Any, Final
 import yaml
 
 from support.paths import ROOT
-from support.plane.controlplane import ControlPlane, kubeconfig
+from support.plane.controlplane import ControlPlane, free_port, kubeconfig
 from support.tools.helm import CHART, RELEASE, RELEASE_NAMESPACE, helm, value_args
 from support.waiting import wait_for
 
@@ -69,6 +70,13 @@ class Api:
         self.server = plane.server
         self.context = ssl.create_default_context(cafile=str(plane.ca.cert))
         self.context.load_cert_chain(str(plane.pki / "admin.crt"), str(plane.pki / "admin.key"))
+        # One opener, with no proxies: urlopen(context=...) builds an opener per call, whose
+        # ProxyHandler reads the environment by iterating os.environ, and a thread of the node
+        # agent doing so while pytest removes PYTEST_CURRENT_TEST between phases got KeyError
+        # (seen once in a clean-clone run). Loopback needs no proxy.
+        self._opener = urllib.request.build_opener(
+            urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=self.context)
+        )
 
     def request(
         self, method: str, path: str, body: Any = None, content_type: str = "application/json"
@@ -79,7 +87,7 @@ class Api:
         if data is not None:
             request.add_header("Content-Type", content_type)
         try:
-            with urllib.request.urlopen(request, timeout=30, context=self.context) as reply:
+            with self._opener.open(request, timeout=30) as reply:
                 text = reply.read()
         except urllib.error.HTTPError as exc:
             raise HttpError(exc.code, exc.read().decode(errors="replace")) from None
@@ -158,13 +166,17 @@ def service_account_kubeconfig(plane: ControlPlane, namespace: str, name: str, p
 class OperatorProcess:
     """``gpuop operator`` in a subprocess, logged in with a kubeconfig; killable at any moment."""
 
-    def __init__(self, kubeconfig_path: Path, workdir: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, kubeconfig_path: Path, workdir: Path, env: Mapping[str, str] | None = None, *,
+        report_port: int | None = None,
+    ) -> None:  # fmt: skip
         self.kubeconfig = kubeconfig_path
         self.workdir = workdir
         self.extra_env = dict(env or {})
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self.args: tuple[str, ...] = ()
+        self.report_port = report_port
 
     def start(self, *args: str) -> subprocess.Popen[bytes]:
         if args:
@@ -172,6 +184,10 @@ class OperatorProcess:
         self.starts += 1
         log = (self.workdir / f"operator-{self.starts}.log").open("wb")
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1", **self.extra_env}
+        if "GPUOP_REPORT_URL" in env:
+            # In a cluster every replica's pod has its own IP and listens on the chart's port;
+            # here they share the host: a port given (the one trainers are told), else a free one.
+            env["GPUOP_REPORT_PORT"] = str(self.report_port or free_port())
         self.process = subprocess.Popen(
             [GPUOP, "operator", "--metrics-port", "0", "--health-port", "0", *self.args],
             env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -223,7 +239,21 @@ def install_chart(plane: ControlPlane, values: Mapping[str, Any]) -> Installed:
     assert container["args"] == ["operator"]
     env = {e["name"]: str(e["value"]) for e in container["env"] if "value" in e}
     env["POD_ID"] = "gpu-training-operator-5d4f8-x2x9q"  # its pod's name: stable across restarts
+    if "GPUOP_REPORT_TLS_DIR" in env:
+        env["GPUOP_REPORT_TLS_DIR"] = str(_mounted_secret(plane, pod, "report-tls"))
     return Installed(env, pod["serviceAccountName"])
+
+
+def _mounted_secret(plane: ControlPlane, pod: Mapping[str, Any], volume: str) -> Path:
+    """A Secret volume of the chart's pod as kubelet would mount it: its keys as files."""
+    source = next(v for v in pod["volumes"] if v["name"] == volume)["secret"]
+    reply = plane.kubectl("get", "secret", source["secretName"], "-n", RELEASE_NAMESPACE, "-o", "json")
+    secret = json.loads(reply.stdout)
+    directory = plane.workdir / "mounts" / source["secretName"]
+    directory.mkdir(parents=True, exist_ok=True)
+    for key, value in secret["data"].items():
+        (directory / key).write_bytes(base64.b64decode(value))
+    return directory
 
 
 def uninstall_chart(plane: ControlPlane) -> None:

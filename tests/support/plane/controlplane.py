@@ -44,6 +44,7 @@ from typing import IO, Any, Final
 
 from support.paths import ROOT
 from support.plane import gobuild
+from support.tls import CertificateAuthority, openssl
 
 MODULE: Final = ROOT / "tests" / "controlplane"
 STATE: Final = ROOT / ".controlplane"
@@ -104,54 +105,8 @@ def ensure_binaries(say: Say = _say) -> Path:
 
 
 # -- certificates -------------------------------------------------------------------------
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    result = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"openssl {' '.join(args)}: {result.stderr.strip()}")
-
-
-@dataclass(frozen=True)
-class CertificateAuthority:
-    """The control plane's CA: it signs the apiserver's serving cert, the client certs, and
-    serving certs for webhooks the tests run (their caBundle is :attr:`cert`)."""
-
-    directory: Path
-
-    @property
-    def cert(self) -> Path:
-        return self.directory / "ca.crt"
-
-    @property
-    def key(self) -> Path:
-        return self.directory / "ca.key"
-
-    @classmethod
-    def create(cls, directory: Path) -> CertificateAuthority:
-        directory.mkdir(parents=True, exist_ok=True)
-        _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                 "-keyout", "ca.key", "-out", "ca.crt", "-days", "3650", "-subj", "/CN=gpuop-test-ca",
-                 cwd=directory)  # fmt: skip
-        return cls(directory)
-
-    def issue(
-        self, name: str, common_name: str, *, organization: str | None = None, sans: Sequence[str] = ()
-    ) -> tuple[Path, Path]:
-        """A key and a certificate signed by this CA: (cert, key). ``sans`` like "IP:127.0.0.1"."""
-        subject = f"/CN={common_name}" + (f"/O={organization}" if organization else "")
-        _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                 "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject, cwd=self.directory)  # fmt: skip
-        extensions = self.directory / f"{name}.ext"
-        usage = "serverAuth" if sans else "clientAuth"
-        lines = ["basicConstraints=CA:FALSE", "keyUsage=digitalSignature,keyEncipherment",
-                 f"extendedKeyUsage={usage}"]  # fmt: skip
-        if sans:
-            lines.append("subjectAltName=" + ",".join(sans))
-        extensions.write_text("\n".join(lines) + "\n")
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.crt", "-days", "3650", "-extfile", extensions.name, cwd=self.directory)  # fmt: skip
-        return self.directory / f"{name}.crt", self.directory / f"{name}.key"
+# The CA (support.tls.CertificateAuthority) signs the apiserver's serving cert, the client certs,
+# and serving certs for webhooks the tests run (their caBundle is ``plane.ca.cert``).
 
 
 def kubeconfig(server: str, ca: Path, *, user: str, cert: Path | None = None, key: Path | None = None,
@@ -342,8 +297,8 @@ class ControlPlane:
         ])  # fmt: skip
         ca.issue("admin", "kubernetes-admin", organization="system:masters")
         ca.issue("controller-manager", "system:kube-controller-manager")
-        _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=self.pki)
-        _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=self.pki)
+        openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=self.pki)
+        openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=self.pki)
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log = self.workdir / f"{name}.log"

@@ -8,8 +8,13 @@ SIGINT) has come. So a test can wait for the files, do what takes time (start a 
 kill a rank), and then signal or release a trainer that cannot have trained on meanwhile:
 before, a 40-epoch run trained to 100% on a loaded machine while the test waited 30 s.
 
-Python imports ``sitecustomize`` at start-up; the patch is installed when ``gputrain.train``
-is first imported, so processes that never train (torchrun's agent, ``gpuop run``) pay nothing.
+With ``GPUOP_TEST_STEP_SECONDS=S`` instead, a Hugging Face ``Trainer`` takes at least S
+seconds a step, and so does a loop that calls ``gpureport.report`` once a step: a run of N
+steps lasts N x S seconds by construction, so a test sees it report while running however fast
+the machine is (both clients report at most every 5 s).
+
+Python imports ``sitecustomize`` at start-up; each patch is installed when its module is first
+imported, so processes that never train (torchrun's agent, ``gpuop run``) pay nothing.
 """
 
 from __future__ import annotations
@@ -23,10 +28,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-_TARGET = "gputrain.train"
 
-
-def _install(module: ModuleType) -> None:
+def _install_hold(module: ModuleType) -> None:
     hold_at = int(os.environ["GPUTRAIN_TEST_HOLD_AT_STEP"])
     directory = Path(os.environ["GPUTRAIN_TEST_HOLD_DIR"])
     trainer_class = module.Trainer
@@ -47,26 +50,73 @@ def _install(module: ModuleType) -> None:
     trainer_class._report = holding_report
 
 
+def _install_pace(module: ModuleType) -> None:
+    seconds = float(os.environ["GPUOP_TEST_STEP_SECONDS"])
+    trainer_class = module.Trainer
+    init = trainer_class.__init__
+
+    def paced_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        from transformers.trainer_callback import TrainerCallback
+
+        class Pace(TrainerCallback):  # type: ignore[misc]
+            def on_step_begin(self, *_: Any, **__: Any) -> None:
+                self.began = time.monotonic()
+
+            def on_step_end(self, *_: Any, **__: Any) -> None:
+                time.sleep(max(0.0, seconds - (time.monotonic() - self.began)))
+
+        self.add_callback(Pace())
+
+    trainer_class.__init__ = paced_init
+
+
+def _install_report_pace(module: ModuleType) -> None:
+    seconds = float(os.environ["GPUOP_TEST_STEP_SECONDS"])
+    report = module.report
+    last = [time.monotonic()]
+
+    def paced_report(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(max(0.0, seconds - (time.monotonic() - last[0])))
+        last[0] = time.monotonic()
+        return report(*args, **kwargs)
+
+    module.report = paced_report
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds gputrain.train as the other finders do, then patches it once it has run."""
+    """Finds a target module as the other finders do, then patches it once it has run."""
+
+    def __init__(self, target: str, install: Any) -> None:
+        self.target, self.install = target, install
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name != _TARGET:
+        if name != self.target:
             return None
         sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        # The other finders, in order: an editable install's (gpureport here) is one of them.
+        spec = next(
+            (found for finder in sys.meta_path if hasattr(finder, "find_spec")
+             and (found := finder.find_spec(name, path, target)) is not None),
+            None,
+        )  # fmt: skip
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader
         execute = loader.exec_module
 
+        install = self.install
+
         def exec_module(module: ModuleType) -> None:
             execute(module)
-            _install(module)
+            install(module)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
 if os.environ.get("GPUTRAIN_TEST_HOLD_AT_STEP") and os.environ.get("GPUTRAIN_TEST_HOLD_DIR"):
-    sys.meta_path.insert(0, _PatchOnImport())
+    sys.meta_path.insert(0, _PatchOnImport("gputrain.train", _install_hold))
+if os.environ.get("GPUOP_TEST_STEP_SECONDS"):
+    sys.meta_path.insert(0, _PatchOnImport("transformers.trainer", _install_pace))
+    sys.meta_path.insert(0, _PatchOnImport("gpureport", _install_report_pace))

@@ -1,0 +1,98 @@
+"""``gpuop run`` of a spec whose ``command`` is the user's own code: a real Hugging Face
+``Trainer`` script with no reporting code of ours (examples/hf-trainer/train.py), run as a
+GpuTraining's pod would run it, reports its progress by Kubeflow's protocol by itself; the run
+shows it live and ends with the status the operator would write.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from support.paths import ROOT
+
+GPUOP = Path(sys.executable).parent / "gpuop"
+HF_SCRIPT = ROOT / "examples" / "hf-trainer" / "train.py"
+
+
+def _spec(tmp_path: Path, name: str, command: list[str], workers: int = 1) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "gpuop.io/v1alpha1", "kind": "GpuTraining", "metadata": {"name": name},
+        "spec": {"image": "registry.example.com/team/own:1", "command": command, "workers": workers,
+                 "gpusPerWorker": 0},
+    }))  # fmt: skip
+    return path
+
+
+def _run(spec: Path, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    done = subprocess.run(
+        [GPUOP, "run", "-f", str(spec), "-o", "json", "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    status = json.loads(done.stdout) if done.stdout.strip() else {}
+    return done, status
+
+
+def test_a_hugging_face_trainer_script_reports_by_itself_and_ends_succeeded_with_its_loss(
+    tmp_path: Path,
+) -> None:
+    spec = _spec(tmp_path, "hf", ["torchrun", str(HF_SCRIPT), "--samples", "48", "--epochs", "2",
+                                  "--output-dir", str(tmp_path / "hf-out")])  # fmt: skip
+    done, status = _run(spec, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert status["phase"] == "Succeeded"
+    progress = status["progress"]
+    # From Transformers' own KubeflowCallback, switched on by the variable gpuop run sets.
+    assert progress["source"] == "TrainerStatus"
+    assert progress["percent"] == 100
+    assert progress["loss"] > 0
+    assert progress["totalSteps"] == 12  # 48 samples / batch 8 x 2 epochs, as HF counts them
+    assert {m["name"] for m in progress["metrics"]} >= {"learning_rate", "train_runtime"}
+    # The live bar showed the run, and its summary names the history written from the reports.
+    assert "step " in done.stderr
+    history = (tmp_path / "work" / "hf" / "output" / "metrics.jsonl").read_text().splitlines()
+    assert history
+    assert all(json.loads(line)["step"] >= 1 for line in history)
+
+
+def test_a_command_this_machine_lacks_is_one_line_naming_spec_command(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, "missing", ["no-such-launcher", "train.py"])
+    done, _ = _run(spec, tmp_path)
+    assert done.returncode == 2
+    assert "spec.command: cannot run 'no-such-launcher' here" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_plain_loop_on_gpureport_on_two_processes_reports_from_rank_0(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, "loop", ["torchrun", str(ROOT / "examples" / "plain-loop" / "train.py"), "--steps", "40"],
+                 workers=2)  # fmt: skip
+    done, status = _run(spec, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    progress = status["progress"]
+    assert (status["phase"], progress["source"], progress["reportedBy"]) == (
+        "Succeeded",
+        "TrainerStatus",
+        "local-0",
+    )
+    assert (progress["step"], progress["totalSteps"], progress["percent"]) == (40, 40, 100)
+    assert progress["loss"] >= 0
+    assert progress["samplesPerSecond"] > 0
+
+
+def test_a_lightning_module_reports_through_its_callback(tmp_path: Path) -> None:
+    spec = _spec(
+        tmp_path, "lit", ["torchrun", str(ROOT / "examples" / "lightning" / "train.py"), "--epochs", "2"]
+    )
+    done, status = _run(spec, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    progress = status["progress"]
+    assert (status["phase"], progress["source"]) == ("Succeeded", "TrainerStatus")
+    assert (progress["totalSteps"], progress["percent"]) == (32, 100)  # 512 samples / batch 32 x 2 epochs
+    assert (progress["epoch"], progress["totalEpochs"]) == (2, 2)
+    assert progress["loss"] >= 0

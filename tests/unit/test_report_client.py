@@ -1,0 +1,613 @@
+"""gpureport, the stdlib-only progress-report client (trainer/report), against a local HTTPS
+server that records what it is sent: the body and headers Kubeflow Trainer's ``trainerStatus``
+protocol asks for, percent and ETA, the throttle, rank 0 only, a hung endpoint that never
+slows the caller, values out of bounds, token rotation, CA verification; its Lightning
+callback; the built-in trainer's reports; and the distribution installing with nothing else.
+
+No test sleeps to wait for the sender: ``Reporter.flush`` and ``finish`` wait for it, and the
+throttle and the ETA run on a clock the test moves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import gpureport
+import pytest
+from gpureport import CA_ENV, TOKEN_ENV, URL_ENV, Reporter
+
+from support.paths import ROOT
+from support.waiting import ManualClock
+
+REPORT_PATH = "/apis/trainer.kubeflow.org/v1alpha1/namespaces/team/trainjobs/mnist/status"
+
+
+# -- a CA, and a server certificate for 127.0.0.1, from the openssl CLI ------------------------
+
+
+def _openssl(directory: Path, *args: str) -> None:
+    subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+
+def _issue(directory: Path, name: str) -> tuple[Path, Path, Path]:
+    """A CA named ``name`` and a server certificate for 127.0.0.1 it signed: (ca, cert, key)."""
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl(directory, "req", "-x509", *ec, "-keyout", f"{name}-ca.key", "-out", f"{name}-ca.crt",
+             "-days", "1", "-subj", f"/CN={name} test CA",
+             "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign")  # fmt: skip
+    _openssl(directory, "req", "-new", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+             "-subj", "/CN=127.0.0.1")  # fmt: skip
+    (directory / f"{name}.ext").write_text(
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\n"
+        "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n"
+        "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n"
+    )
+    _openssl(directory, "x509", "-req", "-in", f"{name}.csr", "-CA", f"{name}-ca.crt",
+             "-CAkey", f"{name}-ca.key", "-set_serial", "1", "-days", "1",
+             "-extfile", f"{name}.ext", "-out", f"{name}.crt")  # fmt: skip
+    return directory / f"{name}-ca.crt", directory / f"{name}.crt", directory / f"{name}.key"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, Path]]:
+    directory = tmp_path_factory.mktemp("pki")
+    return {"ours": _issue(directory, "ours"), "other": _issue(directory, "other")}
+
+
+# -- the status server ----------------------------------------------------------------------
+
+
+class Recorded:
+    """One POST the server took."""
+
+    def __init__(self, path: str, headers: dict[str, str], body: bytes) -> None:
+        self.path = path
+        self.headers = headers
+        self.raw = body
+        # NaN and Infinity are not JSON; a client that sent them would fail here.
+        self.body = json.loads(body, parse_constant=lambda name: pytest.fail(f"{name} in the body"))
+
+    @property
+    def status(self) -> dict[str, Any]:
+        return self.body["trainerStatus"]  # type: ignore[no-any-return]
+
+    @property
+    def metrics(self) -> dict[str, str]:
+        return {m["name"]: m["value"] for m in self.status["metrics"]}
+
+
+class StatusServer(ThreadingHTTPServer):
+    """Records each POST; answers ``answer`` (200 by default) once ``gate`` is open."""
+
+    def __init__(self, tls: tuple[Path, Path] | None) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.arrived: queue.Queue[Recorded] = queue.Queue()  # as each request is read
+        self.answered: list[Recorded] = []
+        self.answer = 200
+        self.gate = threading.Event()
+        self.gate.set()
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*map(str, tls))
+            self.socket = context.wrap_socket(self.socket, server_side=True)
+        scheme = "https" if tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.server_address[1]}{REPORT_PATH}"
+        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05})
+        self._thread.start()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that hung up or refused our certificate: the test looks at what arrived
+
+    def stop(self) -> None:
+        self.gate.set()
+        self.shutdown()
+        self.server_close()  # joins the handler threads
+        self._thread.join()
+
+    def received(self) -> list[Recorded]:
+        out = []
+        while not self.arrived.empty():
+            out.append(self.arrived.get_nowait())
+        return out
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: StatusServer
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        recorded = Recorded(self.path, {k.lower(): v for k, v in self.headers.items()}, body)
+        self.server.arrived.put(recorded)
+        self.server.gate.wait()
+        self.server.answered.append(recorded)
+        self.send_response(self.server.answer)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def server(pki: dict[str, tuple[Path, Path, Path]]) -> Iterator[StatusServer]:
+    _, cert, key = pki["ours"]
+    running = StatusServer((cert, key))
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def token(tmp_path: Path) -> Path:
+    path = tmp_path / "token"
+    path.write_text("token-1\n")
+    return path
+
+
+@pytest.fixture
+def environ(server: StatusServer, pki: dict[str, tuple[Path, Path, Path]], token: Path) -> dict[str, str]:
+    """What the operator gives the pod."""
+    return {URL_ENV: server.url, CA_ENV: str(pki["ours"][0]), TOKEN_ENV: str(token), "RANK": "0"}
+
+
+@pytest.fixture
+def make_reporter() -> Iterator[Any]:
+    """Reporter(...), each closed (its sender thread gone) when the test ends."""
+    made: list[Reporter] = []
+
+    def make(*args: Any, kind: type[Reporter] = Reporter, **kwargs: Any) -> Reporter:
+        made.append(kind(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for reporter in made:
+        reporter.close(timeout=5)
+
+
+class FlushingReporter(Reporter):
+    """Waits until each report was tried: none replaces another still waiting."""
+
+    def report_metrics(self, *args: Any, **kwargs: Any) -> bool:
+        queued = super().report_metrics(*args, **kwargs)
+        self.flush(timeout=5)
+        return queued
+
+
+def _sent(reporter: Reporter, server: StatusServer) -> list[Recorded]:
+    """What the server took, once the reports queued so far were tried."""
+    reporter.flush(timeout=5)
+    return server.received()
+
+
+def _each_sent(
+    reporter: Reporter, server: StatusServer, clock: ManualClock, calls: list[dict[str, Any]]
+) -> list[Recorded]:
+    """Each call's report, 10 s apart (past the throttle), each tried before the next (which
+    would otherwise replace it while it waits: latest wins)."""
+    sent = []
+    for call in calls:
+        assert reporter.report(**call)
+        sent += _sent(reporter, server)
+        clock.now += 10
+    return sent
+
+
+# -- the protocol ---------------------------------------------------------------------------
+
+
+def test_a_report_is_the_protocols_post(
+    server: StatusServer, environ: dict[str, str], make_reporter: Any
+) -> None:
+    reporter = make_reporter(environ, clock=ManualClock())
+    assert reporter.report(10, 100, 0.5, epoch=1, total_epochs=3, samples_per_second=1234.5, accuracy=0.75)
+    [sent] = _sent(reporter, server)
+    assert sent.path == REPORT_PATH
+    assert sent.headers["authorization"] == "Bearer token-1"
+    assert sent.headers["content-type"] == "application/json"
+    status = sent.body.pop("trainerStatus")
+    assert sent.body == {}
+    sent_at = status.pop("lastUpdatedTime")
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", sent_at), sent_at
+    age = datetime.now(UTC) - datetime.strptime(sent_at, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    assert abs(age.total_seconds()) < 60
+    assert status == {
+        "progressPercentage": 10,  # no ETA yet: one report gives no pace
+        "metrics": [
+            {"name": "current_step", "value": "10"},
+            {"name": "total_steps", "value": "100"},
+            {"name": "current_epoch", "value": "1"},
+            {"name": "total_epochs", "value": "3"},
+            {"name": "loss", "value": "0.5"},
+            {"name": "samples_per_second", "value": "1234.5"},
+            {"name": "accuracy", "value": "0.75"},
+        ],
+    }
+
+
+def test_percent_and_eta_follow_the_steps_and_their_pace(
+    server: StatusServer, environ: dict[str, str], make_reporter: Any
+) -> None:
+    clock = ManualClock()
+    reporter = make_reporter(environ, clock=clock)
+    sent = _each_sent(reporter, server, clock, [
+        {"step": 10, "total_steps": 100},  # no pace yet: no ETA
+        {"step": 20, "total_steps": 100},  # 10 steps in 10 s, 80 to go: 80 s
+        {"step": 30, "total_steps": 100, "eta_seconds": 12.4},  # the caller's ETA wins
+        {"step": 30, "total_steps": 100, "percent": 42.7},  # and its percent, floored
+    ])  # fmt: skip
+    assert [(s.status["progressPercentage"], s.status.get("estimatedRemainingSeconds")) for s in sent] == [
+        (10, None),
+        (20, 80),
+        (30, 12),
+        (42, 53),  # 32.7 points in 30 s, 57.3 to go: 52.6 s
+    ]
+
+
+def test_percent_stops_at_99_until_the_final_report_says_100_and_eta_0(
+    server: StatusServer, environ: dict[str, str], make_reporter: Any
+) -> None:
+    clock = ManualClock()
+    reporter = make_reporter(environ, clock=clock)
+    sent = _each_sent(reporter, server, clock, [
+        {"step": 100, "total_steps": 100},
+        {"percent": 100, "eta_seconds": 30},
+        {"step": 250, "total_steps": 100},
+    ])  # fmt: skip
+    assert [s.status["progressPercentage"] for s in sent] == [99, 99, 99]
+    assert reporter.finish(step=100, total_steps=100, loss=0.1)  # answered: it waited
+    [final] = server.answered[-1:]
+    assert (final.status["progressPercentage"], final.status["estimatedRemainingSeconds"]) == (100, 0)
+    assert final.metrics == {"current_step": "100", "total_steps": "100", "loss": "0.1"}
+
+
+def test_one_report_per_5_seconds_besides_the_first_and_the_final(
+    server: StatusServer, environ: dict[str, str], make_reporter: Any
+) -> None:
+    clock = ManualClock()
+    reporter = make_reporter(environ, clock=clock)
+    assert reporter.due()
+    assert reporter.report(step=1, total_steps=10)  # the first: at once
+    reporter.flush()  # (or the final would replace it, still waiting)
+    clock.now += 4.9
+    assert not reporter.due()
+    assert not reporter.report(step=2, total_steps=10)
+    assert reporter.due(final=True)
+    assert reporter.report(step=3, total_steps=10, final=True)
+    clock.now += 4.9  # the final restarts the 5 s
+    assert not reporter.report(step=4, total_steps=10)
+    clock.now += 0.1
+    assert reporter.report(step=5, total_steps=10)
+    assert [s.metrics["current_step"] for s in _sent(reporter, server)] == ["1", "3", "5"]
+
+
+def test_the_latest_report_replaces_one_still_waiting(
+    server: StatusServer, environ: dict[str, str], make_reporter: Any
+) -> None:
+    server.gate.clear()
+    reporter = make_reporter(environ, min_interval=0, request_timeout=10)
+    reporter.report(step=1, total_steps=10)
+    assert server.arrived.get(timeout=5).metrics["current_step"] == "1"  # in flight, held
+    for step in (2, 3, 4):
+        assert reporter.report(step=step, total_steps=10)
+    server.gate.set()
+    assert [s.metrics["current_step"] for s in _sent(reporter, server)] == ["4"]
+
+
+# -- who reports ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"RANK": "1"}, {URL_ENV: ""}, {URL_ENV: "ftp://127.0.0.1/status"}, {URL_ENV: "https://[::1"}],
+    ids=["rank 1", "no URL", "not http", "bad URL"],
+)
+def test_only_rank_0_with_a_url_reports(
+    server: StatusServer, environ: dict[str, str], make_reporter: Any, change: dict[str, str]
+) -> None:
+    reporter = make_reporter(environ | change)
+    assert not reporter.enabled
+    assert not reporter.due()
+    assert not reporter.report(step=1, total_steps=2, loss=0.3)
+    assert not reporter.finish(step=2, total_steps=2)
+    assert reporter._thread is None  # not even a thread
+    assert server.received() == []
+
+
+def test_the_module_functions_use_one_reporter_made_from_the_environment(
+    server: StatusServer, environ: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(gpureport, "_default", None)
+    try:
+        assert gpureport.report(3, 4, 0.2, accuracy=0.5)
+        gpureport.default_reporter().flush()
+        assert gpureport.finish(4, 4, 0.1)
+        assert gpureport.default_reporter() is gpureport.default_reporter()
+    finally:
+        gpureport.default_reporter().close()
+    assert [s.status["progressPercentage"] for s in server.received()] == [75, 100]
+
+    monkeypatch.setattr(gpureport, "_default", None)
+    monkeypatch.delenv(URL_ENV)
+    assert not gpureport.report(1, 4)
+    assert not gpureport.finish(4, 4)
+
+
+# -- never in the training loop's way -------------------------------------------------------
+
+
+def test_a_server_that_never_answers_does_not_slow_the_caller(
+    server: StatusServer, environ: dict[str, str], make_reporter: Any
+) -> None:
+    server.gate.clear()  # takes each request and keeps it unanswered
+    reporter = make_reporter(environ, min_interval=0, request_timeout=0.3, final_timeout=1.0)
+    calls = []
+    for step in range(200):
+        started = time.perf_counter()
+        reporter.report(step=step, total_steps=200, loss=0.5)
+        calls.append(time.perf_counter() - started)
+    assert max(calls) < 0.05, sorted(calls)[-5:]  # each is about 0.05 ms
+    started = time.perf_counter()
+    assert not reporter.finish(step=200, total_steps=200)  # never answered
+    assert time.perf_counter() - started < 1.0 + 0.5
+    assert server.arrived.get(timeout=5)  # the requests did go out
+
+
+def test_values_out_of_bounds_never_raise_and_the_body_keeps_the_bounds(
+    server: StatusServer, environ: dict[str, str], make_reporter: Any
+) -> None:
+    torch = pytest.importorskip("torch")
+    clock = ManualClock()
+    reporter = make_reporter(environ, clock=clock)
+    many = {f"metric_{i}": i * 0.5 for i in range(300)}
+    odd = {
+        "x" * 65: 1,  # a name over 64 characters: dropped, not cut
+        "text": "y" * 1000,  # cut to 64
+        "blank": "   ",
+        "none": None,
+        "huge_int": 10**5000,
+        "vector": torch.ones(3),
+        "scalar": torch.tensor(2.5),
+        "thing": object(),
+        "flag": True,
+    }
+    assert reporter.report(step=float("nan"), total_steps=float("1e400"), loss=float("nan"),
+                           epoch="one", percent="half", eta_seconds=-3,
+                           samples_per_second=float("-inf"), **odd, **many)  # fmt: skip
+    sent = _sent(reporter, server)
+    clock.now += 10
+    assert reporter.report(
+        step=float("1e400"), total_steps=10, percent=float("inf"), eta_seconds=float("inf")
+    )
+    sent += _sent(reporter, server)
+    clock.now += 10
+    assert reporter.report_metrics({1: 2, "": 3, "ok": [1]}, step=-5, total_steps=10, percent=-20)
+    clock.now += 10
+    assert not reporter.report_metrics(None)
+    sent += _sent(reporter, server)
+    assert len(sent) == 3
+    for one in sent:
+        metrics = one.status["metrics"]
+        assert len(metrics) <= 256
+        for m in metrics:
+            assert isinstance(m["name"], str)
+            assert 1 <= len(m["name"]) <= 64
+            assert isinstance(m["value"], str)
+            assert 1 <= len(m["value"]) <= 64
+        assert 0 <= one.status.get("progressPercentage", 0) <= 100
+        assert 0 <= one.status.get("estimatedRemainingSeconds", 0) <= 2**31 - 1
+    first = sent[0].metrics
+    assert len(sent[0].status["metrics"]) == 256
+    assert "progressPercentage" not in sent[0].status  # neither percent nor steps were numbers
+    assert (first["loss"], first["samples_per_second"], first["current_epoch"]) == ("nan", "-inf", "one")
+    assert (first["text"], first["scalar"], first["flag"]) == ("y" * 64, "2.5", "true")
+    assert not {"x" * 65, "blank", "none", "huge_int", "vector", "thing"} & first.keys()
+    assert sent[1].status.keys() == {"metrics", "lastUpdatedTime"}  # no percent, no ETA: none was a number
+    assert sent[2].status["progressPercentage"] == 0
+    assert sent[2].metrics == {"current_step": "-5", "total_steps": "10"}
+
+
+# -- credentials ------------------------------------------------------------------------------
+
+
+def test_the_token_is_read_again_as_it_rotates(
+    server: StatusServer, environ: dict[str, str], token: Path, make_reporter: Any
+) -> None:
+    clock = ManualClock()
+    reporter = make_reporter(environ, clock=clock)
+    seen = []
+    for at, written, answer in [
+        (0, "token-1", 200),
+        (10, "token-2", 200),  # within 60 s: the cached one
+        (70, "token-2", 401),  # read again; the server refuses it
+        (80, "token-3", 200),  # after a 401: read again at once
+    ]:
+        token.write_text(written + "\n")
+        clock.now = 1000.0 + at
+        server.answer = answer
+        reporter.report(step=at, total_steps=100)
+        [sent] = _sent(reporter, server)
+        seen.append(sent.headers["authorization"])
+    assert seen == ["Bearer token-1", "Bearer token-1", "Bearer token-2", "Bearer token-3"]
+
+
+def test_a_server_whose_certificate_another_ca_signed_gets_nothing(
+    pki: dict[str, tuple[Path, Path, Path]], environ: dict[str, str], make_reporter: Any
+) -> None:
+    _, cert, key = pki["other"]
+    impostor = StatusServer((cert, key))
+    try:
+        reporter = make_reporter(environ | {URL_ENV: impostor.url}, final_timeout=5)
+        assert reporter.report(step=1, total_steps=2)  # queued
+        assert not reporter.flush()
+        assert not reporter.finish(step=2, total_steps=2)  # refused at the handshake
+        assert reporter.failures == 2
+        assert impostor.received() == []
+    finally:
+        impostor.stop()
+
+
+def test_no_token_goes_over_plain_http_but_to_this_machine(token: Path, make_reporter: Any) -> None:
+    plain = StatusServer(None)
+    try:
+        local = make_reporter({URL_ENV: plain.url, TOKEN_ENV: str(token)})
+        assert local.finish(step=1, total_steps=1)
+        [sent] = plain.received()
+        assert sent.headers["authorization"] == "Bearer token-1"
+        remote = make_reporter({URL_ENV: "http://trainer-status.example:8443/status", TOKEN_ENV: str(token)})
+        assert remote._token() is None
+    finally:
+        plain.stop()
+
+
+# -- Lightning ------------------------------------------------------------------------------
+
+
+# Lightning 2.6 on torch 2.13 warns of torch's pytree API it uses, not of anything here.
+@pytest.mark.filterwarnings("ignore:.*treespec, LeafSpec.*")
+def test_the_lightning_callback_reports_steps_loss_and_the_end(
+    server: StatusServer, environ: dict[str, str], make_reporter: Any
+) -> None:
+    torch = pytest.importorskip("torch")
+    lightning = pytest.importorskip("lightning.pytorch")
+    from gpureport.lightning import GpuopProgress
+
+    class Tiny(lightning.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.layer(x), y)
+            self.log("loss", loss)
+            self.log("val/acc", 0.5)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    reporter = make_reporter(environ, min_interval=0, kind=FlushingReporter)
+    trainer = lightning.Trainer(
+        max_epochs=2, accelerator="cpu", devices=1, callbacks=[GpuopProgress(reporter)],
+        enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=16))
+    sent = server.received()
+    assert [int(s.metrics["current_step"]) for s in sent] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+        7,
+        8,
+        8,
+    ]  # each batch, the end
+    assert all(s.metrics["total_steps"] == "8" and float(s.metrics["loss"]) >= 0 for s in sent)
+    assert all(s.metrics["val/acc"] == "0.5" and s.metrics["total_epochs"] == "2" for s in sent)
+    final = sent[-1]
+    assert (final.status["progressPercentage"], final.status["estimatedRemainingSeconds"]) == (100, 0)
+    assert (final.metrics["current_step"], final.metrics["current_epoch"]) == ("8", "2")
+    assert all(s.status["progressPercentage"] < 100 for s in sent[:-1])
+
+
+# -- the built-in trainer -------------------------------------------------------------------
+
+
+def test_the_built_in_trainer_reports_its_intervals_and_its_end(tmp_path: Path, token: Path) -> None:
+    """gputrain alone (one process, digits, one epoch) sends its figures, then the final ones."""
+    from support.training import digits_run
+
+    plain = StatusServer(None)
+    try:
+        settings = {k: v for k, v in digits_run(tmp_path, workers=1, epochs=1).environment().items()
+                    if k.startswith("GPUTRAIN_")}  # fmt: skip
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("GPUTRAIN_", "RANK", "WORLD_SIZE"))}
+        # One thread, as torchrun gives each worker: with a core busy elsewhere, torch's default
+        # of one per core made this run 41 s instead of 4.5 s (spinning threads wait on each other).
+        clean["OMP_NUM_THREADS"] = "1"
+        done = subprocess.run(
+            [sys.executable, "-m", "gputrain", f"--termination-log={tmp_path / 'term'}"],
+            env=clean | settings | {URL_ENV: plain.url, TOKEN_ENV: str(token)},
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        sent = plain.received()
+    finally:
+        plain.stop()
+    result = json.loads((tmp_path / "term").read_text())
+    assert len(sent) >= 2
+    first, final = sent[0], sent[-1]
+    assert first.headers["authorization"] == "Bearer token-1"
+    assert 0 < first.status["progressPercentage"] < 100
+    assert {"current_step", "total_steps", "current_epoch", "total_epochs", "loss", "samples_per_second",
+            "learning_rate"} <= first.metrics.keys()  # fmt: skip
+    assert (final.status["progressPercentage"], final.status["estimatedRemainingSeconds"]) == (100, 0)
+    assert final.metrics["current_step"] == final.metrics["total_steps"] == str(result["totalSteps"])
+    assert (final.metrics["current_epoch"], final.metrics["total_epochs"]) == ("1", "1")
+    assert float(final.metrics["accuracy"]) == pytest.approx(result["accuracy"])
+    assert float(final.metrics["loss"]) == pytest.approx(result["loss"])
+
+
+# -- the distribution -----------------------------------------------------------------------
+
+
+def test_the_distribution_installs_and_runs_on_the_standard_library_alone(tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    shutil.copytree(
+        ROOT / "trainer" / "report", source, ignore=shutil.ignore_patterns("__pycache__", "build")
+    )
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", str(source), "-w", str(tmp_path)],
+                   check=True, capture_output=True)  # fmt: skip
+    [wheel] = tmp_path.glob("gpuop_report-0.1.0-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        metadata = archive.read("gpuop_report-0.1.0.dist-info/METADATA").decode()
+    assert "gpureport/py.typed" in names
+    assert "Requires-Dist" not in metadata
+    assert "Name: gpuop-report" in metadata
+    site = tmp_path / "site"
+    subprocess.run([*pip, "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True)  # fmt: skip
+
+    plain = StatusServer(None)
+    try:
+        # -I -S: no site-packages, no PYTHON* variables; the target directory is all there is.
+        program = (
+            "import sys\n"
+            f"sys.path.insert(0, {str(site)!r})\n"
+            "import gpureport\n"
+            f"ok = gpureport.Reporter({{'{URL_ENV}': {plain.url!r}}}).finish(step=1, total_steps=1)\n"
+            "outside = sorted(m for m in sys.modules if m.split('.')[0] not in sys.stdlib_module_names\n"
+            "                 and m.split('.')[0] not in ('gpureport', '__main__'))\n"
+            "print(ok, gpureport.__file__, outside)\n"
+        )
+        done = subprocess.run([sys.executable, "-I", "-S", "-c", program],
+                              capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["True", str(site / "gpureport" / "__init__.py"), "[]"]
+        assert [s.status["progressPercentage"] for s in plain.received()] == [100]
+    finally:
+        plain.stop()

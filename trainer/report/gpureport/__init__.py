@@ -1,0 +1,458 @@
+"""Progress reports from any training code, over Kubeflow Trainer's ``trainerStatus`` protocol
+(KEP-2779), with nothing but the Python standard library.
+
+    import gpureport
+    for step in range(1, total + 1):
+        loss = train_one_step()
+        gpureport.report(step=step, total_steps=total, loss=loss)
+    gpureport.finish(step=total, total_steps=total, loss=loss)
+
+Where reports go: ``KUBEFLOW_TRAINER_SERVER_URL`` (https in a cluster; http for a local run),
+the server verified against the CA in the file ``KUBEFLOW_TRAINER_SERVER_CA_CERT`` names, with
+the bearer token in the file ``KUBEFLOW_TRAINER_SERVER_TOKEN`` names. Without the URL, or in a
+process whose ``RANK`` is set and is not 0, every call is a no-op that returns False.
+
+What the training loop can rely on:
+
+- Nothing here raises into the caller, whatever it is given. What would break the protocol's
+  bounds is dropped or cut: at most 256 metrics, names and values of 1 to 64 characters,
+  percent an int of 0..100, the ETA an int of 0..2**31-1 seconds.
+- ``report()`` never waits on the network. A daemon thread POSTs; a report that comes while
+  another is in flight replaces the one still waiting (latest wins), so a slow or hung
+  endpoint costs the loop nothing but staler status.
+- At most one report per ``min_interval`` (5 s) is sent, besides the first and the final. A
+  throttled call costs a clock read and a lock, and returns False.
+- Percent is capped at 99 until the final report, which sends 100 and an ETA of 0 and waits
+  (up to ``final_timeout``, 5 s) for its POST to be answered.
+
+Metric names are the ones Hugging Face's ``KubeflowCallback`` sends (``current_step``,
+``total_steps``, ``current_epoch``, ``loss``, ...), so a reader reads every client alike.
+"""
+
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import json
+import logging
+import os
+import ssl
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from gpureport._bounds import MAX_CHARS, MAX_METRICS, fraction_done, metric_list, whole_seconds
+
+__all__ = ["MAX_CHARS", "MAX_METRICS", "Reporter", "default_reporter", "finish", "report"]
+__version__ = "0.1.0"
+
+URL_ENV = "KUBEFLOW_TRAINER_SERVER_URL"
+CA_ENV = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
+TOKEN_ENV = "KUBEFLOW_TRAINER_SERVER_TOKEN"
+
+log = logging.getLogger("gpureport")
+
+
+class Reporter:
+    """One process's progress reports: the throttle, the ETA's baseline and the sender thread.
+
+    Configured from ``environ`` (``os.environ`` by default) once, at construction. ``clock``
+    (monotonic seconds) paces the throttle, the ETA and the token's cache; tests give a fake
+    one. Waits (``finish``, ``flush``) use real time.
+    """
+
+    def __init__(
+        self,
+        environ: Mapping[str, str] | None = None,
+        *,
+        min_interval: float = 5.0,
+        request_timeout: float = 3.0,
+        final_timeout: float = 5.0,
+        token_ttl: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        env = os.environ if environ is None else environ
+        self.url = env.get(URL_ENV, "").strip()
+        self.ca_file = env.get(CA_ENV) or None
+        self.token_file = env.get(TOKEN_ENV) or None
+        self.min_interval = min_interval
+        self.request_timeout = request_timeout
+        self.final_timeout = final_timeout
+        self.token_ttl = token_ttl
+        self._clock = clock
+        rank = env.get("RANK", "").strip()
+        self._scheme, self._host, self._port, self._path = _endpoint(self.url)
+        # Rank 0 alone speaks for the job: the other ranks' figures are the same run's.
+        self.enabled = bool(self._host) and rank in ("", "0")
+        # A token is a credential: over plain http it goes to this machine only.
+        self._sends_token = self._scheme == "https" or _is_loopback(self._host)
+
+        # Guarded by _changed: the throttle, the ETA's baseline, the waiting report, the
+        # sequence numbers of the last report queued and the last one the sender settled.
+        self._changed = threading.Condition(threading.Lock())
+        self._last_queued_at: float | None = None
+        self._baseline: tuple[float, float] | None = None  # (clock, fraction done) when first seen
+        self._pending: tuple[int, bytes] | None = None
+        self._queued = 0
+        self._settled = 0
+        self._settled_ok = False
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+        # The sender thread's own.
+        self._ssl_context: ssl.SSLContext | None = None
+        self._token_cache: tuple[float, str] | None = None  # (clock when read, token)
+        self._failing = False
+        self.delivered = 0  # reports the server answered 200
+        self.failures = 0  # reports it did not (or never got), and token files that could not be read
+
+    # -------------------------------------------------------------------------------------
+    # What the training code calls
+
+    def report(
+        self,
+        step: Any = None,
+        total_steps: Any = None,
+        loss: Any = None,
+        *,
+        epoch: Any = None,
+        total_epochs: Any = None,
+        percent: Any = None,
+        eta_seconds: Any = None,
+        samples_per_second: Any = None,
+        final: bool = False,
+        **metrics: Any,
+    ) -> bool:
+        """Send where training stands; True when the report was queued (or, when ``final``,
+        answered 200 within ``final_timeout``).
+
+        ``percent`` (0..100) defaults to ``step / total_steps``; ``eta_seconds`` to the time
+        left at the pace since the first report. Every keyword beyond the named ones is sent
+        as a metric under its own name (``accuracy=0.93``, ``learning_rate=3e-4``).
+        """
+        return self.report_metrics(
+            metrics,
+            step=step,
+            total_steps=total_steps,
+            loss=loss,
+            epoch=epoch,
+            total_epochs=total_epochs,
+            percent=percent,
+            eta_seconds=eta_seconds,
+            samples_per_second=samples_per_second,
+            final=final,
+        )
+
+    def finish(self, step: Any = None, total_steps: Any = None, loss: Any = None, **figures: Any) -> bool:
+        """The final report: 100 % and an ETA of 0, past the throttle; waits for the answer."""
+        figures.pop("final", None)
+        return self.report(step, total_steps, loss, final=True, **figures)
+
+    def due(self, final: bool = False) -> bool:
+        """Whether a report now would be sent rather than throttled (False when disabled).
+
+        For callers whose figures cost something to gather (a GPU tensor's ``float()`` waits
+        for the device): ask first, gather only when due.
+        """
+        if not self.enabled:
+            return False
+        with self._changed:
+            if self._closed:
+                return False
+            last = self._last_queued_at
+        return final or last is None or self._clock() - last >= self.min_interval
+
+    def report_metrics(
+        self,
+        metrics: Mapping[str, Any],
+        *,
+        step: Any = None,
+        total_steps: Any = None,
+        loss: Any = None,
+        epoch: Any = None,
+        total_epochs: Any = None,
+        percent: Any = None,
+        eta_seconds: Any = None,
+        samples_per_second: Any = None,
+        final: bool = False,
+    ) -> bool:
+        """:meth:`report` with the extra metrics as a mapping, for names that are not valid
+        keywords or that clash with its parameters (``"val/acc"``, ``"epoch"``)."""
+        if not self.enabled or self._closed:
+            return False
+        try:
+            body = self._body_if_due(
+                metrics, step, total_steps, loss, epoch, total_epochs,
+                percent, eta_seconds, samples_per_second, bool(final),
+            )  # fmt: skip
+            if body is None:
+                return False
+            sequence = self._enqueue(body)
+            return self._wait_for(sequence, self.final_timeout) if final else True
+        except Exception:  # whatever it was given, training goes on
+            log.debug("gpureport: a report was dropped", exc_info=True)
+            return False
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait (up to ``timeout`` seconds) until every report queued so far was tried; whether
+        the last one tried was answered 200."""
+        with self._changed:
+            target = self._queued
+        return self._wait_for(target, timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the sender thread once what is queued was tried (waiting up to ``timeout``
+        seconds); later reports are dropped. A process that exits needs no close: the thread
+        is a daemon."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    # -------------------------------------------------------------------------------------
+    # The body, on the caller's thread (once per min_interval: about 0.1 ms for 256 metrics)
+
+    def _body_if_due(
+        self,
+        metrics: Mapping[str, Any],
+        step: Any,
+        total_steps: Any,
+        loss: Any,
+        epoch: Any,
+        total_epochs: Any,
+        percent: Any,
+        eta_seconds: Any,
+        samples_per_second: Any,
+        final: bool,
+    ) -> bytes | None:
+        now = self._clock()
+        with self._changed:
+            last = self._last_queued_at
+            if not final and last is not None and now - last < self.min_interval:
+                return None  # before touching any figure: a throttled call reads no tensor
+            self._last_queued_at = now
+        fraction = fraction_done(step, total_steps, percent)
+        eta = 0 if final else whole_seconds(eta_seconds)
+        if eta is None:
+            with self._changed:
+                eta = self._eta_at_pace(now, fraction)
+        named = (
+            ("current_step", step),
+            ("total_steps", total_steps),
+            ("current_epoch", epoch),
+            ("total_epochs", total_epochs),
+            ("loss", loss),
+            ("samples_per_second", samples_per_second),
+        )
+        status: dict[str, Any] = {}
+        if final:
+            status["progressPercentage"] = 100
+        elif fraction is not None:
+            # Floored, and 99 at most: 100 says "done", which only the final report may say.
+            status["progressPercentage"] = min(int(fraction * 100), 99)
+        if eta is not None:
+            status["estimatedRemainingSeconds"] = eta
+        status["metrics"] = metric_list(list(named) + list(metrics.items()))
+        status["lastUpdatedTime"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        return json.dumps({"trainerStatus": status}, allow_nan=False, separators=(",", ":")).encode()
+
+    def _eta_at_pace(self, now: float, fraction: float | None) -> int | None:
+        """Seconds left at the pace since the first report (called with _changed held)."""
+        if fraction is None:
+            return None
+        if self._baseline is None or fraction < self._baseline[1]:
+            self._baseline = (now, fraction)  # the first report, or a run that started over
+            return None
+        started, first = self._baseline
+        if fraction <= first or now <= started:
+            return None
+        return whole_seconds((now - started) * (1.0 - fraction) / (fraction - first))
+
+    # -------------------------------------------------------------------------------------
+    # The sender thread
+
+    def _enqueue(self, body: bytes) -> int:
+        with self._changed:
+            self._queued += 1
+            self._pending = (self._queued, body)  # latest wins: one still waiting is replaced
+            self._changed.notify_all()
+            # Started on first use; is_alive() also restarts it in a forked child, where the
+            # parent's thread does not exist.
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._send_forever, name="gpureport", daemon=True)
+                self._thread.start()
+            return self._queued
+
+    def _wait_for(self, sequence: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while self._settled < sequence:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+            return self._settled_ok
+
+    def _send_forever(self) -> None:
+        while True:
+            with self._changed:
+                while self._pending is None and not self._closed:
+                    self._changed.wait()
+                if self._pending is None:
+                    return  # closed, and nothing left to send
+                sequence, body = self._pending
+                self._pending = None
+            ok = self._post(body)
+            with self._changed:
+                self._settled, self._settled_ok = sequence, ok
+                self._changed.notify_all()
+
+    def _post(self, body: bytes) -> bool:
+        """One POST on a new connection (one per min_interval: a TLS handshake every 5 s costs
+        less than keeping a connection the server may drop). Never raises."""
+        connection: http.client.HTTPConnection | None = None
+        try:
+            headers = {"Content-Type": "application/json", "Accept": "application/json"}
+            token = self._token()
+            if token:
+                headers["Authorization"] = "Bearer " + token
+            # http.client, not urllib: no proxy from the environment (the server is in the
+            # cluster or on this machine) and no redirects, which would carry the token along.
+            if self._scheme == "https":
+                context = self._ssl_context or ssl.create_default_context(cafile=self.ca_file)
+                self._ssl_context = context
+                connection = http.client.HTTPSConnection(
+                    self._host, self._port, timeout=self.request_timeout, context=context
+                )
+            else:
+                connection = http.client.HTTPConnection(self._host, self._port, timeout=self.request_timeout)
+            connection.request("POST", self._path, body=body, headers=headers)
+            response = connection.getresponse()
+            answer = response.read(512)
+        except Exception as exc:  # OSError, ssl.SSLError, http.client.HTTPException, ...
+            return self._failed(f"{type(exc).__name__}: {exc}")
+        finally:
+            if connection is not None:
+                connection.close()
+        if response.status != 200:
+            if response.status == 401:
+                self._token_cache = None  # re-read at once: the kubelet may have rotated it
+            return self._failed(f"HTTP {response.status} {answer[:200]!r}")
+        self.delivered += 1
+        if self._failing:
+            self._failing = False
+            log.debug("gpureport: reports reach %s again", self.url)
+        return True
+
+    def _failed(self, why: str) -> bool:
+        # Said once per run of failures: an endpoint that is down would otherwise fill the
+        # training log every 5 s.
+        self.failures += 1
+        if not self._failing:
+            self._failing = True
+            log.debug("gpureport: cannot report to %s: %s (said once until one goes through)", self.url, why)
+        return False
+
+    def _token(self) -> str | None:
+        """The bearer token, re-read every ``token_ttl`` seconds (the kubelet rotates the file
+        well before it expires; a 401 drops the cached one)."""
+        if self.token_file is None or not self._sends_token:
+            return None
+        now = self._clock()
+        if self._token_cache is not None and now - self._token_cache[0] < self.token_ttl:
+            return self._token_cache[1]
+        try:
+            with open(self.token_file, encoding="utf-8") as handle:
+                token = handle.read().strip()
+        except (OSError, ValueError) as exc:
+            self._failed(f"cannot read the token at {self.token_file}: {exc}")
+            return None
+        self._token_cache = (now, token)
+        return token
+
+
+# -----------------------------------------------------------------------------------------
+# Where reports go
+
+
+def _endpoint(url: str) -> tuple[str, str, int | None, str]:
+    """(scheme, host, port, path of the request); the host is "" when the URL cannot be used."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return "", "", None, ""
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "", "", None, ""
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return parts.scheme, parts.hostname, port, path
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# -----------------------------------------------------------------------------------------
+# The module's functions: one Reporter per process, made from the environment on first use
+
+_default: Reporter | None = None
+_default_lock = threading.Lock()
+
+
+def default_reporter() -> Reporter:
+    """The process's Reporter, made from ``os.environ`` on first use."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Reporter()
+        return _default
+
+
+def report(
+    step: Any = None,
+    total_steps: Any = None,
+    loss: Any = None,
+    *,
+    epoch: Any = None,
+    total_epochs: Any = None,
+    percent: Any = None,
+    eta_seconds: Any = None,
+    samples_per_second: Any = None,
+    final: bool = False,
+    **metrics: Any,
+) -> bool:
+    """:meth:`Reporter.report` on the process's Reporter."""
+    try:
+        reporter = default_reporter()
+    except Exception:
+        return False
+    return reporter.report(
+        step,
+        total_steps,
+        loss,
+        epoch=epoch,
+        total_epochs=total_epochs,
+        percent=percent,
+        eta_seconds=eta_seconds,
+        samples_per_second=samples_per_second,
+        final=final,
+        **metrics,
+    )
+
+
+def finish(step: Any = None, total_steps: Any = None, loss: Any = None, **figures: Any) -> bool:
+    """:meth:`Reporter.finish` on the process's Reporter: 100 %, ETA 0, waits for the answer."""
+    try:
+        reporter = default_reporter()
+    except Exception:
+        return False
+    return reporter.finish(step, total_steps, loss, **figures)

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HELM := $(BIN)/helm
 CHART := charts/gpu-training-operator
 
-.PHONY: docs-tools version test run lint typecheck imports unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries
+.PHONY: docs-tools version test run lint typecheck imports unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries min-versions
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,9 +24,9 @@ $(HELM): tests/support/tools/fetch_helm.py | $(STAMP)
 CONTROLPLANE := PYTHONPATH=tests $(BIN)/python -m support.plane.controlplane
 
 ## test: set up .venv, helm and the Go-built binaries, run every check (lint, strict types, the
-## CRD is current, pytest: unit, chart, operator, trainer, the real control-plane suite and the
-## local end-to-end chain)
-test: $(STAMP) $(HELM) controlplane-binaries docs-tools lint typecheck imports crd unit
+## CRD is current, the operator's unit tests at the lowest versions it declares, pytest: unit,
+## chart, operator, trainer, the real control-plane suite and the local end-to-end chain)
+test: $(STAMP) $(HELM) controlplane-binaries docs-tools lint typecheck imports crd min-versions unit
 
 ## controlplane-binaries: build (or find cached) etcd, kube-apiserver, kube-controller-manager,
 ## kubectl and the Kubeflow training-operator
@@ -82,6 +82,12 @@ gpu: $(STAMP)
 	$(BIN)/pytest -m gpu tests/trainer
 	$(BIN)/python bench/gpu_throughput.py
 	$(BIN)/python bench/trainer_throughput.py --device cuda
+
+## min-versions: the operator's unit tests with the lowest versions pyproject.toml declares
+## (dependencies and the operator extra, each >=X pinned ==X) in a venv of its own under
+## ~/.cache/gpuop/min-versions-<hash>/ (made once per set of bounds); needs no .venv, no torch
+min-versions:
+	PYTHONPATH=tests $(PYTHON) -m support.tools.min_versions
 
 ## version: print the release version (its one home: pyproject.toml)
 version:

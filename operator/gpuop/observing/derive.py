@@ -27,17 +27,9 @@ from gpuop.api.status import (
     WorkerCounts,
     condition_reason,
     format_eta,
-    format_percent,
 )
-from gpuop.observing.figures import (
-    gpu_usage,
-    progress_from_metrics,
-    progress_from_report,
-    progress_from_result,
-)
-from gpuop.observing.records import Event, Observation, ReceivedReport, Thresholds
-from gpuop.observing.scrape import TrainerMetrics
-from gputrain.contract import Result
+from gpuop.observing import figures
+from gpuop.observing.records import Event, Observation, Thresholds
 
 _ALARMS: Final = (
     "BackendUnavailable",
@@ -101,108 +93,6 @@ def _phase(obs: Observation) -> Phase:
         return "Pending"
     true = {c.type for c in obs.job_conditions if c.status == "True"}
     return next((phase for phase in _JOB_PHASES if phase in true), "Created")
-
-
-def _trainer_record(obs: Observation, phase: str) -> Result | None:
-    """The first termination message of the given phase among the pods (master first)."""
-    for pod in sorted(obs.pods, key=lambda p: ("master" not in p.name, p.name)):
-        if pod.result is not None and pod.result.phase == phase:
-            return pod.result
-    return None
-
-
-def _latest_metrics(obs: Observation) -> TrainerMetrics | None:
-    """The most advanced scrape: every pod reports the job-wide figures, some a tick late."""
-    scraped = [p.metrics for p in obs.pods if p.metrics is not None and p.metrics.total_steps]
-    return max(scraped, key=lambda m: m.step or 0, default=None)
-
-
-def _same_figures(a: ProgressStatus | None, b: ProgressStatus | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return dataclasses.replace(a, updated_at=None, step_advanced_at=None) == dataclasses.replace(
-        b, updated_at=None, step_advanced_at=None
-    )
-
-
-def _latest_report(obs: Observation) -> ReceivedReport | None:
-    """The newest report: only rank 0 reports, but a restarted pod's old one may linger."""
-    return max(obs.reports, key=lambda r: r.received_at, default=None)
-
-
-def _completed(progress: ProgressStatus) -> ProgressStatus:
-    """A training that succeeded is done, whatever its code last sent (a client may end
-    without a final report, or between two of its throttled ones)."""
-    return dataclasses.replace(
-        progress, percent=100.0, percent_text=format_percent(100.0), estimated_remaining_seconds=0,
-        eta=format_eta(0),
-    )  # fmt: skip
-
-
-def _fresh_progress(
-    previous: ProgressStatus | None, obs: Observation, phase: Phase, now: str
-) -> ProgressStatus | None:
-    """The figures as the sources say now, most authoritative first: the trainer's final record,
-    the training code's reports, the built-in trainer's scrape (older images that do not report)."""
-    report = _latest_report(obs)
-    if phase == "Succeeded":
-        record = _trainer_record(obs, "Succeeded")
-        if record is not None:
-            return progress_from_result(record, now)
-        last = progress_from_report(report, now) if report is not None else previous
-        return _completed(last) if last is not None else None
-    if report is not None:
-        return progress_from_report(report, now)
-    metrics = _latest_metrics(obs)
-    return progress_from_metrics(metrics, now) if metrics is not None else previous
-
-
-def _progress(
-    previous: ProgressStatus | None, obs: Observation, phase: Phase, now: str
-) -> ProgressStatus | None:
-    fresh = _fresh_progress(previous, obs, phase, now)
-    if fresh is None:
-        # No figures yet: our trainer reports within seconds, so the stall clock starts all the
-        # same (a hang before step 1, in NCCL's init say, is a stall). A custom command may
-        # never report: no clock, no verdict until its first report, rather than a false Stalled.
-        if phase == "Running" and obs.reports_progress:
-            return ProgressStatus(step_advanced_at=now)
-        return None
-    if previous is not None and _same_figures(previous, fresh):
-        return previous
-    advanced = now
-    # A step that went back is a restart from an older checkpoint: activity, not a stall. A
-    # client that sends percent and no steps (the Kubeflow SDK's) advances with its percent.
-    if (
-        previous is not None
-        and previous.step_advanced_at is not None
-        and fresh.step == previous.step
-        and (fresh.step is not None or fresh.percent == previous.percent)
-    ):
-        advanced = previous.step_advanced_at
-    return dataclasses.replace(fresh, updated_at=now, step_advanced_at=advanced)
-
-
-def _gpu(previous: GpuUsage | None, obs: Observation, thresholds: Thresholds, now: str) -> GpuUsage | None:
-    # The node's exporter sees any image's GPUs and needs nothing of the trainer; the built-in
-    # trainer's NVML figures serve where no exporter is read (a GPU cluster without it).
-    exported = {p.name: p.exporter_gpus for p in obs.pods if p.exporter_gpus}
-    scraped = {p.name: p.metrics.gpus for p in obs.pods if p.metrics is not None and p.metrics.gpus}
-    if not exported and not scraped:
-        if previous is not None:  # finished or between scrapes: keep the last figures
-            return previous if previous.count == obs.gpus else dataclasses.replace(previous, count=obs.gpus)
-        return GpuUsage(count=obs.gpus) if obs.gpus else None
-    if exported:
-        usage = gpu_usage(exported, obs.gpus, "DcgmExporter")
-    else:
-        usage = gpu_usage(scraped, obs.gpus, "Trainer")
-    low = (
-        usage.utilization_percent is not None and usage.utilization_percent < thresholds.underutilized_percent
-    )
-    since = None
-    if low:
-        since = previous.underutilized_since if previous is not None and previous.underutilized_since else now
-    return dataclasses.replace(usage, underutilized_since=since)
 
 
 def _job_deleted_after_finishing(
@@ -370,12 +260,12 @@ def derive_status(
         return _job_deleted_after_finishing(previous, obs, now)
     phase = _kueue_phase(obs, _phase(obs))
     before = previous or GpuTrainingStatus()
-    progress = _progress(before.progress, obs, phase, now)
+    progress = figures.progress(before.progress, obs, phase, now)
     restart_note = _restart_note(obs, progress) if phase == "Running" else None
     moment = _Moment(
         obs=obs, before=before, thresholds=thresholds, now=now,
         phase="Restarting" if restart_note is not None else phase, kind=_kind(obs), progress=progress,
-        gpu=_gpu(before.gpu, obs, thresholds, now), restart_note=restart_note,
+        gpu=figures.gpu(before.gpu, obs, thresholds, now), restart_note=restart_note,
         selected=_backend_selected(before, obs),
     )  # fmt: skip
     wanted, message = _conditions(moment)
@@ -451,7 +341,7 @@ def _phase_condition(m: _Moment, message: str) -> Condition | None:
     """The condition named after the phase, for the phases that have one, with its words."""
     obs, kind, phase = m.obs, m.kind, m.phase
     if phase == "Failed":
-        record = _trainer_record(obs, "Failed")
+        record = figures.trainer_record(obs, "Failed")
         earlier = next((c for c in m.before.conditions if c.type == "Failed" and c.status == "True"), None)
         if record is not None:
             reason, text = record.reason, record.message

@@ -1,6 +1,7 @@
-"""The trainers' figures in the status's shape: progress from a training code's report, a
-running built-in trainer's scrape or a finished one's result, and the job's GPU figures over
-its pods. Pure.
+"""The trainers' figures in the status's shape, and what ``status.progress`` and ``status.gpu``
+say at one observation: progress from a training code's report, a running built-in trainer's
+scrape or a finished one's result (most authoritative first), and the job's GPU figures over
+its pods (the nodes' dcgm-exporter first, the trainer's NVML where none is read). Pure.
 
 Used by :mod:`gpuop.observing.derive` (the operator) and by ``gpuop run`` alike, so a local
 run's status reads as a cluster one's.
@@ -15,13 +16,14 @@ from gpuop.api.status import (
     GpuSource,
     GpuUsage,
     NamedMetric,
+    Phase,
     ProgressSource,
     ProgressStatus,
     WorkerGpu,
     format_eta,
     format_percent,
 )
-from gpuop.observing.records import ReceivedReport
+from gpuop.observing.records import Observation, ReceivedReport, Thresholds
 from gpuop.observing.reports import TrainerReport
 from gpuop.observing.scrape import GpuFigures, TrainerMetrics
 from gputrain.contract import Result
@@ -119,3 +121,108 @@ def gpu_usage(
         ),
         source=source,
     )
+
+
+# -- what status.progress and status.gpu say, from one observation ----------------------------
+
+
+def trainer_record(obs: Observation, phase: str) -> Result | None:
+    """The first termination message of the given phase among the pods (master first)."""
+    for pod in sorted(obs.pods, key=lambda p: ("master" not in p.name, p.name)):
+        if pod.result is not None and pod.result.phase == phase:
+            return pod.result
+    return None
+
+
+def _latest_metrics(obs: Observation) -> TrainerMetrics | None:
+    """The most advanced scrape: every pod reports the job-wide figures, some a tick late."""
+    scraped = [p.metrics for p in obs.pods if p.metrics is not None and p.metrics.total_steps]
+    return max(scraped, key=lambda m: m.step or 0, default=None)
+
+
+def _same_figures(a: ProgressStatus | None, b: ProgressStatus | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return dataclasses.replace(a, updated_at=None, step_advanced_at=None) == dataclasses.replace(
+        b, updated_at=None, step_advanced_at=None
+    )
+
+
+def _latest_report(obs: Observation) -> ReceivedReport | None:
+    """The newest report: only rank 0 reports, but a restarted pod's old one may linger."""
+    return max(obs.reports, key=lambda r: r.received_at, default=None)
+
+
+def _completed(progress: ProgressStatus) -> ProgressStatus:
+    """A training that succeeded is done, whatever its code last sent (a client may end
+    without a final report, or between two of its throttled ones)."""
+    return dataclasses.replace(
+        progress, percent=100.0, percent_text=format_percent(100.0), estimated_remaining_seconds=0,
+        eta=format_eta(0),
+    )  # fmt: skip
+
+
+def _fresh_progress(
+    previous: ProgressStatus | None, obs: Observation, phase: Phase, now: str
+) -> ProgressStatus | None:
+    """The figures as the sources say now, most authoritative first: the trainer's final record,
+    the training code's reports, the built-in trainer's scrape (older images that do not report)."""
+    report = _latest_report(obs)
+    if phase == "Succeeded":
+        record = trainer_record(obs, "Succeeded")
+        if record is not None:
+            return progress_from_result(record, now)
+        last = progress_from_report(report, now) if report is not None else previous
+        return _completed(last) if last is not None else None
+    if report is not None:
+        return progress_from_report(report, now)
+    metrics = _latest_metrics(obs)
+    return progress_from_metrics(metrics, now) if metrics is not None else previous
+
+
+def progress(
+    previous: ProgressStatus | None, obs: Observation, phase: Phase, now: str
+) -> ProgressStatus | None:
+    fresh = _fresh_progress(previous, obs, phase, now)
+    if fresh is None:
+        # No figures yet: our trainer reports within seconds, so the stall clock starts all the
+        # same (a hang before step 1, in NCCL's init say, is a stall). A custom command may
+        # never report: no clock, no verdict until its first report, rather than a false Stalled.
+        if phase == "Running" and obs.reports_progress:
+            return ProgressStatus(step_advanced_at=now)
+        return None
+    if previous is not None and _same_figures(previous, fresh):
+        return previous
+    advanced = now
+    # A step that went back is a restart from an older checkpoint: activity, not a stall. A
+    # client that sends percent and no steps (the Kubeflow SDK's) advances with its percent.
+    if (
+        previous is not None
+        and previous.step_advanced_at is not None
+        and fresh.step == previous.step
+        and (fresh.step is not None or fresh.percent == previous.percent)
+    ):
+        advanced = previous.step_advanced_at
+    return dataclasses.replace(fresh, updated_at=now, step_advanced_at=advanced)
+
+
+def gpu(previous: GpuUsage | None, obs: Observation, thresholds: Thresholds, now: str) -> GpuUsage | None:
+    # The node's exporter sees any image's GPUs and needs nothing of the trainer; the built-in
+    # trainer's NVML figures serve where no exporter is read (a GPU cluster without it).
+    exported = {p.name: p.exporter_gpus for p in obs.pods if p.exporter_gpus}
+    scraped = {p.name: p.metrics.gpus for p in obs.pods if p.metrics is not None and p.metrics.gpus}
+    if not exported and not scraped:
+        if previous is not None:  # finished or between scrapes: keep the last figures
+            return previous if previous.count == obs.gpus else dataclasses.replace(previous, count=obs.gpus)
+        return GpuUsage(count=obs.gpus) if obs.gpus else None
+    if exported:
+        usage = gpu_usage(exported, obs.gpus, "DcgmExporter")
+    else:
+        usage = gpu_usage(scraped, obs.gpus, "Trainer")
+    low = (
+        usage.utilization_percent is not None and usage.utilization_percent < thresholds.underutilized_percent
+    )
+    since = None
+    if low:
+        since = previous.underutilized_since if previous is not None and previous.underutilized_since else now
+    return dataclasses.replace(usage, underutilized_since=since)

@@ -12,7 +12,10 @@ import functools
 import json
 import random
 import re
+import ssl
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gpuop.api.identity import REPORT_PATH, report_audience
 from gpuop.api.spec import parse
 from gpuop.backends.registry import render_job
 from gputrain.contract import Progress
@@ -32,7 +36,7 @@ from support.plane.cluster import (
     service_account_kubeconfig,
     uninstall_chart,
 )
-from support.plane.controlplane import ControlPlane
+from support.plane.controlplane import ControlPlane, free_port
 from support.plane.faultproxy import FaultProxy
 from support.samples import PRINTER_COLUMNS, RUNNING, StandInTrainers
 from support.tools.helm import RELEASE, RELEASE_NAMESPACE, helm
@@ -663,12 +667,93 @@ def test_with_a_queue_suspend_is_kueues(
         assert stored["spec"]["runPolicy"]["suspend"] is suspend
 
 
+def test_a_progress_report_reaches_status_through_the_charts_rules(
+    plane: ControlPlane, api: Api, fresh_operator: OperatorProcess, suite_chart: Installed
+) -> None:
+    """A training's pod reports progress (Kubeflow's protocol, with a token the real API server
+    minted for that pod and the training's audience) to the operator running as the chart's
+    ServiceAccount: the TokenReview and the pod read go through the chart's rules, and status
+    shows the report. A stranger's ConfigMap under the name of a training's CA ConfigMap is left
+    alone, and that training says NameConflict."""
+    port = free_port()
+    fresh_operator.report_port = port
+    fresh_operator.start()
+    plane.kubectl(
+        "create", "configmap", "stranger-report-ca", "-n", NAMESPACE, "--from-literal=ca.crt=theirs"
+    )
+    plane.kubectl("create", "-f", "-", input=json.dumps(training("stranger")))
+    plane.kubectl("create", "-f", "-", input=json.dumps(training("reporting")))
+    wait_for("reporting Created", lambda: _phase(api, "reporting", "Created"), timeout=60)
+    pod = api.create("pods", {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "reporting-master-0", "labels": {"gpuop.io/gputraining": "reporting"}},
+        "spec": {"containers": [{"name": "pytorch", "image": "trainer"}]},
+    }, NAMESPACE)  # fmt: skip
+    minted = api.request("POST", f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/default/token", {"spec": {
+        "audiences": [report_audience(NAMESPACE, "reporting")], "expirationSeconds": 600,
+        "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": "reporting-master-0",
+                           "uid": pod["metadata"]["uid"]},
+    }})  # fmt: skip
+    # The chart's certificate names the Service; here the operator is reached on loopback, so
+    # the chain is checked against the chart's CA and the name is not.
+    context = ssl.create_default_context(cafile=str(Path(suite_chart.env["GPUOP_REPORT_TLS_DIR"]) / "ca.crt"))
+    context.check_hostname = False
+    body = {"trainerStatus": {"progressPercentage": 35, "estimatedRemainingSeconds": 120, "metrics": [
+        {"name": "current_step", "value": "7"}, {"name": "total_steps", "value": "20"},
+        {"name": "loss", "value": "0.75"}]}}  # fmt: skip
+    url = f"https://127.0.0.1:{port}{REPORT_PATH.format(namespace=NAMESPACE, name='reporting')}"
+
+    def post() -> int:
+        request = urllib.request.Request(
+            url,
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={
+                "Authorization": f"Bearer {minted['status']['token']}",
+                "Content-Type": "application/json",
+            },
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10, context=context) as reply:
+                return int(reply.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:
+            return 0  # the endpoint is not up yet
+
+    assert wait_for("the report accepted", lambda: post() == 200, timeout=60, every=0.5)
+    progress = wait_for(
+        "the report in status",
+        lambda: (
+            (_status(api, "reporting").get("progress") or {}).get("source") == "TrainerStatus"
+            and _status(api, "reporting")["progress"]
+        ),
+        timeout=30,
+    )
+    assert (progress["step"], progress["totalSteps"], progress["percent"], progress["loss"]) == (
+        7,
+        20,
+        35,
+        0.75,
+    )
+    assert progress["reportedBy"] == "reporting-master-0"
+    # The stranger's ConfigMap: untouched, and the training with that name waits with NameConflict.
+    wait_for("stranger NameConflict", lambda: any(
+        c["type"] == "NameConflict" and c["status"] == "True" for c in _status(api, "stranger").get("conditions", [])
+    ), timeout=60)  # fmt: skip
+    theirs = api.get("configmaps", "stranger-report-ca", NAMESPACE)
+    assert theirs is not None
+    assert theirs["data"] == {"ca.crt": "theirs"}
+    assert not theirs["metadata"].get("ownerReferences")
+    plane.kubectl("delete", "configmap", "stranger-report-ca", "-n", NAMESPACE)
+
+
 def _granted(plane: ControlPlane) -> set[tuple[str, str, str]]:
     """(apiGroup, resource, verb) for every rule of the chart's ClusterRole."""
     manifest = _helm(plane, "get", "manifest", RELEASE, "-n", RELEASE_NAMESPACE)
-    role = next(d for d in yaml.safe_load_all(manifest) if d and d["kind"] == "ClusterRole")
-    return {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-            for v in rule["verbs"]}  # fmt: skip
+    roles = [d for d in yaml.safe_load_all(manifest) if d and d["kind"] == "ClusterRole"]
+    return {(g, r, v) for role in roles for rule in role["rules"] for g in rule["apiGroups"]
+            for r in rule["resources"] for v in rule["verbs"]}  # fmt: skip
 
 
 def test_the_charts_rules_are_exactly_what_the_operator_asked_for(
@@ -692,7 +777,7 @@ def test_the_charts_rules_are_exactly_what_the_operator_asked_for(
     assert granted - asked == set(), "rules the chart grants that no request used"
 
 
-def test_in_role_mode_the_operator_needs_nothing_cluster_scoped(
+def test_in_role_mode_the_operator_needs_nothing_cluster_scoped_but_its_outside_reads(
     plane: ControlPlane, api: Api, suite_chart: Installed, tmp_path: Path
 ) -> None:
     """`watchNamespaces`: the chart makes Roles only, and the operator works with them under the
@@ -703,8 +788,11 @@ def test_in_role_mode_the_operator_needs_nothing_cluster_scoped(
         d for d in yaml.safe_load_all(_helm(plane, "get", "manifest", RELEASE, "-n", RELEASE_NAMESPACE)) if d
     ]
     kinds = {d["kind"] for d in manifest}
-    assert "ClusterRole" not in kinds
-    assert "ClusterRoleBinding" not in kinds
+    # Cluster-scoped only what has no namespaced form: TokenReview for progress reports, and
+    # dcgm-exporter's Endpoints (by name) in a namespace the operator does not watch.
+    (cluster_role,) = [d for d in manifest if d["kind"] == "ClusterRole"]
+    assert {(r["resources"][0], tuple(r["verbs"])) for r in cluster_role["rules"]} == {
+        ("tokenreviews", ("create",)), ("endpoints", ("get",))}  # fmt: skip
     assert {"Role", "RoleBinding", "KopfPeering"} <= kinds
     assert role_mode.env["GPUOP_NAMESPACES"] == NAMESPACE
     since = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())

@@ -52,7 +52,8 @@ class Children:
                 plural = api.companion_plurals.get(kind) or registry.COMMON_COMPANIONS[kind]
                 made, _ = self._create_or_adopt(companion["apiVersion"], plural, companion)
                 if observe.owner_uid(made) != uid:
-                    return "conflict", conflict(str(made.get("kind")), name)
+                    made_name = str((made.get("metadata") or {}).get("name") or name)
+                    return "conflict", conflict(str(made.get("kind")), made_name)
             made, outcome = self._create_or_adopt(api.api_version, api.plural, desired)
             tracked.child = observe.slim_job(made)
             if outcome == "created":

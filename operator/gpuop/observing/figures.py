@@ -165,8 +165,13 @@ def _completed(progress: ProgressStatus) -> ProgressStatus:
 def _fresh_progress(
     previous: ProgressStatus | None, obs: Observation, phase: Phase, now: str
 ) -> ProgressStatus | None:
-    """The figures as the sources say now, most authoritative first: the trainer's final record,
-    the training code's reports, the built-in trainer's scrape (older images that do not report)."""
+    """The figures as the sources say now: at the end, the trainer's final record; while it runs,
+    the most advanced of the training code's latest report and the built-in trainer's scrape.
+
+    The built-in trainer gives both, and they never race: the scrape is read every tick and the
+    reports are throttled to one per 5 s (a trainer held or hung right after a throttled report
+    would otherwise show an older step for good), so the higher step wins, a tie going to the
+    report. Other code gives reports only; older trainer images the scrape only."""
     report = _latest_report(obs)
     if phase == "Succeeded":
         record = trainer_record(obs, "Succeeded")
@@ -174,9 +179,9 @@ def _fresh_progress(
             return progress_from_result(record, now)
         last = progress_from_report(report, now) if report is not None else previous
         return _completed(last) if last is not None else None
-    if report is not None:
-        return progress_from_report(report, now)
     metrics = _latest_metrics(obs)
+    if report is not None and (metrics is None or (report.report.step or 0) >= (metrics.step or 0)):
+        return progress_from_report(report, now)
     return progress_from_metrics(metrics, now) if metrics is not None else previous
 
 

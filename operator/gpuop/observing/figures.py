@@ -219,7 +219,9 @@ def gpu(previous: GpuUsage | None, obs: Observation, thresholds: Thresholds, now
     if not exported and not scraped:
         if previous is not None:  # finished or between scrapes: keep the last figures
             return previous if previous.count == obs.gpus else dataclasses.replace(previous, count=obs.gpus)
-        return GpuUsage(count=obs.gpus) if obs.gpus else None
+        # A trainer that serves figures but no GPUs (a CPU run) still says it holds none.
+        observed = any(p.metrics is not None for p in obs.pods)
+        return GpuUsage(count=obs.gpus) if obs.gpus or observed else None
     if exported:
         usage = gpu_usage(exported, obs.gpus, "DcgmExporter")
     else:

@@ -434,6 +434,13 @@ class PodRuntime(threading.Thread):
         try:
             self._run()
         except Exception as exc:  # a defect of the double (or a pod it cannot run) shows on the pod
+            if self._deleted_meanwhile(exc):
+                # Deleted while being set up (a Kueue preemption can delete a pod within
+                # milliseconds): a TokenRequest bound to it, or its status write, then 404s.
+                # Kubelet just stops such a pod; so does the agent, and it is no defect.
+                self.agent.say(f"pod {self.namespace}/{self.name}: deleted while starting")
+                self._remove()
+                return
             self.agent.say(f"pod {self.namespace}/{self.name}: {exc!r}")
             self.agent.errors.append(f"{self.namespace}/{self.name}: {exc!r}")
             self._stop_all(grace=0)
@@ -448,6 +455,18 @@ class PodRuntime(threading.Thread):
             if self.netns:
                 self.agent.network.detach(self.netns, self.ip)
             self.agent.forget(self.uid)
+
+    def _deleted_meanwhile(self, exc: Exception) -> bool:
+        """Whether ``exc`` came of the pod's deletion (it is gone or going), not of the agent."""
+        if not isinstance(exc, HttpError) or exc.status != 404:
+            return False
+        if self.deleted.is_set() or self.gone.is_set():
+            return True
+        try:
+            pod = self.agent.api.request("GET", f"/api/v1/namespaces/{self.namespace}/pods/{self.name}")
+        except HttpError as again:
+            return again.status == 404
+        return pod["metadata"]["uid"] != self.uid or bool(pod["metadata"].get("deletionTimestamp"))
 
     def _run(self) -> None:
         self._prepare()

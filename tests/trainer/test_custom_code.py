@@ -15,17 +15,20 @@ from typing import Any
 import yaml
 
 from support.paths import ROOT
+from support.training import pace_env
 
 GPUOP = Path(sys.executable).parent / "gpuop"
 HF_SCRIPT = ROOT / "examples" / "hf-trainer" / "train.py"
 
 
-def _spec(tmp_path: Path, name: str, command: list[str], workers: int = 1) -> Path:
+def _spec(
+    tmp_path: Path, name: str, command: list[str], workers: int = 1, env: dict[str, str] | None = None
+) -> Path:
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump({
         "apiVersion": "gpuop.io/v1alpha1", "kind": "GpuTraining", "metadata": {"name": name},
         "spec": {"image": "registry.example.com/team/own:1", "command": command, "workers": workers,
-                 "gpusPerWorker": 0},
+                 "gpusPerWorker": 0, "env": [{"name": k, "value": v} for k, v in (env or {}).items()]},
     }))  # fmt: skip
     return path
 
@@ -42,8 +45,11 @@ def _run(spec: Path, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], 
 def test_a_hugging_face_trainer_script_reports_by_itself_and_ends_succeeded_with_its_loss(
     tmp_path: Path,
 ) -> None:
+    # Transformers' callback sends a mid-run report at most every 5 s (its _MIN_UPDATE_INTERVAL);
+    # unpaced, these 12 steps take 0.2 s and only the first and last reports (no step) are sent.
+    # 0.7 s a step makes the run ~8 s long, so at least one report with a step comes by construction.
     spec = _spec(tmp_path, "hf", ["torchrun", str(HF_SCRIPT), "--samples", "48", "--epochs", "2",
-                                  "--output-dir", str(tmp_path / "hf-out")])  # fmt: skip
+                                  "--output-dir", str(tmp_path / "hf-out")], env=pace_env(0.7))  # fmt: skip
     done, status = _run(spec, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert status["phase"] == "Succeeded"

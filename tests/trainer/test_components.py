@@ -395,6 +395,27 @@ def test_metrics_endpoint_round_trip() -> None:
     )
 
 
+def test_a_metrics_port_another_process_holds_costs_the_endpoint_not_the_training(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`gpuop run` picks a free port and the trainer binds it a moment later: on a busy machine
+    another process may take it between the two. The trainer trains on without its endpoint."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with caplog.at_level(logging.WARNING, logger="gputrain.metrics"):
+            server = MetricsServer(port=port, addr="127.0.0.1")
+    assert server.port is None
+    server.update(Progress(step=1, total_steps=2))  # the figures still update, unserved
+    server.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"metrics endpoint not served: port {port}: Address already in use; training goes on"
+    ]
+
+
 def test_gpu_figures_per_pod_and_mean() -> None:
     text = "\n".join(
         f'{name}{{gpu="{i}"}} {value}'

@@ -355,8 +355,14 @@ def _start_gpuop_run(
     path = tmp_path / "t.yaml"
     path.write_text(yaml.safe_dump(body))
     env = dict(os.environ) | (hold_env(tmp_path / "hold", hold_at) if hold_at is not None else {})
+    # As a terminal starts it: SIGINT at its default. A pytest started in the background by a
+    # shell (`make test &`) inherits SIGINT ignored, and so would `gpuop run`: Ctrl-C would
+    # then never reach it. (A disposition set to default survives exec; preexec_fn is unsafe
+    # with the threads a test session has.)
+    as_a_terminal_starts_it = [sys.executable, "-c", "import os, signal, sys; "
+                               "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"]  # fmt: skip
     process = subprocess.Popen(
-        [GPUOP, "run", "-f", str(path), "-o", "json", "--workdir", str(tmp_path / "work")],
+        [*as_a_terminal_starts_it, GPUOP, "run", "-f", str(path), "-o", "json", "--workdir", str(tmp_path / "work")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env,
     )  # fmt: skip
     return process, tmp_path / "work" / "t"

@@ -192,8 +192,16 @@ class MetricsServer:
         self.port: int | None = None
         self._server: Any = None
         if port is not None:
-            self._server, _thread = start_http_server(port, addr=addr, registry=self.registry)
-            self.port = int(self._server.server_port)
+            try:
+                self._server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+            except OSError as exc:
+                # The endpoint is for Prometheus (and older operators' scrape); progress reaches
+                # status by the trainer's reports. A port taken by another process (a local run
+                # on a busy machine: the port was free when `gpuop run` chose it) costs the
+                # scrape, not the training.
+                log.warning("metrics endpoint not served: port %s: %s; training goes on", port, exc.strerror)
+            else:
+                self.port = int(self._server.server_port)
 
     def update(self, progress: Progress, gpus: Sequence[GpuReading] | None = None) -> None:
         """Publish ``progress`` with the GPUs' figures (read from NVML unless given)."""

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
 import pytest
@@ -21,7 +22,9 @@ from gpuop.backends import pod, registry
 from gpuop.controller.reconciler import Reconciler
 from gpuop.controller.settings import OperatorSettings
 from gpuop.observing import observe
-from gpuop.observing.records import JobCondition, JobKind
+from gpuop.observing.endpoint import ReportBook
+from gpuop.observing.records import JobCondition, JobKind, ReceivedReport
+from gpuop.observing.reports import parse_report
 from support.specs import minimal
 
 TOY_API: Final = "toy.example.com/v1"
@@ -223,3 +226,61 @@ def test_auto_passes_over_a_backend_that_cannot_carry_the_spec(toy: ToyJobApi) -
         "Kubeflow training-operator v1 or Kubeflow Trainer v2, or drop those fields"
     )
     assert registry.choose("auto", frozenset({"toyjob", "trainjob"}), spec_gaps).backend == "trainjob"
+
+
+def _report(step: int, percent: int) -> ReceivedReport:
+    body = {"trainerStatus": {"progressPercentage": percent, "metrics": [
+        {"name": "current_step", "value": str(step)}, {"name": "total_steps", "value": "40"},
+        {"name": "loss", "value": "0.5"}]}}  # fmt: skip
+    return ReceivedReport(
+        "t-node-0", parse_report(json.dumps(body).encode()), datetime(2026, 11, 23, tzinfo=UTC)
+    )
+
+
+def test_reports_reach_status_once_a_tick_not_on_every_event(toy: ToyJobApi) -> None:
+    """Every status write comes back as a watch event. Were that event's reconcile to read the
+    reports that arrived since the tick, a training reporting every 5 s would be written twice
+    within milliseconds (bench/report_scale.py saw it): reports enter status at the tick, and
+    at the job's end (its last report, percent 100) at once."""
+    store = Store()
+    body = minimal(command=["python", "train.py"], dataset=None)
+    body["metadata"] |= {"name": "t", "namespace": "default", "uid": "u-1", "generation": 1}
+    store.trainings[("default", "t")] = store._stamp(copy.deepcopy(body))
+    seconds = itertools.count()
+    book = ReportBook()
+    reconciler = Reconciler(
+        store,  # type: ignore[arg-type]
+        OperatorSettings(peering_name=None),
+        clock=lambda: datetime(2026, 11, 23, 10, tzinfo=UTC) + timedelta(seconds=next(seconds)),
+        reports=book,
+    )
+    key = ("default", "t")
+    try:
+        reconciler.training_event("ADDED", store.get_training(*key) or {})
+        job = store.job()
+        job["status"] = {"state": "Running", "began": "2026-11-23T10:00:05Z"}
+        reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
+
+        book.put(key, _report(10, 25))
+        reconciler.tick()
+        assert store.trainings[key]["status"]["progress"]["step"] == 10
+        writes = store.status_writes
+
+        book.put(key, _report(20, 50))  # between two ticks
+        reconciler.training_event("MODIFIED", store.get_training(*key) or {})  # our own write, echoed
+        assert store.status_writes == writes
+        assert store.trainings[key]["status"]["progress"]["step"] == 10
+
+        reconciler.tick()
+        assert store.status_writes == writes + 1
+        assert store.trainings[key]["status"]["progress"]["step"] == 20
+
+        book.put(key, _report(40, 100))  # the last, as the code ended
+        job = store.job()
+        job["status"] = {"state": "Done", "began": "2026-11-23T10:00:05Z", "since": "2026-11-23T10:00:30Z"}
+        reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
+        status = store.trainings[key]["status"]
+        assert status["phase"] == "Succeeded"
+        assert (status["progress"]["step"], status["progress"]["percent"]) == (40, 100)
+    finally:
+        reconciler.close()

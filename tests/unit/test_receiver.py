@@ -13,6 +13,7 @@ runs on a thread that must return in a bound while a connection is still open.
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import logging
 import secrets
@@ -222,7 +223,7 @@ def test_a_review_is_reused_for_its_ttl_per_token_and_audience(kube: FakeKube) -
     clock.now += 59.9
     gate.authenticate((NS, "a"), token)
     assert kube.reviewed(token) == 1
-    clock.now += 0.1
+    clock.now += 30.1  # a verdict lives 1 to 1.5 TTLs, by its token's hash
     gate.authenticate((NS, "a"), token)
     assert kube.reviewed(token) == 2
     # Another training's URL: the same token is reviewed for that audience (and refused).
@@ -236,9 +237,32 @@ def test_a_refusal_is_reused_for_the_ttl_too(kube: FakeKube) -> None:
     for _ in range(3):
         assert refusal(lambda: gate.authenticate((NS, "a"), "forged")) == (401, "unauthenticated")
     assert kube.reviewed("forged") == 1
-    clock.now += 60
+    clock.now += 90
     refusal(lambda: gate.authenticate((NS, "a"), "forged"))
     assert kube.reviewed("forged") == 2
+
+
+def test_tokens_reviewed_together_expire_spread_over_half_a_ttl(kube: FakeKube) -> None:
+    """An operator's start reviews every training's token within one report interval; were
+    their verdicts to expire together, all would be reviewed again in the same seconds, every
+    TTL, with the reports queued behind (bench/report_scale.py at N=1000)."""
+    clock = ManualClock()
+    gate = gatekeeper(kube, Limits(review_ttl_seconds=60), clock)
+    for i in range(200):
+        kube.pod(f"a-{i}", "a")
+    tokens = [kube.mint(pod=f"a-{i}") for i in range(200)]
+    for i, token in enumerate(tokens):
+        assert gate.authenticate((NS, "a"), token) == f"a-{i}"
+    again, start = [], clock.now
+    for second in range(59, 92):
+        clock.now = start + second
+        for token in tokens:
+            gate.authenticate((NS, "a"), token)
+        again.append(sum(kube.reviewed(t) == 2 for t in tokens))
+    assert again[0] == 0  # none before one TTL
+    assert again[-1] == len(tokens)  # all by 1.5 TTLs
+    per_second = [b - a for a, b in itertools.pairwise(again)]
+    assert max(per_second) <= len(tokens) // 10  # no second holds more than a tenth of them
 
 
 def test_an_api_server_that_cannot_say_is_asked_again(kube: FakeKube) -> None:
@@ -272,7 +296,7 @@ def test_a_deleted_pod_stops_counting_once_its_review_expires(kube: FakeKube) ->
     assert gate.authenticate((NS, "a"), token) == "a-0"
     del kube.pods[(NS, "a-0")]
     assert gate.authenticate((NS, "a"), token) == "a-0"  # within the TTL, as documented
-    clock.now += 60
+    clock.now += 90
     assert refusal(lambda: gate.authenticate((NS, "a"), token)) == (403, "forbidden")
 
 

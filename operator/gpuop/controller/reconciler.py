@@ -228,9 +228,10 @@ class Reconciler:
             child is not None
             and observe.finished(api.conditions(child))
             and (previous is None or previous.phase not in ("Succeeded", "Failed"))
-            and not any(p.result for p in tracked.pods)
         ):
-            tracked.pods = self._pods.final(training)
+            tracked.reports = self.reports.of(key_of(tracked.body))  # the last, sent as the code ended
+            if not any(p.result for p in tracked.pods):
+                tracked.pods = self._pods.final(training)
         start, completion = api.times(child)
         queue = None
         suspended = api.suspended(child)
@@ -240,7 +241,7 @@ class Reconciler:
                 training.namespace or "default", str(child["metadata"].get("uid"))
             )
             queue = observe.queue_state(workloads) if workloads is not None else None
-        reports = self.reports.of(key_of(tracked.body)) if child is not None else ()
+        reports = tracked.reports if child is not None else ()
         return Observation(
             now=now,
             generation=generation,
@@ -308,6 +309,7 @@ class Reconciler:
             # A finished job changes only on an event (a spec edit, a deletion), which
             # reconciles it anyway; everything else may need time (Stalled) or a retry.
             if tracked.phase not in ("Succeeded", "Failed"):
+                tracked.reports = self.reports.of(key)
                 self.reconcile(key)
         # Only what this replica serves: a standby's table is stale, and its counts would add
         # to the active replica's in a sum over pods.

@@ -20,7 +20,7 @@ from gpuop.backends import registry
 from gpuop.backends.pod import ReportEndpoint
 from gpuop.backends.registry import JobApi
 from gpuop.observing import observe
-from gpuop.observing.records import PodObservation
+from gpuop.observing.records import PodObservation, ReceivedReport
 
 Key = tuple[str, str]  # (namespace, name)
 
@@ -83,6 +83,11 @@ class Tracked:
     body: dict[str, Any]
     child: dict[str, Any] | None = None
     pods: tuple[PodObservation, ...] = ()
+    # The training code's reports as of the last tick (or its end). Not the live book: every
+    # status write comes back as a watch event, and a reconcile of it that read the reports
+    # arrived meanwhile would write again within milliseconds (seen at N=100 in
+    # bench/report_scale.py); read once a tick, reports cost one write per tick at most.
+    reports: tuple[ReceivedReport, ...] = ()
     lock: threading.Lock = field(default_factory=threading.Lock)
     view: SpecView | None = None
     failure: str | None = None  # the last unexpected error, said once

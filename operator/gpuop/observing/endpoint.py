@@ -73,7 +73,7 @@ class Limits:
     connections: int = 64  # at once; more are closed unanswered
     review_seconds: float = 5.0  # the TokenReview's timeout
     remembered_tokens: int = 10_000  # reviews and rate buckets kept (LRU)
-    review_ttl_seconds: float = 60.0  # a token's review is reused this long
+    review_ttl_seconds: float = 60.0  # a token's review is reused 1 to 1.5 times this long (by its hash)
 
 
 class ReportBook:

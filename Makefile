@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HELM := $(BIN)/helm
 CHART := charts/gpu-training-operator
 
-.PHONY: docs-tools version test run lint typecheck imports unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries min-versions
+.PHONY: docs-tools version test run lint typecheck imports unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries node-binaries node min-versions
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,13 +25,23 @@ CONTROLPLANE := PYTHONPATH=tests $(BIN)/python -m support.plane.controlplane
 
 ## test: set up .venv, helm and the Go-built binaries, run every check (lint, strict types, the
 ## CRD is current, the operator's unit tests at the lowest versions it declares, pytest: unit,
-## chart, operator, trainer, the real control-plane suite and the local end-to-end chain)
-test: $(STAMP) $(HELM) controlplane-binaries docs-tools lint typecheck imports crd min-versions unit
+## chart, operator, trainer, the real control-plane suite, the real-node suite and the local
+## end-to-end chain)
+test: $(STAMP) $(HELM) controlplane-binaries node-binaries docs-tools lint typecheck imports crd min-versions unit
 
 ## controlplane-binaries: build (or find cached) etcd, kube-apiserver, kube-controller-manager,
 ## kubectl and the Kubeflow training-operator
 controlplane-binaries: $(STAMP)
 	$(CONTROLPLANE) build
+
+## node-binaries: build (or find cached) what a real node runs: containerd, runc (cgo; installs
+## Debian's libseccomp-dev once), the CNI plugins, kubelet and kube-scheduler
+node-binaries: $(STAMP)
+	PYTHONPATH=tests $(BIN)/python -m support.node.binaries
+
+## node: only the real-node suite (tests/node; `make test` runs it too)
+node: $(STAMP) controlplane-binaries node-binaries
+	$(BIN)/pytest -m node tests/node
 
 ## controlplane: start a real control plane on loopback; writes .controlplane/kubeconfig and .controlplane/bin/
 controlplane: $(STAMP)

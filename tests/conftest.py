@@ -15,7 +15,11 @@ HERE = Path(__file__).resolve().parent
 # The session's shared fixtures (the real control plane and its client), defined once.
 pytest_plugins = ["support.fixtures"]
 # Every test under tests/<directory>/ carries that suite's marker (`pytest -m e2e_local`).
-DIRECTORY_MARKERS = {"controlplane": pytest.mark.controlplane, "e2e_local": pytest.mark.e2e_local}
+DIRECTORY_MARKERS = {
+    "controlplane": pytest.mark.controlplane,
+    "e2e_local": pytest.mark.e2e_local,
+    "node": pytest.mark.node,
+}
 
 
 def _no_gpu_reason() -> str | None:

@@ -1,0 +1,59 @@
+"""The real-node suite: one node (containerd v2 + runc + CNI bridge + kubelet v1.35, all built
+from their Go modules: support.node.binaries) and the real kube-scheduler, against the session's
+control plane. Pods here run as containers, in cgroups, with the kubelet's volumes.
+
+Needs root (cgroups, mounts, network namespaces), as CI and the development machines have it.
+Nothing here skips: without ``go`` and ``gcc`` the binaries cannot be built and the suite fails,
+saying so. Cold, the builds cost about ten minutes on two cores (see each recipe's cold_cost);
+cached in ~/.cache/gpuop, a start costs seconds.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from support.node import binaries
+from support.node.node import Node, Scheduler, running_node, running_scheduler, session_ident
+from support.plane.cluster import Api
+from support.plane.controlplane import ControlPlane
+
+
+@pytest.fixture(scope="session")
+def node_binaries() -> binaries.NodeBinaries:
+    return binaries.ensure_all()
+
+
+@pytest.fixture(scope="session")
+def node_api(plane: ControlPlane) -> Api:
+    return Api(plane)
+
+
+# The scheduler and the node live as long as this directory's module: in `make test`'s one
+# session other suites' pods (the node agent's) must never meet a second binder or a second kind
+# of node. Each module that asks for them starts them again (about 3 s).
+@pytest.fixture(scope="module")
+def scheduler(
+    plane: ControlPlane, node_binaries: binaries.NodeBinaries, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Scheduler]:
+    with running_scheduler(plane, node_binaries, tmp_path_factory.mktemp("scheduler")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def node(
+    plane: ControlPlane,
+    node_api: Api,
+    node_binaries: binaries.NodeBinaries,
+    scheduler: Scheduler,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Node]:
+    """The session's node, named after this machine: the apiserver calls a kubelet at its Node's
+    Hostname address (for logs), and this machine's own name is the one that resolves here."""
+    with running_node(
+        plane, node_api, node_binaries, tmp_path_factory.mktemp("node-a"), name=socket.gethostname(),
+        ident=session_ident("a"),
+    ) as running:  # fmt: skip
+        yield running

@@ -1,0 +1,251 @@
+"""Pods on a real node: created through the API, placed by kube-scheduler, run by the kubelet
+through containerd and runc as containers in cgroups, with the kubelet's volumes and tokens.
+
+Each test checks what only a real node does (the node agent of tests/e2e_local imitates some of
+it and fails every one of these): a cgroup under ``kubepods`` and the exit code, the kernel's OOM
+kill, the size the kubelet gives a memory-backed emptyDir, a projected token the apiserver
+accepts for its audience, and a stop that leaves nothing on the machine.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from support.node import hoststate, images
+from support.node.binaries import NodeBinaries
+from support.node.node import Node, Scheduler, running_node, session_ident
+from support.plane.cluster import Api, HttpError
+from support.plane.controlplane import ControlPlane
+from support.waiting import wait_for
+
+NAMESPACE = "gpuop-real-node"
+MI = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def namespace(node: Node, node_api: Api) -> Iterator[str]:
+    node_api.request("POST", "/api/v1/namespaces", {"metadata": {"name": NAMESPACE}})
+    wait_for(
+        "the namespace's default ServiceAccount",
+        lambda: node_api.get("serviceaccounts", "default", NAMESPACE),
+    )
+    yield NAMESPACE
+    node_api.request("DELETE", f"/api/v1/namespaces/{NAMESPACE}")
+
+
+def pod(node: Node, name: str, script: str, memory: str | None = None, **spec: Any) -> dict[str, Any]:
+    """A one-container pod of the stand-in shell image running ``script`` once, for ``node``:
+    the scheduler places it, and the node selector keeps it off any other node the session has
+    (the e2e_local suite's node agent binds every pending pod its nodes fit)."""
+    container: dict[str, Any] = {
+        "name": "main",
+        "image": images.SHELL_IMAGE,
+        "command": ["/bin/sh", "-c", script],
+    }
+    if memory is not None:
+        container["resources"] = {"limits": {"memory": memory, "cpu": "100m"}}
+    container |= spec.pop("container", {})
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 1,
+            "containers": [container],
+            "nodeSelector": {"kubernetes.io/hostname": node.name},
+            **spec,
+        },
+    }
+
+
+def get_pod(api: Api, name: str) -> dict[str, Any]:
+    found = api.get("pods", name, NAMESPACE)
+    assert found is not None, f"pod {name} is gone"
+    return found
+
+
+def wait_phase(api: Api, name: str, phases: set[str], timeout: float = 60) -> dict[str, Any]:
+    """The pod once its phase is one of ``phases``; on timeout, fail with its status and events."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        current = get_pod(api, name)
+        if current["status"].get("phase") in phases:
+            return current
+        time.sleep(0.1)
+    events = api.list("events", NAMESPACE)
+    said = [
+        f"{e['reason']}: {e.get('message', '')}" for e in events if e["involvedObject"].get("name") == name
+    ]
+    raise AssertionError(f"pod {name} not in {sorted(phases)} after {timeout:g}s: "
+                         f"{json.dumps(current['status'])}\nevents: {said}")  # fmt: skip
+
+
+def terminated(pod_object: dict[str, Any]) -> dict[str, Any]:
+    state: dict[str, Any] = pod_object["status"]["containerStatuses"][0]["state"]
+    assert "terminated" in state, state
+    return state["terminated"]  # type: ignore[no-any-return]
+
+
+def logs(plane: ControlPlane, name: str) -> str:
+    """``kubectl logs``: the apiserver asks the kubelet, which reads containerd's log file."""
+    return plane.kubectl("logs", f"--namespace={NAMESPACE}", name).stdout
+
+
+def pod_cgroup(node: Node, uid: str, hierarchy: str = "memory") -> Path:
+    """The pod's cgroup directory under the node's kubepods (whatever its QoS class)."""
+    kubepods = hoststate.CGROUP_MOUNT / hierarchy / node.cgroup_root / "kubepods"
+    found = [path for path in kubepods.rglob(f"pod{uid}") if path.is_dir()]
+    assert len(found) == 1, f"pod{uid} under {kubepods}: {found}"
+    return found[0]
+
+
+def test_a_pod_runs_as_containers_in_kubepods_and_reports_its_exit_codes(
+    node: Node, node_api: Api, plane: ControlPlane, namespace: str, scheduler: Scheduler
+) -> None:
+    script = "echo hello from a container; cat /proc/self/cgroup; sleep 3; echo done"
+    created_at = time.monotonic()
+    created = node_api.create("pods", pod(node, "runs", script, memory="64Mi"), namespace)
+    node_api.create("pods", pod(node, "exits-3", "echo failing on purpose; exit 3"), namespace)
+    running = wait_phase(node_api, "runs", {"Running", "Succeeded"})
+    latency = time.monotonic() - created_at
+    print(f"pod start latency (create -> Running): {latency:.2f}s")
+    assert running["spec"]["nodeName"] == node.name  # bound by kube-scheduler, the only binder here
+    assert ipaddress.ip_address(running["status"]["podIP"]) in ipaddress.ip_network(
+        node.subnet
+    )  # the bridge's
+
+    group = pod_cgroup(node, created["metadata"]["uid"])
+    assert int((group / "memory.limit_in_bytes").read_text()) == 64 * MI  # the limit, enforced by the kernel
+    container_id = running["status"]["containerStatuses"][0]["containerID"].removeprefix("containerd://")
+    procs = (group / container_id / "cgroup.procs").read_text().split()
+    commands = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for pid in procs]
+    assert any(command.startswith("/bin/sh -c echo hello") or "sleep" in command for command in commands), (
+        commands
+    )
+
+    done = wait_phase(node_api, "runs", {"Succeeded", "Failed"})
+    assert done["status"]["phase"] == "Succeeded"
+    assert (terminated(done)["exitCode"], terminated(done)["reason"]) == (0, "Completed")
+    output = logs(plane, "runs")
+    assert output.startswith("hello from a container\n"), output
+    assert output.endswith("done\n"), output
+    assert re.search(
+        rf"^\d+:memory:/{node.cgroup_root}/kubepods/.*pod{created['metadata']['uid']}/", output, re.M
+    )
+
+    failed = wait_phase(node_api, "exits-3", {"Succeeded", "Failed"})
+    assert failed["status"]["phase"] == "Failed"
+    assert (terminated(failed)["exitCode"], terminated(failed)["reason"]) == (3, "Error")
+    assert logs(plane, "exits-3") == "failing on purpose\n"
+
+
+def test_a_container_over_its_memory_limit_ends_oomkilled(node: Node, node_api: Api, namespace: str) -> None:
+    # `tail /dev/zero` keeps one endless line in memory: it grows until the kernel kills it.
+    node_api.create("pods", pod(node, "oom", "exec tail /dev/zero", memory="32Mi"), namespace)
+    done = wait_phase(node_api, "oom", {"Succeeded", "Failed"}, timeout=90)
+    assert done["status"]["phase"] == "Failed"
+    state = terminated(done)
+    assert (state["reason"], state["exitCode"]) == ("OOMKilled", 137), state
+
+
+@pytest.mark.parametrize(
+    ("size_limit", "expected_mib"),
+    [("256Mi", 64), ("16Mi", 16)],
+    ids=["sizeLimit-above-the-memory-limit", "sizeLimit-below-it"],
+)
+def test_a_memory_emptydir_at_dev_shm_gets_the_smaller_of_its_size_limit_and_the_memory_limit(
+    node: Node, node_api: Api, plane: ControlPlane, namespace: str, size_limit: str, expected_mib: int
+) -> None:
+    name = f"shm-{size_limit.lower()}"
+    body = pod(node, name, "cat /proc/mounts", memory="64Mi", container={"volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]},
+               volumes=[{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": size_limit}}])  # fmt: skip
+    node_api.create("pods", body, namespace)
+    assert wait_phase(node_api, name, {"Succeeded", "Failed"})["status"]["phase"] == "Succeeded"
+    shm = [line for line in logs(plane, name).splitlines() if line.split()[1:2] == ["/dev/shm"]]
+    assert [line.split()[2] for line in shm] == ["tmpfs"], shm
+    size = re.search(r"\bsize=(\d+)k\b", shm[0])
+    assert size is not None, shm[0]
+    # The kubelet sizes a memory-backed emptyDir at min(sizeLimit, the pod's memory limit): a
+    # sizeLimit above the limit does not buy more /dev/shm than the limit.
+    assert int(size.group(1)) * 1024 == expected_mib * MI, shm[0]
+
+
+def test_a_projected_token_with_an_audience_passes_a_token_review_for_that_audience_only(
+    node: Node, node_api: Api, plane: ControlPlane, namespace: str
+) -> None:
+    audience = "gpuop-progress"
+    token_volume = {"name": "token", "projected": {"sources": [{"serviceAccountToken": {
+        "audience": audience, "expirationSeconds": 3600, "path": "token"}}]}}  # fmt: skip
+    body = pod(node, "token", "cat /var/run/secrets/gpuop/token", volumes=[token_volume],
+               container={"volumeMounts": [{"name": "token", "mountPath": "/var/run/secrets/gpuop"}]})  # fmt: skip
+    node_api.create("pods", body, namespace)
+    assert wait_phase(node_api, "token", {"Succeeded", "Failed"})["status"]["phase"] == "Succeeded"
+    token = logs(plane, "token").strip()
+
+    def review(audiences: list[str]) -> dict[str, Any]:
+        reply: dict[str, Any] = node_api.request("POST", "/apis/authentication.k8s.io/v1/tokenreviews", {
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+            "spec": {"token": token, "audiences": audiences}})  # fmt: skip
+        status: dict[str, Any] = reply["status"]
+        return status
+
+    accepted = review([audience])
+    assert accepted.get("authenticated") is True, accepted
+    assert accepted["user"]["username"] == f"system:serviceaccount:{namespace}:default"
+    assert accepted["user"]["extra"]["authentication.kubernetes.io/pod-name"] == ["token"]  # bound to the pod
+    assert accepted["audiences"] == [audience]
+    refused = review(["https://kubernetes.default.svc.cluster.local"])  # the apiserver's own audience
+    assert not refused.get("authenticated"), refused
+
+
+def test_a_node_stopped_with_a_pod_running_leaves_nothing_on_the_machine(
+    plane: ControlPlane, node_api: Api, node_binaries: NodeBinaries, scheduler: Scheduler, namespace: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:  # fmt: skip
+    ident = session_ident("b")
+    name = f"gpuopnode-{ident}"
+    taint = {
+        "key": "gpuop.io/leaves-nothing",
+        "value": "test",
+        "effect": "NoSchedule",
+    }  # no other pod lands here
+    workdir = tmp_path_factory.mktemp("node-b")
+    with running_node(plane, node_api, node_binaries, workdir, name, ident, taints=[taint]) as second:
+        body = pod(second, "on-second-node", "sleep 600", memory="32Mi",
+                   tolerations=[{"key": taint["key"], "operator": "Exists", "effect": "NoSchedule"}])  # fmt: skip
+        node_api.create("pods", body, namespace)
+        assert wait_phase(node_api, "on-second-node", {"Running"})["spec"]["nodeName"] == name
+        while_running = second.footprint()
+        print(f"node {name} started: {second.timings}; while running: {while_running.summary()}")
+        # What the stop must take away is there: containerd's shims, the pod's mounts (its network
+        # namespace, rootfs, /dev/shm), its cgroups, the bridge and the pod's veth on it.
+        assert while_running.processes, while_running
+        assert while_running.mounts, while_running
+        assert while_running.cgroups, while_running
+        assert len(while_running.links) == 2, while_running.links
+    after = second.footprint()
+    assert after.empty(), after
+    assert not hoststate.links_of(second.bridge)
+    assert not [link for link in hoststate.links() if link["name"] in while_running.links]
+    # The graceful part (drain, kubelet, containerd) must have stopped every process by itself,
+    # and released every mount but the one a kubelet never releases: the bind mount of its root
+    # directory onto itself (it makes it rshared at start). The sweep removes that, the groups
+    # under the cgroup root, the bridge, and the kubelet's /var/log/containers links (its
+    # container GC removes them only a minute after a pod is gone).
+    print(f"what the graceful stop left, then swept: {second.swept and second.swept.summary()}")
+    assert second.swept is not None
+    assert second.swept.processes == {}, second.swept
+    assert second.swept.mounts in ([], [str(second.kubelet.root_dir)]), second.swept
+    assert hoststate.dead_sockets_in_shared_directories() == []  # shims' and the kubelet's, closed
+    with pytest.raises(HttpError) as gone:
+        node_api.request("GET", f"/api/v1/nodes/{name}")
+    assert gone.value.status == 404

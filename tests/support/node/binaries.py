@@ -1,0 +1,174 @@
+"""The binaries a real node runs, built from pinned Go modules and cached outside the work tree.
+
+Three builds, each cached by :mod:`support.plane.gobuild`'s keys (``~/.cache/gpuop/<name>/<label>-<hash>``):
+
+- ``node-runtime`` from ``tests/node/go.mod``: containerd v2 (``containerd``,
+  ``containerd-shim-runc-v2``, ``ctr``) and the CNI plugins (bridge, host-local, loopback,
+  portmap), all pure Go (``CGO_ENABLED=0``).
+- ``node-runc`` from the same module: runc v1.5, the one piece that needs cgo (its ``nsenter``
+  is C, run before the Go runtime starts) and with the ``seccomp`` tag: containerd gives every
+  pod sandbox the RuntimeDefault profile, and restricted Pod Security asks it of every container.
+  That tag links libseccomp, whose headers come from Debian's libseccomp-dev, installed by
+  ``tests/node/install-build-deps.sh`` (the only Debian package the node needs). Built here
+  rather than taken from Debian's runc package (1.1.5, from 2023, and needing a Debian package
+  all the same): the version is pinned in go.sum with containerd's.
+- ``node-k8s`` from ``tests/controlplane/go.mod``, kube-apiserver's own tools module: kubelet
+  and kube-scheduler, so the k8s.io/kubernetes version and the whole dependency graph are the
+  apiserver's and the Go build cache shares its compiled packages. containerd v2 cannot join
+  that graph: it requires k8s.io/cri-api v0.37, and MVS would lift the kubelet onto it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Final
+
+from support.paths import ROOT
+from support.plane import controlplane, gobuild
+
+MODULE: Final = ROOT / "tests" / "node"
+CONTAINERD: Final = "github.com/containerd/containerd/v2"
+CNI_PLUGINS: Final = "github.com/containernetworking/plugins"
+RUNC: Final = "github.com/opencontainers/runc"
+
+RUNTIME_PACKAGES: Final = {
+    "containerd": f"{CONTAINERD}/cmd/containerd",
+    "containerd-shim-runc-v2": f"{CONTAINERD}/cmd/containerd-shim-runc-v2",
+    "ctr": f"{CONTAINERD}/cmd/ctr",
+    "bridge": f"{CNI_PLUGINS}/plugins/main/bridge",
+    "host-local": f"{CNI_PLUGINS}/plugins/ipam/host-local",
+    "loopback": f"{CNI_PLUGINS}/plugins/main/loopback",
+    "portmap": f"{CNI_PLUGINS}/plugins/meta/portmap",
+}
+CNI_PLUGIN_NAMES: Final = ("bridge", "host-local", "loopback", "portmap")
+K8S_PACKAGES: Final = {
+    "kubelet": "k8s.io/kubernetes/cmd/kubelet",
+    "kube-scheduler": "k8s.io/kubernetes/cmd/kube-scheduler",
+}
+RUNC_TAGS: Final = "seccomp"
+INSTALL_BUILD_DEPS: Final = MODULE / "install-build-deps.sh"
+
+
+def versions() -> dict[str, str]:
+    kubernetes = controlplane.versions()["kubernetes"]  # one module: kubelet is the apiserver's version
+    return {
+        "containerd": gobuild.required_version(MODULE, CONTAINERD),
+        "cni-plugins": gobuild.required_version(MODULE, CNI_PLUGINS),
+        "runc": gobuild.required_version(MODULE, RUNC),
+        "kubernetes": kubernetes,
+    }
+
+
+def runtime_recipe() -> gobuild.Recipe:
+    v = versions()
+    # Without the stamp containerd reports "2.x+unknown" through the CRI, which the kubelet logs.
+    stamp = f"-X {CONTAINERD}/version.Version={v['containerd']} -X {CONTAINERD}/version.Revision=gpuop"
+    return gobuild.Recipe(
+        name="node-runtime",
+        module=MODULE,
+        packages=RUNTIME_PACKAGES,
+        label=f"containerd-{v['containerd']}-cni-{v['cni-plugins']}",
+        cold_cost="measured 6.9 min on 2 cores at load 11 with GOMAXPROCS=1, after a 26 s module download",
+        ldflags=f"-s -w {stamp}",
+    )
+
+
+def runc_recipe() -> gobuild.Recipe:
+    version = versions()["runc"]
+    return gobuild.Recipe(
+        name="node-runc",
+        module=MODULE,
+        packages={"runc": RUNC},
+        label=f"runc-{version}-{RUNC_TAGS}",
+        cold_cost="measured 53 s on 2 cores at load 11 with GOMAXPROCS=1",
+        ldflags=f"-s -w -X main.version={version.lstrip('v')} -X main.gitCommit=gpuop",
+    )
+
+
+def k8s_recipe() -> gobuild.Recipe:
+    plane = controlplane.recipe()  # the same version stamps as kube-apiserver
+    return dataclasses.replace(
+        plane,
+        name="node-k8s",
+        packages=K8S_PACKAGES,
+        label=f"k8s-{versions()['kubernetes']}",
+        cold_cost="measured 4.0 min on 2 cores at load 11 with GOMAXPROCS=1, kube-apiserver's packages cached",
+        renames={},
+    )
+
+
+def ensure_runc(say: gobuild.Say = gobuild.say_on_stderr) -> Path:
+    """runc, built with cgo (which :func:`gobuild.ensure` turns off for every other recipe).
+    Same cache layout, lock and all-or-nothing rename as gobuild."""
+    recipe = runc_recipe()
+    target = recipe.directory()
+    if (target / "runc").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with (target.parent / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "runc").is_file():
+            return target
+        if shutil.which("go") is None or shutil.which("gcc") is None:
+            raise RuntimeError("runc is built from its Go module with cgo: `go` and `gcc` must be on PATH")
+        say(f"{INSTALL_BUILD_DEPS.name}: libseccomp-dev for runc's seccomp support (apt-get, once)")
+        subprocess.run([str(INSTALL_BUILD_DEPS)], check=True)
+        say(f"building runc from {recipe.module} into {target} (once per machine; {recipe.cold_cost})")
+        staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+        env = {**os.environ, "CGO_ENABLED": "1", "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=readonly"}
+        started = time.monotonic()
+        result = subprocess.run(
+            ["go", "build", "-trimpath", f"-tags={RUNC_TAGS}", f"-ldflags={recipe.ldflags}",
+             "-o", str(staging / "runc"), RUNC],
+            cwd=recipe.module, env=env, capture_output=True, text=True,
+        )  # fmt: skip
+        if result.returncode != 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise RuntimeError(f"go build runc failed:\n{result.stderr[-4000:]}")
+        staging.rename(target)
+        for old in target.parent.iterdir():
+            if old.is_dir() and old != target and not old.name.startswith(".building-"):
+                shutil.rmtree(old, ignore_errors=True)
+        say(f"built runc in {time.monotonic() - started:.0f}s")
+    return target
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeBinaries:
+    """Where each binary of a node is; :meth:`path` by name."""
+
+    runtime: Path
+    runc: Path
+    k8s: Path
+    controlplane: Path  # kubectl and friends, for the tests
+
+    def path(self, name: str) -> Path:
+        for directory in (self.runtime, self.runc, self.k8s, self.controlplane):
+            if (directory / name).is_file():
+                return directory / name
+        raise FileNotFoundError(name)
+
+    @property
+    def cni_dir(self) -> Path:
+        return self.runtime  # the CNI plugins are named as the CNI config's "type" fields ask
+
+
+def ensure_all(say: gobuild.Say = gobuild.say_on_stderr) -> NodeBinaries:
+    """Every binary a node needs, built first where missing (cold: see each recipe's cold_cost)."""
+    return NodeBinaries(
+        runtime=gobuild.ensure(runtime_recipe(), say),
+        runc=ensure_runc(say),
+        k8s=gobuild.ensure(k8s_recipe(), say),
+        controlplane=controlplane.ensure_binaries(say),
+    )
+
+
+if __name__ == "__main__":  # `python -m support.node.binaries` (from tests/): build everything, print where
+    print(ensure_all())

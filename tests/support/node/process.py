@@ -1,0 +1,121 @@
+"""The processes of a node: started to die with the process that started them, stopped in order,
+and found again by what they were told (their command line names the node's work directory).
+
+A node's containerd-shim-runc-v2 processes are not its children: a shim double-forks so that
+containers outlive a containerd restart, and is re-parented to init. What :func:`processes_naming`
+finds is the way back to them: every shim's command line carries its containerd's socket, which
+lies in that node's work directory, so the node kills its own shims and nobody else's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def _die_with_parent() -> None:
+    """Run in the child before exec: SIGKILL it when the process that started it dies."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Supervised:
+    """A started daemon and its log."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``grace`` seconds."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def spawn(name: str, command: list[str], log: Path, env: Mapping[str, str] | None = None) -> Supervised:
+    with log.open("ab") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent, cwd=log.parent, env=dict(env) if env is not None else None,
+        )  # fmt: skip
+    return Supervised(name, process, log)
+
+
+def wait_until(ready: Callable[[], bool], timeout: float, what: str, process: Supervised | None = None,
+               interval: float = 0.2) -> None:  # fmt: skip
+    """Poll ``ready`` until it holds; RuntimeError (with the process's log tail) on timeout or
+    when ``process`` exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and not process.alive():
+            raise RuntimeError(f"{process.name} exited with {process.process.returncode} while waiting "
+                               f"for {what}:\n{process.log_tail()}")  # fmt: skip
+        with contextlib.suppress(Exception):
+            if ready():
+                return
+        time.sleep(interval)
+    tail = f":\n{process.log_tail()}" if process is not None else ""
+    raise RuntimeError(f"no {what} after {timeout:g}s{tail}")
+
+
+def processes_naming(text: str) -> dict[int, str]:
+    """Live processes whose command line contains ``text``: {pid: command line}."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            command_line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in command_line and state != "Z":
+            found[int(entry.name)] = command_line.strip()
+    return found
+
+
+def kill_all(pids: list[int], grace: float = 5.0) -> None:
+    """SIGTERM each, SIGKILL what is left after ``grace`` seconds, and wait until they are gone."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.1)
+        if not any(_alive(pid) for pid in pids):
+            return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    if state == "Z":  # a child of ours that exited: reap it
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        return False
+    return True

@@ -191,6 +191,16 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _endpoint_pids(operator: int) -> dict[str, int]:
+    """The report endpoint's process, when the operator serves it from a child of its own
+    (gpuop.controller.reportproc): its CPU and memory are the operator's too."""
+    for task in Path(f"/proc/{operator}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            if b"gpuop.controller.reportproc" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return {"endpoint": int(pid)}
+    return {}
+
+
 def _plane_pids(state: Path) -> dict[str, int]:
     """etcd's and kube-apiserver's pids: the processes whose command line names ``state``."""
     found: dict[str, int] = {}
@@ -378,7 +388,11 @@ def run(kubeconfig: Path, count: int, args: argparse.Namespace) -> dict[str, Any
             setup["tokens_s"] = time.monotonic() - started
 
             # The trainers, from their own process.
-            pids = {"operator": operator.pid, **_plane_pids(kubeconfig.parent)}
+            pids = {
+                "operator": operator.pid,
+                **_endpoint_pids(operator.pid),
+                **_plane_pids(kubeconfig.parent),
+            }
             trainings = [
                 {"path": REPORT_PATH.format(namespace=namespace, name=name), "token": tok}
                 for name, tok in zip(names, tokens, strict=True)
@@ -393,7 +407,11 @@ def run(kubeconfig: Path, count: int, args: argparse.Namespace) -> dict[str, Any
             time.sleep(max(0.0, start_at + args.warmup + args.window - time.time()))
             after = Snapshot(metrics_port, pids)
             sample = random.Random(count).sample(names, min(args.sample, count))
-            rss = scale._peak_rss_mb(operator.pid)
+            rss = {
+                name: scale._peak_rss_mb(pid)
+                for name, pid in pids.items()
+                if name in ("operator", "endpoint")
+            }
             if generator.wait(120) != 0:
                 raise RuntimeError(f"the load generator failed ({generator.returncode})")
             generated = json.loads(result_file.read_text())
@@ -626,7 +644,7 @@ def _summary(
     setup: dict[str, float],
     before: Snapshot,
     after: Snapshot,
-    rss: float,
+    rss: dict[str, float],
     generated: dict[str, Any],
     caught_up: dict[str, float | None],
     writes: dict[str, list[float]] | None,
@@ -650,7 +668,7 @@ def _summary(
         "machine_busy": round(_busy(before.machine, after.machine), 2),
         "load_1m": round(after.load, 1),
         "generator_cpu_s": round(generated["cpu_s"], 1),
-        "peak_rss_mb": rss,
+        "peak_rss_mb": {name: round(mb) for name, mb in rss.items()},
         "caught_up": f"{sum(v is not None for v in caught_up.values())}/{len(caught_up)}",
         "caught_up_max_s": max((v for v in caught_up.values() if v is not None), default=float("nan")),
     }
@@ -696,7 +714,7 @@ def _print(r: dict[str, Any]) -> None:
         f"a report's wait for a status write: {r.get('report_to_status_s')})",
         f"operator: {_latency_line(r)}  (its histogram: p50 <= {r['server_p50_le_ms']:g} ms, "
         f"p99 <= {r['server_p99_le_ms']:g} ms)  CPU s/min {r['cpu_s_per_min']}  "
-        f"peak RSS {r['peak_rss_mb']:.0f} MB",
+        f"peak RSS MB {r['peak_rss_mb']}",
         f"the machine: {100 * r['machine_busy']:.0f}% busy in the window, load {r['load_1m']} at its end",
     ]
     for gate in ("accept", "review"):

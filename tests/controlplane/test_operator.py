@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import os
 import random
 import re
+import signal
 import ssl
 import time
 import urllib.error
@@ -703,15 +706,13 @@ def test_a_progress_report_reaches_status_through_the_charts_rules(
         {"name": "loss", "value": "0.75"}]}}  # fmt: skip
     url = f"https://127.0.0.1:{port}{REPORT_PATH.format(namespace=NAMESPACE, name='reporting')}"
 
-    def post() -> int:
+    def post(payload: dict[str, Any] | None = None, token: str | None = minted["status"]["token"]) -> int:
         request = urllib.request.Request(
             url,
-            data=json.dumps(body).encode(),
+            data=json.dumps(payload or body).encode(),
             method="POST",
-            headers={
-                "Authorization": f"Bearer {minted['status']['token']}",
-                "Content-Type": "application/json",
-            },
+            headers={"Content-Type": "application/json"}
+            | ({"Authorization": f"Bearer {token}"} if token else {}),
         )
         try:
             with urllib.request.urlopen(request, timeout=10, context=context) as reply:
@@ -721,6 +722,30 @@ def test_a_progress_report_reaches_status_through_the_charts_rules(
         except OSError:
             return 0  # the endpoint is not up yet
 
+    # Hostile first, each refused by the operator's endpoint with no status written: no token,
+    # a token of this pod for another training's audience, 300 metrics, a NaN, a flood.
+    wait_for("the endpoint up", lambda: post(token=None) != 0, timeout=60, every=0.5)
+    assert post(token=None) == 401
+    elsewhere = api.request("POST", f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/default/token", {"spec": {
+        "audiences": [report_audience(NAMESPACE, "stranger")], "expirationSeconds": 600,
+        "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": "reporting-master-0",
+                           "uid": pod["metadata"]["uid"]},
+    }})  # fmt: skip
+    assert post(token=elsewhere["status"]["token"]) == 401
+    many = [{"name": f"m{i}", "value": "1"} for i in range(300)]
+    assert post({"trainerStatus": {"progressPercentage": 50, "metrics": many}}) == 400
+    assert post({"trainerStatus": {"progressPercentage": math.nan}}) == 400  # JSON's NaN; "nan" text is text
+    flood = [post({"trainerStatus": {"progressPercentage": 50, "metrics": many}}) for _ in range(20)]
+    assert 429 in flood, flood
+    # Logged once per client and reason (by the endpoint's process, into the operator's log).
+    refusals = [
+        line
+        for line in fresh_operator.log().splitlines()
+        if "refused: 429 more reports than the rate" in line
+    ]
+    assert len(refusals) == 1, refusals
+    time.sleep(3)  # three ticks: nothing of theirs may reach status
+    assert "progress" not in _status(api, "reporting")
     assert wait_for("the report accepted", lambda: post() == 200, timeout=60, every=0.5)
     progress = wait_for(
         "the report in status",
@@ -737,6 +762,27 @@ def test_a_progress_report_reaches_status_through_the_charts_rules(
         0.75,
     )
     assert progress["reportedBy"] == "reporting-master-0"
+    # The endpoint serves from a process of its own (gpuop.controller.reportproc); killed, it is
+    # started again on the same port, and the next report reaches status as the first did.
+    assert fresh_operator.process is not None
+    tasks = Path(f"/proc/{fresh_operator.process.pid}/task")
+
+    def endpoints() -> list[int]:  # the children running it (of any of the operator's threads)
+        pids = [int(pid) for task in tasks.iterdir() for pid in (task / "children").read_text().split()]
+        return [
+            pid for pid in pids if b"gpuop.controller.reportproc" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+
+    first = endpoints()
+    assert len(first) == 1, first
+    os.kill(first[0], signal.SIGKILL)
+    body["trainerStatus"]["metrics"][0]["value"] = "9"
+    assert wait_for("a report accepted by the new endpoint", lambda: post() == 200, timeout=90, every=0.5)
+    assert len(endpoints()) == 1
+    assert endpoints() != first
+    wait_for(
+        "the next report in status", lambda: _status(api, "reporting")["progress"]["step"] == 9, timeout=30
+    )
     # The stranger's ConfigMap: untouched, and the training with that name waits with NameConflict.
     wait_for("stranger NameConflict", lambda: any(
         c["type"] == "NameConflict" and c["status"] == "True" for c in _status(api, "stranger").get("conditions", [])

@@ -18,6 +18,7 @@ from gpuop.cli import documents
 from gpuop.cli.commands import main
 from support.cost import thread_seconds
 from support.paths import ROOT
+from support.specs import minimal
 
 GOOD = """\
 apiVersion: gpuop.io/v1alpha1
@@ -418,6 +419,35 @@ def test_which_rank_stopped_a_local_run_and_how(log: str, said: str | None) -> N
     from gpuop.local.runner import stopped_rank
 
     assert stopped_rank(log) == said
+
+
+@pytest.mark.parametrize(("asked_to_stop", "phase"), [(False, "Failed"), (True, "Suspended")])
+def test_a_rank_that_torchrun_stopped_after_another_died_is_no_pause(
+    tmp_path: Path, asked_to_stop: bool, phase: str
+) -> None:
+    """When one rank is SIGKILLed, torchrun SIGTERMs the others, and a survivor may checkpoint
+    and record "Preempted" before its next collective fails. That record is a pause only if
+    `gpuop run` passed a signal on; otherwise the run failed, for the dead rank's reason (the
+    race made a clean-clone run exit 143, Suspended, for an OOM-killed rank)."""
+    from datetime import UTC, datetime
+
+    from gpuop.api.spec import parse
+    from gpuop.local.runner import final_status, plan
+    from gputrain.contract import Result
+
+    training = parse(minimal())
+    run = plan(training, 2, tmp_path)
+    (tmp_path / training.name).mkdir(parents=True)
+    (tmp_path / training.name / "trainer.log").write_text(TORCHRUN_SUMMARY)
+    run.termination_log.write_text(
+        Result(phase="Failed", reason="Preempted", message="stopped by SIGTERM").to_json()
+    )
+    now = datetime(2026, 11, 23, tzinfo=UTC)
+    status = final_status(run, 143, None, now, now, asked_to_stop=asked_to_stop)
+    assert status.phase == phase
+    if phase == "Failed":
+        failed = next(c for c in status.conditions if c.type == "Failed")
+        assert failed.message.startswith("rank 1 was killed by SIGKILL"), failed.message
 
 
 def test_version_has_one_home(capsys: pytest.CaptureFixture[str]) -> None:

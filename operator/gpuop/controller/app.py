@@ -30,8 +30,8 @@ import kopf
 from gpuop.api.identity import GROUP, PLURAL, TRAINING_LABEL, VERSION
 from gpuop.backends.pod import ReportEndpoint
 from gpuop.backends.registry import APIS
+from gpuop.controller import reportproc
 from gpuop.controller.kube import ApiError, Kube
-from gpuop.controller.receiver import ClusterGate
 from gpuop.controller.reconciler import Reconciler
 from gpuop.controller.settings import OperatorSettings, SettingsError
 from gpuop.controller.telemetry import OperatorMetrics
@@ -205,7 +205,7 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
     metrics = OperatorMetrics()
     kube.requests.listeners.append(metrics.api_request)
     identity = own_identity()
-    report_endpoint, receiver = _report_endpoint(settings, kube, metrics)
+    report_endpoint, receiver = _report_endpoint(settings, metrics)
     reconciler = Reconciler(
         kube, settings, metrics, leadership=leadership(kube, settings, identity),
         report_endpoint=report_endpoint, reports=receiver.book if receiver is not None else None,
@@ -239,32 +239,45 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
 
 
 def _report_endpoint(
-    settings: OperatorSettings, kube: Kube, metrics: OperatorMetrics
-) -> tuple[ReportEndpoint | None, endpoint.ReportServer | None]:
-    """The progress-report endpoint, started, and what trainers are told of it; none without
-    --report-url. A certificate that cannot be read stops the start with one line."""
+    settings: OperatorSettings, metrics: OperatorMetrics
+) -> tuple[ReportEndpoint | None, reportproc.ReportProcess | None]:
+    """The progress-report endpoint, started in a process of its own, and what trainers are
+    told of it; none without --report-url. A certificate that cannot be read stops the start
+    with one line."""
     if settings.report_url is None:
         return None, None
     tls_dir = Path(settings.report_tls_dir) if settings.report_url.startswith("https:") else None
+    no_tls = (
+        f"--report-tls-dir / GPUOP_REPORT_TLS_DIR: cannot serve HTTPS from {settings.report_tls_dir} "
+        "({}); it needs tls.crt, tls.key and ca.crt"
+    )
     try:
         ca = endpoint.ca_bundle(tls_dir) if tls_dir is not None else ""
-
-        def counted(outcome: str, seconds: float) -> None:
-            metrics.reports.labels(outcome=outcome).inc()
-            metrics.report_latency.observe(seconds)
-
-        server = endpoint.ReportServer(
-            ClusterGate(kube, endpoint.Limits()), endpoint.ReportBook(), port=settings.report_port,
-            tls_dir=tls_dir, counted=counted,
-        )  # fmt: skip
     except (OSError, ssl.SSLError) as exc:
-        raise SettingsError(
-            f"--report-tls-dir / GPUOP_REPORT_TLS_DIR: cannot serve HTTPS from {settings.report_tls_dir} "
-            f"({exc}); it needs tls.crt, tls.key and ca.crt"
-        ) from None
-    server.start()
-    log.info("progress reports: listening on :%d, trainers told %s", server.port, settings.report_url)
-    return ReportEndpoint(base_url=settings.report_url, ca_pem=ca), server
+        raise SettingsError(no_tls.format(exc)) from None
+
+    def counted(outcome: str, seconds: float) -> None:
+        metrics.reports.labels(outcome=outcome).inc()
+        metrics.report_latency.observe(seconds)
+
+    config = reportproc.ReportConfig(
+        port=settings.report_port, tls_dir=tls_dir, limits=endpoint.Limits(),
+        log_json=settings.log_format == "json", verbose=settings.verbose,
+    )  # fmt: skip
+    process = reportproc.ReportProcess(config, endpoint.ReportBook(), counted, metrics.api_request)
+    try:
+        process.start()
+    except reportproc.ReportStartError as exc:
+        if exc.what == "tls":
+            raise SettingsError(no_tls.format(exc)) from None
+        if exc.what == "port":
+            raise SettingsError(
+                f"--report-port / GPUOP_REPORT_PORT: cannot listen on {settings.report_port} ({exc}); "
+                "choose a free port"
+            ) from None
+        raise SettingsError(f"the progress-report endpoint: {exc}") from None
+    log.info("progress reports: listening on :%d, trainers told %s", process.port, settings.report_url)
+    return ReportEndpoint(base_url=settings.report_url, ca_pem=ca), process
 
 
 def run_operator(settings: OperatorSettings) -> int:

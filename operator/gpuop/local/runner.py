@@ -242,6 +242,8 @@ def final_status(
     started: datetime,
     finished: datetime,
     report: ReceivedReport | None = None,
+    *,
+    asked_to_stop: bool = False,
 ) -> GpuTrainingStatus:
     """The status the operator would write for this run, by the operator's own derivation.
 
@@ -251,6 +253,10 @@ def final_status(
     """
     message = run.termination_log.read_text() if run.termination_log.is_file() else None
     record = Result.from_json(message) if message is not None else None
+    if record is not None and record.reason in STOPPED_BY_SIGNAL and not asked_to_stop:
+        # A rank torchrun stopped because another died checkpoints and says "Preempted" too;
+        # without a signal from this run it is no pause: the run failed, as the other died.
+        record = None
     if code == 0 and (
         (record is not None and record.phase == "Succeeded") or (run.custom and record is None)
     ):
@@ -400,6 +406,7 @@ def execute(
             raise _Stopped(signum)
 
         previous = signal.signal(signal.SIGTERM, stop)
+        asked_to_stop = False
         last: TrainerMetrics | None = None
         points: list[HistoryPoint] = []
         try:
@@ -414,6 +421,7 @@ def execute(
             except (KeyboardInterrupt, _Stopped) as exc:
                 signum = exc.signum if isinstance(exc, _Stopped) else signal.SIGINT
                 process.send_signal(signum)  # torchrun passes it to the trainers
+                asked_to_stop = True
                 try:
                     process.wait()
                 except (KeyboardInterrupt, _Stopped):  # asked twice: no checkpoint, just stop
@@ -425,7 +433,9 @@ def execute(
         if run.custom and points and not (run.output_dir / HISTORY_FILE).exists():
             # Our trainer writes its own history; for other code, the reports are the history.
             (run.output_dir / HISTORY_FILE).write_text("".join(p.to_json() + "\n" for p in points))
-        return final_status(run, process.returncode, last, started, _now(), endpoint.latest())
+        return final_status(
+            run, process.returncode, last, started, _now(), endpoint.latest(), asked_to_stop=asked_to_stop
+        )
 
 
 class CommandNotFoundError(Exception):

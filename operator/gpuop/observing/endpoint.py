@@ -109,6 +109,12 @@ class RefusalError(Exception):
         self.status, self.outcome = status, outcome
 
 
+class Book(Protocol):
+    """Where accepted reports go: a :class:`ReportBook`, or a pipe to the process that has one."""
+
+    def put(self, key: Key, received: ReceivedReport) -> None: ...
+
+
 class Gate(Protocol):
     """Who may report: :meth:`authenticate` returns the pod a token speaks for, or raises
     :class:`RefusalError`."""
@@ -162,7 +168,7 @@ class ReportServer:
     def __init__(
         self,
         gate: Gate,
-        book: ReportBook,
+        book: Book,
         counted: Callable[[str, float], None] = lambda _outcome, _seconds: None,
         *,
         port: int,

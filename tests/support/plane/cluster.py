@@ -15,6 +15,7 @@ import signal
 import ssl
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -87,11 +88,18 @@ class Api:
         request.add_header("Accept", "application/json")
         if data is not None:
             request.add_header("Content-Type", content_type)
-        try:
-            with self._opener.open(request, timeout=30) as reply:
-                text = reply.read()
-        except urllib.error.HTTPError as exc:
-            raise HttpError(exc.code, exc.read().decode(errors="replace")) from None
+        # 429 with Retry-After is the API server asking to be asked again (a CRD's storage
+        # still initializing, seconds after it was made): client-go waits and retries, as here.
+        for attempt in range(10):
+            try:
+                with self._opener.open(request, timeout=30) as reply:
+                    text = reply.read()
+                break
+            except urllib.error.HTTPError as exc:
+                retry_after = exc.headers.get("Retry-After")
+                if exc.code != 429 or retry_after is None or attempt == 9:
+                    raise HttpError(exc.code, exc.read().decode(errors="replace")) from None
+                time.sleep(min(float(retry_after), 5.0))
         return json.loads(text) if text else None
 
     @staticmethod

@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from support.plane.controlplane import Component
+
 
 def _die_with_parent() -> None:
     """Run in the child before exec: SIGKILL it when the process that started it dies."""
@@ -27,18 +29,8 @@ def _die_with_parent() -> None:
 
 
 @dataclass
-class Supervised:
-    """A started daemon and its log."""
-
-    name: str
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+class Supervised(Component):
+    """A started daemon and its log (the control plane's :class:`Component`, watched)."""
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -71,12 +63,12 @@ def wait_until(ready: Callable[[], bool], timeout: float, what: str, process: Su
     while time.monotonic() < deadline:
         if process is not None and not process.alive():
             raise RuntimeError(f"{process.name} exited with {process.process.returncode} while waiting "
-                               f"for {what}:\n{process.log_tail()}")  # fmt: skip
+                               f"for {what}:\n{process.log_tail(30)}")  # fmt: skip
         with contextlib.suppress(Exception):
             if ready():
                 return
         time.sleep(interval)
-    tail = f":\n{process.log_tail()}" if process is not None else ""
+    tail = f":\n{process.log_tail(30)}" if process is not None else ""
     raise RuntimeError(f"no {what} after {timeout:g}s{tail}")
 
 

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HELM := $(BIN)/helm
 CHART := charts/gpu-training-operator
 
-.PHONY: docs-tools version test run lint typecheck imports unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries node-binaries node min-versions
+.PHONY: docs-tools version test run lint typecheck imports unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries node-binaries operator-image node min-versions
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,7 @@ CONTROLPLANE := PYTHONPATH=tests $(BIN)/python -m support.plane.controlplane
 ## CRD is current, the operator's unit tests at the lowest versions it declares, pytest: unit,
 ## chart, operator, trainer, the real control-plane suite, the real-node suite and the local
 ## end-to-end chain)
-test: $(STAMP) $(HELM) controlplane-binaries node-binaries docs-tools lint typecheck imports crd min-versions unit
+test: $(STAMP) $(HELM) controlplane-binaries node-binaries operator-image docs-tools lint typecheck imports crd min-versions unit
 
 ## controlplane-binaries: build (or find cached) etcd, kube-apiserver, kube-controller-manager,
 ## kubectl and the Kubeflow training-operator
@@ -35,12 +35,19 @@ controlplane-binaries: $(STAMP)
 	$(CONTROLPLANE) build
 
 ## node-binaries: build (or find cached) what a real node runs: containerd, runc (cgo; installs
-## Debian's libseccomp-dev once), the CNI plugins, kubelet and kube-scheduler
+## Debian's libseccomp-dev, iptables and debootstrap once), the CNI plugins, kubelet, kube-proxy
+## and kube-scheduler
 node-binaries: $(STAMP)
 	PYTHONPATH=tests $(BIN)/python -m support.node.binaries
 
+## operator-image: build (or find cached) the operator image from images/operator.Dockerfile with
+## BuildKit (from tests/images/go.mod) on a Debian base made with debootstrap (root; once per
+## machine and content, about 5 min cold)
+operator-image: $(STAMP) node-binaries
+	PYTHONPATH=tests $(BIN)/python -m support.images
+
 ## node: only the real-node suite (tests/node; `make test` runs it too)
-node: $(STAMP) controlplane-binaries node-binaries
+node: $(STAMP) controlplane-binaries node-binaries operator-image
 	$(BIN)/pytest -m node tests/node
 
 ## controlplane: start a real control plane on loopback; writes .controlplane/kubeconfig and .controlplane/bin/

@@ -17,6 +17,7 @@ import pytest
 
 from support.node import binaries
 from support.node.node import Node, Scheduler, running_node, running_scheduler, session_ident
+from support.node.proxy import ServiceProxy, kube_chains, running_service_proxy
 from support.plane.cluster import Api
 from support.plane.controlplane import ControlPlane
 
@@ -57,3 +58,20 @@ def node(
         ident=session_ident("a"),
     ) as running:  # fmt: skip
         yield running
+
+
+@pytest.fixture(scope="module")
+def service_proxy(
+    plane: ControlPlane,
+    node_binaries: binaries.NodeBinaries,
+    node: Node,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[ServiceProxy]:
+    """kube-proxy, for the modules whose pods reach a Service (the API's own, 10.96.0.1)."""
+    before = set(kube_chains())  # another test session's kubelet may have made some
+    with running_service_proxy(
+        plane, node_binaries, tmp_path_factory.mktemp("kube-proxy"), node.name
+    ) as running:
+        yield running
+    left = sorted(set(kube_chains()) - before)
+    assert left == [], f"kube-proxy's stop left iptables chains on the machine: {left}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,10 @@ from typing import Any
 
 import pytest
 
+from gpuop._kits.quantity import parse_quantity
+from gpuop.api.spec import parse
+from gpuop.backends.registry import render_job
+from support import specs
 from support.node import hoststate, images
 from support.node.binaries import NodeBinaries
 from support.node.node import Node, Scheduler, running_node, session_ident
@@ -177,6 +182,97 @@ def test_a_memory_emptydir_at_dev_shm_gets_the_smaller_of_its_size_limit_and_the
     # The kubelet sizes a memory-backed emptyDir at min(sizeLimit, the pod's memory limit): a
     # sizeLimit above the limit does not buy more /dev/shm than the limit.
     assert int(size.group(1)) * 1024 == expected_mib * MI, shm[0]
+
+
+def rendered_worker(
+    node: Node, name: str, script: str, quick_delete: bool = True, **spec: Any
+) -> dict[str, Any]:
+    """The master pod of the PyTorchJob the operator renders for a GpuTraining with ``spec``, as
+    the training-operator would create it (its MASTER_ADDR and MASTER_PORT added), with the
+    shell image running ``script`` in place of the trainer: everything else (volumes, resources,
+    security contexts, args, the grace period unless ``quick_delete``) is the operator's."""
+    training = parse(specs.minimal(workers=1, gpusPerWorker=0, **spec))
+    job = render_job(training, "pytorchjob", default_image=images.SHELL_IMAGE)[-1]
+    template = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
+    container = template["spec"]["containers"][0]
+    container["command"] = ["/bin/sh", "-c", script, "sh"]  # the rendered args follow as "$@"
+    container["env"] += [
+        {"name": "MASTER_ADDR", "value": f"{name}-master-0"},
+        {"name": "MASTER_PORT", "value": "23456"},
+    ]
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": template["metadata"]["labels"]},
+        "spec": {
+            **template["spec"],
+            "restartPolicy": "Never",
+            "nodeSelector": {"kubernetes.io/hostname": node.name},
+        },
+    }
+    if quick_delete:
+        body["spec"]["terminationGracePeriodSeconds"] = 1
+    return body
+
+
+@pytest.mark.parametrize(
+    ("memory", "expected"),
+    [("1Gi", "512Mi"), ("600Mi", "300Mi"), (None, "512Mi")],
+    ids=["1Gi-limit", "600Mi-limit", "no-memory-limit"],
+)
+def test_the_operators_worker_gets_the_dev_shm_it_meant_and_its_args_expanded(
+    node: Node, node_api: Api, plane: ControlPlane, namespace: str, memory: str | None, expected: str
+) -> None:
+    """The operator sizes /dev/shm (support: gpuop.backends.pod.shm_size_bytes) at most half the
+    memory limit, so the kubelet's cap at min(sizeLimit, limit) never cuts it: the size in the
+    pod is the size the operator rendered. And ``$(MASTER_ADDR)`` in its args is the kubelet's
+    to expand from the env the training-operator adds."""
+    name = f"worker-{(memory or 'none').lower()}"
+    resources = {"cpu": "100m", **({"memory": memory} if memory else {})}
+    body = rendered_worker(node, name, 'cat /proc/mounts; echo "args: $*"', resources=resources)
+    volume = next(v for v in body["spec"]["volumes"] if v["name"] == "dshm")
+    assert volume["emptyDir"]["sizeLimit"] == expected  # what the operator meant
+    node_api.create("pods", body, namespace)
+    assert wait_phase(node_api, name, {"Succeeded", "Failed"})["status"]["phase"] == "Succeeded"
+    output = logs(plane, name)
+    shm = [line for line in output.splitlines() if line.split()[1:2] == ["/dev/shm"]]
+    size = re.search(r"\bsize=(\d+)k\b", shm[0]) if shm else None
+    assert size is not None, output
+    assert int(size.group(1)) * 1024 == parse_quantity(expected), shm[0]
+    args = next(line for line in output.splitlines() if line.startswith("args: "))
+    assert f"--master-addr={name}-master-0 --master-port=23456" in args, args
+
+
+def test_sigterm_gives_the_operators_worker_its_grace_period_to_save(
+    node: Node, node_api: Api, plane: ControlPlane, namespace: str
+) -> None:
+    """Deleting a worker (preemption, a drain, a suspend) sends its process SIGTERM and waits up to
+    the grace period the operator rendered before SIGKILL: a trainer that takes seconds to write
+    its checkpoint gets them. The log is followed while the pod goes, as it is gone after."""
+    save = 3
+    script = (f"trap 'echo TERM received; sleep {save}; echo checkpoint saved; exit 0' TERM; "
+              "echo training; while :; do sleep 0.2; done")  # fmt: skip
+    body = rendered_worker(node, "graceful", script, quick_delete=False)
+    grace = body["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= 30, grace  # the operator's, longer than Kubernetes' default
+    node_api.create("pods", body, namespace)
+    wait_phase(node_api, "graceful", {"Running"})
+    wait_for("the worker's first line", lambda: "training" in logs(plane, "graceful"))
+    follow = subprocess.Popen(
+        [str(plane.binary("kubectl")), f"--kubeconfig={plane.kubeconfig}", "logs", "-f", "-n", NAMESPACE, "graceful"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deleted = time.monotonic()
+        node_api.request("DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/graceful")
+        output, _ = follow.communicate(timeout=60)
+    finally:
+        follow.kill()
+    wait_for("the pod gone", lambda: node_api.get("pods", "graceful", NAMESPACE) is None, timeout=60)
+    took = time.monotonic() - deleted
+    assert "TERM received" in output, output
+    assert output.rstrip().endswith("checkpoint saved"), output
+    assert save <= took < grace, f"deletion took {took:.1f}s"
 
 
 def test_a_projected_token_with_an_audience_passes_a_token_review_for_that_audience_only(

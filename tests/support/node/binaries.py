@@ -9,11 +9,11 @@ Three builds, each cached by :mod:`support.plane.gobuild`'s keys (``~/.cache/gpu
   is C, run before the Go runtime starts) and with the ``seccomp`` tag: containerd gives every
   pod sandbox the RuntimeDefault profile, and restricted Pod Security asks it of every container.
   That tag links libseccomp, whose headers come from Debian's libseccomp-dev, installed by
-  ``tests/node/install-build-deps.sh`` (the only Debian package the node needs). Built here
+  ``tests/node/install-build-deps.sh`` (with iptables, for kube-proxy). Built here
   rather than taken from Debian's runc package (1.1.5, from 2023, and needing a Debian package
   all the same): the version is pinned in go.sum with containerd's.
-- ``node-k8s`` from ``tests/controlplane/go.mod``, kube-apiserver's own tools module: kubelet
-  and kube-scheduler, so the k8s.io/kubernetes version and the whole dependency graph are the
+- ``node-k8s`` from ``tests/controlplane/go.mod``, kube-apiserver's own tools module: kubelet,
+  kube-proxy and kube-scheduler, so the k8s.io/kubernetes version and the whole dependency graph are the
   apiserver's and the Go build cache shares its compiled packages. containerd v2 cannot join
   that graph: it requires k8s.io/cri-api v0.37, and MVS would lift the kubelet onto it.
 """
@@ -21,12 +21,8 @@ Three builds, each cached by :mod:`support.plane.gobuild`'s keys (``~/.cache/gpu
 from __future__ import annotations
 
 import dataclasses
-import fcntl
-import os
 import shutil
 import subprocess
-import tempfile
-import time
 from pathlib import Path
 from typing import Final
 
@@ -51,6 +47,7 @@ CNI_PLUGIN_NAMES: Final = ("bridge", "host-local", "loopback", "portmap")
 K8S_PACKAGES: Final = {
     "kubelet": "k8s.io/kubernetes/cmd/kubelet",
     "kube-scheduler": "k8s.io/kubernetes/cmd/kube-scheduler",
+    "kube-proxy": "k8s.io/kubernetes/cmd/kube-proxy",
 }
 RUNC_TAGS: Final = "seccomp"
 INSTALL_BUILD_DEPS: Final = MODULE / "install-build-deps.sh"
@@ -80,6 +77,15 @@ def runtime_recipe() -> gobuild.Recipe:
     )
 
 
+def install_build_deps(say: gobuild.Say = gobuild.say_on_stderr) -> None:
+    """Debian's libseccomp-dev (runc's build), iptables (kube-proxy) and debootstrap (the image
+    base), installed once by ``install-build-deps.sh``; nothing to do when they are there."""
+    if shutil.which("iptables") and shutil.which("debootstrap") and Path("/usr/include/seccomp.h").is_file():
+        return
+    say(f"{INSTALL_BUILD_DEPS.name}: Debian's libseccomp-dev, iptables, debootstrap (apt-get, once)")
+    subprocess.run([str(INSTALL_BUILD_DEPS)], check=True)
+
+
 def runc_recipe() -> gobuild.Recipe:
     version = versions()["runc"]
     return gobuild.Recipe(
@@ -89,6 +95,8 @@ def runc_recipe() -> gobuild.Recipe:
         label=f"runc-{version}-{RUNC_TAGS}",
         cold_cost="measured 53 s on 2 cores at load 11 with GOMAXPROCS=1",
         ldflags=f"-s -w -X main.version={version.lstrip('v')} -X main.gitCommit=gpuop",
+        cgo=True,  # nsenter is C
+        tags=RUNC_TAGS,  # links libseccomp: its headers come from install_build_deps
     )
 
 
@@ -102,42 +110,6 @@ def k8s_recipe() -> gobuild.Recipe:
         cold_cost="measured 4.0 min on 2 cores at load 11 with GOMAXPROCS=1, kube-apiserver's packages cached",
         renames={},
     )
-
-
-def ensure_runc(say: gobuild.Say = gobuild.say_on_stderr) -> Path:
-    """runc, built with cgo (which :func:`gobuild.ensure` turns off for every other recipe).
-    Same cache layout, lock and all-or-nothing rename as gobuild."""
-    recipe = runc_recipe()
-    target = recipe.directory()
-    if (target / "runc").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with (target.parent / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "runc").is_file():
-            return target
-        if shutil.which("go") is None or shutil.which("gcc") is None:
-            raise RuntimeError("runc is built from its Go module with cgo: `go` and `gcc` must be on PATH")
-        say(f"{INSTALL_BUILD_DEPS.name}: libseccomp-dev for runc's seccomp support (apt-get, once)")
-        subprocess.run([str(INSTALL_BUILD_DEPS)], check=True)
-        say(f"building runc from {recipe.module} into {target} (once per machine; {recipe.cold_cost})")
-        staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-        env = {**os.environ, "CGO_ENABLED": "1", "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=readonly"}
-        started = time.monotonic()
-        result = subprocess.run(
-            ["go", "build", "-trimpath", f"-tags={RUNC_TAGS}", f"-ldflags={recipe.ldflags}",
-             "-o", str(staging / "runc"), RUNC],
-            cwd=recipe.module, env=env, capture_output=True, text=True,
-        )  # fmt: skip
-        if result.returncode != 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise RuntimeError(f"go build runc failed:\n{result.stderr[-4000:]}")
-        staging.rename(target)
-        for old in target.parent.iterdir():
-            if old.is_dir() and old != target and not old.name.startswith(".building-"):
-                shutil.rmtree(old, ignore_errors=True)
-        say(f"built runc in {time.monotonic() - started:.0f}s")
-    return target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,9 +134,10 @@ class NodeBinaries:
 
 def ensure_all(say: gobuild.Say = gobuild.say_on_stderr) -> NodeBinaries:
     """Every binary a node needs, built first where missing (cold: see each recipe's cold_cost)."""
+    install_build_deps(say)
     return NodeBinaries(
         runtime=gobuild.ensure(runtime_recipe(), say),
-        runc=ensure_runc(say),
+        runc=gobuild.ensure(runc_recipe(), say),
         k8s=gobuild.ensure(k8s_recipe(), say),
         controlplane=controlplane.ensure_binaries(say),
     )

@@ -110,11 +110,14 @@ class Containerd:
                 {
                     "type": "bridge",
                     "bridge": self.bridge,
-                    # The bridge holds the gateway address, so the host reaches its pods directly.
-                    # Cost: the plugin turns on net.ipv4.ip_forward for the whole machine.
+                    # The bridge holds the gateway address, so the host reaches its pods directly,
+                    # and pods route everything else through it: a Service's cluster IP, which
+                    # kube-proxy rewrites on the host (support.node.proxy). Cost: the plugin
+                    # turns on net.ipv4.ip_forward for the whole machine.
                     "isGateway": True,
-                    # No masquerade: it needs iptables or nft, neither is on this machine, and
-                    # pods here reach nothing beyond the host.
+                    "isDefaultGateway": True,
+                    # No masquerade: pods here reach nothing beyond this machine (the API and
+                    # the tests' servers are on it), and their own addresses in its logs say who.
                     "ipMasq": False,
                     "hairpinMode": True,
                     "ipam": {
@@ -123,7 +126,7 @@ class Containerd:
                         "dataDir": str(self.cni_data_dir),
                     },
                 },
-                # portmap (hostPort) is built but not chained: it needs iptables or nft as well.
+                # portmap (hostPort) is built but not chained: no test uses a hostPort.
                 # loopback is not listed: containerd brings up each pod's lo with it by itself.
             ],
         }

@@ -16,7 +16,6 @@ import`` reads), made reproducibly (sorted entries, mtime 0, root-owned) and cac
 
 from __future__ import annotations
 
-import fcntl
 import gzip
 import hashlib
 import io
@@ -26,13 +25,12 @@ import re
 import shutil
 import subprocess
 import tarfile
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from support.plane import gobuild
+from support import buildcache
 
 HERE: Final = Path(__file__).resolve().parent
 PAUSE_IMAGE: Final = "registry.gpuop.test/pause:3.10-standin"
@@ -135,25 +133,10 @@ def write_oci_archive(destination: Path, name: str, layer: bytes, entrypoint: li
 
 
 def _cached(name: str, inputs: bytes, build: Callable[[Path], None]) -> Path:
-    """``build(path)`` once per content hash; the file appears whole or not at all."""
-    directory = gobuild.cache_root() / "node-images"
-    directory.mkdir(parents=True, exist_ok=True)
-    target = directory / f"{name}-{hashlib.sha256(inputs).hexdigest()[:12]}.tar"
-    if target.is_file():
-        return target
-    with (directory / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not target.is_file():
-            staging = Path(tempfile.mkdtemp(prefix=".building-", dir=directory))
-            try:
-                build(staging / "image.tar")
-                (staging / "image.tar").rename(target)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-            for old in directory.glob(f"{name}-*.tar"):  # the previous content's archive
-                if old != target:
-                    old.unlink(missing_ok=True)
-    return target
+    """``build(path)`` once per content hash (:mod:`support.buildcache`'s rule)."""
+    return buildcache.ensure(
+        buildcache.directory("node-images"), name, buildcache.key([inputs]), build, ".tar"
+    )
 
 
 def pause_image() -> ImageArchive:

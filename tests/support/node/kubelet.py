@@ -67,6 +67,10 @@ class Kubelet:
             # A cgroup root of this node's own, so a second node's pods never share its groups.
             "cgroupRoot": f"/{self.cgroup_root}",
             "failSwapOn": False,
+            # No iptables chains of the kubelet's own (KUBE-FIREWALL, its canaries): every
+            # kubelet here shares the machine's tables, which kube-proxy alone programs
+            # (support.node.proxy), and nothing would remove them at a node's stop.
+            "makeIPTablesUtilChains": False,
             "containerRuntimeEndpoint": self.runtime_endpoint,
             "imageServiceEndpoint": self.runtime_endpoint,
             "address": "127.0.0.1",

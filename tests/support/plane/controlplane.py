@@ -141,6 +141,22 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def host_address() -> str:
+    """This machine's address on its default route, or 127.0.0.1 with none.
+
+    The apiserver advertises it as the ``kubernetes`` Service's endpoint: a pod on a real node
+    (support.node) reaches the API there, through kube-proxy; the machine's loopback is not
+    reachable from a pod's network namespace. Connecting a UDP socket sends nothing.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: any routable address picks the route
+        except OSError:
+            return "127.0.0.1"
+        address: str = probe.getsockname()[0]
+        return address
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -180,6 +196,7 @@ class ControlPlane:
         self.pki = workdir / "pki"
         self.ca = CertificateAuthority(self.pki)
         self.apiserver_port = 0
+        self.advertise_address = host_address()
         self.kubeconfig = workdir / "kubeconfig"
         self.audit_log = workdir / "audit.log"
 
@@ -226,7 +243,11 @@ class ControlPlane:
         pki = self.pki
         self._spawn("kube-apiserver", [
             f"--etcd-servers=http://127.0.0.1:{etcd_client}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self.apiserver_port}",
+            # On every address, as kubeadm's apiserver: pods reach it at the machine's own
+            # address (kube-proxy rewrites 10.96.0.1 to it), the tests at 127.0.0.1. Every
+            # request is authenticated (client certificates, tokens) and authorized by RBAC.
+            "--bind-address=0.0.0.0", f"--advertise-address={self.advertise_address}",
+            f"--secure-port={self.apiserver_port}",
             f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={self.ca.cert}",
             f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
@@ -292,7 +313,7 @@ class ControlPlane:
         shutil.rmtree(self.pki, ignore_errors=True)
         ca = CertificateAuthority.create(self.pki)
         ca.issue("apiserver", "kube-apiserver", sans=[
-            "IP:127.0.0.1", "IP:10.96.0.1", "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
+            "IP:127.0.0.1", "IP:10.96.0.1", f"IP:{self.advertise_address}", "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
             "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local",
         ])  # fmt: skip
         ca.issue("admin", "kubernetes-admin", organization="system:masters")

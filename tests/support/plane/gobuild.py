@@ -42,9 +42,15 @@ class Recipe:
     # `go build -o DIR/` names a /vN package after its parent directory (etcd's …/server/v3
     # comes out as "server"): built name -> binary name.
     renames: Mapping[str, str] = field(default_factory=dict)
+    # Pure Go unless a package needs C (runc's nsenter runs before the Go runtime starts); a cgo
+    # build also needs gcc and the C headers of what the tags link.
+    cgo: bool = False
+    tags: str = ""  # go build -tags, comma-separated
 
     def directory(self) -> Path:
-        digest = hashlib.sha256(self.ldflags.encode())
+        # What changes the binaries changes the key: flags, packages, cgo and tags, go.mod, go.sum.
+        how = [self.ldflags, self.tags, str(self.cgo), *sorted(f"{k}={v}" for k, v in self.packages.items())]
+        digest = hashlib.sha256("\n".join(how).encode())
         for name in ("go.mod", "go.sum"):
             digest.update((self.module / name).read_bytes())
         return cache_root() / self.name / f"{self.label}-{digest.hexdigest()[:12]}"
@@ -83,11 +89,15 @@ def _build(recipe: Recipe, target: Path, say: Say) -> None:
     go = shutil.which("go")
     if go is None:
         raise RuntimeError(f"{', '.join(recipe.packages)} are built from Go modules and `go` is not on PATH")
+    if recipe.cgo and shutil.which("gcc") is None:
+        raise RuntimeError(f"{', '.join(recipe.packages)} are built with cgo and `gcc` is not on PATH")
     say(f"building {', '.join(recipe.packages)} from {recipe.module} into {target} "
         f"(once per machine; {recipe.cold_cost})")  # fmt: skip
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-    env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=readonly"}
-    command = [go, "build", "-v", "-trimpath", f"-ldflags={recipe.ldflags}", "-o", f"{staging}/",
+    env = {**os.environ, "CGO_ENABLED": "1" if recipe.cgo else "0", "GOTOOLCHAIN": "local",
+           "GOFLAGS": "-mod=readonly"}  # fmt: skip
+    tags = [f"-tags={recipe.tags}"] if recipe.tags else []
+    command = [go, "build", "-v", "-trimpath", *tags, f"-ldflags={recipe.ldflags}", "-o", f"{staging}/",
                *recipe.packages.values()]  # fmt: skip
     started = time.monotonic()
     process = subprocess.Popen(

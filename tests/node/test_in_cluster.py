@@ -1,0 +1,206 @@
+"""The operator as users run it: our image, installed by ``helm install`` with the chart's
+defaults, started by a real kubelet in containerd under restricted Pod Security, talking to the
+API through the ``kubernetes`` Service (kube-proxy's rules) with its ServiceAccount's token.
+
+Everywhere else in the suite the operator is a process on the test host with a kubeconfig;
+only here do the image's USER and ENTRYPOINT, the chart's securityContext (read-only root
+filesystem, no capabilities, RuntimeDefault seccomp, uid 65532), its probes and in-cluster
+configuration meet the real thing. The node agent of tests/e2e_local cannot run any of it: it
+runs no images.
+
+The image is built by BuildKit from images/operator.Dockerfile, unchanged (support.images; cold
+once per machine, then cached by content). One module, so containerd imports the 103 MB archive
+once (10 to 35 s measured at load 7 to 12).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from support import specs
+from support.images import build
+from support.node.images import ImageArchive
+from support.node.node import Node, Scheduler
+from support.node.proxy import ServiceProxy
+from support.paths import ROOT
+from support.plane.cluster import Api, install_chart, uninstall_chart
+from support.plane.controlplane import ControlPlane
+from support.tools.helm import RELEASE_NAMESPACE
+from support.waiting import wait_for
+
+pytestmark = pytest.mark.node
+
+NAMESPACE = "gpuop-in-cluster"
+RESTRICTED = {
+    "pod-security.kubernetes.io/enforce": "restricted",
+    "pod-security.kubernetes.io/enforce-version": "latest",
+}
+# Run in the operator's container: its uid and gid, what a write to the root filesystem meets,
+# its effective capabilities and its seccomp mode, a line each.
+INSPECT = """
+import os, errno
+print(os.getuid(), os.getgid())
+try:
+    open("/opt/gpuop-write-probe", "w")
+    print("writable")
+except OSError as error:
+    print(errno.errorcode[error.errno])
+status = open("/proc/self/status").read()
+print(status.split("CapEff:")[1].split()[0])
+print(status.split("Seccomp:")[1].split()[0])
+"""
+
+
+def _events(api: Api, namespace: str) -> list[str]:
+    return [f"{e['involvedObject'].get('name')}: {e['reason']}: {e.get('message', '')}"
+            for e in api.list("events", namespace)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def image() -> ImageArchive:
+    started = time.monotonic()
+    archive = build.operator_image()
+    print(f"operator image {archive.name} at {archive.path} in {time.monotonic() - started:.2f}s")
+    return archive
+
+
+@pytest.fixture(scope="module")
+def version() -> str:
+    made = subprocess.run(["make", "-s", "version"], cwd=ROOT, capture_output=True, text=True, check=True)
+    return made.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def image_on_node(node: Node, image: ImageArchive) -> str:
+    """The operator image imported into the node's containerd under the name the chart deploys."""
+    seconds = node.containerd.import_images([image])
+    print(f"operator image: {image.path.stat().st_size / 1e6:.0f} MB archive, imported in {seconds:.1f}s")
+    return image.name
+
+
+def test_the_image_is_named_as_the_chart_deploys_it_and_runs_gpuop_operator_as_65532(
+    image: ImageArchive, version: str
+) -> None:
+    assert image.name == build.chart_image() == f"ghcr.io/gpu-training-operator/operator:{version}"
+    config = build.image_config(image.path)["config"]
+    assert config["User"] == "65532"  # the chart's runAsUser; runAsNonRoot needs a numeric one
+    assert (config["Entrypoint"], config["Cmd"]) == (["gpuop"], ["operator"])  # the chart passes args only
+    layers = [layer["size"] for layer in build.image_manifest(image.path)["layers"]]
+    print(f"operator image: {len(layers)} layers, {sum(layers) / 1e6:.0f} MB compressed "
+          f"(the base's {layers[0] / 1e6:.0f} MB)")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def operator_pod(
+    plane: ControlPlane, api: Api, node: Node, scheduler: Scheduler, service_proxy: ServiceProxy,
+    image_on_node: str,
+) -> Iterator[dict[str, Any]]:  # fmt: skip
+    """The chart installed with its defaults into a namespace that enforces restricted Pod
+    Security; the Deployment's pod once Ready (its readiness probe is the operator's /healthz).
+
+    One value differs from the defaults: a node selector for this node, because the session's
+    node agent (tests/e2e_local) may still have nodes registered, and it binds what it fits."""
+    api.request("POST", "/api/v1/namespaces", {"metadata": {"name": RELEASE_NAMESPACE, "labels": RESTRICTED}})
+    api.request("POST", "/api/v1/namespaces", {"metadata": {"name": NAMESPACE}})
+    installing = time.monotonic()
+    install_chart(plane, {"nodeSelector": {"kubernetes.io/hostname": node.name}})
+    print(f"helm install: {time.monotonic() - installing:.1f}s")
+    try:
+
+        def ready() -> dict[str, Any] | None:
+            for found in api.list("pods", RELEASE_NAMESPACE):
+                statuses = found["status"].get("containerStatuses") or []
+                if statuses and all(s.get("ready") for s in statuses):
+                    return found
+            return None
+
+        try:
+            running = wait_for("the operator's pod Ready", ready, timeout=120, every=0.5)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nevents: {_events(api, RELEASE_NAMESPACE)}") from None
+        print(f"helm install -> operator pod Ready: {time.monotonic() - installing:.1f}s")
+        yield running
+    finally:
+        # The training's namespace goes first, while the operator still runs to release the
+        # GpuTraining's finalizer; without it the namespace would hang in Terminating.
+        api.request("DELETE", f"/api/v1/namespaces/{NAMESPACE}")
+        wait_for(
+            "the training namespace gone", lambda: api.get("namespaces", NAMESPACE, None) is None, timeout=60
+        )
+        uninstall_chart(plane)
+        api.request("DELETE", f"/api/v1/namespaces/{RELEASE_NAMESPACE}")
+
+
+def test_the_charts_defaults_run_the_operator_from_its_image_under_restricted_pod_security(
+    plane: ControlPlane, api: Api, node: Node, image_on_node: str, operator_pod: dict[str, Any], version: str
+) -> None:
+    spec = operator_pod["spec"]
+    container = spec["containers"][0]
+    assert container["image"] == image_on_node  # the chart's default image is the one built here
+    assert operator_pod["spec"]["nodeName"] == node.name
+    started = operator_pod["status"]["containerStatuses"][0]
+    assert started["restartCount"] == 0, started
+    # Restricted Pod Security admitted it (the namespace enforces it); the runtime applied it.
+    name = operator_pod["metadata"]["name"]
+    probe = plane.kubectl("exec", "-n", RELEASE_NAMESPACE, name, "--", "python", "-c", INSPECT, check=False)
+    assert probe.returncode == 0, probe.stderr
+    uid_gid, write, capabilities, seccomp = probe.stdout.split("\n")[:4]
+    assert uid_gid == "65532 65532", probe.stdout
+    assert write == "EROFS", probe.stdout  # the root filesystem is read-only
+    assert int(capabilities, 16) == 0, probe.stdout  # every capability dropped
+    assert seccomp == "2", probe.stdout  # SECCOMP_MODE_FILTER: the runtime's default profile
+    said = plane.kubectl("exec", "-n", RELEASE_NAMESPACE, name, "--", "gpuop", "--version").stdout
+    assert said.split() == ["gpuop", version], said
+
+    # The operator, from inside the pod, reconciles a GpuTraining: it renders the PyTorchJob (the
+    # default backend), and the apiserver saw the call come from the pod's own address, as its
+    # ServiceAccount.
+    api.create("gputrainings", specs.training("in-cluster", NAMESPACE), NAMESPACE)
+    job = wait_for("the PyTorchJob the in-cluster operator renders",
+                   lambda: api.get("pytorchjobs", "in-cluster", NAMESPACE), timeout=60)  # fmt: skip
+    assert job["metadata"]["ownerReferences"][0]["name"] == "in-cluster"
+    created = [e for e in plane.audit() if e.get("verb") == "create"
+               and e.get("objectRef", {}).get("resource") == "pytorchjobs"
+               and e.get("objectRef", {}).get("namespace") == NAMESPACE]  # fmt: skip
+    assert created, "no create of the PyTorchJob in the audit log"
+    account = spec["serviceAccountName"]
+    assert created[-1]["user"]["username"] == f"system:serviceaccount:{RELEASE_NAMESPACE}:{account}"
+    assert operator_pod["status"]["podIP"] in created[-1]["sourceIPs"], created[-1]["sourceIPs"]
+    status = wait_for("the GpuTraining's status from the in-cluster operator",
+                      lambda: (api.get("gputrainings", "in-cluster", NAMESPACE) or {}).get("status", {}).get("phase"),
+                      timeout=30)  # fmt: skip
+    print(f"in-cluster operator: phase {status!r}")
+    logs = plane.kubectl("logs", "-n", RELEASE_NAMESPACE, name).stdout
+    assert "Traceback" not in logs, logs[-3000:]
+    lines = [json.loads(line) for line in logs.splitlines() if line.startswith("{")]
+    assert lines, logs[-2000:]  # the chart's default log format: one JSON object a line
+
+    # A rollout, a drain or a scale-down: SIGTERM, and the operator leaves its peering and exits
+    # well inside the chart's grace period (30 s), not killed at its end.
+    peering = "/apis/kopf.dev/v1/clusterkopfpeerings/gpu-training-operator"  # the chart's peering.name
+    assert len(api.request("GET", peering).get("status") or {}) == 1  # this pod, alive
+    follow = subprocess.Popen(
+        [str(plane.binary("kubectl")), f"--kubeconfig={plane.kubeconfig}", "logs", "-f", "-n", RELEASE_NAMESPACE, name],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        stopping = time.monotonic()
+        # Scaled to none, so no replacement comes (and the teardown's uninstall, which takes the
+        # RBAC away with the Deployment, finds no operator left to wait for).
+        plane.kubectl("scale", "deployment", "--all", "--replicas=0", "-n", RELEASE_NAMESPACE)
+        said, _ = follow.communicate(timeout=60)  # the log ends when the container does
+    finally:
+        follow.kill()
+    took = time.monotonic() - stopping
+    print(f"operator pod: SIGTERM -> exited in {took:.1f}s")
+    assert took < 10, said[-3000:]
+    assert "Operator is stopping" in said, said[-3000:]
+    assert "Traceback" not in said, said[-3000:]
+    peers = api.request("GET", peering).get("status") or {}
+    assert not peers, f"the stopped pod is still a peer: {peers}"

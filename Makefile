@@ -35,8 +35,8 @@ controlplane-binaries: $(STAMP)
 	$(CONTROLPLANE) build
 
 ## node-binaries: build (or find cached) what a real node runs: containerd, runc (cgo; installs
-## Debian's libseccomp-dev, iptables and debootstrap once), the CNI plugins, kubelet, kube-proxy
-## and kube-scheduler
+## Debian's libseccomp-dev, iptables and debootstrap once), the CNI plugins, kubelet, kube-proxy,
+## kube-scheduler and CoreDNS
 node-binaries: $(STAMP)
 	PYTHONPATH=tests $(BIN)/python -m support.node.binaries
 

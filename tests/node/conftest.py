@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from support.node import binaries
+from support.node.dns import running_cluster_dns
 from support.node.node import Node, Scheduler, running_node, running_scheduler, session_ident
 from support.node.proxy import ServiceProxy, kube_chains, running_service_proxy
 from support.plane.cluster import Api
@@ -75,3 +76,10 @@ def service_proxy(
         yield running
     left = sorted(set(kube_chains()) - before)
     assert left == [], f"kube-proxy's stop left iptables chains on the machine: {left}"
+
+
+@pytest.fixture(scope="module")
+def cluster_dns(node_api: Api, node: Node, service_proxy: ServiceProxy) -> Iterator[str]:
+    """CoreDNS in a pod behind the kube-dns Service (10.96.0.10); its address."""
+    with running_cluster_dns(node_api, node) as address:
+        yield address

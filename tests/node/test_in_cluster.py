@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -29,9 +29,9 @@ from support.node.images import ImageArchive
 from support.node.node import Node, Scheduler
 from support.node.proxy import ServiceProxy
 from support.paths import ROOT
-from support.plane.cluster import Api, install_chart, uninstall_chart
+from support.plane.cluster import Api, install_chart
 from support.plane.controlplane import ControlPlane
-from support.tools.helm import RELEASE_NAMESPACE
+from support.tools.helm import RELEASE, RELEASE_NAMESPACE, helm
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.node
@@ -55,6 +55,22 @@ status = open("/proc/self/status").read()
 print(status.split("CapEff:")[1].split()[0])
 print(status.split("Seccomp:")[1].split()[0])
 """
+
+
+def _log_until_exit(plane: ControlPlane, pod: str, stop: Callable[[], object]) -> tuple[str, float]:
+    """The operator pod's log from now until its container exits after ``stop()`` (the pod and
+    its log are gone after), and the seconds that took."""
+    follow = subprocess.Popen(
+        [str(plane.binary("kubectl")), f"--kubeconfig={plane.kubeconfig}", "logs", "-f", "-n", RELEASE_NAMESPACE, pod],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        started = time.monotonic()
+        stop()
+        said, _ = follow.communicate(timeout=60)  # the log ends when the container does
+        return said, time.monotonic() - started
+    finally:
+        follow.kill()
 
 
 def _events(api: Api, namespace: str) -> list[str]:
@@ -133,8 +149,49 @@ def operator_pod(
         wait_for(
             "the training namespace gone", lambda: api.get("namespaces", NAMESPACE, None) is None, timeout=60
         )
-        uninstall_chart(plane)
+        helm(
+            "uninstall",
+            RELEASE,
+            "-n",
+            RELEASE_NAMESPACE,
+            "--ignore-not-found",
+            "--kubeconfig",
+            str(plane.kubeconfig),
+        )
         api.request("DELETE", f"/api/v1/namespaces/{RELEASE_NAMESPACE}")
+
+
+# Run in the operator's container: each name given, resolved through its resolv.conf.
+RESOLVE = "import socket, sys\nfor name in sys.argv[1:]:\n    print(name, socket.gethostbyname(name))"
+
+
+def test_pods_resolve_services_and_headless_names_through_cluster_dns(
+    plane: ControlPlane, api: Api, cluster_dns: str, operator_pod: dict[str, Any]
+) -> None:
+    """CoreDNS behind kube-dns answers what a training needs: the API's name, the operator's
+    report Service (the URL trainers are told) and a headless Service's name, as Kubeflow's
+    rendezvous ``<job>-master-0`` is (here one that selects CoreDNS's own pod)."""
+    dns_pod = api.list("pods", "kube-system", selector="k8s-app=kube-dns")[0]
+    api.create("services", {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "in-cluster-master-0"},
+        "spec": {"clusterIP": "None", "selector": {"k8s-app": "kube-dns"}, "ports": [{"port": 23456}]},
+    }, "kube-system")  # fmt: skip
+    try:
+        reports = next(
+            s for s in api.list("services", RELEASE_NAMESPACE) if s["metadata"]["name"].endswith("-reports")
+        )
+        names = {
+            "kubernetes.default.svc.cluster.local": "10.96.0.1",
+            f"{reports['metadata']['name']}.{RELEASE_NAMESPACE}.svc": reports["spec"]["clusterIP"],
+            "in-cluster-master-0.kube-system": dns_pod["status"]["podIP"],  # the search path completes it
+        }
+        name = operator_pod["metadata"]["name"]
+        said = wait_for("the names resolved", lambda: (r := plane.kubectl(
+            "exec", "-n", RELEASE_NAMESPACE, name, "--", "python", "-c", RESOLVE, *names, check=False,
+        )).returncode == 0 and r.stdout, timeout=30, every=1)  # fmt: skip
+        assert dict(line.split() for line in said.splitlines()) == names, said
+    finally:
+        api.delete("services", "in-cluster-master-0", "kube-system")
 
 
 def test_the_charts_defaults_run_the_operator_from_its_image_under_restricted_pod_security(
@@ -185,22 +242,43 @@ def test_the_charts_defaults_run_the_operator_from_its_image_under_restricted_po
     # well inside the chart's grace period (30 s), not killed at its end.
     peering = "/apis/kopf.dev/v1/clusterkopfpeerings/gpu-training-operator"  # the chart's peering.name
     assert len(api.request("GET", peering).get("status") or {}) == 1  # this pod, alive
-    follow = subprocess.Popen(
-        [str(plane.binary("kubectl")), f"--kubeconfig={plane.kubeconfig}", "logs", "-f", "-n", RELEASE_NAMESPACE, name],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        stopping = time.monotonic()
-        # Scaled to none, so no replacement comes (and the teardown's uninstall, which takes the
-        # RBAC away with the Deployment, finds no operator left to wait for).
-        plane.kubectl("scale", "deployment", "--all", "--replicas=0", "-n", RELEASE_NAMESPACE)
-        said, _ = follow.communicate(timeout=60)  # the log ends when the container does
-    finally:
-        follow.kill()
-    took = time.monotonic() - stopping
+    # Scaled to none, so no replacement comes (and the teardown's uninstall, which takes the
+    # RBAC away with the Deployment, finds no operator left to wait for).
+    said, took = _log_until_exit(
+        plane,
+        name,
+        lambda: plane.kubectl("scale", "deployment", "--all", "--replicas=0", "-n", RELEASE_NAMESPACE),
+    )
     print(f"operator pod: SIGTERM -> exited in {took:.1f}s")
     assert took < 10, said[-3000:]
     assert "Operator is stopping" in said, said[-3000:]
     assert "Traceback" not in said, said[-3000:]
     peers = api.request("GET", peering).get("status") or {}
     assert not peers, f"the stopped pod is still a peer: {peers}"
+
+
+def test_helm_uninstall_stops_the_operator_in_seconds_though_its_rbac_goes_with_it(
+    plane: ControlPlane, api: Api, operator_pod: dict[str, Any]
+) -> None:
+    """``helm uninstall`` deletes the Deployment and the ClusterRole at once, so the stopping
+    operator's last calls (leaving its peering) meet 403s: it must give up on them in seconds,
+    not retry until the kubelet kills it at the end of its 30 s grace period."""
+    plane.kubectl("scale", "deployment", "--all", "--replicas=1", "-n", RELEASE_NAMESPACE)
+
+    def running() -> str | None:
+        pods = [p for p in api.list("pods", RELEASE_NAMESPACE) if "deletionTimestamp" not in p["metadata"]]
+        ready = [p for p in pods if all(s.get("ready") for s in p["status"].get("containerStatuses") or [{}])]
+        return ready[0]["metadata"]["name"] if ready else None
+
+    name = wait_for("the operator's pod Ready again", running, timeout=120, every=0.5)
+    stopping = time.monotonic()
+    said, _ = _log_until_exit(
+        plane,
+        name,
+        lambda: helm("uninstall", RELEASE, "-n", RELEASE_NAMESPACE, "--kubeconfig", str(plane.kubeconfig)),
+    )
+    wait_for("the pod gone", lambda: api.get("pods", name, RELEASE_NAMESPACE) is None, timeout=60)
+    took = time.monotonic() - stopping
+    print(f"operator pod: helm uninstall -> gone in {took:.1f}s")
+    assert took < 15, said[-3000:]
+    assert "SIGTERM received: stopping" in said, said[-3000:]

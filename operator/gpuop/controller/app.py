@@ -19,9 +19,11 @@ import dataclasses
 import logging
 import os
 import random
+import signal
 import socket
 import ssl
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -145,7 +147,57 @@ async def _warn_while_peering_missing(kube: Kube, settings: OperatorSettings) ->
         log.warning(_WAITING, ", ".join(missing), settings.peering_name)
 
 
-def build_registry(reconciler: Reconciler, settings: OperatorSettings) -> kopf.OperatorRegistry:
+class ApiRetries:
+    """The pauses between retries of a failed API call, for Kopf's own calls (watches, peering).
+
+    Patient while running: 32.5 s in all rides out an API server restart or a 403 while RBAC
+    is being rolled out. Short once the operator is stopping: ``helm uninstall`` deletes the
+    Deployment and the RBAC at the same moment, and Kopf's last call (leaving its peering)
+    would otherwise retry its 403 past the pod's 30 s grace period and be SIGKILLed.
+    """
+
+    RUNNING: Final = (0.5, 1.0, 2.0, 3.0, 5.0, 8.0, 13.0)
+    STOPPING: Final = (0.5, 1.0)
+
+    def __init__(self) -> None:
+        self.stopping = False
+
+    def _now(self) -> tuple[float, ...]:
+        return self.STOPPING if self.stopping else self.RUNNING
+
+    def __iter__(self) -> Iterator[float]:  # Kopf reads it anew for every request
+        return iter(self._now())
+
+    def __len__(self) -> int:  # Kopf's "attempt #2/8" in its log lines
+        return len(self._now())
+
+
+async def _take_over_signals(ready: asyncio.Event, stop: asyncio.Event, retries: ApiRetries) -> None:
+    """Once Kopf has started, SIGTERM and SIGINT are ours: each cuts the API retries short, then
+    raises the stop flag Kopf watches, which stops it as its own handler would.
+
+    Kopf installs its handlers while it starts, and a loop keeps one handler per signal, so ours
+    go in after Kopf's ready flag (its startup handlers done, which come after its signal
+    handlers). Only the main thread may own signals (tests run operators in threads).
+    """
+    await ready.wait()
+    if threading.current_thread() is not threading.main_thread():
+        return
+    loop = asyncio.get_running_loop()
+
+    def stopping(signum: int) -> None:
+        log.info("%s received: stopping (failed API calls are retried for 1.5 s at most now)",
+                 signal.Signals(signum).name)  # fmt: skip
+        retries.stopping = True
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopping, signum)
+
+
+def build_registry(
+    reconciler: Reconciler, settings: OperatorSettings, retries: ApiRetries | None = None
+) -> kopf.OperatorRegistry:
     """The Kopf handlers, on a registry of their own (tests run several operators)."""
     registry = kopf.OperatorRegistry()
 
@@ -176,7 +228,7 @@ def build_registry(reconciler: Reconciler, settings: OperatorSettings) -> kopf.O
         settings.execution.max_workers = reconciler.settings.max_workers
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
-        settings.networking.error_backoffs = (0.5, 1, 2, 3, 5, 8, 13)
+        settings.networking.error_backoffs = retries if retries is not None else ApiRetries.RUNNING
         # Watching given namespaces must need no cluster-scoped permission at all (the chart's
         # Role mode): Kopf's scanning would list namespaces and watch CRDs cluster-wide. The
         # resources are still found through discovery at start; a CRD installed later (say
@@ -210,12 +262,16 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
         kube, settings, metrics, leadership=leadership(kube, settings, identity),
         report_endpoint=report_endpoint, reports=receiver.book if receiver is not None else None,
     )  # fmt: skip
-    registry = build_registry(reconciler, settings)
+    retries = ApiRetries()
+    registry = build_registry(reconciler, settings, retries)
+    stop = stop if stop is not None else asyncio.Event()
+    ready = asyncio.Event()
     if settings.metrics_port:
         metrics.serve(settings.metrics_port)
     liveness = f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None
     ticker = asyncio.create_task(_tick_forever(reconciler, settings.scrape_interval_seconds))
     peering_warnings = asyncio.create_task(_warn_while_peering_missing(kube, settings))
+    signals = asyncio.create_task(_take_over_signals(ready, stop, retries))
     try:
         await kopf.operator(
             registry=registry,
@@ -227,9 +283,10 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
             namespaces=settings.namespaces,
             liveness_endpoint=liveness,
             stop_flag=stop,
+            ready_flag=ready,
         )
     finally:
-        for task in (ticker, peering_warnings):
+        for task in (ticker, peering_warnings, signals):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

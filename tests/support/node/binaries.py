@@ -1,6 +1,6 @@
 """The binaries a real node runs, built from pinned Go modules and cached outside the work tree.
 
-Three builds, each cached by :mod:`support.plane.gobuild`'s keys (``~/.cache/gpuop/<name>/<label>-<hash>``):
+Four builds, each cached by :mod:`support.plane.gobuild`'s keys (``~/.cache/gpuop/<name>/<label>-<hash>``):
 
 - ``node-runtime`` from ``tests/node/go.mod``: containerd v2 (``containerd``,
   ``containerd-shim-runc-v2``, ``ctr``) and the CNI plugins (bridge, host-local, loopback,
@@ -12,6 +12,8 @@ Three builds, each cached by :mod:`support.plane.gobuild`'s keys (``~/.cache/gpu
   ``tests/node/install-build-deps.sh`` (with iptables, for kube-proxy). Built here
   rather than taken from Debian's runc package (1.1.5, from 2023, and needing a Debian package
   all the same): the version is pinned in go.sum with containerd's.
+- ``node-dns`` from ``tests/dns/go.mod``: CoreDNS, the cluster's DNS (its k8s.io client graph
+  is its own).
 - ``node-k8s`` from ``tests/controlplane/go.mod``, kube-apiserver's own tools module: kubelet,
   kube-proxy and kube-scheduler, so the k8s.io/kubernetes version and the whole dependency graph are the
   apiserver's and the Go build cache shares its compiled packages. containerd v2 cannot join
@@ -33,6 +35,8 @@ MODULE: Final = ROOT / "tests" / "node"
 CONTAINERD: Final = "github.com/containerd/containerd/v2"
 CNI_PLUGINS: Final = "github.com/containernetworking/plugins"
 RUNC: Final = "github.com/opencontainers/runc"
+DNS_MODULE: Final = ROOT / "tests" / "dns"
+COREDNS: Final = "github.com/coredns/coredns"
 
 RUNTIME_PACKAGES: Final = {
     "containerd": f"{CONTAINERD}/cmd/containerd",
@@ -59,6 +63,7 @@ def versions() -> dict[str, str]:
         "containerd": gobuild.required_version(MODULE, CONTAINERD),
         "cni-plugins": gobuild.required_version(MODULE, CNI_PLUGINS),
         "runc": gobuild.required_version(MODULE, RUNC),
+        "coredns": gobuild.required_version(DNS_MODULE, COREDNS),
         "kubernetes": kubernetes,
     }
 
@@ -100,6 +105,16 @@ def runc_recipe() -> gobuild.Recipe:
     )
 
 
+def dns_recipe() -> gobuild.Recipe:
+    return gobuild.Recipe(
+        name="node-dns",
+        module=DNS_MODULE,
+        packages={"coredns": COREDNS},
+        label=f"coredns-{versions()['coredns']}",
+        cold_cost="measured 4.5 min on 2 cores at load 4 (another test run beside it), modules downloaded",
+    )
+
+
 def k8s_recipe() -> gobuild.Recipe:
     plane = controlplane.recipe()  # the same version stamps as kube-apiserver
     return dataclasses.replace(
@@ -119,10 +134,11 @@ class NodeBinaries:
     runtime: Path
     runc: Path
     k8s: Path
+    dns: Path  # CoreDNS, which runs in a pod (support.node.dns)
     controlplane: Path  # kubectl and friends, for the tests
 
     def path(self, name: str) -> Path:
-        for directory in (self.runtime, self.runc, self.k8s, self.controlplane):
+        for directory in (self.runtime, self.runc, self.k8s, self.dns, self.controlplane):
             if (directory / name).is_file():
                 return directory / name
         raise FileNotFoundError(name)
@@ -139,6 +155,7 @@ def ensure_all(say: gobuild.Say = gobuild.say_on_stderr) -> NodeBinaries:
         runtime=gobuild.ensure(runtime_recipe(), say),
         runc=gobuild.ensure(runc_recipe(), say),
         k8s=gobuild.ensure(k8s_recipe(), say),
+        dns=gobuild.ensure(dns_recipe(), say),
         controlplane=controlplane.ensure_binaries(say),
     )
 

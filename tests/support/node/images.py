@@ -198,3 +198,16 @@ def all_images() -> list[ImageArchive]:
 if __name__ == "__main__":
     for image in all_images():
         print(image.name, image.path, os.path.getsize(image.path))
+
+
+def single_binary_image(name: str, binary: Path, path_in_image: str) -> ImageArchive:
+    """An image of one static binary at ``/<path_in_image>``, its entrypoint (a stand-in for a
+    registry's image of the same program: CoreDNS's)."""
+    data = binary.read_bytes()
+
+    def build(destination: Path) -> None:
+        layer = _layer([_File(path_in_image, data)], ["tmp"], {})
+        write_oci_archive(destination, name, layer, entrypoint=[f"/{path_in_image}"])
+
+    inputs = name.encode() + hashlib.sha256(data).digest()
+    return ImageArchive(name, _cached(path_in_image, inputs, build))

@@ -19,11 +19,13 @@ from __future__ import annotations
 import json
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from support.node.binaries import NodeBinaries
 from support.node.process import Supervised, spawn
 from support.plane.controlplane import ControlPlane, free_port, kubeconfig
+
+CLUSTER_DNS: Final = "10.96.0.10"  # the kube-dns Service's cluster IP
 
 
 def node_credentials(plane: ControlPlane, node_name: str, directory: Path) -> Path:
@@ -84,6 +86,9 @@ class Kubelet:
             "volumePluginDir": str(self.workdir / "volume-plugins"),
             "registerNode": True,
             "registerWithTaints": self.taints,
+            # Pods ask the kube-dns Service (CoreDNS, support.node.dns, where a module runs it);
+            # with no DNS running a lookup simply fails, and no other test looks a name up.
+            "clusterDNS": [CLUSTER_DNS],
             "clusterDomain": "cluster.local",
             "resolvConf": "/etc/resolv.conf",
             # The machine's disk is shared with other runs and may be well filled: evict on

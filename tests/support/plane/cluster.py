@@ -52,10 +52,15 @@ PATHS: Final = {
     "events": "/api/v1",
     "serviceaccounts": "/api/v1",
     "namespaces": "/api/v1",
+    "services": "/api/v1",
+    "deployments": "/apis/apps/v1",
     "clusterroles": "/apis/rbac.authorization.k8s.io/v1",
+    "clusterrolebindings": "/apis/rbac.authorization.k8s.io/v1",
     "customresourcedefinitions": "/apis/apiextensions.k8s.io/v1",
 }
-CLUSTER_SCOPED: Final = frozenset({"namespaces", "clusterroles", "customresourcedefinitions"})
+CLUSTER_SCOPED: Final = frozenset(
+    {"namespaces", "clusterroles", "clusterrolebindings", "customresourcedefinitions"}
+)
 
 
 class HttpError(Exception):

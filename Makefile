@@ -82,7 +82,7 @@ crd: $(STAMP)
 # The kind suite (marker e2e) is left to `make e2e`: on a machine with Docker it would build
 # images and a cluster for most of an hour.
 unit: $(STAMP) $(HELM)
-	HELM=$(abspath $(HELM)) $(BIN)/pytest -m "not e2e"
+	HELM=$(abspath $(HELM)) $(BIN)/pytest -m "not e2e" --durations=25
 
 ## e2e-local: only the local end-to-end chain (tests/e2e_local; `make test` runs it too): the real
 ## control plane and Kubeflow training-operator, the chart, the operator, pods run by the node agent

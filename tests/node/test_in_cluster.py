@@ -120,10 +120,11 @@ def operator_pod(
     """The chart installed with its defaults into a namespace that enforces restricted Pod
     Security; the Deployment's pod once Ready (its readiness probe is the operator's /healthz).
 
-    One value differs from the defaults: a node selector for this node, because the session's
-    node agent (tests/e2e_local) may still have nodes registered, and it binds what it fits."""
-    api.request("POST", "/api/v1/namespaces", {"metadata": {"name": RELEASE_NAMESPACE, "labels": RESTRICTED}})
-    api.request("POST", "/api/v1/namespaces", {"metadata": {"name": NAMESPACE}})
+    One value differs from the defaults: a node selector for this node, so that no other node
+    a session may have registered (the node agent's) is chosen. The suite runs before the others
+    (tests/conftest.py), on a cluster no chart or operator has been put in yet."""
+    for namespace, labels in ((RELEASE_NAMESPACE, RESTRICTED), (NAMESPACE, {})):
+        api.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace, "labels": labels}})
     installing = time.monotonic()
     install_chart(plane, {"nodeSelector": {"kubernetes.io/hostname": node.name}})
     print(f"helm install: {time.monotonic() - installing:.1f}s")
@@ -159,6 +160,17 @@ def operator_pod(
             str(plane.kubeconfig),
         )
         api.request("DELETE", f"/api/v1/namespaces/{RELEASE_NAMESPACE}")
+        # The CRD as it was found, applied by hand: uninstall keeps it (the chart's
+        # resource-policy) with Helm's ownership on it, which install_chart had put there.
+        crd = "crd/gputrainings.gpuop.io"
+        plane.kubectl("label", crd, "app.kubernetes.io/managed-by-")
+        plane.kubectl("annotate", crd, "meta.helm.sh/release-name-", "meta.helm.sh/release-namespace-")
+        # Gone before the next suite installs the chart into a namespace of the same name.
+        wait_for(
+            "the release namespace gone",
+            lambda: api.get("namespaces", RELEASE_NAMESPACE, None) is None,
+            timeout=90,
+        )
 
 
 # Run in the operator's container: each name given, resolved through its resolv.conf.

@@ -200,7 +200,7 @@ def rendered_worker(
         {"name": "MASTER_ADDR", "value": f"{name}-master-0"},
         {"name": "MASTER_PORT", "value": "23456"},
     ]
-    body = {
+    body: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "labels": template["metadata"]["labels"]},

@@ -72,7 +72,7 @@ def source() -> Path:
     directory = json.loads(out).get("Dir")
     if not directory:  # listed but not downloaded
         subprocess.run(["go", "mod", "download", "sigs.k8s.io/kueue"], cwd=MODULE, check=True)
-        return source.__wrapped__()  # type: ignore[attr-defined,no-any-return]
+        return source.__wrapped__()  # listed again, now downloaded
     return Path(directory)
 
 

@@ -9,6 +9,7 @@ PyTorchJob's status, a kubelet reporting pods). Everything a user does goes thro
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import signal
@@ -156,6 +157,10 @@ def apply_file(plane: ControlPlane, path: Path) -> str:
     return result.stderr
 
 
+def _established(plane: ControlPlane, crd: str, jsonpath: str) -> bool:
+    return plane.kubectl("get", "crd", crd, "-o", jsonpath).stdout == "True"
+
+
 def install_crds(
     plane: ControlPlane, paths: Iterable[Path] = (OUR_CRD, KUBEFLOW_CRD, *TRAINER_CRDS, PEERING_CRDS)
 ) -> str:
@@ -165,8 +170,7 @@ def install_crds(
     names = [doc["metadata"]["name"] for path in paths for doc in yaml.safe_load_all(path.read_text()) if doc]
     jsonpath = 'jsonpath={.status.conditions[?(@.type=="Established")].status}'
     for name in names:  # `kubectl wait` fails outright on a CRD whose status is not written yet
-        wait_for(f"CRD {name} Established",
-                 lambda n=name: plane.kubectl("get", "crd", n, "-o", jsonpath).stdout == "True")  # fmt: skip
+        wait_for(f"CRD {name} Established", functools.partial(_established, plane, name, jsonpath))
     return warnings
 
 
@@ -263,7 +267,7 @@ def _mounted_secret(plane: ControlPlane, pod: Mapping[str, Any], volume: str) ->
     source = next(v for v in pod["volumes"] if v["name"] == volume)["secret"]
     reply = plane.kubectl("get", "secret", source["secretName"], "-n", RELEASE_NAMESPACE, "-o", "json")
     secret = json.loads(reply.stdout)
-    directory = plane.workdir / "mounts" / source["secretName"]
+    directory: Path = plane.workdir / "mounts" / str(source["secretName"])
     directory.mkdir(parents=True, exist_ok=True)
     for key, value in secret["data"].items():
         (directory / key).write_bytes(base64.b64decode(value))

@@ -104,7 +104,7 @@ def _build(recipe: Recipe, target: Path, say: Say) -> None:
         command, cwd=recipe.module, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     assert process.stdout is not None
-    last_report, tail = started, []
+    last_report, tail = started, list[str]()
     for compiled, line in enumerate(process.stdout, 1):
         tail = [*tail[-40:], line.rstrip()]
         if time.monotonic() - last_report >= 30:

@@ -18,7 +18,7 @@ import pytest
 from support.node import binaries
 from support.node.dns import running_cluster_dns
 from support.node.node import Node, Scheduler, running_node, running_scheduler, session_ident
-from support.node.proxy import ServiceProxy, kube_chains, running_service_proxy
+from support.node.proxy import ServiceProxy, running_service_proxy
 from support.plane.cluster import Api
 from support.plane.controlplane import ControlPlane
 
@@ -69,13 +69,11 @@ def service_proxy(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ServiceProxy]:
     """kube-proxy, for the modules whose pods reach a Service (the API's own, 10.96.0.1)."""
-    before = set(kube_chains())  # another test session's kubelet may have made some
     with running_service_proxy(
         plane, node_binaries, tmp_path_factory.mktemp("kube-proxy"), node.name
     ) as running:
         yield running
-    left = sorted(set(kube_chains()) - before)
-    assert left == [], f"kube-proxy's stop left iptables chains on the machine: {left}"
+    assert running.left == [], f"kube-proxy's stop left iptables chains on the machine: {running.left}"
 
 
 @pytest.fixture(scope="module")

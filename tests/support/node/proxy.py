@@ -63,6 +63,10 @@ class ServiceProxy:
         self.process: Supervised | None = None
         self.healthz_port = 0
         self._lock: IO[str] | None = None
+        # KUBE- chains on the machine when it started (another session's kubelet may own some),
+        # and those its stop left beyond them: both read while it holds the machine's lock.
+        self.chains_before: set[str] = set()
+        self.left: list[str] = []
 
     def start(self, timeout: float = 60.0) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -70,6 +74,7 @@ class ServiceProxy:
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = lock_path.open("w")
         fcntl.flock(self._lock, fcntl.LOCK_EX)  # another session's kube-proxy: wait for its stop
+        self.chains_before = set(kube_chains())
         cert, key = self.plane.ca.issue("kube-proxy", "system:kube-proxy")
         credentials = self.workdir / "kube-proxy.kubeconfig"
         credentials.write_text(kubeconfig(self.plane.server, self.plane.ca.cert, user="system:kube-proxy",
@@ -107,6 +112,7 @@ class ServiceProxy:
                 subprocess.run([str(self.binaries.path("kube-proxy")), "--cleanup", "--v=0"],
                                capture_output=True, timeout=60, check=False)  # fmt: skip
                 _remove_firewall_chain()
+                self.left = sorted(set(kube_chains()) - self.chains_before)
         finally:
             if self._lock is not None:
                 self._lock.close()  # releases the flock

@@ -22,6 +22,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
@@ -235,6 +236,9 @@ class Installed:
 
     env: dict[str, str]
     service_account: str
+    # When this install began, as the audit log stamps requests: the ServiceAccount's name is
+    # the same for every install of the release, and an earlier suite's operator used it too.
+    since: str = ""
 
     @property
     def user(self) -> str:
@@ -244,6 +248,7 @@ class Installed:
 def install_chart(plane: ControlPlane, values: Mapping[str, Any]) -> Installed:
     """``helm upgrade --install`` of the chart (adopting a CRD applied before it), and what its
     Deployment would run; :class:`OperatorProcess` runs that with the ServiceAccount's token."""
+    since = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     plane.kubectl("label", "crd", "gputrainings.gpuop.io", "app.kubernetes.io/managed-by=Helm", "--overwrite")
     plane.kubectl("annotate", "crd", "gputrainings.gpuop.io", f"meta.helm.sh/release-name={RELEASE}",
                   f"meta.helm.sh/release-namespace={RELEASE_NAMESPACE}", "--overwrite")  # fmt: skip
@@ -259,7 +264,7 @@ def install_chart(plane: ControlPlane, values: Mapping[str, Any]) -> Installed:
     env["POD_ID"] = "gpu-training-operator-5d4f8-x2x9q"  # its pod's name: stable across restarts
     if "GPUOP_REPORT_TLS_DIR" in env:
         env["GPUOP_REPORT_TLS_DIR"] = str(_mounted_secret(plane, pod, "report-tls"))
-    return Installed(env, pod["serviceAccountName"])
+    return Installed(env, pod["serviceAccountName"], since)
 
 
 def _mounted_secret(plane: ControlPlane, pod: Mapping[str, Any], volume: str) -> Path:

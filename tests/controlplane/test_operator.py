@@ -48,8 +48,8 @@ from support.waiting import wait_for
 NAMESPACE = "training"
 STAMP = "%Y-%m-%dT%H:%M:%SZ"
 # The chart's values for this suite: scraping every second (the default 10 s would only slow
-# the tests), through pod IPs (the test's pods live on 127.0.0.x, which the API server's pod
-# proxy refuses to reach: it never proxies to loopback).
+# the tests), through pod IPs (the test's pods live on loopback addresses, which the API
+# server's pod proxy refuses to reach: it never proxies to loopback).
 VALUES = {"operator.scrapeInterval": 1, "operator.scrapeTimeout": 0.5, "operator.scrapeVia": "pod-ip"}
 
 

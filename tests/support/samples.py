@@ -3,6 +3,9 @@ H100's NVML reading, stand-in trainers serving them, the CRD's printer columns."
 
 from __future__ import annotations
 
+import os
+from typing import Final
+
 from gputrain.contract import METRICS_PORT, Progress
 from gputrain.metrics import GpuReading, MetricsServer
 
@@ -24,6 +27,12 @@ def h100(utilization_percent: float | None) -> list[GpuReading]:
     return [GpuReading(0, "NVIDIA H100 80GB HBM3", utilization_percent, 10 * 2**30, 80 * 2**30)]
 
 
+# The second octet of the stand-in pods' loopback addresses, one per test session: two sessions
+# on one machine (two checkouts' `make test`) would otherwise both bind 127.0.0.x:9090, and the
+# second's trainers serve nothing (seen: Underutilized never came, its GPU figures unread).
+SESSION_OCTET: Final = os.getpid() % 254 + 1
+
+
 class StandInTrainers:
     """The trainers of pods a test plays: each a real metrics endpoint (the trainer's own
     server) on a loopback address of its own, as a pod IP, where the operator scrapes it."""
@@ -34,7 +43,7 @@ class StandInTrainers:
 
     def start(self, pod: str, progress: Progress, gpu_percent: float | None) -> str:
         """Serve ``pod``'s figures; returns the pod IP to write in its status."""
-        ip = f"127.0.0.{self._next_ip}"
+        ip = f"127.{SESSION_OCTET}.0.{self._next_ip}"
         self._next_ip += 1
         server = MetricsServer(METRICS_PORT, addr=ip)
         server.update(progress, gpus=h100(gpu_percent))

@@ -3,8 +3,8 @@ test playing the training-operator and the kubelet.
 
 The operator runs as ``gpuop operator`` in a subprocess, logged in through a kubeconfig like
 any user's, so a test can kill it with SIGKILL at any moment and start it again. Trainer
-pods get IPs on 127.0.0.x where the trainer's own metrics server (``gputrain.metrics``)
-serves on the contract's port.
+pods get IPs on 127.N.0.x (N is the session's: support.samples) where the trainer's own
+metrics server (``gputrain.metrics``) serves on the contract's port.
 """
 
 from __future__ import annotations

@@ -20,11 +20,9 @@ from typing import Any, Final
 from support.node import binaries, images
 from support.node.kubelet import CLUSTER_DNS
 from support.node.node import Node
-from support.plane import gobuild
 from support.plane.cluster import Api, HttpError
 from support.waiting import wait_for
 
-SERVICE_IP: Final = CLUSTER_DNS
 NAMESPACE: Final = "kube-system"
 NAME: Final = "coredns"
 PORT: Final = 1053
@@ -43,10 +41,12 @@ COREFILE: Final = f"""\
 """
 
 
-def image() -> images.ImageArchive:
-    binary = gobuild.ensure(binaries.dns_recipe()) / "coredns"
+def image(node_binaries: binaries.NodeBinaries) -> images.ImageArchive:
+    """The stand-in image of the CoreDNS the node's binaries hold (built with them)."""
     version = binaries.versions()["coredns"]
-    return images.single_binary_image(f"registry.gpuop.test/coredns:{version}-standin", binary, "coredns")
+    return images.single_binary_image(
+        f"registry.gpuop.test/coredns:{version}-standin", node_binaries.path("coredns"), "coredns"
+    )
 
 
 def objects(image_name: str, node_name: str) -> list[tuple[str, str | None, dict[str, Any]]]:
@@ -72,7 +72,7 @@ def objects(image_name: str, node_name: str) -> list[tuple[str, str | None, dict
                                    "data": {"Corefile": COREFILE}}),
         ("services", NAMESPACE, {
             "apiVersion": "v1", "kind": "Service", "metadata": {"name": "kube-dns", "labels": labels},
-            "spec": {"clusterIP": SERVICE_IP, "selector": labels, "ports": [
+            "spec": {"clusterIP": CLUSTER_DNS, "selector": labels, "ports": [
                 {"name": "dns", "port": 53, "targetPort": PORT, "protocol": "UDP"},
                 {"name": "dns-tcp", "port": 53, "targetPort": PORT, "protocol": "TCP"},
             ]},
@@ -108,7 +108,7 @@ def objects(image_name: str, node_name: str) -> list[tuple[str, str | None, dict
 def running_cluster_dns(api: Api, node: Node, timeout: float = 120.0) -> Iterator[str]:
     """CoreDNS Ready behind 10.96.0.10 for the ``with`` block (needs kube-proxy running);
     yields the Service IP. Everything it created is deleted at the end."""
-    archive = image()
+    archive = image(node.binaries)
     node.containerd.import_images([archive])
     created = []
     try:
@@ -123,7 +123,7 @@ def running_cluster_dns(api: Api, node: Node, timeout: float = 120.0) -> Iterato
             )
 
         wait_for("CoreDNS Ready", ready, timeout=timeout, every=0.5)
-        yield SERVICE_IP
+        yield CLUSTER_DNS
     finally:
         for resource, namespace, name in reversed(created):
             with contextlib.suppress(HttpError):

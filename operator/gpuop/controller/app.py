@@ -196,7 +196,7 @@ async def _take_over_signals(ready: asyncio.Event, stop: asyncio.Event, retries:
 
 
 def build_registry(
-    reconciler: Reconciler, settings: OperatorSettings, retries: ApiRetries | None = None
+    reconciler: Reconciler, settings: OperatorSettings, retries: ApiRetries
 ) -> kopf.OperatorRegistry:
     """The Kopf handlers, on a registry of their own (tests run several operators)."""
     registry = kopf.OperatorRegistry()
@@ -228,7 +228,7 @@ def build_registry(
         settings.execution.max_workers = reconciler.settings.max_workers
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
-        settings.networking.error_backoffs = retries if retries is not None else ApiRetries.RUNNING
+        settings.networking.error_backoffs = retries
         # Watching given namespaces must need no cluster-scoped permission at all (the chart's
         # Role mode): Kopf's scanning would list namespaces and watch CRDs cluster-wide. The
         # resources are still found through discovery at start; a CRD installed later (say

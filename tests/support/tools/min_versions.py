@@ -96,7 +96,7 @@ from support.tools.operator_args import parse_operator_args
 
 settings = parse_operator_args(["--namespace", "team-a"], {})
 reconciler = Reconciler(Kube(client.ApiClient(client.Configuration())), settings)
-registry = app.build_registry(reconciler, settings)
+registry = app.build_registry(reconciler, settings, app.ApiRetries())
 handlers = {h.activity.value: h.fn for h in registry._activities.get_all_handlers()}
 kopf_settings = kopf.OperatorSettings()
 asyncio.run(handlers["startup"](settings=kopf_settings))

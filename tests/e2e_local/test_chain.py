@@ -8,9 +8,12 @@ tests touch below the API is the trainer process they SIGKILL, as the kernel's O
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
+import socket
+import ssl
 import textwrap
 import threading
 from collections.abc import Callable, Iterator
@@ -21,11 +24,12 @@ from typing import Any
 import pytest
 import yaml
 
-from support.controllers import kueue
+from gpuop.api.identity import REPORT_MOUNT, REPORT_PATH
+from support.controllers import kueue, trainerv2
 from support.controllers.webhooked import WebhookedController
 from support.nodeagent import NodeAgent
 from support.paths import ROOT
-from support.plane.cluster import Api, OperatorProcess
+from support.plane.cluster import Api, Installed, OperatorProcess
 from support.plane.controlplane import ControlPlane
 from support.training import HOLD_SITE, hold_env, pace_env, release, wait_held
 from support.waiting import wait_for
@@ -617,15 +621,12 @@ PROGRAMS = {
 }
 
 
-@pytest.mark.usefixtures("agent", "kubeflow", "trainer", "operator")
-@pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
-@pytest.mark.parametrize("program", sorted(PROGRAMS))
-def test_the_code_people_train_reports_progress_into_status_on_either_backend(
+def _train_own_code(
     plane: ControlPlane, program: str, backend: str, timelines: list[Timeline], tmp_path: Path
-) -> None:
+) -> tuple[str, list[dict[str, Any]]]:
     """The user's program under plain torchrun (both Kubeflow APIs set PET_NNODES, PET_NODE_RANK,
     PET_MASTER_ADDR/PORT), reporting with the projected token to the operator's endpoint:
-    status moves while it runs and ends at 100."""
+    status moves while it runs and ends at 100. The training's name and its pods, still there."""
     name = f"{program}-{backend}"
     spec = {
         "image": "registry.example.com/team/own-code:1",  # the node agent runs the host's venv
@@ -671,5 +672,100 @@ def test_the_code_people_train_reports_progress_into_status_on_either_backend(
     volume = next(v for v in pods[0]["spec"]["volumes"] if v["name"] == "gpuop-reports")
     token = volume["projected"]["sources"][0]["serviceAccountToken"]
     assert token["audience"] == f"gpuop.io/reports/{NAMESPACE}/{name}"
+    return name, pods
+
+
+def _delete_training(plane: ControlPlane, name: str) -> None:
     plane.kubectl("delete", "gtr", name, "-n", NAMESPACE, "--wait=true")
     wait_for(f"{name}'s pods gone", lambda: not _pods_of(plane, name), timeout=90)
+
+
+@pytest.mark.usefixtures("agent", "kubeflow", "trainer", "operator")
+@pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_the_code_people_train_reports_progress_into_status_on_either_backend(
+    plane: ControlPlane, program: str, backend: str, timelines: list[Timeline], tmp_path: Path
+) -> None:
+    """Their own programs, no code of ours in the HF one: see :func:`_train_own_code`."""
+    name, _ = _train_own_code(plane, program, backend, timelines, tmp_path)
+    _delete_training(plane, name)
+
+
+class _NamedHTTPS(http.client.HTTPSConnection):
+    """HTTPS to a port of this host, the certificate verified for ``name`` with ``ca``."""
+
+    def __init__(self, port: int, name: str, ca: str) -> None:
+        super().__init__("127.0.0.1", port, timeout=10)
+        self.name, self.verifier = name, ssl.create_default_context(cadata=ca)
+
+    def connect(self) -> None:
+        plain = socket.create_connection((self.host, self.port), self.timeout)
+        self.sock = self.verifier.wrap_socket(plain, server_hostname=self.name)
+
+
+@pytest.fixture
+def progress_gate_on(
+    plane: ControlPlane, api: Api, agent: NodeAgent, trainer: list[WebhookedController], tmp_path: Path
+) -> Iterator[WebhookedController]:
+    """Trainer restarted with its ``TrainJobStatus`` gate on (its own progress server up), for
+    one test; then as it ships again."""
+    shipped = next(c for c in trainer if c.spec is trainerv2.TRAINER)
+    shipped.stop()
+    gated = WebhookedController(trainerv2.TRAINER_WITH_PROGRESS_SERVER, plane, api, agent.host_ip, tmp_path)
+    try:
+        gated.start()
+        wait_for("Trainer's progress server", lambda: "Starting runtime status server" in gated.log.read_text(),
+                 timeout=30)  # fmt: skip
+        yield gated
+    finally:
+        gated.stop()
+        shipped.start()
+
+
+@pytest.mark.usefixtures("agent", "kubeflow", "operator")
+def test_with_trainers_own_progress_gate_on_the_code_reports_to_the_operator_alone(
+    plane: ControlPlane,
+    api: Api,
+    installed: Installed,
+    progress_gate_on: WebhookedController,
+    timelines: list[Timeline],
+    tmp_path: Path,
+) -> None:
+    """Trainer's alpha ``TrainJobStatus`` gate injects the same three variables into every
+    trainer container and serves its own receiver. One receiver is ours: the TrainJob's own
+    ``env`` (the operator's variables) is applied after Trainer's plugins, so a Hugging Face
+    Trainer, which reports by itself wherever the variables lead, reports to the operator.
+    Trainer's server is up and takes a report sent to it (shown at the end), yet gets none from
+    the training."""
+    name, pods = _train_own_code(plane, "hf", "trainjob", timelines, tmp_path)
+    # The gate did inject: Trainer's token volume and its CA ConfigMap are there, unused.
+    assert "kubeflow-trainer-token" in {v["name"] for v in pods[0]["spec"]["volumes"]}
+    assert _get(plane, "configmap", f"{name}-tls-config") is not None
+    env = {e["name"]: e.get("value") for e in pods[0]["spec"]["containers"][0]["env"]}
+    report_url = installed.env["GPUOP_REPORT_URL"] + REPORT_PATH.format(namespace=NAMESPACE, name=name)
+    assert env["KUBEFLOW_TRAINER_SERVER_URL"] == report_url, env
+    assert env["KUBEFLOW_TRAINER_SERVER_TOKEN"].startswith(f"{REPORT_MOUNT}/"), env
+    assert env["KUBEFLOW_TRAINER_SERVER_CA_CERT"].startswith(f"{REPORT_MOUNT}/"), env
+    job = _get(plane, "trainjob", name)
+    assert job is not None
+    assert "trainerStatus" not in job["status"], job["status"]
+    # Trainer's own receiver was there all along: a report sent to it, with a token of its
+    # audience (its URL's path without /apis/) and its CA from the ConfigMap it made for the
+    # pods, lands in the TrainJob.
+    audience = f"trainer.kubeflow.org/v1alpha1/namespaces/{NAMESPACE}/trainjobs/{name}/status"
+    token = api.request("POST", f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/default/token",
+                        {"spec": {"audiences": [audience], "expirationSeconds": 600}})["status"]["token"]  # fmt: skip
+    ca = _get(plane, "configmap", f"{name}-tls-config")["data"]["ca.crt"]
+    body = json.dumps(
+        {"trainerStatus": {"progressPercentage": 42, "lastUpdatedTime": "2026-11-24T00:00:00Z"}}
+    )
+    # Verified as a pod verifies it: by the name of Trainer's Service, on this host's port.
+    connection = _NamedHTTPS(trainerv2.progress_server_port(progress_gate_on),
+                             f"{trainerv2.TRAINER_SERVICE}.{trainerv2.TRAINER_NAMESPACE}.svc", ca)  # fmt: skip
+    connection.request("POST", f"/apis/{audience}", body,
+                       {"Authorization": f"Bearer {token}", "Content-Type": "application/json"})  # fmt: skip
+    reply = connection.getresponse()
+    assert reply.status == 200, (reply.status, reply.read())
+    job = _get(plane, "trainjob", name)
+    assert job["status"]["trainerStatus"]["progressPercentage"] == 42, job["status"]
+    _delete_training(plane, name)

@@ -20,6 +20,8 @@ agent runs them (tests/support/nodeagent.py).
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 from pathlib import Path
 from typing import Any, Final
 
@@ -29,13 +31,14 @@ from support.controllers.trainingoperator import ensure_binary
 from support.controllers.webhooked import ControllerSpec, Ports, WebhookedController
 from support.paths import REFERENCE
 from support.plane.cluster import Api
-from support.plane.controlplane import ControlPlane
+from support.plane.controlplane import ControlPlane, free_port
 
 JOBSET_CRD: Final = REFERENCE / "jobset.x-k8s.io_jobsets.yaml"
 TRAINER_NAMESPACE: Final = "kubeflow-system"
 TRAINER_SERVICE: Final = "kubeflow-trainer-controller-manager"
 JOBSET_NAMESPACE: Final = "jobset-system"
 JOBSET_SERVICE: Final = "jobset-webhook-service"
+TRAINER_CONFIG: Final = "trainer-config.yaml"
 
 
 def _configurations(path: Path, names: dict[str, str], service: str, namespace: str) -> list[dict[str, Any]]:
@@ -91,8 +94,10 @@ def jobset_webhooks() -> list[dict[str, Any]]:
     return configurations
 
 
-def _trainer_command(binary: Path, ports: Ports, workdir: Path) -> list[str]:
-    config = {
+def _trainer_command(
+    binary: Path, ports: Ports, workdir: Path, *, progress_server: bool = False
+) -> list[str]:
+    config: dict[str, Any] = {
         "apiVersion": "config.trainer.kubeflow.org/v1alpha1",
         "kind": "Configuration",
         "health": {"healthProbeBindAddress": f"127.0.0.1:{ports.health}", "readinessEndpointName": "readyz",
@@ -103,9 +108,20 @@ def _trainer_command(binary: Path, ports: Ports, workdir: Path) -> list[str]:
         "certManagement": {"enable": True, "webhookServiceName": TRAINER_SERVICE,
                            "webhookSecretName": "kubeflow-trainer-webhook-cert"},
     }  # fmt: skip
-    path = workdir / "trainer-config.yaml"
+    if progress_server:
+        # The alpha gate as an operator turns it on (manifests' config, featureGates), and its
+        # server on a port of this host's (10443 in the release).
+        config["featureGates"] = {"TrainJobStatus": True}
+        config["statusServer"] = {"port": free_port()}
+    path = workdir / TRAINER_CONFIG
     path.write_text(yaml.safe_dump(config))
     return [str(binary), f"--config={path}", "--zap-log-level=info"]
+
+
+def progress_server_port(controller: WebhookedController) -> int:
+    """The port Trainer's progress server (``TrainJobStatus``) listens on, from its config."""
+    port: int = yaml.safe_load((controller.workdir / TRAINER_CONFIG).read_text())["statusServer"]["port"]
+    return port
 
 
 def _jobset_command(binary: Path, ports: Ports, workdir: Path) -> list[str]:
@@ -131,6 +147,15 @@ TRAINER: Final = ControllerSpec(
     secret="kubeflow-trainer-webhook-cert",
     webhooks=trainer_webhooks,
     command=_trainer_command,
+)
+# Trainer with its ``TrainJobStatus`` gate on: it then injects Kubeflow's progress variables
+# into every trainer container and serves them itself. Its server finds the token issuer from
+# its own ServiceAccount's token and fetches the issuer's discovery document by the kubernetes
+# Service's name, as in its pod (support.controllers.incluster).
+TRAINER_WITH_PROGRESS_SERVER: Final = dataclasses.replace(
+    TRAINER,
+    command=functools.partial(_trainer_command, progress_server=True),
+    service_account="kubeflow-trainer-controller-manager",
 )
 JOBSET: Final = ControllerSpec(
     name="jobset",

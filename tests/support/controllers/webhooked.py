@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from support.controllers import incluster
 from support.plane.cluster import Api, HttpError
 from support.plane.controlplane import ControlPlane, free_port
 
@@ -44,6 +45,9 @@ class ControllerSpec:
     secret: str  # the Secret its rotator fills (shipped empty, as the release manifests do)
     webhooks: Callable[[], list[dict[str, Any]]]  # the webhook configurations, named as released
     command: Callable[[Path, Ports, Path], list[str]]  # (binary, ports, workdir) -> argv
+    # The ServiceAccount whose in-cluster files it reads, with the kubernetes Service by name
+    # (support.controllers.incluster); None for one that needs neither.
+    service_account: str | None = None
 
 
 class WebhookedController:
@@ -59,20 +63,26 @@ class WebhookedController:
         self.log = self.workdir / f"{spec.name}.log"
         self.certs = self.workdir / "serving-certs"
         self._stopped = threading.Event()
+        self.proxy: incluster.ServiceProxy | None = None
 
     def start(self, timeout: float = 90.0) -> None:
+        """Start it; again after :meth:`stop` too (on new ports, its endpoint moved to them)."""
         spec = self.spec
         binary = spec.binary()
         ports = Ports(webhook=free_port(), health=free_port())
+        self._stopped.clear()
         self._create("/api/v1/namespaces", {"metadata": {"name": spec.namespace}})
         port = {"name": "webhook", "port": 443, "targetPort": ports.webhook, "protocol": "TCP"}
         self._create(f"/api/v1/namespaces/{spec.namespace}/services",
                      {"metadata": {"name": spec.service}, "spec": {"ports": [port]}})  # fmt: skip
-        self._create(f"/api/v1/namespaces/{spec.namespace}/endpoints", {
+        endpoints = {
             "metadata": {"name": spec.service},
             "subsets": [{"addresses": [{"ip": self.host_ip}],
                          "ports": [{"name": "webhook", "port": ports.webhook, "protocol": "TCP"}]}],
-        })  # fmt: skip
+        }  # fmt: skip
+        self._create(f"/api/v1/namespaces/{spec.namespace}/endpoints", endpoints)
+        # An endpoint left by an earlier start names its old port: point it at this one.
+        self.api.request("PUT", f"/api/v1/namespaces/{spec.namespace}/endpoints/{spec.service}", endpoints)
         self._create(f"/api/v1/namespaces/{spec.namespace}/secrets", {"metadata": {"name": spec.secret}})
         for configuration in spec.webhooks():
             plural = configuration["kind"].lower() + "s"
@@ -81,13 +91,20 @@ class WebhookedController:
         private_tmp = (f"mkdir -p {CERT_DIR} && mount -t tmpfs -o size=1m certs {CERT_DIR} && "
                        f"mkdir {CERT_DIR}/serving-certs && mount --bind {self.certs} {CERT_DIR}/serving-certs && "
                        'exec "$@"')  # fmt: skip
+        env = {**os.environ, "MY_POD_NAMESPACE": spec.namespace, "KUBECONFIG": str(self.plane.kubeconfig)}
+        if spec.service_account is not None:
+            files = incluster.ServiceAccountFiles(
+                self.plane, self.api, spec.namespace, spec.service_account, self.workdir / "serviceaccount"
+            )
+            private_tmp = f"{files.mount()} && {private_tmp}"
+            self.proxy = incluster.ServiceProxy(self.plane)
+            env.update(self.proxy.environment())
         threading.Thread(target=self._project_secret, daemon=True, name=f"{spec.name}-cert-volume").start()
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
                 ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", private_tmp, "sh",
                  *spec.command(binary, ports, self.workdir)],
-                env={**os.environ, "MY_POD_NAMESPACE": spec.namespace, "KUBECONFIG": str(self.plane.kubeconfig)},
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -143,3 +160,6 @@ class WebhookedController:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+        if self.proxy is not None:
+            self.proxy.close()
+            self.proxy = None

@@ -25,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import heapq
 import http.server
+import itertools
 import json
 import logging
 import os
@@ -162,6 +164,50 @@ class RateLimiter:
                 self._buckets.popitem(last=False)
 
 
+class Deadlines:
+    """Calls each callback once its time has come, unless cancelled first: one thread for every
+    connection's deadline. A timer thread per connection would double the threads each report
+    starts (the handler's and its timer's), at 200 reports a second."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._due: list[list[Any]] = []  # heap of [at, number, callback or None once cancelled]
+        self._numbers = itertools.count()
+        self._changed = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="report-deadlines", daemon=True)
+        self._thread.start()
+
+    def after(self, seconds: float, callback: Callable[[], None]) -> list[Any]:
+        """Call ``callback`` in ``seconds``; the handle is for :meth:`cancel`."""
+        entry = [self.clock() + seconds, next(self._numbers), callback]
+        with self._changed:
+            heapq.heappush(self._due, entry)
+            if self._due[0] is entry:
+                self._changed.notify()
+        return entry
+
+    def cancel(self, entry: list[Any]) -> None:
+        entry[2] = None  # dropped when it comes due: a cancelled entry costs its slot until then
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped = True
+            self._changed.notify()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._stopped and (not self._due or self._due[0][0] > self.clock()):
+                    self._changed.wait(self._due[0][0] - self.clock() if self._due else None)
+                if self._stopped:
+                    return
+                callback = heapq.heappop(self._due)[2]
+            if callback is not None:
+                callback()  # a socket's shutdown: quick, and never raises (cut_off)
+
+
 class ReportServer:
     """The HTTPS endpoint on its own threads: start(), then close()."""
 
@@ -190,6 +236,7 @@ class ReportServer:
         self._open: dict[Any, threading.Thread] = {}
         self._open_lock = threading.Lock()
         self._closing = False
+        self.deadlines = Deadlines()
         self._httpd = _Server((host, port), _handler(self))
         self._thread: threading.Thread | None = None
 
@@ -215,6 +262,7 @@ class ReportServer:
             thread.join(timeout=5)
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self.deadlines.stop()
 
     def opened(self, handler: Any) -> bool:
         """A connection's handler starts; False once close() has begun."""
@@ -264,9 +312,7 @@ def _handler(server: ReportServer) -> type[http.server.BaseHTTPRequestHandler]:
             limits = server.gate.limits
             # One deadline for the whole request: a per-read timeout alone lets a client that
             # sends a byte a second hold a thread forever.
-            self._deadline = threading.Timer(limits.request_seconds, self.cut_off)
-            self._deadline.daemon = True
-            self._deadline.start()
+            self._deadline = server.deadlines.after(limits.request_seconds, self.cut_off)
             if not server.opened(self):
                 self.cut_off()  # closing: answer nobody
             self._wrapped = False
@@ -292,7 +338,7 @@ def _handler(server: ReportServer) -> type[http.server.BaseHTTPRequestHandler]:
             except OSError:
                 pass
             finally:
-                self._deadline.cancel()
+                server.deadlines.cancel(self._deadline)
                 server.closed(self)
                 if self._wrapped:  # the server closes the plain socket it accepted, not this one
                     self.request.close()
@@ -409,6 +455,10 @@ class _Certificates:
                 context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
                 context.minimum_version = ssl.TLSVersion.TLSv1_2
                 context.load_cert_chain(cert, key)
+                # No TLS 1.3 session tickets: each connection carries one report, and clients
+                # (urllib, requests, Go's default) do not resume sessions, so the two tickets
+                # OpenSSL sends after every handshake were a fifth of the endpoint's CPU.
+                context.num_tickets = 0
                 self._context, self._stamp = context, stamp
             return self._context
 

@@ -515,6 +515,33 @@ def test_a_queued_job_without_a_workload_yet_says_what_it_waits_for() -> None:
     assert "LocalQueue team-a" in (condition.message or "")
 
 
+@pytest.mark.parametrize("paused", ["suspended", "preempted"])
+def test_an_hour_paused_is_no_stall_the_clock_starts_again_on_resume(paused: str) -> None:
+    """Issue 28: the stall clock ran through a pause, so a training that resumed after an hour
+    suspended (or preempted by Kueue) was Stalled at once, before it could take a step. It starts
+    again when the training runs again; a resumed training that then takes no step for the stall
+    timeout is still Stalled."""
+    queue = {"queue_name": "team-a"} if paused == "preempted" else {}
+    running = derive_status(None, observe(0, pods=running_pods(10), **queue), THRESHOLDS)
+    if paused == "preempted":
+        evicted = QueueState(False, "Preempted", "Preempted to accommodate a workload")
+        pause = observe(60, conditions=SUSPENDED, job_suspended=True, queue=evicted, **queue)
+    else:
+        pause = observe(60, conditions=SUSPENDED)
+    held = _round_trip(derive_status(running, pause, THRESHOLDS))  # as a restarted operator reads it
+    assert held.phase in ("Suspended", "Queued")
+    # An hour later it runs again; its pods are starting, so no figure is newer than step 10.
+    resumed = derive_status(held, observe(3660, **queue), THRESHOLDS)
+    assert resumed.phase == "Running"
+    assert "Stalled" not in types(resumed), [c.message for c in resumed.conditions]
+    resumed = _round_trip(resumed)
+    still = derive_status(resumed, observe(3660 + 899, pods=running_pods(10), **queue), THRESHOLDS)
+    assert "Stalled" not in types(still)
+    stuck = derive_status(still, observe(3660 + 900, pods=running_pods(10), **queue), THRESHOLDS)
+    assert types(stuck)["Stalled"] == "True"
+    assert "has not advanced for 15m" in next(c.message for c in stuck.conditions if c.type == "Stalled")
+
+
 def test_a_preempted_job_is_queued_again_with_kueues_reason() -> None:
     running = derive_status(None, observe(0, pods=running_pods(10), queue_name="team-a"), THRESHOLDS)
     evicted = QueueState(

@@ -67,6 +67,7 @@ _TERMINAL: Final = ("Succeeded", "Failed")
 # Phases whose pods hold their GPUs: what gpuHours counts. Created (pods starting, perhaps not
 # yet placed), Queued and Suspended (no pods) do not.
 _HOLDING_GPUS: Final[tuple[Phase, ...]] = ("Running", "Restarting")
+_PAUSED: Final[tuple[Phase, ...]] = ("Suspended", "Queued", "Created")  # Created: being resumed (Kueue)
 TIME_FORMAT: Final = "%Y-%m-%dT%H:%M:%SZ"
 # Named in a message before any backend is chosen ("waiting for the PyTorchJob"): the one
 # a GpuTraining ran on before there were others.
@@ -260,7 +261,9 @@ def derive_status(
         return _job_deleted_after_finishing(previous, obs, now)
     phase = _kueue_phase(obs, _phase(obs))
     before = previous or GpuTrainingStatus()
-    progress = figures.progress(before.progress, obs, phase, now)
+    # Running again after a pause: the time paused is no stall (the GPUs were not held either).
+    resumed = phase == "Running" and before.phase in _PAUSED
+    progress = figures.progress(before.progress, obs, phase, now, resumed=resumed)
     restart_note = _restart_note(obs, progress) if phase == "Running" else None
     moment = _Moment(
         obs=obs, before=before, thresholds=thresholds, now=now,

@@ -8,6 +8,7 @@ No Kubeflow controller and no kubelet run here: the test plays both, writing wha
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -110,13 +111,19 @@ class KubeflowStandIn:
         }  # fmt: skip
         self.api.patch_status("pytorchjobs", name, status, NAMESPACE)
 
-    def start_pods(self, job: dict[str, Any], progress: Progress, gpu_percent: float) -> list[str]:
-        """The job's pods, owned by it as the training-operator makes them, Running with an IP."""
+    def start_pods(
+        self, job: dict[str, Any], progress: Progress, gpu_percent: float, *, dribbling: bool = False
+    ) -> list[str]:
+        """The job's pods, owned by it as the training-operator makes them, Running with an IP;
+        ``dribbling``: their endpoints answer a byte at a time."""
         name = job["metadata"]["name"]
         names = []
         for role in ("master", "worker"):
             pod_name = f"{name}-{role}-0"
-            ip = self.trainers.start(pod_name, progress, gpu_percent)
+            if dribbling:
+                ip = self.trainers.start_dribbling(pod_name)
+            else:
+                ip = self.trainers.start(pod_name, progress, gpu_percent)
             pod = {
                 "apiVersion": "v1", "kind": "Pod",
                 "metadata": {
@@ -644,6 +651,34 @@ def test_one_poisonous_training_stops_no_other(
         'spec.resources.memory: must be at most 9223372036854775807, Kubernetes\' int64 (got "1e999999999")'
     )
     assert api.get("pytorchjobs", "poison", NAMESPACE) is None
+
+
+def test_one_pod_that_answers_a_byte_at_a_time_holds_no_other_trainings_status(
+    plane: ControlPlane, api: Api, fresh_operator: OperatorProcess, stand_in: KubeflowStandIn
+) -> None:
+    """Issue 28: the tick waited for every pod's scrape, and a per-read timeout never fires on an
+    endpoint that sends a byte every 0.1 s (any user's image can), so one such pod froze every
+    training's status. Now it costs only its own figures: the other training's steps still
+    reach its status tick after tick."""
+    fresh_operator.start()
+    jobs = {}
+    for name in ("dribbler", "fine"):
+        plane.kubectl("create", "-f", "-", input=json.dumps(training(name)))
+        jobs[name] = wait_for(f"{name}'s PyTorchJob", lambda n=name: api.get("pytorchjobs", n, NAMESPACE),
+                              timeout=60)  # fmt: skip
+        stand_in.job_status(name, "Created", "Running", startTime=_stamp(time.time()))
+    stand_in.start_pods(jobs["dribbler"], RUNNING, gpu_percent=85.0, dribbling=True)
+    pods = stand_in.start_pods(jobs["fine"], RUNNING, gpu_percent=85.0)
+    wait_for("fine's first figures", lambda: _status(api, "fine").get("progress", {}).get("step") == 30,
+             timeout=30)  # fmt: skip
+    for step in (40, 50, 60):  # each a tick or more apart (1 s, the suite's scrape interval)
+        for pod in pods:
+            stand_in.trainers.report(pod, dataclasses.replace(RUNNING, step=step), gpu_percent=85.0)
+        wait_for(f"fine's step {step} in its status",
+                 lambda s=step: _status(api, "fine").get("progress", {}).get("step") == s, timeout=15)  # fmt: skip
+    dribbler = _status(api, "dribbler")
+    assert dribbler["phase"] == "Running"
+    assert "progress" not in dribbler or "step" not in dribbler["progress"]  # none of its bytes made figures
 
 
 def test_with_a_queue_suspend_is_kueues(

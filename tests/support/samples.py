@@ -1,9 +1,13 @@
 """What the tests' stand-ins report and what kubectl shows: a trainer's figures mid-run, an
-H100's NVML reading, stand-in trainers serving them, the CRD's printer columns."""
+H100's NVML reading, stand-in trainers serving them (and one that answers a byte at a time),
+the CRD's printer columns."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import threading
 from typing import Final
 
 from gputrain.contract import METRICS_PORT, Progress
@@ -38,20 +42,32 @@ class StandInTrainers:
     server) on a loopback address of its own, as a pod IP, where the operator scrapes it."""
 
     def __init__(self, first_ip: int) -> None:
-        self._servers: dict[str, MetricsServer] = {}
+        self._servers: dict[str, MetricsServer | DribblingTrainer] = {}
         self._next_ip = first_ip
+
+    def _ip(self) -> str:
+        ip = f"127.{SESSION_OCTET}.0.{self._next_ip}"
+        self._next_ip += 1
+        return ip
 
     def start(self, pod: str, progress: Progress, gpu_percent: float | None) -> str:
         """Serve ``pod``'s figures; returns the pod IP to write in its status."""
-        ip = f"127.{SESSION_OCTET}.0.{self._next_ip}"
-        self._next_ip += 1
+        ip = self._ip()
         server = MetricsServer(METRICS_PORT, addr=ip)
         server.update(progress, gpus=h100(gpu_percent))
         self._servers[pod] = server
         return ip
 
+    def start_dribbling(self, pod: str) -> str:
+        """``pod``'s endpoint answers a byte at a time (:class:`DribblingTrainer`); its IP."""
+        ip = self._ip()
+        self._servers[pod] = DribblingTrainer(ip)
+        return ip
+
     def report(self, pod: str, progress: Progress, gpu_percent: float | None = None) -> None:
-        self._servers[pod].update(progress, gpus=h100(gpu_percent) or None)
+        server = self._servers[pod]
+        assert isinstance(server, MetricsServer), f"{pod} serves no figures"
+        server.update(progress, gpus=h100(gpu_percent) or None)
 
     def stop(self, pod: str) -> None:
         """The trainer exits: its endpoint goes."""
@@ -62,3 +78,44 @@ class StandInTrainers:
     def close(self) -> None:
         for pod in list(self._servers):
             self.stop(pod)
+
+
+class DribblingTrainer:
+    """A pod's metrics endpoint that answers one byte at a time, every ``every`` seconds, for as
+    long as the client waits (any user's image can): a per-read timeout never fires on it.
+    ``cut`` is set when a client closes its connection; serves until :meth:`close`."""
+
+    def __init__(self, ip: str, every: float = 0.1) -> None:
+        self.every = every
+        self.cut = threading.Event()
+        self._closing = threading.Event()
+        self._listener = socket.create_server((ip, METRICS_PORT))
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="dribbling-trainer")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._closing.is_set():
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._dribble, args=(connection,), daemon=True, name="dribble").start()
+
+    def _dribble(self, connection: socket.socket) -> None:
+        with connection:
+            try:
+                connection.recv(4096)  # the request
+                connection.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 100000\r\n\r\n"
+                )
+                while not self._closing.wait(self.every):
+                    connection.sendall(b"#")
+            except OSError:
+                self.cut.set()  # the client hung up on it
+
+    def close(self) -> None:
+        self._closing.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        self._thread.join(timeout=5)

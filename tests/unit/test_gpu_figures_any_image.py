@@ -40,7 +40,9 @@ class _Cluster:
         self.endpoint_reads = 0
 
     def list_training_pods(self, namespace: str) -> list[dict[str, Any]]:
-        return [_pod(PODS[0], "10.0.0.1"), _pod(PODS[1], "10.0.0.2")]
+        # Loopback addresses nothing serves (a custom image has no metrics endpoint of ours);
+        # no test sends traffic off this machine.
+        return [_pod(PODS[0], "127.255.0.1"), _pod(PODS[1], "127.255.0.2")]
 
     def get_endpoints(self, namespace: str, name: str) -> Mapping[str, Any] | None:
         assert (namespace, name) == ("gpu-operator", "nvidia-dcgm-exporter")

@@ -31,7 +31,7 @@ import pytest
 from gpuop.api.identity import REPORT_PATH, TRAINING_LABEL, report_audience
 from gpuop.controller.kube import ApiError, Kube
 from gpuop.controller.receiver import ClusterGate
-from gpuop.observing.endpoint import Deadlines, Limits, RateLimiter, RefusalError, ReportBook, ReportServer
+from gpuop.observing.endpoint import Limits, RateLimiter, RefusalError, ReportBook, ReportServer
 from gpuop.observing.reports import MAX_BODY_BYTES
 from support.tls import serving_directory
 from support.waiting import ManualClock, wait_for
@@ -722,23 +722,6 @@ def test_a_silent_connection_is_cut_off_at_the_deadline(serve: Callable[..., Ser
         started = time.monotonic()
         assert plain.recv(1) == b""  # no TLS handshake ever started: closed, not waited for
         assert time.monotonic() - started < 0.5 + 1.0
-
-
-def test_deadlines_come_in_time_order_and_a_cancelled_one_never() -> None:
-    deadlines = Deadlines()
-    called: list[str] = []
-    done = threading.Event()
-    try:
-        later = deadlines.after(0.3, lambda: (called.append("later"), done.set()))
-        deadlines.after(0.1, lambda: called.append("sooner"))  # added after, due before
-        cancelled = deadlines.after(0.05, lambda: called.append("cancelled"))
-        deadlines.cancel(cancelled)
-        assert done.wait(5), called
-        assert called == ["sooner", "later"]  # the cancelled one came due first and was dropped
-        deadlines.cancel(later)  # after it ran: nothing to undo
-    finally:
-        deadlines.stop()
-    assert not deadlines._thread.is_alive()
 
 
 def test_the_endpoint_sends_no_session_tickets(served: Served) -> None:

@@ -173,7 +173,8 @@ def operator_options(command: F) -> F:
         _option(
             "--scrape-timeout",
             "SCRAPE_TIMEOUT",
-            "Timeout of one metrics request, in seconds.",
+            "Seconds a tick waits for the trainers' metrics, all pods at once (one not answered "
+            "whole by then gives no figures that tick).",
             default=str(d.scrape_timeout_seconds),
             show_default=True,
             metavar="SECONDS",

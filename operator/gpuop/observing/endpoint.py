@@ -25,9 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import heapq
 import http.server
-import itertools
 import json
 import logging
 import os
@@ -43,6 +41,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final, Protocol
 
+from gpuop._kits import deadlines
 from gpuop.api.identity import GROUP, PLURAL, VERSION
 from gpuop.observing.records import ReceivedReport
 from gpuop.observing.reports import MAX_BODY_BYTES, ReportError, parse_report
@@ -164,50 +163,6 @@ class RateLimiter:
                 self._buckets.popitem(last=False)
 
 
-class Deadlines:
-    """Calls each callback once its time has come, unless cancelled first: one thread for every
-    connection's deadline. A timer thread per connection would double the threads each report
-    starts (the handler's and its timer's), at 200 reports a second."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
-        self._due: list[list[Any]] = []  # heap of [at, number, callback or None once cancelled]
-        self._numbers = itertools.count()
-        self._changed = threading.Condition()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="report-deadlines", daemon=True)
-        self._thread.start()
-
-    def after(self, seconds: float, callback: Callable[[], None]) -> list[Any]:
-        """Call ``callback`` in ``seconds``; the handle is for :meth:`cancel`."""
-        entry = [self.clock() + seconds, next(self._numbers), callback]
-        with self._changed:
-            heapq.heappush(self._due, entry)
-            if self._due[0] is entry:
-                self._changed.notify()
-        return entry
-
-    def cancel(self, entry: list[Any]) -> None:
-        entry[2] = None  # dropped when it comes due: a cancelled entry costs its slot until then
-
-    def stop(self) -> None:
-        with self._changed:
-            self._stopped = True
-            self._changed.notify()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while True:
-            with self._changed:
-                while not self._stopped and (not self._due or self._due[0][0] > self.clock()):
-                    self._changed.wait(self._due[0][0] - self.clock() if self._due else None)
-                if self._stopped:
-                    return
-                callback = heapq.heappop(self._due)[2]
-            if callback is not None:
-                callback()  # a socket's shutdown: quick, and never raises (cut_off)
-
-
 class ReportServer:
     """The HTTPS endpoint on its own threads: start(), then close()."""
 
@@ -236,7 +191,7 @@ class ReportServer:
         self._open: dict[Any, threading.Thread] = {}
         self._open_lock = threading.Lock()
         self._closing = False
-        self.deadlines = Deadlines()
+        self.deadlines = deadlines.Deadlines("report-deadlines")
         self._httpd = _Server((host, port), _handler(self))
         self._thread: threading.Thread | None = None
 

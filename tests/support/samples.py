@@ -4,7 +4,6 @@ the CRD's printer columns."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import threading
@@ -12,6 +11,7 @@ from typing import Final
 
 from gputrain.contract import METRICS_PORT, Progress
 from gputrain.metrics import GpuReading, MetricsServer
+from support.tcp import TcpServer
 
 # What `kubectl get gputrainings` prints as its header (the CRD's printer columns).
 PRINTER_COLUMNS = ["NAME", "PHASE", "WORKERS", "GPUS", "PROGRESS", "LOSS", "GPU-UTIL", "ETA", "AGE"]
@@ -89,33 +89,19 @@ class DribblingTrainer:
         self.every = every
         self.cut = threading.Event()
         self._closing = threading.Event()
-        self._listener = socket.create_server((ip, METRICS_PORT))
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="dribbling-trainer")
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._closing.is_set():
-            try:
-                connection, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._dribble, args=(connection,), daemon=True, name="dribble").start()
+        self._server = TcpServer((ip, METRICS_PORT), self._dribble, "dribbling-trainer")
 
     def _dribble(self, connection: socket.socket) -> None:
-        with connection:
-            try:
-                connection.recv(4096)  # the request
-                connection.sendall(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 100000\r\n\r\n"
-                )
-                while not self._closing.wait(self.every):
-                    connection.sendall(b"#")
-            except OSError:
-                self.cut.set()  # the client hung up on it
+        try:
+            connection.recv(4096)  # the request
+            connection.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 100000\r\n\r\n"
+            )
+            while not self._closing.wait(self.every):
+                connection.sendall(b"#")
+        except OSError:
+            self.cut.set()  # the client hung up on it
 
     def close(self) -> None:
-        self._closing.set()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        self._thread.join(timeout=5)
+        self._closing.set()  # its connections end within ``every``
+        self._server.close()

@@ -26,6 +26,7 @@ from typing import Final
 
 from support.plane.cluster import Api, HttpError
 from support.plane.controlplane import SERVICE_ACCOUNT_ISSUER, ControlPlane
+from support.tcp import TcpServer
 
 MOUNT: Final = "/var/run/secrets/kubernetes.io/serviceaccount"
 SERVICE_HOST: Final = SERVICE_ACCOUNT_ISSUER.removeprefix("https://")
@@ -70,60 +71,46 @@ class ServiceProxy:
         # names it), as a pod dials an address it was given.
         self.direct = ("127.0.0.1", "localhost", plane.advertise_address)
         self.routed = 0  # tunnels opened: the controller did reach the Service through here
-        self._listener = socket.create_server(("127.0.0.1", 0))
         self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._accept, daemon=True, name="service-proxy")
-        self._thread.start()
+        self._server = TcpServer(("127.0.0.1", 0), self._tunnel, "service-proxy")
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        return f"http://127.0.0.1:{self._server.port}"
 
     def environment(self) -> dict[str, str]:
         """The process's proxy variables (Go's ``ProxyFromEnvironment`` reads them)."""
         return {"HTTPS_PROXY": self.url, "NO_PROXY": ",".join(self.direct)}
 
     def close(self) -> None:
-        self._closing.set()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        self._thread.join(timeout=5)
-
-    def _accept(self) -> None:
-        while not self._closing.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._tunnel, args=(client,), daemon=True, name="service-tunnel").start()
+        self._closing.set()  # the open tunnels end within a second
+        self._server.close()
 
     def _tunnel(self, client: socket.socket) -> None:
-        with client:
-            client.settimeout(10)
-            head = b""
+        client.settimeout(10)
+        head = b""
+        with contextlib.suppress(OSError):
+            while b"\r\n\r\n" not in head and len(head) < 8192:
+                chunk = client.recv(1024)
+                if not chunk:
+                    return
+                head += chunk
+        method, _, rest = head.partition(b" ")
+        target = rest.partition(b" ")[0].decode(errors="replace")
+        if method != b"CONNECT" or target != f"{SERVICE_HOST}:443":
             with contextlib.suppress(OSError):
-                while b"\r\n\r\n" not in head and len(head) < 8192:
-                    chunk = client.recv(1024)
-                    if not chunk:
-                        return
-                    head += chunk
-            method, _, rest = head.partition(b" ")
-            target = rest.partition(b" ")[0].decode(errors="replace")
-            if method != b"CONNECT" or target != f"{SERVICE_HOST}:443":
-                with contextlib.suppress(OSError):
-                    client.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
-                return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.apiserver_port), timeout=10)
-            except OSError:
-                with contextlib.suppress(OSError):
-                    client.sendall(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n")
-                return
-            self.routed += 1
-            with upstream:
-                client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
-                _splice(client, upstream, self._closing)
+                client.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
+            return
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.apiserver_port), timeout=10)
+        except OSError:
+            with contextlib.suppress(OSError):
+                client.sendall(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n")
+            return
+        self.routed += 1
+        with upstream:
+            client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            _splice(client, upstream, self._closing)
 
 
 def _splice(a: socket.socket, b: socket.socket, closing: threading.Event) -> None:

@@ -542,6 +542,27 @@ def test_an_hour_paused_is_no_stall_the_clock_starts_again_on_resume(paused: str
     assert "has not advanced for 15m" in next(c.message for c in stuck.conditions if c.type == "Stalled")
 
 
+def test_a_moment_without_a_ready_child_job_is_no_pause_for_the_stall_clock() -> None:
+    """A TrainJob reads Created while no child Job is ready (a pod's container restarting):
+    that is no pause, so a training stuck at one step through such restarts is still Stalled."""
+    running = derive_status(None, observe(0, pods=running_pods(10)), THRESHOLDS)
+    blip = derive_status(running, observe(600, conditions=(JobCondition("Created", "True"),)), THRESHOLDS)
+    assert blip.phase == "Created"
+    again = derive_status(_round_trip(blip), observe(660, pods=running_pods(10)), THRESHOLDS)
+    assert "Stalled" not in types(again)
+    stuck = derive_status(again, observe(900, pods=running_pods(10)), THRESHOLDS)
+    assert types(stuck)["Stalled"] == "True"
+
+
+def test_low_gpu_use_before_a_pause_does_not_count_after_it() -> None:
+    low = derive_status(None, observe(0, pods=running_pods(10, util=5.0)), THRESHOLDS)
+    suspended = derive_status(low, observe(60, conditions=SUSPENDED), THRESHOLDS)
+    resumed = derive_status(suspended, observe(3660, pods=running_pods(11, util=5.0)), THRESHOLDS)
+    assert "Underutilized" not in types(resumed)
+    later = derive_status(resumed, observe(3660 + 600, pods=running_pods(400, util=5.0)), THRESHOLDS)
+    assert types(later)["Underutilized"] == "True"  # 600 s low since the resume: the threshold
+
+
 def test_a_preempted_job_is_queued_again_with_kueues_reason() -> None:
     running = derive_status(None, observe(0, pods=running_pods(10), queue_name="team-a"), THRESHOLDS)
     evicted = QueueState(

@@ -70,8 +70,8 @@ def test_a_custom_images_gpus_come_from_the_exporter_into_status_and_underutiliz
         settings = OperatorSettings(gpu_metrics="dcgm-exporter", scrape_timeout_seconds=2.0)
         reader = PodReader(cluster, settings, OperatorMetrics())  # type: ignore[arg-type]
         try:
-            observed = reader.observe_namespace(NAMESPACE, [TRAINING])[TRAINING]
-            again = reader.observe_namespace(NAMESPACE, [TRAINING])[TRAINING]
+            observed = (reader.observe({NAMESPACE: [TRAINING]})[NAMESPACE] or {})[TRAINING]
+            again = (reader.observe({NAMESPACE: [TRAINING]})[NAMESPACE] or {})[TRAINING]
         finally:
             reader.close()
     assert observed is not None

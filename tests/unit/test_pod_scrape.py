@@ -4,6 +4,7 @@ tick waited for each scrape, and a per-read timeout never fires on a byte every 
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from typing import Any
@@ -14,6 +15,7 @@ from gpuop.controller.telemetry import OperatorMetrics
 from gputrain.contract import METRICS_PORT
 from gputrain.metrics import MetricsServer
 from support.samples import RUNNING, SESSION_OCTET, DribblingTrainer
+from support.tcp import TcpServer
 
 NAMESPACE = "team-a"
 # Addresses of this session's own (the stand-in trainers of other suites use 127.N.0.x).
@@ -45,7 +47,7 @@ def test_a_pod_that_answers_a_byte_at_a_time_costs_only_its_own_figures() -> Non
     )
     observed: dict[str, Any] = {}
     tick = threading.Thread(
-        target=lambda: observed.update(reader.observe_namespace(NAMESPACE, ["fine", "slow"]))
+        target=lambda: observed.update(reader.observe({NAMESPACE: ["fine", "slow"]})[NAMESPACE] or {})
     )
     try:
         started = time.monotonic()
@@ -66,3 +68,62 @@ def test_a_pod_that_answers_a_byte_at_a_time_costs_only_its_own_figures() -> Non
         reader.close()
         slow.close()
         fine.close()
+
+
+class _Namespaces:
+    """Two namespaces, each with one training whose pod answers a byte at a time."""
+
+    in_cluster = False
+
+    def list_training_pods(self, namespace: str) -> list[dict[str, Any]]:
+        ip = {"team-a": SLOW_IP, "team-b": OTHER_SLOW_IP}[namespace]
+        pod = _pod("slow-master-0", "slow", ip)
+        pod["metadata"]["namespace"] = namespace
+        return [pod]
+
+
+OTHER_SLOW_IP = f"127.{SESSION_OCTET}.1.4"
+
+
+def test_a_tick_waits_one_scrape_timeout_however_many_namespaces() -> None:
+    slow = [DribblingTrainer(SLOW_IP), DribblingTrainer(OTHER_SLOW_IP)]
+    reader = PodReader(
+        _Namespaces(),  # type: ignore[arg-type]
+        OperatorSettings(scrape_timeout_seconds=1.0, scrape_via="pod-ip"),
+        OperatorMetrics(),
+    )
+    try:
+        started = time.monotonic()
+        observed = reader.observe({"team-a": ["slow"], "team-b": ["slow"]})
+        took = time.monotonic() - started
+        assert 1.0 <= took < 1.9, took  # one deadline for both, not one a namespace (2 s)
+        assert [p.metrics for ns in ("team-a", "team-b") for p in (observed[ns] or {})["slow"] or ()] == [
+            None,
+            None,
+        ]
+    finally:
+        reader.close()
+        for server in slow:
+            server.close()
+
+
+def test_an_answer_closed_before_its_length_gives_no_figures() -> None:
+    """``gputrain_step 1234`` cut to ``gputrain_step 12`` would read as a step back."""
+    whole = b"gputrain_total_steps 5000\ngputrain_step 1234\n"
+
+    def answer_half(connection: socket.socket) -> None:
+        connection.recv(4096)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(whole) + whole[:-4])
+
+    server = TcpServer((FINE_IP, METRICS_PORT), answer_half, "half-answer")
+    reader = PodReader(
+        _Cluster(),  # type: ignore[arg-type]
+        OperatorSettings(scrape_timeout_seconds=1.0, scrape_via="pod-ip"),
+        OperatorMetrics(),
+    )
+    try:
+        [fine_pod] = (reader.observe({NAMESPACE: ["fine"]})[NAMESPACE] or {})["fine"] or ()
+        assert fine_pod.metrics is None
+    finally:
+        reader.close()
+        server.close()

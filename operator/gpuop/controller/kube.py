@@ -155,6 +155,7 @@ class Kube:
         raw: bool = False,
         timeout: float | None = None,
         retried: frozenset[int] = RETRIED_STATUSES,
+        attempts: int | None = None,
     ) -> Any:
         if query:
             path = f"{path}?{urllib.parse.urlencode(query)}"
@@ -164,7 +165,8 @@ class Kube:
         payload = json.dumps(body).encode() if body is not None else None
         url = f"{self.configuration.host}{path}"
         verb, resource = request_target(method, path)
-        for attempt in range(self.backoff.attempts):
+        attempts = attempts or self.backoff.attempts
+        for attempt in range(attempts):
             started = time.monotonic()
             try:
                 response = self._pool.request(
@@ -176,7 +178,7 @@ class Kube:
                 retry_after = _retry_after(response.headers)
             except (urllib3.exceptions.HTTPError, OSError) as exc:
                 self.requests.record(verb, resource, 0, time.monotonic() - started)
-                if attempt + 1 == self.backoff.attempts:
+                if attempt + 1 == attempts:
                     raise ApiError(0, "Unreachable", str(exc)) from None
                 delay = self.backoff.delay(attempt, None)
                 log.warning("%s %s: %s; retrying in %.1fs", method, path, exc, delay)
@@ -188,7 +190,7 @@ class Kube:
                     return data.decode("utf-8", errors="replace")
                 return json.loads(data) if data else None
             error = _error(status, data)
-            if status in retried and attempt + 1 < self.backoff.attempts:
+            if status in retried and attempt + 1 < attempts:
                 delay = self.backoff.delay(attempt, retry_after)
                 log.info("%s %s: %s; retrying in %.1fs", method, path, error, delay)
                 time.sleep(delay)
@@ -318,9 +320,10 @@ class Kube:
         return status
 
     def pod_metrics_via_proxy(self, namespace: str, pod: str, port: int, timeout: float) -> str:
-        """The pod's /metrics through the API server's pod proxy (the operator is outside)."""
+        """The pod's /metrics through the API server's pod proxy (the operator is outside).
+        Asked once: a pod not serving yet is asked again at the next tick, not within this one."""
         path = f"/api/v1/namespaces/{namespace}/pods/{pod}:{port}/proxy/metrics"
-        text: str = self._request("GET", path, raw=True, timeout=timeout)
+        text: str = self._request("GET", path, raw=True, timeout=timeout, attempts=1)
         return text
 
     # -- peering --------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import contextlib
 import http.client
 import logging
 import socket
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -59,58 +60,106 @@ class PodReader:
                 count=lambda outcome: metrics.scrapes.labels(outcome=f"dcgm_{outcome}").inc(),
             )
         self._exporters_read_at: float | None = None
+        self._lock = threading.Lock()
+        self._reading: set[str] = set()  # pods a scrape is reading now (namespace/name)
+        self._late: set[str] = set()  # pods whose last scrape gave no figures
 
-    def observe_namespace(
-        self, namespace: str, names: Sequence[str]
-    ) -> dict[str, tuple[PodObservation, ...] | None]:
-        """Per training name, its pods with their scraped figures (None: reading them failed,
-        keep what was seen). Raises ApiError when the pods cannot be listed.
+    def observe(
+        self, active: Mapping[str, Sequence[str]]
+    ) -> dict[str, dict[str, tuple[PodObservation, ...] | None] | None]:
+        """Per namespace, per training name of ``active``, its pods with their figures (None for
+        a training: reading them failed, keep what was seen; None for a namespace: its pods
+        could not be listed, said in the log).
 
-        Metrics requests run concurrently, all within one scrape timeout: a pod whose answer is
-        not whole by then gives no figures this tick, and costs the others nothing.
+        One pod list per namespace; then every pod's metrics at once, all within one scrape
+        timeout however many namespaces: a pod whose answer is not whole by then gives no
+        figures this tick. A pod still being read from an earlier tick is not asked again (it
+        holds one thread at most), and the pods that were late last time are asked last, so a
+        tenant's slow pods delay each other, not everyone's.
         """
-        by_training: dict[str, list[dict[str, Any]]] = {}
-        for pod in self.kube.list_training_pods(namespace):
-            owner = observe.training_of(pod)
-            if owner is not None:
-                by_training.setdefault(owner, []).append(pod)
-        deadline = time.monotonic() + self.settings.scrape_timeout_seconds
-        futures = {
-            name: [(pod, self._pool.submit(self._scrape, pod, deadline)) for pod in by_training.get(name, [])]
-            for name in names
-        }
-        gpus = self._exporter_gpus(namespace, [p for name in names for p in by_training.get(name, [])])
-        observed: dict[str, tuple[PodObservation, ...] | None] = {}
-        for name in names:
+        listed: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        for namespace, names in active.items():
             try:
-                observed[name] = tuple(
-                    observe.pod_observation(
-                        pod, self._by(deadline, f), gpus.get(str(pod["metadata"].get("name")))
+                pods = self.kube.list_training_pods(namespace)
+            except ApiError as exc:
+                log.warning("listing training pods in %s: %s", namespace, exc)
+                continue
+            wanted = set(names)
+            listed[namespace] = {}
+            for pod in pods:
+                owner = observe.training_of(pod)
+                if owner in wanted:
+                    listed[namespace].setdefault(owner, []).append(pod)
+        deadline = time.monotonic() + self.settings.scrape_timeout_seconds
+        queue = sorted(
+            (pod for trainings in listed.values() for pods in trainings.values() for pod in pods),
+            key=lambda pod: _key(pod) in self._late,  # the punctual first (a stable sort)
+        )
+        scrapes = {_key(pod): self._submit(pod, deadline) for pod in queue}
+        with self._lock:
+            self._late &= set(scrapes)  # a pod gone, or no longer active, is forgotten
+        gpus = self._exporter_gpus(
+            {ns: [p for pods in trainings.values() for p in pods] for ns, trainings in listed.items()}
+        )
+        observed: dict[str, dict[str, tuple[PodObservation, ...] | None] | None] = {}
+        for namespace, names in active.items():
+            if namespace not in listed:
+                observed[namespace] = None
+                continue
+            by_name: dict[str, tuple[PodObservation, ...] | None] = {}
+            observed[namespace] = by_name
+            for name in names:
+                try:
+                    by_name[name] = tuple(
+                        observe.pod_observation(
+                            pod,
+                            self._result_by(deadline, scrapes[_key(pod)]),
+                            gpus.get(namespace, {}).get(str(pod["metadata"].get("name"))),
+                        )
+                        for pod in listed[namespace].get(name, [])
                     )
-                    for pod, f in futures[name]
-                )
-            except Exception:  # one training's odd pods must not stop the others' scrape
-                log.exception("gputraining %s/%s: reading its pods failed", namespace, name)
-                observed[name] = None
+                except Exception:  # one training's odd pods must not stop the others' scrape
+                    log.exception("gputraining %s/%s: reading its pods failed", namespace, name)
+                    by_name[name] = None
         return observed
 
-    def _by(self, deadline: float, scraped: Future[TrainerMetrics | None]) -> TrainerMetrics | None:
+    def _submit(self, pod: Mapping[str, Any], deadline: float) -> Future[TrainerMetrics | None] | None:
+        """The pod's scrape, started; None while one from an earlier tick still reads it."""
+        key = _key(pod)
+        with self._lock:
+            if key in self._reading:
+                return None
+            self._reading.add(key)
+        return self._pool.submit(self._scrape, pod, deadline)
+
+    def _result_by(
+        self, deadline: float, scraped: Future[TrainerMetrics | None] | None
+    ) -> TrainerMetrics | None:
         """A scrape's figures, or None when it is not done by the deadline (with a moment's grace
-        for the cut-off itself): the through-the-API-server path has no socket of ours to cut, and
-        a pool busy with slow pods must not stall the tick either."""
+        for the cut-off itself): the through-the-API-server path has no socket of ours to cut,
+        and a scrape queued behind slow pods must not stall the tick either."""
+        if scraped is None:
+            return None
         try:
             return scraped.result(timeout=max(0.0, deadline - time.monotonic()) + _CUT_GRACE_SECONDS)
         except FutureTimeout:
             return None  # counted as an error by the scrape itself when it ends
 
-    def _exporter_gpus(self, namespace: str, pods: list[dict[str, Any]]) -> dict[str, tuple[GpuFigures, ...]]:
-        """The running pods' GPUs as dcgm-exporter sees them ({} when not configured or not read)."""
-        running = [str(p["metadata"].get("name")) for p in pods if observe.pod_ip(p) is not None]
+    def _exporter_gpus(
+        self, pods: Mapping[str, list[dict[str, Any]]]
+    ) -> dict[str, dict[str, tuple[GpuFigures, ...]]]:
+        """The running pods' GPUs as dcgm-exporter sees them, per namespace and pod ({} when not
+        configured or not read)."""
+        running = {
+            namespace: names
+            for namespace, listed in pods.items()
+            if (names := [str(p["metadata"].get("name")) for p in listed if observe.pod_ip(p) is not None])
+        }
         if self._gpus is None or not running:
             return {}
         if self.settings.gpu_metrics == "dcgm-exporter":
             self._refresh_exporters()
-        return self._gpus.read({namespace: running}).get(namespace, {})
+        return self._gpus.read(running)
 
     def _refresh_exporters(self) -> None:
         """The exporters behind their Service, asked again every 30 s: GPU nodes come and go
@@ -143,6 +192,20 @@ class PodReader:
         return tuple(observe.pod_observation(p, None) for p in pods)
 
     def _scrape(self, pod: Mapping[str, Any], deadline: float) -> TrainerMetrics | None:
+        key = _key(pod)
+        metrics = None
+        try:
+            metrics = self._read(pod, deadline)
+        finally:
+            with self._lock:
+                self._reading.discard(key)
+                if metrics is None:
+                    self._late.add(key)
+                else:
+                    self._late.discard(key)
+        return metrics
+
+    def _read(self, pod: Mapping[str, Any], deadline: float) -> TrainerMetrics | None:
         ip = observe.pod_ip(pod)
         if ip is None:
             return None
@@ -157,6 +220,8 @@ class PodReader:
                 )
             else:
                 text = self._get_metrics(ip, deadline)
+            if time.monotonic() >= deadline + _CUT_GRACE_SECONDS:
+                raise TimeoutError("answered after the tick had gone on")
             metrics = parse_metrics(text)
         except Exception as exc:
             # Not serving yet (starting, loading data), gone, too slow, or serving anything at
@@ -179,15 +244,20 @@ class PodReader:
             cut = self._deadlines.after(deadline - time.monotonic(), lambda: _shut(sock))
             try:
                 connection.request("GET", "/metrics")
-                reply = connection.getresponse()
-                # One byte past the bound is enough to refuse it: no pod makes us read more.
-                body = reply.read(MAX_METRICS_BYTES + 1)
+                with connection.getresponse() as reply:
+                    # One byte past the bound is enough to refuse it: no pod makes us read more.
+                    body = reply.read(MAX_METRICS_BYTES + 1)
+                    short = reply.length  # bytes its Content-Length promised and never sent
             finally:
                 self._deadlines.cancel(cut)
             if time.monotonic() >= deadline:
                 raise TimeoutError("the answer was not whole within the scrape timeout")
             if reply.status != 200:
                 raise OSError(f"HTTP {reply.status}")
+            if short:  # closed early: "gputrain_step 1234" cut to "12" would read as a step back
+                raise http.client.IncompleteRead(body, short)
+            if len(body) > MAX_METRICS_BYTES:  # in bytes: decoding could count fewer characters
+                raise ValueError(f"metrics over {MAX_METRICS_BYTES} bytes")
             return body.decode("utf-8", errors="replace")
         finally:
             connection.close()
@@ -204,3 +274,8 @@ def _shut(sock: socket.socket | None) -> None:
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
+
+
+def _key(pod: Mapping[str, Any]) -> str:
+    meta = pod.get("metadata") or {}
+    return f"{meta.get('namespace')}/{meta.get('name')}"

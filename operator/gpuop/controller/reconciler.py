@@ -294,14 +294,15 @@ class Reconciler:
         for key, tracked in items:
             if tracked.child is not None and tracked.phase in _ACTIVE_PHASES:
                 active.setdefault(key[0], []).append((key, tracked))
+        observed = self._pods.observe(
+            {namespace: [key[1] for key, _ in group] for namespace, group in active.items()}
+        )
         for namespace, group in active.items():
-            try:
-                observed = self._pods.observe_namespace(namespace, [key[1] for key, _ in group])
-            except ApiError as exc:
-                log.warning("listing training pods in %s: %s", namespace, exc)
-                continue
+            in_namespace = observed.get(namespace)
+            if in_namespace is None:
+                continue  # its pods could not be listed: what was seen stays
             for key, tracked in group:
-                pods = observed[key[1]]
+                pods = in_namespace.get(key[1])
                 if pods is not None:
                     with tracked.lock:
                         tracked.pods = pods

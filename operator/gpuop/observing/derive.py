@@ -67,7 +67,9 @@ _TERMINAL: Final = ("Succeeded", "Failed")
 # Phases whose pods hold their GPUs: what gpuHours counts. Created (pods starting, perhaps not
 # yet placed), Queued and Suspended (no pods) do not.
 _HOLDING_GPUS: Final[tuple[Phase, ...]] = ("Running", "Restarting")
-_PAUSED: Final[tuple[Phase, ...]] = ("Suspended", "Queued", "Created")  # Created: being resumed (Kueue)
+# The conditions of a pause: a training that runs again after one was neither stalled nor
+# underutilized while it waited (suspended, queued or preempted by Kueue).
+_PAUSES: Final = ("Suspended", "Queued")
 TIME_FORMAT: Final = "%Y-%m-%dT%H:%M:%SZ"
 # Named in a message before any backend is chosen ("waiting for the PyTorchJob"): the one
 # a GpuTraining ran on before there were others.
@@ -261,9 +263,7 @@ def derive_status(
         return _job_deleted_after_finishing(previous, obs, now)
     phase = _kueue_phase(obs, _phase(obs))
     before = previous or GpuTrainingStatus()
-    # Running again after a pause: the time paused is no stall (the GPUs were not held either).
-    resumed = phase == "Running" and before.phase in _PAUSED
-    progress = figures.progress(before.progress, obs, phase, now, resumed=resumed)
+    progress = figures.progress(before.progress, obs, phase, now)
     restart_note = _restart_note(obs, progress) if phase == "Running" else None
     moment = _Moment(
         obs=obs, before=before, thresholds=thresholds, now=now,
@@ -325,7 +325,7 @@ def _job_conditions(m: _Moment, wanted: list[Condition]) -> str:
         wanted.append(said)
         message = said.message
     if phase == "Running":
-        wanted += _running_alarms(m.progress, m.gpu, m.thresholds, obs.now, m.condition)
+        wanted += _running_alarms(m.progress, m.gpu, m.thresholds, obs.now, m.condition, _resumed_at(m))
     if obs.spec_not_applied:
         wanted.append(
             m.condition(
@@ -408,15 +408,34 @@ def _gpu_hours(
     return hours, now if phase in _HOLDING_GPUS else None
 
 
+def _resumed_at(m: _Moment) -> str | None:
+    """When the training last came out of a pause: now while the last status still says it is
+    paused, else the moment its pause condition turned False (kept in status, so an operator
+    that restarts knows it too); None if it never paused."""
+    ended = []
+    for c in m.before.conditions:
+        if c.type in _PAUSES:
+            if c.status == "True":
+                return m.now
+            if c.last_transition_time:
+                ended.append(c.last_transition_time)
+    return max(ended, default=None)
+
+
 def _running_alarms(
     progress: ProgressStatus | None,
     gpu: GpuUsage | None,
     thresholds: Thresholds,
     now: datetime,
     condition: Any,
+    resumed_at: str | None,
 ) -> list[Condition]:
+    """Stalled and Underutilized, each over the time the training has run since its last pause:
+    a pause is neither (its clocks are not reset in status, only read from the resume on)."""
     alarms: list[Condition] = []
     advanced = progress.step_advanced_at if progress is not None else None
+    if advanced is not None and resumed_at is not None:
+        advanced = max(advanced, resumed_at)
     if thresholds.stall_timeout_seconds and advanced is not None:
         idle = _seconds_between(advanced, now)
         if idle >= thresholds.stall_timeout_seconds:
@@ -431,6 +450,8 @@ def _running_alarms(
                 )
             )
     since = gpu.underutilized_since if gpu is not None else None
+    if since is not None and resumed_at is not None:
+        since = max(since, resumed_at)
     if since is not None and _seconds_between(since, now) >= thresholds.underutilized_seconds:
         assert gpu is not None
         low_for = format_eta(_seconds_between(since, now))

@@ -191,8 +191,10 @@ class ReportServer:
         self._open: dict[Any, threading.Thread] = {}
         self._open_lock = threading.Lock()
         self._closing = False
-        self.deadlines = deadlines.Deadlines("report-deadlines")
         self._httpd = _Server((host, port), _handler(self))
+        self.deadlines = deadlines.Deadlines(
+            "report-deadlines"
+        )  # after the bind: a taken port leaks no thread
         self._thread: threading.Thread | None = None
 
     @property

@@ -186,15 +186,8 @@ def _fresh_progress(
 
 
 def progress(
-    previous: ProgressStatus | None, obs: Observation, phase: Phase, now: str, *, resumed: bool = False
+    previous: ProgressStatus | None, obs: Observation, phase: Phase, now: str
 ) -> ProgressStatus | None:
-    """The progress to show, and since when its step has not moved (the stall clock).
-
-    ``resumed``: the training runs again after a pause (suspended, queued or preempted by
-    Kueue). The pause was no stall, so the clock starts again now, as it does at a first start;
-    the figures stay the last ones until the resumed code reports."""
-    if resumed and previous is not None and previous.step_advanced_at is not None:
-        previous = dataclasses.replace(previous, step_advanced_at=now)
     fresh = _fresh_progress(previous, obs, phase, now)
     if fresh is None:
         # No figures yet: our trainer reports within seconds, so the stall clock starts all the

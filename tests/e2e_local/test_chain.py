@@ -737,6 +737,9 @@ def test_with_trainers_own_progress_gate_on_the_code_reports_to_the_operator_alo
     Trainer, which reports by itself wherever the variables lead, reports to the operator.
     Trainer's server is up and takes a report sent to it (shown at the end), yet gets none from
     the training."""
+    # Its server found the issuer as in its pod: by the kubernetes Service's name.
+    assert progress_gate_on.proxy is not None
+    assert progress_gate_on.proxy.routed >= 1
     name, pods = _train_own_code(plane, "hf", "trainjob", timelines, tmp_path)
     # The gate did inject: Trainer's token volume and its CA ConfigMap are there, unused.
     assert "kubeflow-trainer-token" in {v["name"] for v in pods[0]["spec"]["volumes"]}

@@ -55,7 +55,8 @@ class ServiceAccountFiles:
 
     def mount(self) -> str:
         # /run (where /var/run points) gets a tmpfs of its own in the namespace, so the mount
-        # point is made there and the host's /run is untouched.
+        # point is made there and the host's /run is untouched; the controller sees nothing
+        # else of /run (it reads nothing there, as in its container).
         return (
             f"mount -t tmpfs -o size=1m run /run && mkdir -p {MOUNT} && mount --bind {self.directory} {MOUNT}"
         )

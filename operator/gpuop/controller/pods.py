@@ -6,6 +6,9 @@ A pod's answer is untrusted input (any user's image serves it): it is read bound
 and in time, parsed by :mod:`gpuop.observing.scrape`, and any failure means no figures for
 that pod this tick. The time bound is the whole tick's, not a socket read's: a pod that sends
 a byte a second never waits out a per-read timeout, and would hold every training's status.
+Through the API server's pod proxy (the operator outside the cluster) there is no socket of
+ours to cut: such a pod keeps one scrape thread until the API server ends the stream, while
+the tick goes on without it and the pod is not asked again meanwhile.
 """
 
 from __future__ import annotations

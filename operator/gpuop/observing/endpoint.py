@@ -192,9 +192,8 @@ class ReportServer:
         self._open_lock = threading.Lock()
         self._closing = False
         self._httpd = _Server((host, port), _handler(self))
-        self.deadlines = deadlines.Deadlines(
-            "report-deadlines"
-        )  # after the bind: a taken port leaks no thread
+        # After the bind, so that a taken port leaks no thread.
+        self.deadlines = deadlines.Deadlines("report-deadlines")
         self._thread: threading.Thread | None = None
 
     @property

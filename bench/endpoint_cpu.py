@@ -43,6 +43,9 @@ def serve(port: int, tls_dir: str) -> int:
         def authenticate(self, key: tuple[str, str], token: str) -> str:
             return "pod"
 
+        def close(self) -> None:
+            pass
+
     server = ReportServer(AcceptAll(), ReportBook(), port=port, tls_dir=Path(tls_dir), host="127.0.0.1")
     server.start()
     print(f"ready {Path(gpuop.__file__).resolve()}", flush=True)

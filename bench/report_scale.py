@@ -517,6 +517,9 @@ class _AcceptAll:
     def authenticate(self, key: tuple[str, str], token: str) -> str:
         return "pod"
 
+    def close(self) -> None:
+        pass
+
 
 def serve(spec_file: Path) -> int:
     """The endpoint alone (the operator's ReportServer, no reconciler) until stdin closes; the

@@ -140,10 +140,37 @@ def kube() -> FakeKube:
 DEFAULT = Limits()
 
 
+class Later:
+    """A gate's refresher that keeps its background reviews until the test runs them."""
+
+    def __init__(self) -> None:
+        self.jobs: list[Callable[[], None]] = []
+
+    def __call__(self, job: Callable[[], None]) -> None:
+        self.jobs.append(job)
+
+    def run(self) -> int:
+        jobs, self.jobs = self.jobs, []
+        for job in jobs:
+            job()
+        return len(jobs)
+
+
 def gatekeeper(
-    kube: FakeKube | None = None, limits: Limits = DEFAULT, clock: ManualClock | None = None
+    kube: FakeKube | None = None,
+    limits: Limits = DEFAULT,
+    clock: ManualClock | None = None,
+    later: Callable[[Callable[[], None]], object] | None = None,
 ) -> ClusterGate:
-    return ClusterGate(cast(Kube, kube or FakeKube()), limits, clock or ManualClock())
+    """A gate whose background reviews wait in a :class:`Later` (never run unless the test
+    gives its own and runs it), so that what a test counts is only what it made happen."""
+    return ClusterGate(cast(Kube, kube or FakeKube()), limits, clock or ManualClock(), later or Later())
+
+
+def verdict_times(gate: ClusterGate) -> tuple[float, float]:
+    """The one kept verdict's (refresh_at, expires)."""
+    (verdict,) = gate._verdicts.values()
+    return verdict.refresh_at, verdict.expires
 
 
 def refusal(call: Callable[[], object]) -> tuple[int, str]:
@@ -214,17 +241,19 @@ def test_the_rate_allows_a_burst_then_refills_per_token() -> None:
 
 
 def test_a_review_is_reused_for_its_ttl_per_token_and_audience(kube: FakeKube) -> None:
-    clock = ManualClock()
-    gate = gatekeeper(kube, Limits(review_ttl_seconds=60, review_seconds=2.5), clock)
+    clock, later = ManualClock(), Later()
+    gate = gatekeeper(kube, Limits(review_ttl_seconds=60, review_seconds=2.5), clock, later)
     token = kube.mint(pod="a-0")
     for _ in range(5):
         assert gate.authenticate((NS, "a"), token) == "a-0"
     assert kube.reviews == [(token, report_audience(NS, "a"), 2.5)]
     clock.now += 59.9
     gate.authenticate((NS, "a"), token)
+    assert later.run() == 0
     assert kube.reviewed(token) == 1
-    clock.now += 30.1  # a verdict lives 1 to 1.5 TTLs, by its token's hash
+    clock.now += 30.1  # reviewed again after 1 to 1.5 TTLs, by its token's hash
     gate.authenticate((NS, "a"), token)
+    later.run()
     assert kube.reviewed(token) == 2
     # Another training's URL: the same token is reviewed for that audience (and refused).
     assert refusal(lambda: gate.authenticate((NS, "b"), token)) == (401, "unauthenticated")
@@ -242,25 +271,30 @@ def test_a_refusal_is_reused_for_the_ttl_too(kube: FakeKube) -> None:
     assert kube.reviewed("forged") == 2
 
 
-def test_tokens_reviewed_together_expire_spread_over_half_a_ttl(kube: FakeKube) -> None:
+@pytest.mark.parametrize("reporting", ["steady", "after a silence"])
+def test_tokens_reviewed_together_are_reviewed_again_spread_out(kube: FakeKube, reporting: str) -> None:
     """An operator's start reviews every training's token within one report interval; were
-    their verdicts to expire together, all would be reviewed again in the same seconds, every
-    TTL, with the reports queued behind (bench/report_scale.py at N=1000)."""
+    their verdicts to come due together, all would be reviewed again in the same seconds, every
+    TTL, with the reports queued behind (bench/report_scale.py at N=1000). Steady reporters are
+    reviewed again after 1 to 1.5 TTLs (in the background: run here at once), reporters back
+    from a silence when their verdict ends, half as long again (on the request)."""
     clock = ManualClock()
-    gate = gatekeeper(kube, Limits(review_ttl_seconds=60), clock)
+    steady = reporting == "steady"
+    gate = gatekeeper(kube, Limits(review_ttl_seconds=60), clock, (lambda job: job()) if steady else Later())
     for i in range(200):
         kube.pod(f"a-{i}", "a")
     tokens = [kube.mint(pod=f"a-{i}") for i in range(200)]
     for i, token in enumerate(tokens):
         assert gate.authenticate((NS, "a"), token) == f"a-{i}"
+    first, last = (59, 91) if steady else (89, 136)
     again, start = [], clock.now
-    for second in range(59, 92):
+    for second in range(first, last + 1):
         clock.now = start + second
         for token in tokens:
             gate.authenticate((NS, "a"), token)
         again.append(sum(kube.reviewed(t) == 2 for t in tokens))
-    assert again[0] == 0  # none before one TTL
-    assert again[-1] == len(tokens)  # all by 1.5 TTLs
+    assert again[0] == 0  # none before one TTL (steady), or 1.5 TTLs
+    assert again[-1] == len(tokens)  # all by 1.5 TTLs (steady), or 2.25 TTLs
     per_second = [b - a for a, b in itertools.pairwise(again)]
     assert max(per_second) <= len(tokens) // 10  # no second holds more than a tenth of them
 
@@ -289,15 +323,117 @@ def test_a_pod_read_that_fails_is_503_not_a_verdict(kube: FakeKube) -> None:
     assert gate.authenticate((NS, "a"), token) == "a-0"
 
 
-def test_a_deleted_pod_stops_counting_once_its_review_expires(kube: FakeKube) -> None:
-    clock = ManualClock()
-    gate = gatekeeper(kube, Limits(review_ttl_seconds=60), clock)
+def test_a_deleted_pod_stops_counting_once_its_token_is_reviewed_again(kube: FakeKube) -> None:
+    clock, later = ManualClock(), Later()
+    gate = gatekeeper(kube, Limits(review_ttl_seconds=60), clock, later)
     token = kube.mint(pod="a-0")
     assert gate.authenticate((NS, "a"), token) == "a-0"
     del kube.pods[(NS, "a-0")]
     assert gate.authenticate((NS, "a"), token) == "a-0"  # within the TTL, as documented
     clock.now += 90
+    gate.authenticate((NS, "a"), token)  # starts the review
+    later.run()
     assert refusal(lambda: gate.authenticate((NS, "a"), token)) == (403, "forbidden")
+    # Had nobody reported, the verdict would have ended by itself, and the review come inline.
+    silent = gatekeeper(kube, Limits(review_ttl_seconds=60), clock, Later())
+    other = kube.mint(pod="a-1")
+    silent.authenticate((NS, "a"), other)
+    del kube.pods[(NS, "a-1")]
+    clock.now += 135
+    assert refusal(lambda: silent.authenticate((NS, "a"), other)) == (403, "forbidden")
+
+
+class HeldKube(FakeKube):
+    """Its TokenReviews wait until the test lets them through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.through = threading.Event()
+        self.through.set()
+
+    def review_token(self, token: str, audience: str, timeout: float) -> dict[str, Any]:
+        answer = super().review_token(token, audience, timeout)
+        assert self.through.wait(10), "the test never let the review through"
+        return answer
+
+
+def test_a_steady_reporter_waits_for_the_api_server_on_its_first_report_only() -> None:
+    """Past its review time, the report that uses a verdict starts the next review on the gate's
+    own threads and is answered at once; one review at a time per token."""
+    kube = HeldKube()
+    kube.pod("a-0", "a")
+    clock = ManualClock()
+    gate = ClusterGate(cast(Kube, kube), Limits(review_ttl_seconds=60), clock)
+    try:
+        token = kube.mint(pod="a-0")
+        assert gate.authenticate((NS, "a"), token) == "a-0"
+        refresh_at, expires = verdict_times(gate)
+        assert expires - clock.now == pytest.approx((refresh_at - clock.now) * 1.5)
+        kube.through.clear()  # the API server is slow from now on
+        clock.now = refresh_at - 0.1
+        gate.authenticate((NS, "a"), token)
+        assert kube.reviewed(token) == 1  # not yet due
+        clock.now = refresh_at
+        for _ in range(3):
+            began = time.monotonic()
+            assert gate.authenticate((NS, "a"), token) == "a-0"
+            assert time.monotonic() - began < 1.0  # not held by the review under way
+        wait_for("the background review", lambda: kube.reviewed(token) == 2, timeout=5)
+        kube.through.set()
+        wait_for("the new verdict kept", lambda: verdict_times(gate)[1] > expires, timeout=5)
+        assert kube.reviewed(token) == 2  # three reports, one review
+    finally:
+        kube.through.set()
+        gate.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("token-review")]
+
+
+def test_a_background_review_that_refuses_ends_the_pods_reports_before_the_verdict_expires(
+    kube: FakeKube,
+) -> None:
+    clock, later = ManualClock(), Later()
+    gate = gatekeeper(kube, Limits(review_ttl_seconds=60), clock, later)
+    token = kube.mint(pod="a-0")
+    gate.authenticate((NS, "a"), token)
+    refresh_at, expires = verdict_times(gate)
+    del kube.pods[(NS, "a-0")]
+    clock.now = refresh_at
+    assert gate.authenticate((NS, "a"), token) == "a-0"  # the kept verdict, as documented
+    assert later.run() == 1
+    assert clock.now < expires
+    assert refusal(lambda: gate.authenticate((NS, "a"), token)) == (403, "forbidden")
+    assert later.run() == 0  # a refusal is not reviewed ahead: it serves out its life
+
+
+def test_a_background_review_the_api_server_cannot_answer_keeps_the_verdict_to_its_end(
+    kube: FakeKube,
+) -> None:
+    clock, later = ManualClock(), Later()
+    gate = gatekeeper(kube, Limits(review_ttl_seconds=60), clock, later)
+    token = kube.mint(pod="a-0")
+    gate.authenticate((NS, "a"), token)
+    refresh_at, expires = verdict_times(gate)
+    kube.down = True
+    clock.now = refresh_at
+    gate.authenticate((NS, "a"), token)
+    assert later.run() == 1  # 503: nothing kept
+    assert gate.authenticate((NS, "a"), token) == "a-0"
+    assert later.run() == 1  # asked again on the next report
+    assert kube.reviewed(token) == 3
+    clock.now = expires  # never past its life
+    assert refusal(lambda: gate.authenticate((NS, "a"), token)) == (503, "review_failed")
+
+
+def test_a_closed_gate_starts_no_background_review(kube: FakeKube) -> None:
+    clock = ManualClock()
+    gate = ClusterGate(cast(Kube, kube), Limits(review_ttl_seconds=60), clock)
+    token = kube.mint(pod="a-0")
+    gate.authenticate((NS, "a"), token)
+    gate.close()
+    clock.now = verdict_times(gate)[0]
+    assert gate.authenticate((NS, "a"), token) == "a-0"
+    assert kube.reviewed(token) == 1
+    assert not [t for t in threading.enumerate() if t.name.startswith("token-review")]
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,9 @@ class LocalGate:
             raise RefusalError(401, "unauthenticated", "not this run's token")
         return self.pod
 
+    def close(self) -> None:
+        pass  # nothing runs beside the requests
+
 
 @dataclass(frozen=True)
 class LocalEndpoint:

@@ -74,7 +74,8 @@ class Limits:
     connections: int = 64  # at once; more are closed unanswered
     review_seconds: float = 5.0  # the TokenReview's timeout
     remembered_tokens: int = 10_000  # reviews and rate buckets kept (LRU)
-    review_ttl_seconds: float = 60.0  # a token's review is reused 1 to 1.5 times this long (by its hash)
+    # A token is reviewed again after 1 to 1.5 times this (by its hash), in the background.
+    review_ttl_seconds: float = 60.0
 
 
 class ReportBook:
@@ -118,11 +119,14 @@ class Book(Protocol):
 
 class Gate(Protocol):
     """Who may report: :meth:`authenticate` returns the pod a token speaks for, or raises
-    :class:`RefusalError`."""
+    :class:`RefusalError`; :meth:`close` ends what it runs beside the requests (the server's
+    :meth:`ReportServer.close` calls it)."""
 
     limits: Limits
 
     def authenticate(self, key: Key, token: str) -> str: ...
+
+    def close(self) -> None: ...
 
 
 class RateLimiter:
@@ -219,6 +223,7 @@ class ReportServer:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.deadlines.stop()
+        self.gate.close()
 
     def opened(self, handler: Any) -> bool:
         """A connection's handler starts; False once close() has begun."""

@@ -583,6 +583,57 @@ def test_two_replicas_under_the_charts_peering_one_works_and_the_other_takes_ove
         assert "Traceback" not in replica.log(), replica.log()[-3000:]
 
 
+def test_a_killed_leader_is_replaced_by_the_standby_once_its_peering_entry_expires(
+    plane: ControlPlane, api: Api, suite_chart: Installed, tmp_path: Path
+) -> None:
+    """A crash, an OOM kill of the operator or a lost node: the leader leaves no word in the
+    peering, so the standby waits until the leader's entry is older than Kopf's peering
+    lifetime (60 s), then works: 5 to 60 s after the kill, as the leader renews its entry every
+    50 to 55 s. docs/operating.md states it; this measures it."""
+    config = service_account_kubeconfig(
+        plane, RELEASE_NAMESPACE, suite_chart.service_account, tmp_path / "sa"
+    )
+    replicas = {}
+    for pod in ("gpuop-x", "gpuop-y"):
+        (tmp_path / pod).mkdir()
+        replicas[pod] = OperatorProcess(config, tmp_path / pod, env={**suite_chart.env, "POD_ID": pod})
+
+    def peers() -> dict[str, Any]:
+        peering = api.request("GET", "/apis/kopf.dev/v1/clusterkopfpeerings/gpu-training-operator")
+        return dict(peering.get("status") or {})
+
+    try:
+        for replica in replicas.values():
+            replica.start()
+        wait_for("both replicas in the peering", lambda: set(peers()) >= set(replicas), timeout=60)
+        priorities = {pod: peers()[pod]["priority"] for pod in replicas}
+        leader = max(priorities, key=lambda pod: priorities[pod])
+        standby = min(priorities, key=lambda pod: priorities[pod])
+        plane.kubectl("create", "-f", "-", input=json.dumps(training("crash-a")))
+        wait_for("crash-a Created by the leader", lambda: _phase(api, "crash-a", "Created"), timeout=60)
+
+        replicas[leader].kill()  # SIGKILL: no handler runs, the peering keeps its entry
+        killed = time.monotonic()
+        assert leader in peers()
+        plane.kubectl("create", "-f", "-", input=json.dumps(training("crash-b")))
+        wait_for("crash-b Created by the standby", lambda: _phase(api, "crash-b", "Created"), timeout=120,
+                 every=0.5)  # fmt: skip
+        took = time.monotonic() - killed
+        print(f"SIGKILLed leader -> the standby made crash-b's job in {took:.1f}s (peering lifetime 60 s)")
+        # The leader renews its entry every 50 to 55 s, so it expires 5 to 60 s after the kill;
+        # the standby wakes at that deadline, then resumes its watches (seconds, more when loaded).
+        assert took <= 60 + 20, took
+        assert replicas[standby].process is not None
+        assert replicas[standby].process.poll() is None
+        creates = [e for e in _calls(plane, suite_chart) if e["verb"] == "create"
+                   and e["objectRef"]["resource"] == "pytorchjobs" and e["objectRef"].get("name") == "crash-b"]  # fmt: skip
+        assert [e["responseStatus"]["code"] for e in creates] == [201], creates  # made once
+    finally:
+        for replica in replicas.values():
+            replica.stop()
+    assert "Traceback" not in replicas[standby].log(), replicas[standby].log()[-3000:]
+
+
 def test_a_finished_training_is_never_run_again_when_kubeflow_deletes_its_job(
     plane: ControlPlane, api: Api, fresh_operator: OperatorProcess, stand_in: KubeflowStandIn
 ) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from typing import Final
 
 import pytest
 
@@ -21,6 +22,8 @@ from support.node.node import Node, Scheduler, running_node, running_scheduler, 
 from support.node.proxy import ServiceProxy, running_service_proxy
 from support.plane.cluster import Api
 from support.plane.controlplane import ControlPlane
+
+GPUS_PER_NODE: Final = 2
 
 
 @pytest.fixture(scope="session")
@@ -53,10 +56,31 @@ def node(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Node]:
     """The session's node, named after this machine: the apiserver calls a kubelet at its Node's
-    Hostname address (for logs), and this machine's own name is the one that resolves here."""
+    Hostname address (for logs), and this machine's own name is the one that resolves here. Its
+    kubelet allocates two stand-in GPUs (support.node.node.Node's ``gpus``)."""
     with running_node(
         plane, node_api, node_binaries, tmp_path_factory.mktemp("node-a"), name=socket.gethostname(),
-        ident=session_ident("a"),
+        ident=session_ident("a"), gpus=GPUS_PER_NODE,
+    ) as running:  # fmt: skip
+        yield running
+
+
+@pytest.fixture(scope="module")
+def second_node(
+    plane: ControlPlane,
+    node_api: Api,
+    node_binaries: binaries.NodeBinaries,
+    node: Node,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Node]:
+    """A second node, its own containerd, kubelet, bridge, subnet and cgroup root, with two
+    stand-in GPUs as well: a two-worker training with two GPUs a worker must span both. The
+    apiserver cannot reach its kubelet by name (it is not this machine's), so no ``kubectl
+    logs`` or ``exec`` there: read its pods' logs from its disk (:meth:`Node.log_of`)."""
+    ident = session_ident("c")
+    with running_node(
+        plane, node_api, node_binaries, tmp_path_factory.mktemp("node-c"), name=f"gpuopnode-{ident}",
+        ident=ident, gpus=GPUS_PER_NODE,
     ) as running:  # fmt: skip
         yield running
 

@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 
 from support import specs
+from support.controllers import trainingoperator
+from support.controllers.webhooked import WebhookedController
 from support.images import build
 from support.node.images import ImageArchive
 from support.node.node import Node, Scheduler
@@ -204,6 +206,162 @@ def test_pods_resolve_services_and_headless_names_through_cluster_dns(
         assert dict(line.split() for line in said.splitlines()) == names, said
     finally:
         api.delete("services", "in-cluster-master-0", "kube-system")
+
+
+@pytest.fixture
+def kubeflow_v1(
+    plane: ControlPlane, api: Api, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WebhookedController]:
+    """The real training-operator (a process on this machine, its webhook reached at the
+    machine's own address), to turn the in-cluster operator's PyTorchJobs into pods here. For
+    one test at a time (5 s to start): left running, it would keep making the pods of the other
+    tests' PyTorchJobs (whose default trainer image is not on these nodes) while their namespace
+    and nodes are taken down."""
+    process = trainingoperator.training_operator(
+        plane, api, plane.advertise_address, tmp_path_factory.mktemp("kubeflow")
+    )
+    process.start()
+    yield process
+    process.retire()
+
+
+# Run by the worker: more memory than its limit, a page at a time (the kernel kills it as the
+# cgroup passes the limit; a single huge allocation could fail with MemoryError instead).
+HOG = "import time\nheld = []\nwhile True:\n    held.append(bytearray(8 << 20))\n    time.sleep(0.01)"
+
+
+def test_a_worker_over_its_memory_limit_is_oomkilled_and_the_gputraining_says_which_the_limit_and_the_fix(
+    plane: ControlPlane, api: Api, node: Node, kubeflow_v1: WebhookedController, image_on_node: str,
+    operator_pod: dict[str, Any],
+) -> None:  # fmt: skip
+    """The kernel's OOM kill, which only a real node does: the worker's cgroup passes the memory
+    limit the operator rendered, the kubelet says OOMKilled, and the GpuTraining says which pod,
+    what limit and what to change: while the kubelet restarts it (Restarting), and once Kubeflow
+    gives up (Failed). Without it a user sees exit code 137 and a backoff limit."""
+    common = {"image": image_on_node, "command": ["python", "-c", HOG], "workers": 1, "gpusPerWorker": 0,
+              "resources": {"cpu": "200m", "memory": "96Mi"}, "shmSize": "16Mi"}  # fmt: skip
+    trainings = {
+        "oom-restarting": specs.training("oom-restarting", NAMESPACE, **common),
+        "oom-failed": specs.training("oom-failed", NAMESPACE, runPolicy={"backoffLimit": 0}, **common),
+    }
+    for body in trainings.values():
+        api.create("gputrainings", body, NAMESPACE)
+    try:
+        wanted = {"oom-restarting": ("Restarting", "Restarting"), "oom-failed": ("Failed", "Failed")}
+        for name, (phase, condition_type) in wanted.items():
+
+            def said(
+                name: str = name, phase: str = phase, kind: str = condition_type
+            ) -> dict[str, Any] | None:
+                status = (api.get("gputrainings", name, NAMESPACE) or {}).get("status") or {}
+                found = [
+                    c for c in status.get("conditions") or [] if c["type"] == kind and c["status"] == "True"
+                ]
+                return found[0] if status.get("phase") == phase and found else None
+
+            try:
+                condition = wait_for(f"{name}: {phase} with the OOM kill", said, timeout=150, every=1)
+            except AssertionError as exc:
+                status = (api.get("gputrainings", name, NAMESPACE) or {}).get("status")
+                raise AssertionError(f"{exc}\nstatus: {json.dumps(status)}\nevents: {_events(api, NAMESPACE)}"
+                                     f"\ntraining-operator: {kubeflow_v1.tail()}") from None  # fmt: skip
+            print(f"{name}: {condition['reason']}: {condition['message']}")
+            assert condition["reason"] == "OOMKilled", condition
+            assert f"pod {name}-master-0's trainer" in condition["message"], condition
+            assert "at its memory limit of 96Mi (OOMKilled)" in condition["message"], condition
+            assert "Raise spec.resources.memory" in condition["message"], condition
+            # The kubelet's own word for it, on the pod the condition names.
+            worker = api.get("pods", f"{name}-master-0", NAMESPACE)
+            assert worker is not None
+            trainer = worker["status"]["containerStatuses"][0]
+            killed = [s["terminated"] for s in (trainer.get("state"), trainer.get("lastState"))
+                      if s and "terminated" in s]  # fmt: skip
+            assert any(t["reason"] == "OOMKilled" and t["exitCode"] == 137 for t in killed), trainer
+        events = _events(api, NAMESPACE)
+        assert any("OOMKilled" in e and e.startswith("oom-failed:") for e in events), events
+    finally:
+        for name in trainings:
+            api.delete("gputrainings", name, NAMESPACE)
+
+
+# Run by both pods of a two-worker training: rank 0 listens on MASTER_PORT, rank 1 finds it by
+# MASTER_ADDR (cluster DNS: the training-operator's headless Service) from the other node and
+# sends its devices; each prints what the kubelet's device manager gave it.
+RENDEZVOUS = """
+import os, socket, time
+rank, port = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"])
+devices = os.environ.get("NVIDIA_VISIBLE_DEVICES", "")
+print(f"rank {rank} devices {devices}", flush=True)
+if rank == 0:
+    server = socket.create_server(("", port))
+    server.settimeout(120)
+    peer, address = server.accept()
+    print(f"rank 1 devices {peer.recv(200).decode()} from {address[0]}", flush=True)
+else:
+    for attempt in range(240):
+        try:
+            connection = socket.create_connection((os.environ["MASTER_ADDR"], port), timeout=2)
+            break
+        except OSError:
+            time.sleep(0.5)
+    connection.sendall(devices.encode())
+"""
+
+
+def test_a_two_worker_gpu_training_spans_both_nodes_each_worker_with_the_gpus_its_kubelet_allocated(
+    plane: ControlPlane, api: Api, node: Node, second_node: Node, kubeflow_v1: WebhookedController,
+    cluster_dns: str, image: ImageArchive, image_on_node: str, operator_pod: dict[str, Any],
+) -> None:  # fmt: skip
+    """Two nodes with two stand-in GPUs each, and a training of two workers with two GPUs each:
+    the scheduler can only place one worker on each node, each kubelet's device manager gives its
+    worker both of its node's devices (the device plugin's NVIDIA_VISIBLE_DEVICES), and the
+    workers meet across the nodes by the master's name, as a DDP rendezvous does."""
+    print(
+        f"operator image imported on the second node in {second_node.containerd.import_images([image]):.1f}s"
+    )
+    name = "two-nodes"
+    body = specs.training(name, NAMESPACE, image=image_on_node, command=["python", "-c", RENDEZVOUS],
+                          workers=2, gpusPerWorker=2, resources={"cpu": "200m", "memory": "256Mi"})  # fmt: skip
+    api.create("gputrainings", body, NAMESPACE)
+    try:
+
+        def finished() -> str | None:
+            phase = ((api.get("gputrainings", name, NAMESPACE) or {}).get("status") or {}).get("phase")
+            return phase if phase in ("Succeeded", "Failed") else None
+
+        try:
+            phase = wait_for(f"{name} finished", finished, timeout=180, every=1)
+        except AssertionError as exc:
+            pods = {p["metadata"]["name"]: p["status"] for p in api.list("pods", NAMESPACE)}
+            raise AssertionError(f"{exc}\npods: {json.dumps(pods)[-4000:]}\nevents: {_events(api, NAMESPACE)}"
+                                 f"\ntraining-operator: {kubeflow_v1.tail()}") from None  # fmt: skip
+        pods = {
+            p["metadata"]["name"]: p
+            for p in api.list("pods", NAMESPACE)
+            if p["metadata"]["name"].startswith(name)
+        }
+        nodes = {n.name: n for n in (node, second_node)}
+        said = {pod: nodes[p["spec"]["nodeName"]].log_of(p, "pytorch") for pod, p in pods.items()}
+        print(json.dumps({pod: [p["spec"]["nodeName"], said[pod]] for pod, p in pods.items()}, indent=1))
+        assert phase == "Succeeded", said
+        placed = {pod: p["spec"]["nodeName"] for pod, p in pods.items()}
+        assert sorted(placed.values()) == sorted(nodes), placed  # one worker on each node
+
+        def devices(line: str) -> set[str]:  # the kubelet gives them in any order
+            return set(line.split(" devices ")[1].split(" from ")[0].split(","))
+
+        for pod, p in pods.items():
+            assert p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+            rank = 0 if pod.endswith("master-0") else 1
+            line = next(line for line in said[pod].splitlines() if line.startswith(f"rank {rank} devices "))
+            assert devices(line) == {f"GPU-standin-{placed[pod]}-{i}" for i in range(2)}, said
+        # The worker's devices, as it sent them across the nodes to the master.
+        sent = next(
+            line for line in said[f"{name}-master-0"].splitlines() if line.startswith("rank 1 devices ")
+        )
+        assert devices(sent) == {f"GPU-standin-{placed[f'{name}-worker-0']}-{i}" for i in range(2)}, sent
+    finally:
+        api.delete("gputrainings", name, NAMESPACE)
 
 
 def test_the_charts_defaults_run_the_operator_from_its_image_under_restricted_pod_security(

@@ -191,7 +191,7 @@ def rendered_worker(
     the training-operator would create it (its MASTER_ADDR and MASTER_PORT added), with the
     shell image running ``script`` in place of the trainer: everything else (volumes, resources,
     security contexts, args, the grace period unless ``quick_delete``) is the operator's."""
-    training = parse(specs.minimal(workers=1, gpusPerWorker=0, **spec))
+    training = parse(specs.minimal(**{"workers": 1, "gpusPerWorker": 0, **spec}))
     job = render_job(training, "pytorchjob", default_image=images.SHELL_IMAGE)[-1]
     template = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
     container = template["spec"]["containers"][0]
@@ -241,6 +241,40 @@ def test_the_operators_worker_gets_the_dev_shm_it_meant_and_its_args_expanded(
     assert int(size.group(1)) * 1024 == parse_quantity(expected), shm[0]
     args = next(line for line in output.splitlines() if line.startswith("args: "))
     assert f"--master-addr={name}-master-0 --master-port=23456" in args, args
+
+
+def test_the_operators_gpu_worker_gets_the_devices_its_kubelet_allocates_and_one_too_many_waits(
+    node: Node, node_api: Api, plane: ControlPlane, namespace: str
+) -> None:
+    """GPU-shaped pods on a node whose device plugin (the stand-in) offers two devices: the
+    operator's worker asking for both is placed and given both by the kubelet's device manager
+    (the plugin's NVIDIA_VISIBLE_DEVICES); while it holds them, a second asking for one more
+    waits, Unschedulable for want of nvidia.com/gpu."""
+    allocatable = node.node_object()["status"]["allocatable"]
+    assert allocatable["nvidia.com/gpu"] == "2", allocatable
+    body = rendered_worker(
+        node, "gpu-worker", 'echo "visible: $NVIDIA_VISIBLE_DEVICES"; sleep 30', gpusPerWorker=2
+    )
+    assert body["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
+    node_api.create("pods", body, namespace)
+    wait_phase(node_api, "gpu-worker", {"Running"})
+    said = wait_for("the worker's line", lambda: "visible: " in (out := logs(plane, "gpu-worker")) and out)
+    visible = next(line for line in said.splitlines() if line.startswith("visible: "))
+    assert set(visible.split(" ", 1)[1].split(",")) == {f"GPU-standin-{node.name}-{i}" for i in range(2)}, (
+        said
+    )
+    more = rendered_worker(node, "gpu-worker-2", "true", gpusPerWorker=1)
+    node_api.create("pods", more, namespace)
+
+    def unschedulable() -> str | None:
+        conditions = get_pod(node_api, "gpu-worker-2")["status"].get("conditions") or []
+        found = [c for c in conditions if c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"]
+        return found[0].get("message") if found else None
+
+    message = wait_for("the second worker Unschedulable", unschedulable, timeout=30)
+    assert "Insufficient nvidia.com/gpu" in message, message
+    for name in ("gpu-worker", "gpu-worker-2"):
+        node_api.delete("pods", name, namespace)
 
 
 def test_sigterm_gives_the_operators_worker_its_grace_period_to_save(

@@ -461,6 +461,60 @@ def test_a_trainer_restarted_in_place_is_restarting_until_the_step_moves_again()
     assert types(status)["Restarting"] == "False"
 
 
+def test_a_trainer_killed_for_memory_says_so_restarting_then_failed() -> None:
+    """The kernel's OOM kill leaves no record and a log cut mid-step; the kubelet's reason
+    (OOMKilled, in lastState once the container restarts) is the one place that says why, and the
+    status names the pod, the limit and the fix, as it restarts and once the job gives up."""
+    oom = {"oom_killed": True, "memory_limit": "2Gi"}
+    restarting = derive_status(
+        derive_status(None, observe(0, pods=running_pods(50)), THRESHOLDS),
+        observe(10, pods=(
+            PodObservation("demo-master-0", "Running", True, metrics=metrics(50)),
+            PodObservation("demo-worker-0", "Running", False, metrics=metrics(50), restarts=2, **oom),
+        )),
+        THRESHOLDS,
+    )  # fmt: skip
+    assert restarting.phase == "Restarting"
+    condition = next(c for c in restarting.conditions if c.type == "Restarting")
+    assert condition.reason == "OOMKilled"
+    assert condition.message.startswith(
+        "pod demo-worker-0's trainer restarted (2 so far) after it ran out of memory"
+    )
+    assert "its memory limit of 2Gi" in condition.message
+    assert "spec.resources.memory" in condition.message
+    failed = derive_status(
+        restarting,
+        observe(
+            60,
+            conditions=(
+                JobCondition("Created", "True"),
+                JobCondition("Failed", "True", "BackoffLimitExceeded", "PyTorchJob demo has failed"),
+            ),
+            pods=(
+                PodObservation("demo-master-0", "Running", True, metrics=metrics(50)),
+                PodObservation("demo-worker-0", "Failed", **oom),
+            ),
+        ),
+        THRESHOLDS,
+    )
+    assert failed.phase == "Failed"
+    condition = next(c for c in failed.conditions if c.type == "Failed")
+    assert condition.reason == "OOMKilled"
+    assert condition.message.startswith("pod demo-worker-0's trainer ran out of memory: the kernel killed it")
+    assert [(e.type, e.reason) for e in events(restarting, failed)][-1] == ("Warning", "OOMKilled")
+    # With no limit set, it says so rather than naming one.
+    unlimited = derive_status(
+        None,
+        observe(60, conditions=(JobCondition("Failed", "True"),),
+                pods=(PodObservation("demo-master-0", "Failed", oom_killed=True),)),
+        THRESHOLDS,
+    )  # fmt: skip
+    assert (
+        "the node's memory (no limit set)"
+        in next(c for c in unlimited.conditions if c.type == "Failed").message
+    )
+
+
 SUSPENDED = (JobCondition("Created", "True"), JobCondition("Suspended", "True", "JobSuspended", "suspended"))
 
 

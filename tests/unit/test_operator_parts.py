@@ -61,6 +61,29 @@ def test_pod_readings(pod: dict[str, Any], ip: str | None, ready: bool, message:
     assert observe.training_of(pod) == "t"
 
 
+@pytest.mark.parametrize(
+    ("containers", "oom_killed"),
+    [
+        ([{"name": "pytorch", "state": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}], True),
+        ([{"name": "node", "state": {"running": {}},
+           "lastState": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}], True),  # restarted since
+        ([{"name": "pytorch", "state": {"terminated": {"reason": "Error", "exitCode": 137}}}], False),
+        ([{"name": "sidecar", "state": {"terminated": {"reason": "OOMKilled"}}},
+          {"name": "pytorch", "state": {"running": {}}}], False),  # not the trainer
+        ([{"name": "pytorch", "state": None, "lastState": "odd"}], False),
+    ],
+)  # fmt: skip
+def test_an_oom_kill_of_the_trainer_is_read_with_its_memory_limit(
+    containers: list[dict[str, Any]], oom_killed: bool
+) -> None:
+    pod = _pod(phase="Running", containerStatuses=containers)
+    pod["spec"] = {"containers": [{"name": "sidecar", "resources": {"limits": {"memory": "1Gi"}}},
+                                  {"name": containers[-1]["name"], "resources": {"limits": {"memory": "2Gi"}}}]}  # fmt: skip
+    seen = observe.pod_observation(pod, None)
+    assert (seen.oom_killed, seen.memory_limit) == (oom_killed, "2Gi")
+    assert observe.pod_observation(_pod(phase="Running"), None).memory_limit is None
+
+
 def test_job_readings() -> None:
     job = {
         "metadata": {

@@ -29,7 +29,7 @@ from gpuop.api.status import (
     format_eta,
 )
 from gpuop.observing import figures
-from gpuop.observing.records import Event, Observation, Thresholds
+from gpuop.observing.records import Event, Observation, PodObservation, Thresholds
 
 _ALARMS: Final = (
     "BackendUnavailable",
@@ -149,21 +149,42 @@ def _merge_conditions(
     return tuple(sorted(merged.values(), key=lambda c: (order.get(c.type, len(order)), c.type)))
 
 
-def _restart_note(obs: Observation, progress: ProgressStatus | None) -> str | None:
-    """Why a running job is Restarting, if it is: a pod's trainer container was restarted in
-    place and the training has not advanced since. Kubeflow says nothing then: with restartPolicy
-    OnFailure kubelet restarts the container and the job stays Running (seen on the real
-    training-operator), while every rank waits for the restarted one to load its checkpoint."""
+def _restart_note(obs: Observation, progress: ProgressStatus | None) -> tuple[str, str] | None:
+    """Why a running job is Restarting, if it is (reason, message): a pod's trainer container was
+    restarted in place and the training has not advanced since. Kubeflow says nothing then: with
+    restartPolicy OnFailure kubelet restarts the container and the job stays Running (seen on the
+    real training-operator), while every rank waits for the restarted one to load its checkpoint."""
     advanced = progress.step_advanced_at if progress is not None else None
     for pod in sorted(obs.pods, key=lambda p: p.name):
         if pod.phase != "Running" or pod.restarts == 0:
             continue
         down = pod.trainer_started_at is None  # exited, waiting to be started again
         if down or advanced is None or advanced < str(pod.trainer_started_at):
-            return (
-                f"pod {pod.name}'s trainer restarted ({pod.restarts} so far); waiting for training to resume"
-            )
+            restarted = f"pod {pod.name}'s trainer restarted ({pod.restarts} so far)"
+            if pod.oom_killed:
+                return "OOMKilled", f"{restarted} after it {_out_of_memory(pod)}"
+            return "TrainerRestarted", f"{restarted}; waiting for training to resume"
     return None
+
+
+def _out_of_memory(pod: PodObservation) -> str:
+    """What an OOM kill means, and the fix, after "pod X's trainer". The kernel kills a
+    container the moment its cgroup passes the limit, so the trainer writes no record and its
+    log ends mid-step: without this, a user sees a bare exit code 137 (or a job's backoff limit)."""
+    where = "the node's memory (no limit set)"
+    if pod.memory_limit:
+        where = f"its memory limit of {pod.memory_limit}"
+    return (
+        f"ran out of memory: the kernel killed it at {where} (OOMKilled). Raise spec.resources.memory, "
+        "or lower the batch size or the DataLoader workers; /dev/shm (spec.shmSize) counts toward "
+        "the same limit"
+    )
+
+
+def _oom_failure(obs: Observation) -> tuple[str, str] | None:
+    """A failed training's OOM kill, if a pod's trainer had one (the first pod by name)."""
+    pod = next((p for p in sorted(obs.pods, key=lambda p: p.name) if p.oom_killed), None)
+    return ("OOMKilled", f"pod {pod.name}'s trainer {_out_of_memory(pod)}") if pod is not None else None
 
 
 def _kueue_phase(obs: Observation, phase: Phase) -> Phase:
@@ -238,7 +259,7 @@ class _Moment:
     kind: str
     progress: ProgressStatus | None
     gpu: GpuUsage | None
-    restart_note: str | None
+    restart_note: tuple[str, str] | None  # (reason, message): why the job is Restarting
     selected: tuple[str, str] | None
 
     def condition(
@@ -346,8 +367,11 @@ def _phase_condition(m: _Moment, message: str) -> Condition | None:
     if phase == "Failed":
         record = figures.trainer_record(obs, "Failed")
         earlier = next((c for c in m.before.conditions if c.type == "Failed" and c.status == "True"), None)
+        oom = _oom_failure(obs)
         if record is not None:
             reason, text = record.reason, record.message
+        elif oom is not None:
+            reason, text = oom
         elif earlier is not None:  # the pods (and their records) may be gone by now
             reason, text = earlier.reason, earlier.message
         else:
@@ -360,7 +384,7 @@ def _phase_condition(m: _Moment, message: str) -> Condition | None:
     if phase in ("Suspended", "Restarting"):
         reason, text = _job_reason(obs, phase)
         if m.restart_note is not None:
-            reason, text = "TrainerRestarted", m.restart_note
+            reason, text = m.restart_note
         return m.condition(phase, "True", reason or f"{kind}{phase}", text or message)
     return None
 

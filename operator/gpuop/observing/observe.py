@@ -180,10 +180,31 @@ def _result(container: Mapping[str, Any]) -> Result | None:
 def _termination_message(container: Mapping[str, Any]) -> str | None:
     # The current state first; after a restart the record is in lastState.
     for state in (container.get("state"), container.get("lastState")):
-        terminated = (state or {}).get("terminated") or {}
-        message = terminated.get("message")
+        terminated = (state if isinstance(state, Mapping) else {}).get("terminated")
+        message = terminated.get("message") if isinstance(terminated, Mapping) else None
         if isinstance(message, str) and message:
             return message
+    return None
+
+
+def _oom_killed(container: Mapping[str, Any]) -> bool:
+    """Whether the kubelet says the kernel killed the container at its memory limit, in its
+    current state or the one before its last restart (restartPolicy OnFailure restarts it in
+    place, and the next start hides the kill but in lastState)."""
+    for state in (container.get("state"), container.get("lastState")):
+        terminated = state.get("terminated") if isinstance(state, Mapping) else None
+        if isinstance(terminated, Mapping) and terminated.get("reason") == "OOMKilled":
+            return True
+    return False
+
+
+def _memory_limit(pod: Mapping[str, Any]) -> str | None:
+    """The trainer container's memory limit, as its spec says it."""
+    trainers = (PYTORCHJOB_CONTAINER, TRAINJOB_CONTAINER)
+    for container in (pod.get("spec") or {}).get("containers") or ():
+        if isinstance(container, Mapping) and container.get("name") in trainers:
+            limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")
+            return str(limit) if isinstance(limit, (str, int)) else None
     return None
 
 
@@ -208,6 +229,8 @@ def pod_observation(
         exporter_gpus=exporter_gpus,
         restarts=restarts if isinstance(restarts, int) else 0,
         trainer_started_at=started if isinstance(started, str) else None,
+        oom_killed=_oom_killed(trainer),
+        memory_limit=_memory_limit(pod),
     )
 
 

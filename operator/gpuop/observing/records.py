@@ -58,6 +58,10 @@ class PodObservation:
     exporter_gpus: tuple[GpuFigures, ...] | None = None
     restarts: int = 0  # the trainer container's restartCount
     trainer_started_at: str | None = None  # when its current container started, if running
+    # The kernel killed the trainer container at its memory limit (OOMKilled), now or before its
+    # last restart; and that limit as the pod spec says it (None: none set).
+    oom_killed: bool = False
+    memory_limit: str | None = None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from typing import Any, Final
 import yaml
 
 from support.controllers.webhooked import ControllerSpec, WebhookedController
+from support.node import images
 from support.paths import ROOT
 from support.plane import gobuild
 from support.plane.cluster import Api
@@ -85,6 +86,9 @@ TRAINING_OPERATOR: Final = ControllerSpec(
         str(binary), "--enable-scheme=pytorchjob", f"--webhook-server-port={ports.webhook}",
         f"--health-probe-bind-address=127.0.0.1:{ports.health}", "--metrics-bind-address=0",
         "--leader-elect=false", "--zap-log-level=info",
+        # Its init container (waits for the master's name) runs in place of alpine on a real
+        # node; the node agent ignores images.
+        f"--pytorch-init-container-image={images.SHELL_IMAGE}",
     ],
 )  # fmt: skip
 

@@ -163,3 +163,18 @@ class WebhookedController:
         if self.proxy is not None:
             self.proxy.close()
             self.proxy = None
+
+    def retire(self) -> None:
+        """Stop it and take its webhook configurations away: for a module that runs it for a while
+        in a session that goes on without it. Upstream's webhooks fail closed, so left behind
+        they would refuse every job of their kind while nobody serves them. Its namespace,
+        Service, endpoint and Secret stay for a later :meth:`start`."""
+        self.stop()
+        for configuration in self.spec.webhooks():
+            plural = configuration["kind"].lower() + "s"
+            name = configuration["metadata"]["name"]
+            try:
+                self.api.request("DELETE", f"/apis/admissionregistration.k8s.io/v1/{plural}/{name}")
+            except HttpError as exc:
+                if exc.status != 404:
+                    raise

@@ -18,6 +18,8 @@ Four builds, each cached by :mod:`support.plane.gobuild`'s keys (``~/.cache/gpuo
   kube-proxy and kube-scheduler, so the k8s.io/kubernetes version and the whole dependency graph are the
   apiserver's and the Go build cache shares its compiled packages. containerd v2 cannot join
   that graph: it requires k8s.io/cri-api v0.37, and MVS would lift the kubelet onto it.
+- ``node-gpuplugin`` from the same module: ``tests/controlplane/gpuplugin``, our stand-in for
+  NVIDIA's device plugin (no GPU here), on the kubelet's own device-plugin API package.
 """
 
 from __future__ import annotations
@@ -127,6 +129,20 @@ def k8s_recipe() -> gobuild.Recipe:
     )
 
 
+GPU_PLUGIN: Final = controlplane.MODULE / "gpuplugin"
+
+
+def gpuplugin_recipe() -> gobuild.Recipe:
+    return gobuild.Recipe(
+        name="node-gpuplugin",
+        module=controlplane.MODULE,
+        packages={"gpuplugin": "gpuop.io/tests/controlplane/gpuplugin"},
+        label=f"k8s-{versions()['kubernetes']}",
+        cold_cost="measured 24 s on 2 cores, the packages it shares with the kubelet already compiled",
+        sources=tuple(sorted(GPU_PLUGIN.glob("*.go"))),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class NodeBinaries:
     """Where each binary of a node is; :meth:`path` by name."""
@@ -136,9 +152,10 @@ class NodeBinaries:
     k8s: Path
     dns: Path  # CoreDNS, which runs in a pod (support.node.dns)
     controlplane: Path  # kubectl and friends, for the tests
+    gpuplugin: Path  # the device-plugin stand-in (support.node.node.Node's ``gpus``)
 
     def path(self, name: str) -> Path:
-        for directory in (self.runtime, self.runc, self.k8s, self.dns, self.controlplane):
+        for directory in (self.runtime, self.runc, self.k8s, self.dns, self.controlplane, self.gpuplugin):
             if (directory / name).is_file():
                 return directory / name
         raise FileNotFoundError(name)
@@ -157,6 +174,7 @@ def ensure_all(say: gobuild.Say = gobuild.say_on_stderr) -> NodeBinaries:
         k8s=gobuild.ensure(k8s_recipe(), say),
         dns=gobuild.ensure(dns_recipe(), say),
         controlplane=controlplane.ensure_binaries(say),
+        gpuplugin=gobuild.ensure(gpuplugin_recipe(), say),
     )
 
 

@@ -174,11 +174,21 @@ def dead_sockets_in_shared_directories() -> list[Path]:
     ]
 
 
+# What a kubelet's device manager writes beside its socket once a device plugin registers (the
+# stand-in GPUs), with no kubelet left to read it.
+DEVICE_CHECKPOINT: Final = Path("/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint")
+
+
 def remove_dead_sockets_and_empty(directories: list[Path]) -> None:
     """Remove the dead sockets of :data:`SHARED_DIRECTORIES` (a kubelet leaves its
-    device-plugin socket behind), then each of ``directories`` that is empty, deepest first."""
+    device-plugin socket behind), then each of ``directories`` that is empty, deepest first;
+    the device manager's checkpoint goes too once no kubelet's socket is left beside it."""
     for socket_path in dead_sockets_in_shared_directories():
         socket_path.unlink(missing_ok=True)
+    if DEVICE_CHECKPOINT.parent in directories and not any(
+        entry.is_socket() for entry in DEVICE_CHECKPOINT.parent.iterdir()
+    ):
+        DEVICE_CHECKPOINT.unlink(missing_ok=True)
     for directory in sorted(directories, key=lambda path: len(path.parts), reverse=True):
         with contextlib.suppress(OSError):  # not empty: another node's, or something else's
             directory.rmdir()

@@ -9,9 +9,12 @@ import`` reads), made reproducibly (sorted entries, mtime 0, root-owned) and cac
 - :data:`PAUSE_IMAGE`, the pod sandbox image (the CRI's ``sandbox`` image, in place of
   registry.k8s.io/pause): one static binary built with gcc from ``pause.c`` beside this file.
 - :data:`SHELL_IMAGE`, the image of the tests' pods (in place of busybox): the host's dash as
-  ``/bin/sh`` and a few coreutils (cat, head, tail, sleep, ls, df, stat, mkdir, true), with the
-  shared libraries ``ldd`` names. Enough for the tests' scripts, OOM included (``tail /dev/zero``
-  keeps one endless line in memory).
+  ``/bin/sh`` and a few coreutils (cat, head, tail, sleep, ls, df, stat, mkdir, true, seq), with
+  the shared libraries ``ldd`` names. Enough for the tests' scripts, OOM included (``tail
+  /dev/zero`` keeps one endless line in memory), and for the training-operator's init container
+  (its ``--pytorch-init-container-image``, in place of alpine), whose ``nslookup`` is a script
+  over glibc's ``getent hosts`` (glibc 2.34+ resolves through DNS with no NSS modules or
+  nsswitch.conf).
 """
 
 from __future__ import annotations
@@ -35,7 +38,11 @@ from support import buildcache
 HERE: Final = Path(__file__).resolve().parent
 PAUSE_IMAGE: Final = "registry.gpuop.test/pause:3.10-standin"
 SHELL_IMAGE: Final = "registry.gpuop.test/shell:1-standin"
-SHELL_TOOLS: Final = ("cat", "head", "tail", "sleep", "ls", "df", "stat", "mkdir", "true")
+SHELL_TOOLS: Final = ("cat", "head", "tail", "sleep", "ls", "df", "stat", "mkdir", "true", "seq", "getent")
+# What the training-operator's init container asks of busybox's nslookup: succeed once the name
+# resolves.
+NSLOOKUP: Final = b'#!/bin/sh\n# stand-in for nslookup: resolves the name or fails\nexec getent hosts "$1"\n'
+
 PATH_ENV: Final = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -167,6 +174,7 @@ def _shell_files() -> list[_File]:
             raise RuntimeError(f"the shell stand-in image takes `{tool}` from this machine: not found")
         binaries[tool] = found
     files = [_File(f"bin/{name}", Path(path).read_bytes()) for name, path in binaries.items()]
+    files.append(_File("bin/nslookup", NSLOOKUP))
     libraries = sorted({library for path in binaries.values() for library in _shared_libraries(path)})
     # At the path ldd names (the loader at /lib64/..., the rest under /lib/x86_64-linux-gnu,
     # which Debian's loader searches without an ld.so.cache); symlinks resolved to their file.

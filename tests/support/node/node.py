@@ -32,6 +32,7 @@ from support.plane.cluster import Api
 from support.plane.controlplane import ControlPlane, free_port, kubeconfig
 
 PREFIX = "gpuopnode-"  # every bridge and cgroup root a node here makes starts with it
+GPU = "nvidia.com/gpu"
 POD_NETWORKS = ipaddress.ip_network("10.244.0.0/16")
 
 
@@ -79,8 +80,12 @@ class Node:
     name: str
     ident: str
     taints: list[dict[str, str]] = field(default_factory=list)
+    # nvidia.com/gpu devices its kubelet allocates, from the device-plugin stand-in
+    # (tests/controlplane/gpuplugin): none when 0.
+    gpus: int = 0
     timings: Timings = field(default_factory=Timings)
     swept: hoststate.Footprint | None = None
+    gpu_plugin: Supervised | None = None
 
     def __post_init__(self) -> None:
         self.bridge = f"{PREFIX}{self.ident}"
@@ -111,6 +116,28 @@ class Node:
         self.timings.kubelet_healthy = time.monotonic() - started
         wait_until(self.ready, timeout, f"Node {self.name} Ready", kubelet, interval=0.5)
         self.timings.node_ready = time.monotonic() - started
+        if self.gpus:
+            self._start_gpu_plugin(timeout)
+
+    def _start_gpu_plugin(self, timeout: float) -> None:
+        """The stand-in registers through this kubelet's plugin watcher; ready once the Node
+        offers its devices."""
+        sockets = self.workdir / "gpuplugin"
+        sockets.mkdir(exist_ok=True)
+        registry = self.kubelet.root_dir / "plugins_registry"
+        registry.mkdir(exist_ok=True)
+        self.gpu_plugin = spawn("gpuplugin", [
+            str(self.binaries.path("gpuplugin")), f"--registry-dir={registry}", f"--socket-dir={sockets}",
+            f"--count={self.gpus}", f"--node={self.name}",
+        ], self.workdir / "gpuplugin.log")  # fmt: skip
+
+        def offered() -> bool:
+            allocatable = self.node_object().get("status", {}).get("allocatable", {})
+            return bool(allocatable.get(GPU) == str(self.gpus))
+
+        wait_until(
+            offered, timeout, f"Node {self.name} offering {self.gpus} {GPU}", self.gpu_plugin, interval=0.5
+        )
 
     def node_object(self) -> dict[str, Any]:
         node: dict[str, Any] = self.api.request("GET", f"/api/v1/nodes/{self.name}")
@@ -125,6 +152,22 @@ class Node:
         listing = self.api.request("GET", f"/api/v1/pods?fieldSelector=spec.nodeName%3D{self.name}")
         items: list[dict[str, Any]] = listing["items"]
         return items
+
+    def log_of(self, pod: dict[str, Any], container: str) -> str:
+        """A container's log as this node's kubelet wrote it (every attempt, oldest first): what
+        ``kubectl logs`` reads through the apiserver, which reaches only a node named after
+        this machine."""
+        meta = pod["metadata"]
+        directory = (
+            self.kubelet.pod_logs_dir / f"{meta['namespace']}_{meta['name']}_{meta['uid']}" / container
+        )
+        # The CRI's log format: "<time> <stream> <F|P> <text>" a line.
+        return "".join(
+            line.split(" ", 3)[3] + "\n"
+            for path in sorted(directory.glob("*.log"), key=lambda p: int(p.stem))
+            for line in path.read_text(errors="replace").splitlines()
+            if line.count(" ") >= 3
+        )
 
     def footprint(self) -> hoststate.Footprint:
         return hoststate.Footprint.of(self.workdir, self.cgroup_root, self.bridge)
@@ -154,6 +197,9 @@ class Node:
             if self.kubelet.process is not None and self.containerd.process is not None:
                 self.drain()
         finally:
+            if self.gpu_plugin is not None:
+                self.gpu_plugin.stop()
+                self.gpu_plugin = None
             self.kubelet.stop()
             if self.containerd.process is not None:
                 self.containerd.remove_everything()
@@ -176,8 +222,8 @@ class Node:
 
 @contextlib.contextmanager
 def running_node(plane: ControlPlane, api: Api, binaries: NodeBinaries, workdir: Path, name: str,
-                 ident: str, taints: list[dict[str, str]] | None = None) -> Iterator[Node]:  # fmt: skip
-    node = Node(plane, api, binaries, workdir, name, ident, taints or [])
+                 ident: str, taints: list[dict[str, str]] | None = None, gpus: int = 0) -> Iterator[Node]:  # fmt: skip
+    node = Node(plane, api, binaries, workdir, name, ident, taints or [], gpus)
     try:
         node.start()
         yield node

@@ -46,13 +46,16 @@ class Recipe:
     # build also needs gcc and the C headers of what the tags link.
     cgo: bool = False
     tags: str = ""  # go build -tags, comma-separated
+    # Go files of our own built from the module (a stand-in's source): their text is in the key.
+    sources: tuple[Path, ...] = ()
 
     def directory(self) -> Path:
-        # What changes the binaries changes the key: flags, packages, cgo and tags, go.mod, go.sum.
+        # What changes the binaries changes the key: flags, packages, cgo and tags, go.mod, go.sum,
+        # and our own sources.
         how = [self.ldflags, self.tags, str(self.cgo), *sorted(f"{k}={v}" for k, v in self.packages.items())]
         digest = hashlib.sha256("\n".join(how).encode())
-        for name in ("go.mod", "go.sum"):
-            digest.update((self.module / name).read_bytes())
+        for path in (self.module / "go.mod", self.module / "go.sum", *self.sources):
+            digest.update(path.read_bytes())
         return cache_root() / self.name / f"{self.label}-{digest.hexdigest()[:12]}"
 
 

@@ -2,8 +2,7 @@
 still on most clusters.
 
 What the training-operator (v1.9) adds to this manifest when it makes pods, and so must not
-be rendered here: MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, PET_NNODES, PET_NODE_RANK,
-PET_NPROC_PER_NODE (fixed jobs) and PET_RDZV_* (elastic jobs). Its conditions are already
+be rendered here: :data:`FIXED_JOB_ENV` and :data:`ELASTIC_JOB_ENV`. Its conditions are already
 the terms status is derived in (Created, Running, Suspended, Restarting, Succeeded, Failed).
 """
 
@@ -26,6 +25,18 @@ from gputrain.contract import METRICS_PORT, METRICS_PORT_NAME, RENDEZVOUS_PORT, 
 
 # The fields of a running PyTorchJob the training-operator acts on when they change.
 MUTABLE_RUN_POLICY: Final = ("suspend", "activeDeadlineSeconds", "ttlSecondsAfterFinished", "backoffLimit")
+# The variables the training-operator v1.9.4 adds to every container of the job's pods (its
+# pkg/controller.v1/pytorch, envvar.go, master.go and elastic.go, for what this module renders:
+# nprocPerNode always, a Master in fixed jobs, maxRestarts and c10d in elastic ones). A $(VAR) in
+# a spec's command, args or env may name them; the e2e chain checks them on the real pods.
+FIXED_JOB_ENV: Final = frozenset({
+    "PYTHONUNBUFFERED", "MASTER_ADDR", "MASTER_PORT", "PET_MASTER_ADDR", "PET_MASTER_PORT", "WORLD_SIZE",
+    "RANK", "PET_NODE_RANK", "PET_NNODES", "PET_NPROC_PER_NODE",
+})  # fmt: skip
+ELASTIC_JOB_ENV: Final = frozenset({
+    "PYTHONUNBUFFERED", "PET_RDZV_ENDPOINT", "PET_RDZV_BACKEND", "PET_NNODES", "PET_NPROC_PER_NODE",
+    "PET_MAX_RESTARTS",
+})  # fmt: skip
 
 
 def _launch(spec: GpuTrainingSpec) -> tuple[list[str], list[str] | None]:
@@ -158,6 +169,9 @@ class PyTorchJobApi:
 
     def spec_gaps(self, spec: GpuTrainingSpec) -> tuple[str, ...]:
         return ()  # the GpuTraining API was made on it: it carries every field
+
+    def controller_env(self, spec: GpuTrainingSpec) -> frozenset[str]:
+        return ELASTIC_JOB_ENV if spec.elastic is not None else FIXED_JOB_ENV
 
     def render(
         self, training: GpuTraining, *, default_image: str, reports: pod.ReportEndpoint | None = None

@@ -55,6 +55,11 @@ class JobApi(Protocol):
         """The spec's fields it cannot carry (``auto`` passes it over for them)."""
         ...
 
+    def controller_env(self, spec: GpuTrainingSpec) -> frozenset[str]:
+        """The variables its controller adds to the trainer container of such a spec's pods
+        (never rendered by us): what a ``$(VAR)`` in the spec may name besides its own env."""
+        ...
+
     def render(
         self, training: GpuTraining, *, default_image: str, reports: ReportEndpoint | None = None
     ) -> list[dict[str, Any]]:

@@ -16,10 +16,9 @@ runtime is fixed once made, like the GpuTraining's fixed fields.
   trainer: image, command, args, env, numNodes, numProcPerNode, resourcesPerNode; and
   suspend, activeDeadlineSeconds, our labels (Kueue's queue among them), owner and record.
 
-What Trainer v2 adds to the container and so must not be rendered here: PET_NNODES,
-PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT (torchrun reads
-them), and the trainer port 29500. What neither object can carry is refused by the spec
-model (:data:`gpuop.api.spec.TRAINJOB_GAPS`).
+What Trainer v2 adds to the container and so must not be rendered here:
+:data:`CONTROLLER_ENV` (torchrun reads them), and the trainer port 29500. What neither object
+can carry is refused by the spec model (:data:`gpuop.api.spec.TRAINJOB_GAPS`).
 """
 
 from __future__ import annotations
@@ -43,6 +42,11 @@ from gpuop.observing import observe
 from gpuop.observing.records import JobCondition, JobKind
 from gputrain.contract import METRICS_PORT, METRICS_PORT_NAME
 
+# The variables Trainer v2.3's torch plugin adds to the trainer container: a $(VAR) in a spec's
+# command, args or env may name them; the e2e chain checks them on the real pods.
+CONTROLLER_ENV: Final = frozenset(
+    {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT"}
+)
 # The replicated job and container Trainer's torch plugin injects its PET_* variables into.
 _ANCESTOR_LABEL: Final = "trainer.kubeflow.org/trainjob-ancestor-step"
 _FRAMEWORK_LABEL: Final = "trainer.kubeflow.org/framework"
@@ -204,6 +208,9 @@ class TrainJobApi:
 
     def spec_gaps(self, spec: GpuTrainingSpec) -> tuple[str, ...]:
         return trainjob_gaps(spec)
+
+    def controller_env(self, spec: GpuTrainingSpec) -> frozenset[str]:
+        return CONTROLLER_ENV
 
     def render(
         self, training: GpuTraining, *, default_image: str, reports: pod.ReportEndpoint | None = None

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HELM := $(BIN)/helm
 CHART := charts/gpu-training-operator
 
-.PHONY: docs-tools version test run lint typecheck imports unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries node-binaries operator-image node min-versions
+.PHONY: docs-tools version test run lint typecheck imports unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries node-binaries operator-image node min-versions cluster cluster-down
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,16 @@ controlplane: $(STAMP)
 ## controlplane-down: stop what `make controlplane` started and remove .controlplane/
 controlplane-down: $(STAMP)
 	$(CONTROLPLANE) down
+
+## cluster: a local cluster without Docker (root): the control plane, two real nodes with two
+## stand-in GPUs each, CoreDNS, the Kubeflow training-operator and the chart from the operator
+## image built here; writes .cluster/kubeconfig and prints how to use it
+cluster: $(STAMP) $(HELM)
+	PYTHONPATH=tests $(BIN)/python -m support.cluster up
+
+## cluster-down: stop what `make cluster` started; leaves no process, mount, bridge, cgroup or chain
+cluster-down: $(STAMP)
+	PYTHONPATH=tests $(BIN)/python -m support.cluster down
 
 ## docs-tools: install (or find cached) Mermaid's parser from npm, for the docs' diagram test
 docs-tools: $(STAMP)

@@ -8,6 +8,7 @@ No Kubeflow controller and no kubelet run here: the test plays both, writing wha
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -21,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -530,32 +532,56 @@ def test_a_required_peering_object_is_waited_for_with_a_warning(
         fresh_operator.stop()
 
 
-def test_two_replicas_under_the_charts_peering_one_works_and_the_other_takes_over(
-    plane: ControlPlane, api: Api, suite_chart: Installed, tmp_path: Path
-) -> None:
+@dataclass
+class Replicas:
+    """Two operator replicas under the chart's peering: which one works, which one waits."""
+
+    processes: dict[str, OperatorProcess]
+    api: Api
+    leader: str = ""
+    standby: str = ""
+
+    def peers(self) -> dict[str, Any]:
+        peering = self.api.request("GET", "/apis/kopf.dev/v1/clusterkopfpeerings/gpu-training-operator")
+        return dict(peering.get("status") or {})
+
+
+@contextlib.contextmanager
+def two_replicas(
+    plane: ControlPlane, api: Api, suite_chart: Installed, tmp_path: Path, pods: tuple[str, str]
+) -> Iterator[Replicas]:
     """The chart's set-up for replicas > 1: the peering object it creates, each pod its own
-    identity (POD_ID) and a random priority; one replica works, the next takes over."""
+    identity (POD_ID) and a random priority; both started and in the peering. Both stopped at
+    the end, and neither may have logged a traceback."""
     config = service_account_kubeconfig(
         plane, RELEASE_NAMESPACE, suite_chart.service_account, tmp_path / "sa"
     )
-    replicas = {}
-    for pod in ("gpuop-a", "gpuop-b"):
+    processes = {}
+    for pod in pods:
         (tmp_path / pod).mkdir()
-        replicas[pod] = OperatorProcess(config, tmp_path / pod, env={**suite_chart.env, "POD_ID": pod})
-
-    def peers() -> dict[str, Any]:
-        peering = api.request("GET", "/apis/kopf.dev/v1/clusterkopfpeerings/gpu-training-operator")
-        return dict(peering.get("status") or {})
-
+        processes[pod] = OperatorProcess(config, tmp_path / pod, env={**suite_chart.env, "POD_ID": pod})
+    replicas = Replicas(processes, api)
     try:
-        for replica in replicas.values():
-            replica.start()
-        wait_for("both replicas in the peering", lambda: set(peers()) >= set(replicas), timeout=60)
-        priorities = {pod: peers()[pod]["priority"] for pod in replicas}
+        for process in processes.values():
+            process.start()
+        wait_for("both replicas in the peering", lambda: set(replicas.peers()) >= set(processes), timeout=60)
+        priorities = {pod: replicas.peers()[pod]["priority"] for pod in processes}
         assert len(set(priorities.values())) == 2, priorities
-        leader = max(priorities, key=lambda pod: priorities[pod])
-        standby = min(priorities, key=lambda pod: priorities[pod])
+        replicas.leader = max(priorities, key=lambda pod: priorities[pod])
+        replicas.standby = min(priorities, key=lambda pod: priorities[pod])
+        yield replicas
+    finally:
+        for process in processes.values():
+            process.stop()
+    for process in processes.values():
+        assert "Traceback" not in process.log(), process.log()[-3000:]
 
+
+def test_two_replicas_under_the_charts_peering_one_works_and_the_other_takes_over(
+    plane: ControlPlane, api: Api, suite_chart: Installed, tmp_path: Path
+) -> None:
+    """One replica works, and the other takes over when it stops the ordinary way."""
+    with two_replicas(plane, api, suite_chart, tmp_path, ("gpuop-a", "gpuop-b")) as replicas:
         names = ["peer-a", "peer-b", "peer-c"]
         for name in names:
             plane.kubectl("create", "-f", "-", input=json.dumps(training(name)))
@@ -569,18 +595,16 @@ def test_two_replicas_under_the_charts_peering_one_works_and_the_other_takes_ove
             201,
         ]  # the standby made none
 
-        replicas[leader].stop()  # a rolling update: SIGTERM, and Kopf leaves the peering
-        wait_for("the leader gone from the peering", lambda: leader not in peers(), timeout=30)
+        replicas.processes[replicas.leader].stop()  # a rolling update: SIGTERM, and Kopf leaves the peering
+        wait_for(
+            "the leader gone from the peering", lambda: replicas.leader not in replicas.peers(), timeout=30
+        )
         plane.kubectl("create", "-f", "-", input=json.dumps(training("peer-d")))
         wait_for("peer-d Created by the standby", lambda: _phase(api, "peer-d", "Created"), timeout=60)
-        assert replicas[standby].process is not None
-        assert replicas[standby].process.poll() is None
+        standby = replicas.processes[replicas.standby].process
+        assert standby is not None
+        assert standby.poll() is None
         assert sorted(j["metadata"]["name"] for j in _jobs(api)) == [*names, "peer-d"]
-    finally:
-        for replica in replicas.values():
-            replica.stop()
-    for replica in replicas.values():
-        assert "Traceback" not in replica.log(), replica.log()[-3000:]
 
 
 def test_a_killed_leader_is_replaced_by_the_standby_once_its_peering_entry_expires(
@@ -590,31 +614,13 @@ def test_a_killed_leader_is_replaced_by_the_standby_once_its_peering_entry_expir
     peering, so the standby waits until the leader's entry is older than Kopf's peering
     lifetime (60 s), then works: 5 to 60 s after the kill, as the leader renews its entry every
     50 to 55 s. docs/operating.md states it; this measures it."""
-    config = service_account_kubeconfig(
-        plane, RELEASE_NAMESPACE, suite_chart.service_account, tmp_path / "sa"
-    )
-    replicas = {}
-    for pod in ("gpuop-x", "gpuop-y"):
-        (tmp_path / pod).mkdir()
-        replicas[pod] = OperatorProcess(config, tmp_path / pod, env={**suite_chart.env, "POD_ID": pod})
-
-    def peers() -> dict[str, Any]:
-        peering = api.request("GET", "/apis/kopf.dev/v1/clusterkopfpeerings/gpu-training-operator")
-        return dict(peering.get("status") or {})
-
-    try:
-        for replica in replicas.values():
-            replica.start()
-        wait_for("both replicas in the peering", lambda: set(peers()) >= set(replicas), timeout=60)
-        priorities = {pod: peers()[pod]["priority"] for pod in replicas}
-        leader = max(priorities, key=lambda pod: priorities[pod])
-        standby = min(priorities, key=lambda pod: priorities[pod])
+    with two_replicas(plane, api, suite_chart, tmp_path, ("gpuop-x", "gpuop-y")) as replicas:
         plane.kubectl("create", "-f", "-", input=json.dumps(training("crash-a")))
         wait_for("crash-a Created by the leader", lambda: _phase(api, "crash-a", "Created"), timeout=60)
 
-        replicas[leader].kill()  # SIGKILL: no handler runs, the peering keeps its entry
+        replicas.processes[replicas.leader].kill()  # SIGKILL: no handler runs, the peering keeps its entry
         killed = time.monotonic()
-        assert leader in peers()
+        assert replicas.leader in replicas.peers()
         plane.kubectl("create", "-f", "-", input=json.dumps(training("crash-b")))
         wait_for("crash-b Created by the standby", lambda: _phase(api, "crash-b", "Created"), timeout=120,
                  every=0.5)  # fmt: skip
@@ -623,15 +629,12 @@ def test_a_killed_leader_is_replaced_by_the_standby_once_its_peering_entry_expir
         # The leader renews its entry every 50 to 55 s, so it expires 5 to 60 s after the kill;
         # the standby wakes at that deadline, then resumes its watches (seconds, more when loaded).
         assert took <= 60 + 20, took
-        assert replicas[standby].process is not None
-        assert replicas[standby].process.poll() is None
+        standby = replicas.processes[replicas.standby].process
+        assert standby is not None
+        assert standby.poll() is None
         creates = [e for e in _calls(plane, suite_chart) if e["verb"] == "create"
                    and e["objectRef"]["resource"] == "pytorchjobs" and e["objectRef"].get("name") == "crash-b"]  # fmt: skip
         assert [e["responseStatus"]["code"] for e in creates] == [201], creates  # made once
-    finally:
-        for replica in replicas.values():
-            replica.stop()
-    assert "Traceback" not in replicas[standby].log(), replicas[standby].log()[-3000:]
 
 
 def test_a_finished_training_is_never_run_again_when_kubeflow_deletes_its_job(

@@ -14,6 +14,7 @@ the tests check it did.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import subprocess
@@ -122,6 +123,17 @@ def links() -> list[dict[str, str]]:
     ]  # fmt: skip
 
 
+def create_bridge(name: str, subnet: str) -> None:
+    """The node's bridge, up, with the subnet's first address (the CNI bridge plugin's gateway,
+    which it would make on the first pod): its route claims the subnet at once, so a second
+    node started before any pod runs on the first does not pick the same one."""
+    gateway = f"{ipaddress.ip_network(subnet)[1]}/{ipaddress.ip_network(subnet).prefixlen}"
+    for command in (["ip", "link", "add", "name", name, "type", "bridge"],
+                    ["ip", "addr", "add", gateway, "dev", name],
+                    ["ip", "link", "set", name, "up"]):  # fmt: skip
+        subprocess.run(command, check=True, capture_output=True)
+
+
 def links_of(bridge: str) -> list[str]:
     """The bridge itself (when it exists) and every link enslaved to it."""
     return [link["name"] for link in links() if bridge in (link["name"], link["master"])]
@@ -185,8 +197,11 @@ def remove_dead_sockets_and_empty(directories: list[Path]) -> None:
     the device manager's checkpoint goes too once no kubelet's socket is left beside it."""
     for socket_path in dead_sockets_in_shared_directories():
         socket_path.unlink(missing_ok=True)
-    if DEVICE_CHECKPOINT.parent in directories and not any(
-        entry.is_socket() for entry in DEVICE_CHECKPOINT.parent.iterdir()
+    plugins = DEVICE_CHECKPOINT.parent
+    if (
+        plugins in directories
+        and plugins.is_dir()
+        and not any(entry.is_socket() for entry in plugins.iterdir())
     ):
         DEVICE_CHECKPOINT.unlink(missing_ok=True)
     for directory in sorted(directories, key=lambda path: len(path.parts), reverse=True):

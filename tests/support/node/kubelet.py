@@ -7,11 +7,13 @@ only touch its own Node and Lease and the pods bound to it, and may ask the Toke
 for the service accounts of those pods (projected tokens).
 
 The kubelet's own server (logs, exec, port-forward for the apiserver) listens on loopback at a
-free port and lets anonymous requests through: this control plane's kube-apiserver is started
-without ``--kubelet-client-certificate``, so it calls kubelets with no identity at all. Loopback
-only, for that reason. The apiserver reaches it at the Node's ``Hostname`` address (its default
-preference), so logs work only for a node named after this machine's hostname, which resolves to
-127.0.0.1 here; ``--kubelet-preferred-address-types=InternalIP`` on the apiserver would lift that.
+free port and, as kubeadm sets it up, takes no anonymous request: a caller shows a client
+certificate of the control plane's CA (the apiserver's ``kube-apiserver-kubelet-client``) or a
+bearer token, and the kubelet asks the apiserver (a SubjectAccessReview) whether that caller may
+do what it asks. So another user of the machine cannot exec into a pod through it. The
+apiserver reaches it at the Node's ``Hostname`` address (its default preference), so logs work
+only for a node named after this machine's hostname, which resolves to 127.0.0.1 here;
+``--kubelet-preferred-address-types=InternalIP`` on the apiserver would lift that.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Kubelet:
         self.pod_logs_dir = workdir / "pod-logs"
         self.port = 0
         self.healthz_port = 0
+        self.client_ca = Path()  # the control plane's CA, set at start
         self.process: Supervised | None = None
 
     def configuration(self) -> dict[str, Any]:
@@ -80,8 +83,12 @@ class Kubelet:
             "readOnlyPort": 0,
             "healthzBindAddress": "127.0.0.1",
             "healthzPort": self.healthz_port,
-            "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
-            "authorization": {"mode": "AlwaysAllow"},
+            "authentication": {
+                "anonymous": {"enabled": False},
+                "webhook": {"enabled": True},  # bearer tokens: a TokenReview
+                "x509": {"clientCAFile": str(self.client_ca)},
+            },
+            "authorization": {"mode": "Webhook"},  # a SubjectAccessReview per request
             "podLogsDir": str(self.pod_logs_dir),
             "volumePluginDir": str(self.workdir / "volume-plugins"),
             "registerNode": True,
@@ -116,6 +123,7 @@ class Kubelet:
         for directory in (self.root_dir, self.pod_logs_dir):
             directory.mkdir(exist_ok=True)
         self.port, self.healthz_port = free_port(), free_port()
+        self.client_ca = plane.ca.cert
         config = self.workdir / "kubelet-config.json"
         config.write_text(json.dumps(self.configuration(), indent=1))
         credentials = node_credentials(plane, self.node_name, self.workdir)

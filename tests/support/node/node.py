@@ -101,6 +101,7 @@ class Node:
     def start(self, timeout: float = 120.0) -> None:
         started = time.monotonic()
         self.subnet = free_subnet()
+        hoststate.create_bridge(self.bridge, self.subnet)
         # Directories the daemons make at paths fixed in their code, shared by every node: this
         # node removes at stop, once empty, those that did not exist before it started.
         self.created_shared_dirs = hoststate.missing_shared_directories()
@@ -175,8 +176,16 @@ class Node:
     # -- stop -----------------------------------------------------------------------------
 
     def drain(self, timeout: float = 60.0) -> None:
-        """Delete this node's pods (1 s grace) and wait until the kubelet has torn them down:
-        the pods gone from the API, no task left in containerd, no volume mounted."""
+        """Cordon the node, delete its pods (1 s grace) and wait until the kubelet has torn them
+        down: the pods gone from the API, no task left in containerd, no volume mounted. The
+        cordon keeps the replacements a controller makes (a Deployment's, a job's) off it."""
+        with contextlib.suppress(Exception):  # gone already: nothing to keep off it
+            self.api.request(
+                "PATCH",
+                f"/api/v1/nodes/{self.name}",
+                {"spec": {"unschedulable": True}},
+                "application/merge-patch+json",
+            )
         for pod in self.pods():
             metadata = pod["metadata"]
             with contextlib.suppress(Exception):  # already going

@@ -250,6 +250,8 @@ class ControlPlane:
             f"--secure-port={self.apiserver_port}",
             f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={self.ca.cert}",
+            f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+            f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
             f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
@@ -308,7 +310,7 @@ class ControlPlane:
         return events
 
     def _make_pki(self) -> None:
-        if (self.pki / "admin.crt").is_file():
+        if (self.pki / "admin.crt").is_file() and (self.pki / "apiserver-kubelet-client.crt").is_file():
             return
         shutil.rmtree(self.pki, ignore_errors=True)
         ca = CertificateAuthority.create(self.pki)
@@ -318,6 +320,9 @@ class ControlPlane:
         ])  # fmt: skip
         ca.issue("admin", "kubernetes-admin", organization="system:masters")
         ca.issue("controller-manager", "system:kube-controller-manager")
+        # What the apiserver shows a kubelet for logs, exec and port-forward (kubeadm's name);
+        # the kubelets authenticate it by this CA and ask the apiserver whether it may.
+        ca.issue("apiserver-kubelet-client", "kube-apiserver-kubelet-client", organization="system:masters")
         openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=self.pki)
         openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=self.pki)
 
@@ -446,19 +451,16 @@ def _supervise(plane: ControlPlane, ready: IO[str]) -> int:
     return 0
 
 
-def up(state: Path) -> int:
+def detach(state: Path, body: Callable[[IO[str]], int]) -> tuple[int, str]:
+    """Fork a supervisor that runs ``body(ready)`` in a session of its own (so the terminal's
+    Ctrl-C and make's exit spare it), its output in ``state/supervisor.log``, its pid in
+    ``state/supervisor.pid``; ``body`` writes "ok" or "error: ..." to ``ready`` once started and
+    returns when it is time to stop. Returns the supervisor's pid and that verdict (a Ctrl-C
+    while it starts takes the supervisor down and removes ``state``)."""
     pid_file = state / "supervisor.pid"
-    if _alive(pid_file):
-        print(f"already running: export KUBECONFIG={state / 'kubeconfig'}")
-        return 0
-    shutil.rmtree(state, ignore_errors=True)
-    binaries = ensure_binaries()
-    (state / "bin").mkdir(parents=True)
-    for name in PACKAGES:
-        (state / "bin" / name).symlink_to(binaries / name)
     read_end, write_end = os.pipe()
     child = os.fork()
-    if child == 0:  # the supervisor: its own session, so the terminal's Ctrl-C and make's exit spare it
+    if child == 0:
         os.close(read_end)
         os.setsid()
         devnull = os.open(os.devnull, os.O_RDWR)
@@ -467,23 +469,71 @@ def up(state: Path) -> int:
         os.dup2(log, 1)
         os.dup2(log, 2)
         pid_file.write_text(f"{os.getpid()}\n")
-        plane = ControlPlane(state, state / "bin", say=lambda m: print(f"controlplane: {m}", flush=True))
         with os.fdopen(write_end, "w") as ready:
-            code = _supervise(plane, ready)
+            code = body(ready)
         pid_file.unlink(missing_ok=True)
         os._exit(code)
     os.close(write_end)
     try:
         with os.fdopen(read_end) as ready:
             verdict = ready.read().strip()
-    except KeyboardInterrupt:  # Ctrl-C while starting: take the supervisor down with us
+    except KeyboardInterrupt:
         os.kill(child, signal.SIGTERM)
         os.waitpid(child, 0)
         shutil.rmtree(state, ignore_errors=True)
+        raise
+    if verdict != "ok":
+        os.waitpid(child, 0)
+    return child, verdict
+
+
+def supervisor_alive(state: Path) -> int | None:
+    """The pid of ``state``'s supervisor, if it runs."""
+    try:
+        pid = int((state / "supervisor.pid").read_text())
+        os.kill(pid, 0)
+        # A killed supervisor stays a zombie until something reaps it: dead all the same.
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return None
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid
+
+
+def stop_supervisor(state: Path, timeout: float) -> int | None:
+    """SIGTERM ``state``'s supervisor and wait for it (SIGKILL after ``timeout``: its children
+    follow it, PR_SET_PDEATHSIG); the pid it had, None if none ran."""
+    pid = supervisor_alive(state)
+    if pid is not None:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while supervisor_alive(state) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if supervisor_alive(state):
+            os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def up(state: Path) -> int:
+    if supervisor_alive(state):
+        print(f"already running: export KUBECONFIG={state / 'kubeconfig'}")
+        return 0
+    shutil.rmtree(state, ignore_errors=True)
+    binaries = ensure_binaries()
+    (state / "bin").mkdir(parents=True)
+    for name in PACKAGES:
+        (state / "bin" / name).symlink_to(binaries / name)
+
+    def supervise(ready: IO[str]) -> int:
+        plane = ControlPlane(state, state / "bin", say=lambda m: print(f"controlplane: {m}", flush=True))
+        return _supervise(plane, ready)
+
+    try:
+        child, verdict = detach(state, supervise)
+    except KeyboardInterrupt:  # Ctrl-C while starting: the supervisor went down with us
         return 130
     if verdict != "ok":
         print(verdict or "error: the supervisor died while starting (see .controlplane/)", file=sys.stderr)
-        os.waitpid(child, 0)
         return 1
     print(
         textwrap.dedent(f"""\
@@ -495,27 +545,8 @@ def up(state: Path) -> int:
     return 0
 
 
-def _alive(pid_file: Path) -> int | None:
-    try:
-        pid = int(pid_file.read_text())
-        os.kill(pid, 0)
-        # A killed supervisor stays a zombie until something reaps it: dead all the same.
-        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-            return None
-    except (OSError, ValueError, IndexError):
-        return None
-    return pid
-
-
 def down(state: Path, timeout: float = 30.0) -> int:
-    pid = _alive(state / "supervisor.pid")
-    if pid is not None:
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while _alive(state / "supervisor.pid") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if _alive(state / "supervisor.pid"):
-            os.kill(pid, signal.SIGKILL)  # its children follow it (PR_SET_PDEATHSIG)
+    pid = stop_supervisor(state, timeout)
     existed = state.exists()
     shutil.rmtree(state, ignore_errors=True)
     print(

@@ -1,0 +1,252 @@
+"""`make cluster` / `make cluster-down`: a local Kubernetes cluster on this machine, no Docker.
+
+The same pieces the tests run (the control plane, two real nodes with the stand-in GPU device
+plugin, kube-scheduler, kube-proxy, CoreDNS, the real Kubeflow training-operator), kept up by a
+detached supervisor (:func:`support.plane.controlplane.detach`) until ``down``; the chart
+installed with its defaults from the operator image built here and imported on both nodes.
+Everything lives under ``.cluster/`` (ignored by git): the kubeconfig, the binaries' links, each
+piece's work directory and log. ``down`` stops them in reverse order, each node cordoned and
+drained, and sweeps what a piece left (support.node.node.Node.stop); then it checks that no
+process, mount, bridge, cgroup or kube-proxy chain of the cluster is left on the machine.
+
+What it needs and is not: root (cgroups, mounts, network namespaces, iptables), Go and gcc
+(the binaries are built from their modules the first time: README has the cold cost), and a
+trainer image. The default trainer image (torch with CUDA, ~5 GB) is not built here: a
+GpuTraining on this cluster names an ``image`` the nodes have, such as the operator's own or
+one imported with the ``ctr`` command this prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import signal
+import socket
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import IO, Final
+
+from support.controllers import trainingoperator
+from support.images import build
+from support.node import binaries, hoststate
+from support.node.dns import running_cluster_dns
+from support.node.images import ImageArchive
+from support.node.node import PREFIX, Node, running_node, running_scheduler, session_ident
+from support.node.process import processes_naming
+from support.node.proxy import kube_chains, running_service_proxy
+from support.paths import ROOT
+from support.plane import controlplane
+from support.plane.cluster import KUBEFLOW_CRD, Api, install_crds
+from support.tools.helm import CHART, RELEASE, RELEASE_NAMESPACE, helm
+
+STATE: Final = ROOT / ".cluster"
+GPUS_PER_NODE: Final = 2
+_BINARIES: Final = ("kubectl", "ctr")
+
+
+def _say(message: str) -> None:
+    print(f"cluster: {message}", flush=True)
+
+
+def _operator_ready(api: Api) -> bool:
+    pods = api.list("pods", RELEASE_NAMESPACE)
+    return any(all(s.get("ready") for s in p["status"].get("containerStatuses") or [{}]) for p in pods)
+
+
+def _operator_state(api: Api) -> str:
+    """Why the operator's pod is not Ready: its phase, its containers' states, its events."""
+    said = []
+    for pod in api.list("pods", RELEASE_NAMESPACE):
+        states = [c.get("state") for c in pod["status"].get("containerStatuses") or []]
+        said.append(f"pod {pod['metadata']['name']} {pod['status'].get('phase')} on "
+                    f"{pod['spec'].get('nodeName')}: {states}")  # fmt: skip
+    said += [f"{e['reason']}: {e.get('message', '')}" for e in api.list("events", RELEASE_NAMESPACE)][-8:]
+    return "; ".join(said) or "no pod"
+
+
+def _supervise(state: Path, node_binaries: binaries.NodeBinaries, image: ImageArchive, ready: IO[str]) -> int:
+    """The supervisor's life: start every piece, report, stay until SIGTERM, stop in reverse."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda *_: stop.set())
+    with contextlib.ExitStack() as pieces:
+        try:
+            plane = controlplane.ControlPlane(state / "plane", node_binaries.controlplane, say=_say)
+            pieces.callback(plane.stop)
+            plane.start()
+            # The PyTorchJob CRD, for the training-operator below (the chart brings ours and Kopf's).
+            install_crds(plane, [KUBEFLOW_CRD])
+            api = Api(plane)
+            pieces.enter_context(running_scheduler(plane, node_binaries, state / "scheduler"))
+            nodes: list[Node] = []
+            # The first named after this machine: the apiserver reaches a kubelet by its Node's
+            # name, so `kubectl logs` and `exec` work for its pods (support.node.kubelet).
+            for letter, name in (("a", socket.gethostname()), ("b", None)):
+                ident = session_ident(letter)
+                nodes.append(pieces.enter_context(running_node(
+                    plane, api, node_binaries, state / f"node-{letter}", name or f"{PREFIX}{ident}", ident,
+                    gpus=GPUS_PER_NODE,
+                )))  # fmt: skip
+                nodes[-1].containerd.import_images([image])
+            pieces.enter_context(
+                running_service_proxy(plane, node_binaries, state / "kube-proxy", nodes[0].name)
+            )
+            pieces.enter_context(running_cluster_dns(api, nodes[0]))
+            kubeflow = trainingoperator.training_operator(plane, api, plane.advertise_address, state)
+            pieces.callback(kubeflow.retire)
+            kubeflow.start()
+            config = ["--kubeconfig", str(plane.kubeconfig)]
+            helm(
+                "upgrade",
+                "--install",
+                RELEASE,
+                str(CHART),
+                "-n",
+                RELEASE_NAMESPACE,
+                "--create-namespace",
+                *config,
+            )
+            deadline = time.monotonic() + 180
+            while not _operator_ready(api):
+                if stop.is_set():
+                    raise RuntimeError("stopped while starting")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the operator's pod was not Ready after 180 s: {_operator_state(api)}"
+                    )
+                time.sleep(1)
+            shutil.copy(plane.kubeconfig, state / "kubeconfig")
+            (state / "nodes").write_text(
+                "".join(f"{n.name} {n.ident} {n.containerd.socket}\n" for n in nodes)
+            )
+        except Exception as exc:  # reported to the parent, which prints it and exits 1
+            ready.write(f"error: {exc}\n")
+            ready.close()
+            return 1
+        ready.write("ok\n")
+        ready.close()
+        while not stop.wait(1.0):
+            try:
+                plane.check_alive()
+            except RuntimeError as exc:
+                _say(f"stopping: {exc}")
+                break
+        _say("stopping")
+    _say("stopped")
+    return 0
+
+
+def _nodes(state: Path) -> list[tuple[str, str, str]]:
+    """(name, ident, containerd socket) of each node the cluster under ``state`` started."""
+    listed = state / "nodes"
+    return [tuple(line.split()) for line in listed.read_text().splitlines()] if listed.exists() else []  # type: ignore[misc]
+
+
+def left_on_machine(state: Path) -> list[str]:
+    """What of a cluster under ``state`` is still on the machine: processes and mounts under it,
+    each node's cgroups and bridge links, kube-proxy's chains (empty after a clean ``down``)."""
+    # (`make cluster` and `make cluster-down` themselves name it too.)
+    left = [f"process {pid}: {command[:120]}" for pid, command in sorted(processes_naming(str(state)).items())
+            if "support.cluster" not in command]  # fmt: skip
+    left += [f"mount {m}" for m in hoststate.mounts_under(state)]
+    for name, ident, _ in _nodes(state):
+        left += [f"node {name}: cgroup {path}" for path in hoststate.cgroups_under(f"{PREFIX}{ident}")]
+        left += [f"node {name}: link {link}" for link in hoststate.links_of(f"{PREFIX}{ident}")]
+    before = (
+        set((state / "chains-before").read_text().split()) if (state / "chains-before").exists() else set()
+    )
+    left += [f"iptables chain {chain}" for chain in kube_chains() if chain not in before]
+    return left
+
+
+# The deepest unix socket a node makes under the state directory (the device plugin's, in the
+# kubelet's plugins_registry), and the kernel's bound on a socket's path (sun_path, 108 bytes).
+_DEEPEST_SOCKET: Final = "node-a/kubelet/root/plugins_registry/gpuplugin-reg.sock"
+_SOCKET_PATH_MAX: Final = 107
+
+
+def up(state: Path) -> int:
+    if controlplane.supervisor_alive(state):
+        print(f"already running: export KUBECONFIG={state / 'kubeconfig'}")
+        return 0
+    deepest = state / _DEEPEST_SOCKET
+    if len(str(deepest).encode()) > _SOCKET_PATH_MAX:
+        print(f"error: {state} is too deep for the nodes' unix sockets ({deepest}: over {_SOCKET_PATH_MAX} "
+              "bytes); clone the repository to a shorter path, or give --dir a shorter one", file=sys.stderr)  # fmt: skip
+        return 1
+    shutil.rmtree(state, ignore_errors=True)
+    state.mkdir(parents=True)
+    started = time.monotonic()
+    # Another session's kube-proxy chains, if any, are not ours to find left at `down`.
+    (state / "chains-before").write_text("\n".join(kube_chains()))
+    # Built (or found) before the supervisor starts, so their progress shows here.
+    node_binaries = binaries.ensure_all()
+    image = build.operator_image()
+    (state / "bin").mkdir()
+    for name in _BINARIES:
+        (state / "bin" / name).symlink_to(node_binaries.path(name))
+    try:
+        child, verdict = controlplane.detach(
+            state, lambda ready: _supervise(state, node_binaries, image, ready)
+        )
+    except KeyboardInterrupt:
+        return 130
+    if verdict != "ok":
+        print(
+            verdict or f"error: the supervisor died while starting (see {state}/supervisor.log)",
+            file=sys.stderr,
+        )
+        return 1
+    nodes = _nodes(state)
+    print(
+        textwrap.dedent(f"""\
+        cluster up in {time.monotonic() - started:.0f}s (supervisor pid {child}): {len(nodes)} nodes with \
+{GPUS_PER_NODE} stand-in nvidia.com/gpu each, CoreDNS, the Kubeflow training-operator, and the chart
+        installed from the operator image built here ({image.name}).
+          export KUBECONFIG={state / "kubeconfig"} PATH={state / "bin"}:$PATH
+          kubectl get nodes; kubectl get pods -A
+        The default trainer image is not on the nodes: give a GpuTraining an `image` they have
+        ({image.name}, or one you import into each node:
+        {"; ".join(f"ctr --address {sock} -n k8s.io images import IMAGE.tar" for _, _, sock in nodes)}).
+        Logs: {state}/*/ ; stop it with: make cluster-down""")
+    )
+    return 0
+
+
+def down(state: Path, timeout: float = 300.0) -> int:
+    """Stop the supervisor (it drains and stops every piece), then check and remove ``state``."""
+    started = time.monotonic()
+    pid = controlplane.stop_supervisor(state, timeout)
+    left = left_on_machine(state)
+    if left:  # the supervisor was killed at the timeout, or a piece's stop failed: see its log
+        print(f"left on the machine (logs in {state}):\n  " + "\n  ".join(left), file=sys.stderr)
+        return 1
+    existed = state.exists()
+    shutil.rmtree(state, ignore_errors=True)
+    if pid:
+        print(f"cluster stopped in {time.monotonic() - started:.0f}s; nothing of it is left on the machine")
+    else:
+        print("no cluster was running" + (" (state removed)" if existed else ""))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cluster", description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["up", "down"])
+    parser.add_argument("--dir", type=Path, default=STATE, help="state directory (default: .cluster/)")
+    args = parser.parse_args(argv)
+    try:
+        return up(args.dir.resolve()) if args.command == "up" else down(args.dir.resolve())
+    except (RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -24,13 +24,11 @@ import pytest
 from support import specs
 from support.cluster import left_on_machine
 from support.images import build
+from support.node.workloads import RENDEZVOUS
 from support.paths import ROOT
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.node
-
-# Each worker prints the devices the kubelet gave it and succeeds.
-SCRIPT = 'echo "rank $RANK of $WORLD_SIZE on $NVIDIA_VISIBLE_DEVICES"'
 
 
 def cluster(command: str, state: Path, timeout: float) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -77,7 +75,7 @@ def test_make_cluster_runs_a_gpu_training_and_cluster_down_leaves_nothing(state:
             ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}["Ready"]
             assert (ready, node["status"]["allocatable"]["nvidia.com/gpu"]) == ("True", "2"), node["status"]
         # The chart's defaults, from the image built here, serving the API.
-        body = specs.training("hello", "default", image=build.chart_image(), command=["/bin/sh", "-c", SCRIPT],
+        body = specs.training("hello", "default", image=build.chart_image(), command=["python", "-c", RENDEZVOUS],
                               workers=2, gpusPerWorker=1, resources={"cpu": "100m", "memory": "128Mi"})  # fmt: skip
         created = subprocess.run(
             [str(state / "bin" / "kubectl"), f"--kubeconfig={state / 'kubeconfig'}", "create", "-f", "-"],
@@ -93,13 +91,24 @@ def test_make_cluster_runs_a_gpu_training_and_cluster_down_leaves_nothing(state:
         assert (
             kubectl(state, "get", "gtr", "hello", "-o", "jsonpath={.status.backend}").stdout == "pytorchjob"
         )
+
+        # The master ends once the worker reached it; the worker, a moment after.
+        def both_done() -> bool:
+            got = kubectl(state, "get", "pods", "-l", "training.kubeflow.org/job-name=hello", "-o",
+                          "jsonpath={.items[*].status.phase}").stdout.split()  # fmt: skip
+            return got == ["Succeeded", "Succeeded"]
+
+        wait_for("both pods Succeeded", both_done, timeout=120, every=1)
         # Each worker's log, as its node's kubelet wrote it (either node: no `kubectl logs` there).
         said = "".join(
             path.read_text()
             for path in sorted(state.glob("node-*/kubelet/pod-logs/default_hello-*/pytorch/*.log"))
         )
         for rank in (0, 1):
-            assert f"rank {rank} of 2 on GPU-standin-" in said, said
+            assert f"rank {rank} devices GPU-standin-" in said, said
+        assert "rank 1 devices GPU-standin-" in said.split("rank 0 devices ", 1)[1], (
+            said
+        )  # as the master heard it
     finally:
         down, took = cluster("down", state, timeout=600)
         print(f"cluster down in {took:.1f}s: {down.stdout}{down.stderr}")

@@ -25,6 +25,7 @@ from gpuop.observing.scrape import GpuFigures, TrainerMetrics
 from gputrain.contract import Result
 
 _TERMINAL = ("Succeeded", "Failed")
+_TRAINERS = (PYTORCHJOB_CONTAINER, TRAINJOB_CONTAINER)  # the trainer container's name, per backend
 
 
 def conditions_of(job: Mapping[str, Any] | None) -> tuple[JobCondition, ...]:
@@ -159,15 +160,24 @@ def pod_ip(pod: Mapping[str, Any]) -> str | None:
     return ip if isinstance(ip, str) and ip and status.get("phase") == "Running" else None
 
 
-def _trainer_container(status: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The trainer container's entry of the pod's containerStatuses ({} when there is none)."""
-    for container in status.get("containerStatuses") or ():
-        if isinstance(container, Mapping) and container.get("name") in (
-            PYTORCHJOB_CONTAINER,
-            TRAINJOB_CONTAINER,
-        ):
+def _trainer_entry(containers: Any) -> Mapping[str, Any]:
+    """The trainer container's entry of a pod's list of containers (``spec.containers``) or
+    their statuses (``status.containerStatuses``): {} when there is none."""
+    for container in containers or ():
+        if isinstance(container, Mapping) and container.get("name") in _TRAINERS:
             return container
     return {}
+
+
+def _terminations(container: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """A container status's ``terminated`` records: the current state's first, then the one
+    before its last restart (restartPolicy OnFailure restarts it in place)."""
+    found = []
+    for state in (container.get("state"), container.get("lastState")):
+        terminated = state.get("terminated") if isinstance(state, Mapping) else None
+        if isinstance(terminated, Mapping):
+            found.append(terminated)
+    return found
 
 
 def _result(container: Mapping[str, Any]) -> Result | None:
@@ -179,33 +189,24 @@ def _result(container: Mapping[str, Any]) -> Result | None:
 
 def _termination_message(container: Mapping[str, Any]) -> str | None:
     # The current state first; after a restart the record is in lastState.
-    for state in (container.get("state"), container.get("lastState")):
-        terminated = (state if isinstance(state, Mapping) else {}).get("terminated")
-        message = terminated.get("message") if isinstance(terminated, Mapping) else None
+    for terminated in _terminations(container):
+        message = terminated.get("message")
         if isinstance(message, str) and message:
             return message
     return None
 
 
 def _oom_killed(container: Mapping[str, Any]) -> bool:
-    """Whether the kubelet says the kernel killed the container at its memory limit, in its
-    current state or the one before its last restart (restartPolicy OnFailure restarts it in
-    place, and the next start hides the kill but in lastState)."""
-    for state in (container.get("state"), container.get("lastState")):
-        terminated = state.get("terminated") if isinstance(state, Mapping) else None
-        if isinstance(terminated, Mapping) and terminated.get("reason") == "OOMKilled":
-            return True
-    return False
+    """Whether the kubelet says the kernel killed the container at its memory limit, now or
+    before its last restart (the next start hides the kill but in lastState)."""
+    return any(terminated.get("reason") == "OOMKilled" for terminated in _terminations(container))
 
 
 def _memory_limit(pod: Mapping[str, Any]) -> str | None:
     """The trainer container's memory limit, as its spec says it."""
-    trainers = (PYTORCHJOB_CONTAINER, TRAINJOB_CONTAINER)
-    for container in (pod.get("spec") or {}).get("containers") or ():
-        if isinstance(container, Mapping) and container.get("name") in trainers:
-            limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")
-            return str(limit) if isinstance(limit, (str, int)) else None
-    return None
+    container = _trainer_entry((pod.get("spec") or {}).get("containers"))
+    limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")
+    return str(limit) if isinstance(limit, (str, int)) else None
 
 
 def pod_observation(
@@ -217,7 +218,7 @@ def pod_observation(
     ready = any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ()
     )
-    trainer = _trainer_container(status)
+    trainer = _trainer_entry(status.get("containerStatuses"))
     restarts = trainer.get("restartCount")
     started = ((trainer.get("state") or {}).get("running") or {}).get("startedAt")
     return PodObservation(

@@ -85,8 +85,7 @@ class WebhookedController:
         self.api.request("PUT", f"/api/v1/namespaces/{spec.namespace}/endpoints/{spec.service}", endpoints)
         self._create(f"/api/v1/namespaces/{spec.namespace}/secrets", {"metadata": {"name": spec.secret}})
         for configuration in spec.webhooks():
-            plural = configuration["kind"].lower() + "s"
-            self._create(f"/apis/admissionregistration.k8s.io/v1/{plural}", configuration)
+            self._create(_webhooks_path(configuration), configuration)
         self.certs.mkdir(parents=True, exist_ok=True)
         private_tmp = (f"mkdir -p {CERT_DIR} && mount -t tmpfs -o size=1m certs {CERT_DIR} && "
                        f"mkdir {CERT_DIR}/serving-certs && mount --bind {self.certs} {CERT_DIR}/serving-certs && "
@@ -171,10 +170,15 @@ class WebhookedController:
         Service, endpoint and Secret stay for a later :meth:`start`."""
         self.stop()
         for configuration in self.spec.webhooks():
-            plural = configuration["kind"].lower() + "s"
-            name = configuration["metadata"]["name"]
             try:
-                self.api.request("DELETE", f"/apis/admissionregistration.k8s.io/v1/{plural}/{name}")
+                self.api.request(
+                    "DELETE", f"{_webhooks_path(configuration)}/{configuration['metadata']['name']}"
+                )
             except HttpError as exc:
                 if exc.status != 404:
                     raise
+
+
+def _webhooks_path(configuration: dict[str, Any]) -> str:
+    """Where a Validating- or MutatingWebhookConfiguration is created (its collection)."""
+    return f"/apis/admissionregistration.k8s.io/v1/{configuration['kind'].lower()}s"

@@ -4,8 +4,11 @@ FROM python:3.11.11-slim-bookworm
 
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 WORKDIR /opt/gputrain
-# CPU wheels of torch and torchvision come from PyTorch's CPU index; the rest from PyPI.
-RUN python -m pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 torchvision==0.28.0
+# CPU wheels of torch and torchvision come from PyTorch's CPU index; the rest from PyPI. A mirror
+# of that index (or PyPI's, whose torch is the CUDA build: ~3 GB more) goes in as a build arg:
+#   docker build --build-arg TORCH_INDEX_URL=https://mirror.example.com/whl/cpu ...
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN python -m pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0 torchvision==0.28.0
 COPY pyproject.toml README.md constraints.txt ./
 COPY trainer/ trainer/
 COPY operator/ operator/

@@ -1,6 +1,6 @@
 """`make cluster` and `make cluster-down` as a user runs them (``python -m support.cluster``): a
-cluster up in one command, a GpuTraining through it to Succeeded, and a down that leaves
-nothing of it on the machine.
+cluster up in one command, the kind example with no image through it to Succeeded with its
+progress reported all the way, and a down that leaves nothing of it on the machine.
 
 Its own control plane and nodes, none of the suite's fixtures: it runs while no other module's
 node or kube-proxy is up (module-scoped fixtures end with their module).
@@ -20,15 +20,27 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from support import specs
 from support.cluster import left_on_machine
-from support.images import build
-from support.node.workloads import RENDEZVOUS
+from support.images import trainer
 from support.paths import ROOT
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.node
+
+KIND_CPU = ROOT / "examples" / "kind-cpu.yaml"
+# A user's own loop that reports through gpureport (in the trainer image, as `pip install`
+# would put it): 15 steps of 2 s.
+PLAIN_LOOP = """
+import time, gpureport
+total = 15
+for step in range(1, total + 1):
+    time.sleep(2)
+    gpureport.report(step=step, total_steps=total, loss=1.0 / step)
+gpureport.finish(step=total, total_steps=total, loss=1.0 / total)
+"""
 
 
 def cluster(command: str, state: Path, timeout: float) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -62,7 +74,15 @@ def test_a_state_directory_too_deep_for_unix_sockets_is_refused_in_one_line(tmp_
     assert not deep.exists()
 
 
-def test_make_cluster_runs_a_gpu_training_and_cluster_down_leaves_nothing(state: Path) -> None:
+def test_make_cluster_trains_the_kind_example_with_no_image_and_cluster_down_leaves_nothing(
+    state: Path,
+) -> None:
+    """The whole chain as a user meets it, every pod a container: the operator from its image
+    (the chart's defaults) renders the jobs with its default trainer image (the stand-in
+    on both nodes), the real training-operator makes the pods, the kubelets run torchrun -m
+    gputrain (DDP over gloo, the workers meeting by the master's name through CoreDNS) and a
+    user's plain loop; Trainer v2 and JobSet do the same for a TrainJob; each status follows
+    the code's own reports."""
     up, took = cluster("up", state, timeout=600)
     print(f"cluster up in {took:.1f}s:\n{up.stdout}")
     try:
@@ -74,41 +94,74 @@ def test_make_cluster_runs_a_gpu_training_and_cluster_down_leaves_nothing(state:
         for node in nodes:
             ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}["Ready"]
             assert (ready, node["status"]["allocatable"]["nvidia.com/gpu"]) == ("True", "2"), node["status"]
-        # The chart's defaults, from the image built here, serving the API.
-        body = specs.training("hello", "default", image=build.chart_image(), command=["python", "-c", RENDEZVOUS],
-                              workers=2, gpusPerWorker=1, resources={"cpu": "100m", "memory": "128Mi"})  # fmt: skip
-        created = subprocess.run(
-            [str(state / "bin" / "kubectl"), f"--kubeconfig={state / 'kubeconfig'}", "create", "-f", "-"],
-            input=json.dumps(body), capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        assert created.returncode == 0, created.stderr
+        # Three trainings at once, none with an `image` (the default trainer image, on both
+        # nodes): the kind example on each backend, and a user's plain loop on our report API.
+        kind = yaml.safe_load(KIND_CPU.read_text())
+        del kind["spec"]["image"]
+        # Half a CPU a worker, so that the four workers fit on the two nodes' four CPUs beside
+        # the operator and CoreDNS; 0.4 s a step (115 steps: 46 s or more), long enough to be
+        # seen reporting however fast the machine (it trains the example in 2 s here; a report
+        # goes every 5 s at most).
+        kind["spec"]["resources"]["cpu"] = "500m"
+        kind["spec"]["env"] = [{"name": "PYTHONPATH", "value": trainer.TEST_SITE},
+                               {"name": "GPUOP_TEST_STEP_SECONDS", "value": "0.4"}]  # fmt: skip
+        kind_v2 = {
+            **kind,
+            "metadata": {"name": "kind-cpu-v2"},
+            "spec": {**kind["spec"], "backend": "trainjob"},
+        }
+        loop = specs.training("plain-loop", "default", command=["python", "-c", PLAIN_LOOP], workers=1,
+                              gpusPerWorker=0, resources={"cpu": "100m", "memory": "256Mi"})  # fmt: skip
+        backends = {"kind-cpu": "pytorchjob", "kind-cpu-v2": "trainjob", "plain-loop": "pytorchjob"}
+        for body in (kind, kind_v2, loop):
+            created = subprocess.run(
+                [str(state / "bin" / "kubectl"), f"--kubeconfig={state / 'kubeconfig'}", "create", "-f", "-"],
+                input=json.dumps(body), capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert created.returncode == 0, created.stderr
+        seen: dict[str, list[dict[str, Any]]] = {name: [] for name in backends}
 
-        def phase() -> str | None:
-            got = kubectl(state, "get", "gtr", "hello", "-o", "jsonpath={.status.phase}").stdout
-            return got if got in ("Succeeded", "Failed") else None
+        def finished() -> bool:
+            got = kubectl(state, "get", "gtr", "-A", "-o", "json")
+            for item in json.loads(got.stdout)["items"] if got.returncode == 0 else []:
+                seen[item["metadata"]["name"]].append(item.get("status") or {})
+            return all(s and s[-1].get("phase") in ("Succeeded", "Failed") for s in seen.values())
 
-        assert wait_for("hello finished", phase, timeout=180, every=1) == "Succeeded", _describe(state)
-        assert (
-            kubectl(state, "get", "gtr", "hello", "-o", "jsonpath={.status.backend}").stdout == "pytorchjob"
-        )
-
-        # The master ends once the worker reached it; the worker, a moment after.
-        def both_done() -> bool:
-            got = kubectl(state, "get", "pods", "-l", "training.kubeflow.org/job-name=hello", "-o",
-                          "jsonpath={.items[*].status.phase}").stdout.split()  # fmt: skip
-            return got == ["Succeeded", "Succeeded"]
-
-        wait_for("both pods Succeeded", both_done, timeout=120, every=1)
-        # Each worker's log, as its node's kubelet wrote it (either node: no `kubectl logs` there).
-        said = "".join(
-            path.read_text()
-            for path in sorted(state.glob("node-*/kubelet/pod-logs/default_hello-*/pytorch/*.log"))
-        )
-        for rank in (0, 1):
-            assert f"rank {rank} devices GPU-standin-" in said, said
-        assert "rank 1 devices GPU-standin-" in said.split("rank 0 devices ", 1)[1], (
-            said
-        )  # as the master heard it
+        started = time.monotonic()
+        try:
+            wait_for("the trainings finished", finished, timeout=300, every=0.5)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{_describe(state)}\n{_logs(state)}") from None
+        print(f"all finished {time.monotonic() - started:.1f}s after create")
+        for name, statuses in seen.items():
+            status = statuses[-1]
+            assert status["phase"] == "Succeeded", f"{name}: {json.dumps(status, indent=1)}\n{_logs(state)}"
+            assert status["backend"] == backends[name], status
+            assert status["progress"]["percent"] == 100, status
+            # While it ran, the status followed: steps moving, a loss each time, and figures
+            # from the code's own reports (Kubeflow's protocol, to the operator's Service,
+            # with the pod's projected token).
+            running = [
+                s["progress"]
+                for s in statuses
+                if s.get("phase") == "Running" and s.get("progress", {}).get("step")
+            ]
+            steps = sorted({p["step"] for p in running})
+            sources = sorted({p["source"] for p in running})
+            print(f"{name}: steps in status while Running: {steps}, from {sources}")
+            assert len(steps) >= 2, (
+                f"{name}: the status did not follow the training: {running}\n{_logs(state)}"
+            )
+            assert "TrainerStatus" in sources, (
+                f"{name}: no report reached the status: {running}\n{_logs(state)}"
+            )
+            assert all(p.get("loss") is not None for p in running), running
+        for name in ("kind-cpu", "kind-cpu-v2"):
+            assert seen[name][-1]["progress"]["accuracy"] > 0.9, seen[name][-1]
+        # The built-in trainer also serves its metrics (the fresher at a tick, scraped); a
+        # user's loop gives reports only.
+        assert {p["source"] for s in seen["plain-loop"] if s.get("phase") == "Running"
+                for p in [s.get("progress") or {}] if p.get("step")} == {"TrainerStatus"}  # fmt: skip
     finally:
         down, took = cluster("down", state, timeout=600)
         print(f"cluster down in {took:.1f}s: {down.stdout}{down.stderr}")
@@ -123,6 +176,16 @@ def test_make_cluster_runs_a_gpu_training_and_cluster_down_leaves_nothing(state:
 def _tail(state: Path) -> str:
     log = state / "supervisor.log"
     return "\n".join(log.read_text().splitlines()[-40:]) if log.exists() else "(no supervisor log)"
+
+
+def _logs(state: Path) -> str:
+    """The operator's log and the trainers', as their nodes' kubelets wrote them (tails)."""
+    said = []
+    for path in sorted(state.glob("node-*/kubelet/pod-logs/*/*/*.log")):
+        if "gpuop-system_" in str(path) or "/pytorch/" in str(path):
+            lines = [line for line in path.read_text(errors="replace").splitlines() if "/healthz" not in line]
+            said.append(f"-- {path.relative_to(state)}:\n" + "\n".join(lines[-40:]))
+    return "\n".join(said)
 
 
 def _describe(state: Path) -> dict[str, Any]:

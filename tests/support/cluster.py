@@ -1,7 +1,8 @@
 """`make cluster` / `make cluster-down`: a local Kubernetes cluster on this machine, no Docker.
 
 The same pieces the tests run (the control plane, two real nodes with the stand-in GPU device
-plugin, kube-scheduler, kube-proxy, CoreDNS, the real Kubeflow training-operator), kept up by a
+plugin, kube-scheduler, kube-proxy, CoreDNS, the real Kubeflow training-operator v1, and Kubeflow
+Trainer v2 with JobSet, so both of the operator's backends run), kept up by a
 detached supervisor (:func:`support.plane.controlplane.detach`) until ``down``; the chart
 installed with its defaults from the operator image built here and imported on both nodes.
 Everything lives under ``.cluster/`` (ignored by git): the kubeconfig, the binaries' links, each
@@ -9,11 +10,12 @@ piece's work directory and log. ``down`` stops them in reverse order, each node 
 drained, and sweeps what a piece left (support.node.node.Node.stop); then it checks that no
 process, mount, bridge, cgroup or kube-proxy chain of the cluster is left on the machine.
 
-What it needs and is not: root (cgroups, mounts, network namespaces, iptables), Go and gcc
-(the binaries are built from their modules the first time: README has the cold cost), and a
-trainer image. The default trainer image (torch with CUDA, ~5 GB) is not built here: a
-GpuTraining on this cluster names an ``image`` the nodes have, such as the operator's own or
-one imported with the ``ctr`` command this prints.
+Both nodes have the operator's default trainer image, the stand-in assembled from the
+project's .venv (:mod:`support.images.trainer`, 4.6 GB, about 50 s to import on each node), so
+a GpuTraining with no ``image`` trains: ``examples/kind-cpu.yaml`` without its ``image`` line.
+What it needs: root (cgroups, mounts, network namespaces, iptables), Go and gcc (the binaries
+are built from their modules the first time: README has the cold cost) and about 15 GB of disk
+(the trainer image in the cache and on each node).
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ import time
 from pathlib import Path
 from typing import IO, Final
 
-from support.controllers import trainingoperator
-from support.images import build
+from support.controllers import trainerv2, trainingoperator
+from support.images import build, trainer
 from support.node import binaries, hoststate
 from support.node.dns import running_cluster_dns
 from support.node.images import ImageArchive
@@ -40,7 +42,7 @@ from support.node.process import processes_naming
 from support.node.proxy import kube_chains, running_service_proxy
 from support.paths import ROOT
 from support.plane import controlplane
-from support.plane.cluster import KUBEFLOW_CRD, Api, install_crds
+from support.plane.cluster import KUBEFLOW_CRD, TRAINER_CRDS, Api, install_crds
 from support.tools.helm import CHART, RELEASE, RELEASE_NAMESPACE, helm
 
 STATE: Final = ROOT / ".cluster"
@@ -68,7 +70,9 @@ def _operator_state(api: Api) -> str:
     return "; ".join(said) or "no pod"
 
 
-def _supervise(state: Path, node_binaries: binaries.NodeBinaries, image: ImageArchive, ready: IO[str]) -> int:
+def _supervise(
+    state: Path, node_binaries: binaries.NodeBinaries, images: list[ImageArchive], ready: IO[str]
+) -> int:
     """The supervisor's life: start every piece, report, stay until SIGTERM, stop in reverse."""
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -78,8 +82,9 @@ def _supervise(state: Path, node_binaries: binaries.NodeBinaries, image: ImageAr
             plane = controlplane.ControlPlane(state / "plane", node_binaries.controlplane, say=_say)
             pieces.callback(plane.stop)
             plane.start()
-            # The PyTorchJob CRD, for the training-operator below (the chart brings ours and Kopf's).
-            install_crds(plane, [KUBEFLOW_CRD])
+            # Kubeflow's CRDs and JobSet's, for the controllers below (the chart brings ours and
+            # Kopf's); before the chart, so that the operator finds both backends at its start.
+            install_crds(plane, [KUBEFLOW_CRD, *TRAINER_CRDS, trainerv2.JOBSET_CRD])
             api = Api(plane)
             pieces.enter_context(running_scheduler(plane, node_binaries, state / "scheduler"))
             nodes: list[Node] = []
@@ -91,14 +96,19 @@ def _supervise(state: Path, node_binaries: binaries.NodeBinaries, image: ImageAr
                     plane, api, node_binaries, state / f"node-{letter}", name or f"{PREFIX}{ident}", ident,
                     gpus=GPUS_PER_NODE,
                 )))  # fmt: skip
-                nodes[-1].containerd.import_images([image])
+                seconds = nodes[-1].containerd.import_images(images, timeout=600)
+                _say(f"images imported on {nodes[-1].name} in {seconds:.0f}s")
             pieces.enter_context(
                 running_service_proxy(plane, node_binaries, state / "kube-proxy", nodes[0].name)
             )
             pieces.enter_context(running_cluster_dns(api, nodes[0]))
-            kubeflow = trainingoperator.training_operator(plane, api, plane.advertise_address, state)
-            pieces.callback(kubeflow.retire)
-            kubeflow.start()
+            controllers = [
+                trainingoperator.training_operator(plane, api, plane.advertise_address, state),
+                *trainerv2.trainer_and_jobset(plane, api, plane.advertise_address, state),
+            ]
+            for controller in controllers:
+                pieces.callback(controller.retire)
+                controller.start()
             config = ["--kubeconfig", str(plane.kubeconfig)]
             helm(
                 "upgrade",
@@ -186,12 +196,13 @@ def up(state: Path) -> int:
     # Built (or found) before the supervisor starts, so their progress shows here.
     node_binaries = binaries.ensure_all()
     image = build.operator_image()
+    images = [image, trainer.trainer_image()]
     (state / "bin").mkdir()
     for name in _BINARIES:
         (state / "bin" / name).symlink_to(node_binaries.path(name))
     try:
         child, verdict = controlplane.detach(
-            state, lambda ready: _supervise(state, node_binaries, image, ready)
+            state, lambda ready: _supervise(state, node_binaries, images, ready)
         )
     except KeyboardInterrupt:
         return 130
@@ -205,13 +216,14 @@ def up(state: Path) -> int:
     print(
         textwrap.dedent(f"""\
         cluster up in {time.monotonic() - started:.0f}s (supervisor pid {child}): {len(nodes)} nodes with \
-{GPUS_PER_NODE} stand-in nvidia.com/gpu each, CoreDNS, the Kubeflow training-operator, and the chart
+{GPUS_PER_NODE} stand-in nvidia.com/gpu each, CoreDNS, Kubeflow's training-operator v1 and Trainer v2 \
+with JobSet, and the chart
         installed from the operator image built here ({image.name}).
           export KUBECONFIG={state / "kubeconfig"} PATH={state / "bin"}:$PATH
           kubectl get nodes; kubectl get pods -A
-        The default trainer image is not on the nodes: give a GpuTraining an `image` they have
-        ({image.name}, or one you import into each node:
-        {"; ".join(f"ctr --address {sock} -n k8s.io images import IMAGE.tar" for _, _, sock in nodes)}).
+        A GpuTraining with no `image` runs the default trainer image, a stand-in on both nodes
+        ({images[1].name}); to train in an image of yours, import it into each node:
+        {"; ".join(f"ctr --address {sock} -n k8s.io images import IMAGE.tar" for _, _, sock in nodes)}
         Logs: {state}/*/ ; stop it with: make cluster-down""")
     )
     return 0

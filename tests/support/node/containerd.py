@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -164,11 +165,16 @@ class Containerd:
             raise RuntimeError(f"ctr {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
         return result
 
-    def import_images(self, archives: list[images.ImageArchive]) -> float:
-        """Import (and unpack for overlayfs) each archive; the seconds it took."""
+    def import_images(self, archives: list[images.ImageArchive], timeout: float = 60) -> float:
+        """Import (and unpack for overlayfs) each archive, each within ``timeout`` seconds (the
+        trainer stand-in's 4 GB need minutes); the seconds it took. The layers leave the content
+        store once unpacked (no pod here pulls or pushes them): the disk holds an image once,
+        not twice (ctr does that only with --local, the import run in ctr, not through
+        containerd's transfer service)."""
         started = time.monotonic()
         for archive in archives:
-            self.ctr("images", "import", "--platform=linux/amd64", str(archive.path))
+            self.ctr("images", "import", "--platform=linux/amd64", "--local", "--discard-unpacked-layers", str(archive.path),
+                     timeout=timeout)  # fmt: skip
             listed = self.ctr("images", "ls", "-q").stdout.split()
             if archive.name not in listed:
                 raise RuntimeError(f"{archive.path} imported but {archive.name} not listed: {listed}")
@@ -187,6 +193,11 @@ class Containerd:
         containers = self.ctr("containers", "ls", "-q", check=False).stdout.split()
         if containers:
             self.ctr("containers", "delete", *containers, check=False)
+
+    def discard_store(self) -> None:
+        """Delete the images and snapshots (once stopped and unmounted): gigabytes with the
+        trainer image, which pytest's kept temporary directories would otherwise hold on to."""
+        shutil.rmtree(self.workdir / "root", ignore_errors=True)
 
     def stop(self, grace: float = 10.0) -> None:
         if self.process is not None:

@@ -93,6 +93,22 @@ def _blob(tar: tarfile.TarFile, data: bytes) -> str:
     return f"sha256:{digest}"
 
 
+def image_index(name: str, manifest_digest: str, manifest_size: int) -> dict[str, object]:
+    """An OCI layout's index.json naming its one linux/amd64 image ``name``. containerd's
+    importer names the image from io.containerd.image.name; other tools read the OCI ref
+    annotation, so both carry the full reference."""
+    return {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": manifest_digest, "size": manifest_size,
+            "platform": {"architecture": "amd64", "os": "linux"},
+            "annotations": {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": name},
+        }],
+    }  # fmt: skip
+
+
 def write_oci_archive(destination: Path, name: str, layer: bytes, entrypoint: list[str],
                       cmd: list[str] | None = None) -> None:  # fmt: skip
     """An OCI image layout tar holding one linux/amd64 image of one gzip layer."""
@@ -117,18 +133,7 @@ def write_oci_archive(destination: Path, name: str, layer: bytes, entrypoint: li
                         "digest": layer_digest, "size": len(compressed)}],
         }, sort_keys=True).encode()  # fmt: skip
         manifest_digest = _blob(tar, manifest)
-        # containerd's importer names the image from io.containerd.image.name; other tools read
-        # the OCI ref annotation, so both carry the full reference.
-        index = {
-            "schemaVersion": 2,
-            "mediaType": "application/vnd.oci.image.index.v1+json",
-            "manifests": [{
-                "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                "digest": manifest_digest, "size": len(manifest),
-                "platform": {"architecture": "amd64", "os": "linux"},
-                "annotations": {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": name},
-            }],
-        }  # fmt: skip
+        index = image_index(name, manifest_digest, len(manifest))
         for member, data in (("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'),
                              ("index.json", json.dumps(index, sort_keys=True).encode())):  # fmt: skip
             info = tarfile.TarInfo(member)

@@ -222,6 +222,8 @@ class Node:
     def _sweep(self) -> None:
         kill_all(sorted(processes_naming(str(self.workdir))))  # containerd's shims
         hoststate.unmount_all_under(self.workdir)
+        if not hoststate.mounts_under(self.workdir):  # never delete through a mount left behind
+            self.containerd.discard_store()
         hoststate.remove_cgroup_tree(self.cgroup_root)
         hoststate.delete_links(hoststate.links_of(self.bridge))
         for link in hoststate.log_links_into(self.workdir):

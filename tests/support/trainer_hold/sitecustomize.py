@@ -9,7 +9,8 @@ kill a rank), and then signal or release a trainer that cannot have trained on m
 before, a 40-epoch run trained to 100% on a loaded machine while the test waited 30 s.
 
 With ``GPUOP_TEST_STEP_SECONDS=S`` instead, a Hugging Face ``Trainer`` takes at least S
-seconds a step, and so does a loop that calls ``gpureport.report`` once a step: a run of N
+seconds a step, and so do the built-in trainer (each logging interval waits out S seconds for
+each of its steps) and a loop that calls ``gpureport.report`` once a step: a run of N
 steps lasts N x S seconds by construction, so a test sees it report while running however fast
 the machine is (both clients report at most every 5 s).
 
@@ -71,6 +72,21 @@ def _install_pace(module: ModuleType) -> None:
     trainer_class.__init__ = paced_init
 
 
+def _install_trainer_pace(module: ModuleType) -> None:
+    seconds = float(os.environ["GPUOP_TEST_STEP_SECONDS"])
+    trainer_class = module.Trainer
+    report = trainer_class._report
+    last = [time.monotonic(), 0]  # when the last interval ended, at which step
+
+    def paced_report(self: Any, *args: Any, **kwargs: Any) -> None:
+        steps = self.position.step - last[1]
+        time.sleep(max(0.0, seconds * steps - (time.monotonic() - last[0])))
+        last[:] = [time.monotonic(), self.position.step]
+        report(self, *args, **kwargs)
+
+    trainer_class._report = paced_report
+
+
 def _install_report_pace(module: ModuleType) -> None:
     seconds = float(os.environ["GPUOP_TEST_STEP_SECONDS"])
     report = module.report
@@ -120,3 +136,4 @@ if os.environ.get("GPUTRAIN_TEST_HOLD_AT_STEP") and os.environ.get("GPUTRAIN_TES
 if os.environ.get("GPUOP_TEST_STEP_SECONDS"):
     sys.meta_path.insert(0, _PatchOnImport("transformers.trainer", _install_pace))
     sys.meta_path.insert(0, _PatchOnImport("gpureport", _install_report_pace))
+    sys.meta_path.insert(0, _PatchOnImport("gputrain.train", _install_trainer_pace))

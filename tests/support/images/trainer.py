@@ -1,0 +1,302 @@
+"""The trainer image the tests' pods run: a STAND-IN for ``ghcr.io/gpu-training-operator/trainer``,
+assembled here from this machine's own environment, because neither of the real recipes can
+run here:
+
+- images/trainer.Dockerfile starts from ``pytorch/pytorch`` (a registry image; none is
+  reachable here), and
+- images/trainer-cpu.Dockerfile installs torch from PyTorch's CPU wheel index (its
+  ``TORCH_INDEX_URL`` build argument), which is not reachable here either; PyPI's torch is the
+  CUDA build, whose CUDA libraries a build would download again (about 3 GB).
+
+So the image is the operator image's base (:mod:`support.images.base`, Debian's Python 3.11 in
+a venv at ``/usr/local``) plus one layer holding, in that venv's site-packages, the files the
+project's own ``.venv`` installed for the ``trainer`` extra and everything it needs (torch, its
+CUDA libraries, torchvision, numpy, scikit-learn and its digits...), and our three packages from
+the work tree; and, inert unless a pod's ``PYTHONPATH`` names it, the tests' pacing and holding
+hook (:data:`TEST_SITE`, support/trainer_hold). The rest is what the Dockerfiles say: ``torchrun -m gputrain``, uid 1000 named
+``trainer``, ``/home/trainer``. How it differs from the real image: Debian's Python 3.11.2 (not
+3.11.11 or the pytorch image's conda Python), torch as PyPI's CUDA wheel (as the GPU image has
+it, not the CPU wheel), and no ``triton`` (torch imports it only to compile kernels for a GPU;
+0.7 GB).
+
+Named :data:`NAME`, the operator's default trainer image, so a GpuTraining with no
+``spec.image`` runs it. Kept as an OCI archive in ``<cache>/images/trainer-<hash>.tar``, keyed
+by the base's digest, every distribution's name, version and RECORD, and our packages' files.
+About 4 GB: a node imports it only where a test asks (:func:`import_into`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import io
+import json
+import os
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Final
+
+from packaging.requirements import Requirement
+
+from gpuop.api.identity import DEFAULT_TRAINER_IMAGE, PACKAGE_VERSION
+from support import buildcache
+from support.images import base
+from support.node.images import PATH_ENV, ImageArchive, image_index
+from support.paths import ROOT
+from support.plane import gobuild
+from support.training import HOLD_SITE
+
+NAME: Final = DEFAULT_TRAINER_IMAGE
+DISTRIBUTION: Final = "gpu-training-operator"
+EXTRA: Final = "trainer"
+# torch's own requirement, never imported by a CPU training (see the module's docstring).
+LEFT_OUT: Final = frozenset({"triton"})
+# Our packages, from the work tree: the .venv holds them as an editable install (a path hook).
+PACKAGES: Final = {
+    "gpuop": ROOT / "operator" / "gpuop",
+    "gputrain": ROOT / "trainer" / "gputrain",
+    "gpureport": ROOT / "trainer" / "report" / "gpureport",
+}
+SITE_PACKAGES: Final = "usr/local/lib/python3.11/site-packages"
+# support.training's hooks, where a test's spec.env can put them on PYTHONPATH (pace_env).
+TEST_SITE: Final = "/opt/gpuop-test/site"
+UID: Final = 1000
+HOME: Final = "home/trainer"
+TORCHRUN: Final = (
+    b"#!/usr/local/bin/python3\nimport sys\nfrom torch.distributed.run import main\nsys.exit(main())\n"
+)
+COLD_COST: Final = "about 30 s: 4.6 GB of files read and written once"
+LAYER_MEDIA_TYPE: Final = "application/vnd.oci.image.layer.v1.tar"  # uncompressed: gzip of 4 GB costs minutes
+FORMAT: Final = b"1"  # bump when the packing below changes what the archive holds
+
+
+def trainer_image(say: gobuild.Say = gobuild.say_on_stderr) -> ImageArchive:
+    """The stand-in as an OCI archive, assembled first when its inputs changed."""
+    parent = base.base_image(say)
+    distributions = _distributions()
+    ours = sorted(_our_files())
+    hooks = sorted(_files_under(HOLD_SITE))
+    inputs = buildcache.key([
+        FORMAT, NAME.encode(), parent.digest.encode(), TORCHRUN,
+        *(f"{d.metadata['Name']}=={d.version}".encode() + (d.read_text("RECORD") or "").encode()
+          for d in distributions),
+        *(part for inside, path in ours + hooks for part in (inside.encode(), path.read_bytes())),
+    ])  # fmt: skip
+
+    def build(archive: Path) -> None:
+        started = time.monotonic()
+        say(f"assembling the trainer stand-in {NAME} from this machine's .venv ({COLD_COST})")
+        _assemble(archive, parent, distributions, ours, hooks)
+        say(f"assembled {NAME} in {time.monotonic() - started:.0f}s: {archive.stat().st_size / 1e9:.2f} GB")
+
+    path = buildcache.ensure(buildcache.directory("images"), "trainer", inputs, build, suffix=".tar")
+    return ImageArchive(NAME, path)
+
+
+# -- what goes in -------------------------------------------------------------------------
+
+
+def _distributions() -> list[importlib.metadata.Distribution]:
+    """The installed distributions the trainer extra needs, transitively, sorted by name."""
+    found: dict[str, importlib.metadata.Distribution] = {}
+    wanted = [(req, EXTRA) for req in importlib.metadata.requires(DISTRIBUTION) or []]
+    while wanted:
+        text, extra = wanted.pop()
+        requirement = Requirement(text)
+        name = _canonical(requirement.name)
+        if requirement.marker and not requirement.marker.evaluate({"extra": extra}):
+            continue
+        if name in found or name in LEFT_OUT:
+            continue
+        found[name] = importlib.metadata.distribution(requirement.name)
+        # A dependency's own extras: the ones its requirement names.
+        for needed in found[name].requires or []:
+            wanted += [(needed, chosen) for chosen in (requirement.extras or {""})]
+    return [found[name] for name in sorted(found)]
+
+
+def _canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def _installed_files(distribution: importlib.metadata.Distribution) -> Iterator[tuple[str, Path]]:
+    """(path under site-packages, path here) of what the distribution's RECORD lists there;
+    its scripts (``../../../bin/...``) stay out: the image has its own ``torchrun``."""
+    for file in distribution.files or []:
+        relative = Path(str(file))
+        if ".." in relative.parts:
+            continue
+        located = Path(str(file.locate()))
+        if located.is_file():
+            yield relative.as_posix(), located
+
+
+def _our_files() -> Iterator[tuple[str, Path]]:
+    """Our packages' files at their place in site-packages."""
+    for package, source in PACKAGES.items():
+        for inside, path in _files_under(source):
+            yield f"{package}/{inside}", path
+
+
+def _files_under(source: Path) -> Iterator[tuple[str, Path]]:
+    """(path relative to ``source``, path here) of its files, bytecode caches left out."""
+    for root, directories, names in os.walk(source):
+        directories[:] = sorted(name for name in directories if name != "__pycache__")
+        for name in sorted(names):
+            path = Path(root) / name
+            yield path.relative_to(source).as_posix(), path
+
+
+# -- packing ------------------------------------------------------------------------------
+
+
+class _Hashing:
+    """A write-only file that counts and hashes what passes through it."""
+
+    def __init__(self, out: IO[bytes]) -> None:
+        self.out, self.digest, self.size = out, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        self.size += len(data)
+        return self.out.write(data)
+
+    def tell(self) -> int:  # tarfile asks where it starts
+        return self.size
+
+
+def _assemble(
+    archive: Path,
+    parent: base.BaseImage,
+    distributions: list[importlib.metadata.Distribution],
+    ours: list[tuple[str, Path]],
+    hooks: list[tuple[str, Path]],
+) -> None:
+    manifest = _blob_json(
+        parent.layout, json.loads((parent.layout / "index.json").read_text())["manifests"][0]
+    )
+    config = _blob_json(parent.layout, manifest["config"])
+    (base_layer,) = manifest["layers"]
+    passwd, group = _base_accounts(parent.layout / _blob_path(base_layer["digest"]))
+
+    # The layer goes straight into the archive, as its first member: its header (which needs
+    # the layer's size and digest) is written over a placeholder once the layer is done, so the
+    # 4 GB are written once, not to a scratch file and then copied.
+    with archive.open("w+b") as raw:
+        raw.write(bytes(tarfile.BLOCKSIZE))
+        hashing = _Hashing(raw)
+        with tarfile.open(fileobj=hashing, mode="w", format=tarfile.PAX_FORMAT) as layer:  # type: ignore[call-overload]
+            _fill(layer, distributions, ours, hooks, passwd, group)
+        # Padding, then the end-of-archive blocks, before which the other members are appended.
+        raw.write(bytes(-hashing.size % tarfile.BLOCKSIZE) + bytes(2 * tarfile.BLOCKSIZE))
+        header = tarfile.TarInfo(_blob_path(f"sha256:{hashing.digest.hexdigest()}"))
+        header.size = hashing.size
+        raw.seek(0)
+        raw.write(header.tobuf(format=tarfile.USTAR_FORMAT))
+    layer_digest = f"sha256:{hashing.digest.hexdigest()}"
+
+    config["config"] = {
+        "User": str(UID),
+        "Env": [PATH_ENV, "PYTHONUNBUFFERED=1", f"HOME=/{HOME}", "LANG=C.UTF-8"],
+        "WorkingDir": f"/{HOME}",
+        "Entrypoint": ["torchrun"],
+        "Cmd": ["--nproc-per-node=1", "-m", "gputrain"],
+        "ExposedPorts": {"9090/tcp": {}, "23456/tcp": {}},
+    }
+    config["rootfs"]["diff_ids"].append(layer_digest)  # uncompressed: its digest is its diff_id
+    config["history"] = [*config.get("history", []),
+                         {"created_by": "support.images.trainer (a stand-in assembled from the .venv)"}]  # fmt: skip
+    config_bytes = json.dumps(config, sort_keys=True).encode()
+    config_digest = f"sha256:{hashlib.sha256(config_bytes).hexdigest()}"
+    manifest["config"] = {**manifest["config"], "digest": config_digest, "size": len(config_bytes)}
+    manifest["layers"] = [
+        base_layer,
+        {"mediaType": LAYER_MEDIA_TYPE, "digest": layer_digest, "size": hashing.size},
+    ]
+    manifest_bytes = json.dumps(manifest, sort_keys=True).encode()
+    manifest_digest = f"sha256:{hashlib.sha256(manifest_bytes).hexdigest()}"
+    index = image_index(NAME, manifest_digest, len(manifest_bytes))
+    with tarfile.open(archive, "a") as out:  # after the layer
+        _member(out, "oci-layout", b'{"imageLayoutVersion":"1.0.0"}')
+        _member(out, "index.json", json.dumps(index, sort_keys=True).encode())
+        _member(out, _blob_path(manifest_digest), manifest_bytes)
+        _member(out, _blob_path(config_digest), config_bytes)
+        out.add(parent.layout / _blob_path(base_layer["digest"]), arcname=_blob_path(base_layer["digest"]))
+
+
+def _fill(
+    layer: tarfile.TarFile,
+    distributions: list[importlib.metadata.Distribution],
+    ours: list[tuple[str, Path]],
+    hooks: list[tuple[str, Path]],
+    passwd: bytes,
+    group: bytes,
+) -> None:
+    """The layer's entries, sorted, root-owned. Installed files keep their mtimes, so the
+    bytecode pip compiled beside them stays valid (a torch import compiles nothing)."""
+    files: dict[str, Path] = {}
+    for distribution in distributions:
+        files |= {f"{SITE_PACKAGES}/{inside}": path for inside, path in _installed_files(distribution)}
+    files |= {f"{SITE_PACKAGES}/{inside}": path for inside, path in ours}
+    files |= {f"{TEST_SITE.lstrip('/')}/{inside}": path for inside, path in hooks}
+    made = {
+        f"{SITE_PACKAGES}/gpu_training_operator-{PACKAGE_VERSION}.dist-info/METADATA":
+            f"Metadata-Version: 2.1\nName: {DISTRIBUTION}\nVersion: {PACKAGE_VERSION}\n".encode(),
+        "usr/local/bin/torchrun": TORCHRUN,
+        "etc/passwd": passwd + f"trainer:x:{UID}:{UID}::/{HOME}:/usr/sbin/nologin\n".encode(),
+        "etc/group": group + f"trainer:x:{UID}:\n".encode(),
+    }  # fmt: skip
+    directories = {parent.as_posix() for name in (*files, *made) for parent in Path(name).parents} - {"."}
+    for name in sorted(directories | set(files) | set(made) | {HOME}):
+        if name == HOME:
+            info = tarfile.TarInfo(name)
+            info.type, info.mode, info.uid, info.gid = tarfile.DIRTYPE, 0o755, UID, UID
+            layer.addfile(info)
+        elif name in made:
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(made[name]), 0o755 if name.endswith("torchrun") else 0o644
+            layer.addfile(info, io.BytesIO(made[name]))
+        elif name in files:
+            info = layer.gettarinfo(str(files[name]), arcname=name)
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            with files[name].open("rb") as data:
+                layer.addfile(info, data)
+        else:
+            info = tarfile.TarInfo(name)
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            layer.addfile(info)
+
+
+def _base_accounts(layer_blob: Path) -> tuple[bytes, bytes]:
+    """The base's /etc/passwd and /etc/group, to which the trainer's account is added."""
+    with tarfile.open(layer_blob) as layer:
+        read = {}
+        for name in ("etc/passwd", "etc/group"):
+            member = layer.extractfile(name)
+            assert member is not None, f"the base image has no {name}"
+            read[name] = member.read()
+    return read["etc/passwd"], read["etc/group"]
+
+
+def _blob_path(digest: str) -> str:
+    algorithm, _, hexadecimal = digest.partition(":")
+    return f"blobs/{algorithm}/{hexadecimal}"
+
+
+def _blob_json(layout: Path, descriptor: dict[str, str]) -> dict:  # type: ignore[type-arg]
+    loaded: dict = json.loads((layout / _blob_path(descriptor["digest"])).read_bytes())  # type: ignore[type-arg]
+    return loaded
+
+
+def _member(out: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    out.addfile(info, io.BytesIO(data))
+
+
+if __name__ == "__main__":
+    image = trainer_image()
+    print(image.name, image.path, os.path.getsize(image.path))

@@ -568,6 +568,14 @@ def test_the_report_endpoint_has_a_service_a_certificate_for_its_name_and_the_op
         ["openssl", "x509", "-noout", "-ext", "subjectAltName"], input=pem, capture_output=True, check=True
     ).stdout.decode()
     assert f"DNS:{name}.{RELEASE_NAMESPACE}.svc" in text
+    # ECDSA P-256, the CA's and the endpoint's: a handshake a report, signed cheaply.
+    for field in ("tls.crt", "ca.crt"):
+        key = subprocess.run(["openssl", "x509", "-noout", "-text"], input=base64.b64decode(secret["data"][field]),
+                             capture_output=True, check=True).stdout.decode()  # fmt: skip
+        assert ("id-ecPublicKey" in key, "prime256v1" in key) == (True, True), key
+    key = subprocess.run(["openssl", "pkey", "-noout", "-text"], input=base64.b64decode(secret["data"]["tls.key"]),
+                         capture_output=True, check=True).stdout.decode()  # fmt: skip
+    assert "prime256v1" in key, key
 
 
 def test_a_given_certificate_secret_is_mounted_and_none_is_made_and_reports_off_leaves_no_trace() -> None:

@@ -30,7 +30,6 @@ from support.images import build
 from support.node.images import ImageArchive
 from support.node.node import Node, Scheduler
 from support.node.proxy import ServiceProxy
-from support.node.workloads import RENDEZVOUS
 from support.paths import ROOT
 from support.plane.cluster import Api, install_chart
 from support.plane.controlplane import ControlPlane
@@ -283,6 +282,33 @@ def test_a_worker_over_its_memory_limit_is_oomkilled_and_the_gputraining_says_wh
     finally:
         for name in trainings:
             api.delete("gputrainings", name, NAMESPACE)
+
+
+# Run by both pods of a two-worker training: rank 0 listens on MASTER_PORT, rank 1 finds it by
+# MASTER_ADDR (cluster DNS: the training-operator's headless Service), from another node where
+# there are two, and sends its devices; each prints what the kubelet's device manager gave it.
+# Rank 0 ends only once rank 1 has reached it: a PyTorchJob succeeds with its master, and a
+# worker whose master is gone never gets past its init container (the master's name resolves
+# only while the master runs).
+RENDEZVOUS = """
+import os, socket, time
+rank, port = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"])
+devices = os.environ.get("NVIDIA_VISIBLE_DEVICES", "")
+print(f"rank {rank} devices {devices}", flush=True)
+if rank == 0:
+    server = socket.create_server(("", port))
+    server.settimeout(120)
+    peer, address = server.accept()
+    print(f"rank 1 devices {peer.recv(200).decode()} from {address[0]}", flush=True)
+else:
+    for attempt in range(240):
+        try:
+            connection = socket.create_connection((os.environ["MASTER_ADDR"], port), timeout=2)
+            break
+        except OSError:
+            time.sleep(0.5)
+    connection.sendall(devices.encode())
+"""
 
 
 def test_a_two_worker_gpu_training_spans_both_nodes_each_worker_with_the_gpus_its_kubelet_allocated(

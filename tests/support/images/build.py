@@ -30,7 +30,7 @@ import yaml
 
 from support import buildcache
 from support.images import base, buildkit
-from support.node.images import ImageArchive
+from support.node.images import ImageArchive, blob_path
 from support.paths import ROOT
 from support.plane import gobuild
 
@@ -187,18 +187,13 @@ def _content(path: Path) -> bytes:
 def image_manifest(archive: Path) -> dict[str, Any]:
     """The OCI manifest of the one image in an OCI archive (``layers`` with their sizes)."""
     index = _json_member(archive, "index.json")
-    return _json_member(archive, _blob_path(index["manifests"][0]["digest"]))
+    return _json_member(archive, blob_path(index["manifests"][0]["digest"]))
 
 
 def image_config(archive: Path) -> dict[str, Any]:
     """The OCI image configuration of the one image in an OCI archive (``config`` holds User,
     Entrypoint, Cmd, Env; ``rootfs`` the layers' digests)."""
-    return _json_member(archive, _blob_path(image_manifest(archive)["config"]["digest"]))
-
-
-def _blob_path(digest: str) -> str:
-    algorithm, _, hexadecimal = digest.partition(":")
-    return f"blobs/{algorithm}/{hexadecimal}"
+    return _json_member(archive, blob_path(image_manifest(archive)["config"]["digest"]))
 
 
 def _json_member(archive: Path, member: str) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from packaging.requirements import Requirement
 from gpuop.api.identity import DEFAULT_TRAINER_IMAGE, PACKAGE_VERSION
 from support import buildcache
 from support.images import base
-from support.node.images import PATH_ENV, ImageArchive, image_index
+from support.node.images import PATH_ENV, ImageArchive, blob_path, image_index
 from support.paths import ROOT
 from support.plane import gobuild
 from support.training import HOLD_SITE
@@ -179,7 +179,7 @@ def _assemble(
     )
     config = _blob_json(parent.layout, manifest["config"])
     (base_layer,) = manifest["layers"]
-    passwd, group = _base_accounts(parent.layout / _blob_path(base_layer["digest"]))
+    passwd, group = _base_accounts(parent.layout / blob_path(base_layer["digest"]))
 
     # The layer goes straight into the archive, as its first member: its header (which needs
     # the layer's size and digest) is written over a placeholder once the layer is done, so the
@@ -191,7 +191,7 @@ def _assemble(
             _fill(layer, distributions, ours, hooks, passwd, group)
         # Padding, then the end-of-archive blocks, before which the other members are appended.
         raw.write(bytes(-hashing.size % tarfile.BLOCKSIZE) + bytes(2 * tarfile.BLOCKSIZE))
-        header = tarfile.TarInfo(_blob_path(f"sha256:{hashing.digest.hexdigest()}"))
+        header = tarfile.TarInfo(blob_path(f"sha256:{hashing.digest.hexdigest()}"))
         header.size = hashing.size
         raw.seek(0)
         raw.write(header.tobuf(format=tarfile.USTAR_FORMAT))
@@ -221,9 +221,9 @@ def _assemble(
     with tarfile.open(archive, "a") as out:  # after the layer
         _member(out, "oci-layout", b'{"imageLayoutVersion":"1.0.0"}')
         _member(out, "index.json", json.dumps(index, sort_keys=True).encode())
-        _member(out, _blob_path(manifest_digest), manifest_bytes)
-        _member(out, _blob_path(config_digest), config_bytes)
-        out.add(parent.layout / _blob_path(base_layer["digest"]), arcname=_blob_path(base_layer["digest"]))
+        _member(out, blob_path(manifest_digest), manifest_bytes)
+        _member(out, blob_path(config_digest), config_bytes)
+        out.add(parent.layout / blob_path(base_layer["digest"]), arcname=blob_path(base_layer["digest"]))
 
 
 def _fill(
@@ -281,13 +281,8 @@ def _base_accounts(layer_blob: Path) -> tuple[bytes, bytes]:
     return read["etc/passwd"], read["etc/group"]
 
 
-def _blob_path(digest: str) -> str:
-    algorithm, _, hexadecimal = digest.partition(":")
-    return f"blobs/{algorithm}/{hexadecimal}"
-
-
 def _blob_json(layout: Path, descriptor: dict[str, str]) -> dict:  # type: ignore[type-arg]
-    loaded: dict = json.loads((layout / _blob_path(descriptor["digest"])).read_bytes())  # type: ignore[type-arg]
+    loaded: dict = json.loads((layout / blob_path(descriptor["digest"])).read_bytes())  # type: ignore[type-arg]
     return loaded
 
 

@@ -85,12 +85,18 @@ def _layer(files: Iterable[_File], directories: Iterable[str], symlinks: dict[st
     return buffer.getvalue()
 
 
+def blob_path(digest: str) -> str:
+    """Where an OCI layout keeps the blob of ``digest`` ("sha256:..."): blobs/sha256/<hex>."""
+    algorithm, _, hexadecimal = digest.partition(":")
+    return f"blobs/{algorithm}/{hexadecimal}"
+
+
 def _blob(tar: tarfile.TarFile, data: bytes) -> str:
-    digest = hashlib.sha256(data).hexdigest()
-    info = tarfile.TarInfo(f"blobs/sha256/{digest}")
+    digest = f"sha256:{hashlib.sha256(data).hexdigest()}"
+    info = tarfile.TarInfo(blob_path(digest))
     info.size = len(data)
     tar.addfile(info, io.BytesIO(data))
-    return f"sha256:{digest}"
+    return digest
 
 
 def image_index(name: str, manifest_digest: str, manifest_size: int) -> dict[str, object]:

@@ -82,7 +82,7 @@ def test_make_cluster_trains_the_kind_example_with_no_image_and_cluster_down_lea
     on both nodes), the real training-operator makes the pods, the kubelets run torchrun -m
     gputrain (DDP over gloo, the workers meeting by the master's name through CoreDNS) and a
     user's plain loop; Trainer v2 and JobSet do the same for a TrainJob; each status follows
-    the code's own reports."""
+    its training while it runs, the user's loop through its own reports alone."""
     up, took = cluster("up", state, timeout=600)
     print(f"cluster up in {took:.1f}s:\n{up.stdout}")
     try:
@@ -138,9 +138,7 @@ def test_make_cluster_trains_the_kind_example_with_no_image_and_cluster_down_lea
             assert status["phase"] == "Succeeded", f"{name}: {json.dumps(status, indent=1)}\n{_logs(state)}"
             assert status["backend"] == backends[name], status
             assert status["progress"]["percent"] == 100, status
-            # While it ran, the status followed: steps moving, a loss each time, and figures
-            # from the code's own reports (Kubeflow's protocol, to the operator's Service,
-            # with the pod's projected token).
+            # While it ran, the status followed: steps moving, a loss each time.
             running = [
                 s["progress"]
                 for s in statuses
@@ -152,14 +150,14 @@ def test_make_cluster_trains_the_kind_example_with_no_image_and_cluster_down_lea
             assert len(steps) >= 2, (
                 f"{name}: the status did not follow the training: {running}\n{_logs(state)}"
             )
-            assert "TrainerStatus" in sources, (
-                f"{name}: no report reached the status: {running}\n{_logs(state)}"
-            )
             assert all(p.get("loss") is not None for p in running), running
         for name in ("kind-cpu", "kind-cpu-v2"):
             assert seen[name][-1]["progress"]["accuracy"] > 0.9, seen[name][-1]
-        # The built-in trainer also serves its metrics (the fresher at a tick, scraped); a
-        # user's loop gives reports only.
+        # The user's loop gives reports only, so every figure it showed came through them
+        # (Kubeflow's protocol, to the operator's Service, with the pod's projected token). The
+        # built-in trainer reports the same way but is also scraped, and a tick shows whichever
+        # is further on (figures.py): which one a given tick shows depends on where the 5 s
+        # report throttle falls against the tick, so its sources are printed, not asserted.
         assert {p["source"] for s in seen["plain-loop"] if s.get("phase") == "Running"
                 for p in [s.get("progress") or {}] if p.get("step")} == {"TrainerStatus"}  # fmt: skip
     finally:

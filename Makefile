@@ -95,8 +95,8 @@ unit: $(STAMP) $(HELM)
 	HELM=$(abspath $(HELM)) $(BIN)/pytest -m "not e2e" --durations=25
 
 ## e2e-local: only the local end-to-end chain (tests/e2e_local; `make test` runs it too): the real
-## control plane and Kubeflow training-operator, the chart, the operator, pods run by the node agent
-e2e-local: $(STAMP) $(HELM) controlplane-binaries
+## control plane, two real nodes, Kubeflow's controllers and Kueue, the chart and the operator from its image
+e2e-local: $(STAMP) $(HELM) controlplane-binaries node-binaries operator-image
 	HELM=$(abspath $(HELM)) $(BIN)/pytest -m e2e_local tests/e2e_local
 
 ## e2e: the kind tests (need Docker and kind; they skip without them)

@@ -12,8 +12,8 @@ from typing import Any, Final
 import pytest
 
 HERE = Path(__file__).resolve().parent
-# The session's shared fixtures (the real control plane and its client), defined once.
-pytest_plugins = ["support.fixtures"]
+# The session's shared fixtures (the real control plane and its client; the real nodes), defined once.
+pytest_plugins = ["support.fixtures", "support.node.fixtures"]
 # Every test under tests/<directory>/ carries that suite's marker (`pytest -m e2e_local`).
 DIRECTORY_MARKERS = {
     "controlplane": pytest.mark.controlplane,
@@ -30,10 +30,10 @@ def _no_gpu_reason() -> str | None:
     return f"no CUDA GPU visible to torch {torch.__version__}; run `pytest -m gpu` on a GPU machine"
 
 
-# The real-node suite runs first, on a cluster nobody else has touched: the end-to-end chain's
-# session fixtures (the node agent, Kubeflow's controllers and Kueue with their webhooks, the chart
-# and an operator on the host) live until the session ends, and the operator the node suite runs
-# in a pod must be the only one reconciling. Each of its modules leaves the cluster as it found it.
+# The real-node suite runs first, on a cluster nobody else has touched: the operator it runs in a
+# pod must be the only one reconciling, and the chart it installs must be the first. Each of its
+# modules, and the end-to-end chain's, leaves the cluster as it found it (nodes, controllers and
+# their webhooks, the chart).
 FIRST_SUITES: Final = ("node",)
 
 

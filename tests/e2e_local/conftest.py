@@ -1,138 +1,156 @@
-"""The whole chain on this machine, no Docker: the real control plane, the real Kubeflow
-training-operator (controller and validating webhook), our chart installed by the real helm
-and our operator running as its ServiceAccount, and pods run by the node agent (the one test
-double: kubelet + container runtime, tests/support/nodeagent.py) as torchrun processes in
-network namespaces of their own.
+"""The whole chain on this machine, no Docker, every pod a container: the real control plane,
+two real nodes (containerd, runc, the CNI bridge and kubelet v1.35; kube-scheduler,
+kube-proxy and CoreDNS: :mod:`support.node.fixtures`), the real Kubeflow training-operator,
+Trainer v2 with JobSet and Kueue (controllers and webhooks, processes on this machine), and our
+operator running in the cluster from its image, installed by the real helm from the chart.
+
+The trainers run from the default trainer image, the stand-in assembled from the project's
+.venv (:mod:`support.images.trainer`), imported on both nodes and tagged with the name the kind
+examples give (as ``kind load docker-image`` would); the user's own programs run from the
+archive's second image, a stand-in for a team's own image (:data:`~support.images.trainer.OWN_CODE_NAME`).
 
 Every test here is marked ``e2e_local`` (`make e2e-local` runs them alone); none skips. The
-node agent needs root for its namespaces, as CI and the development machines have it.
+nodes need root, as CI and the development machines have it. Each fixture here lives as long
+as the chain's module: the nodes it stands on do.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from collections.abc import Iterator
+from typing import Final
 
 import pytest
 
-from support import nodeagent
+from support.chain import CLAIMS_LABEL, EXAMPLE_IMAGE, NAMESPACE, Claims, InClusterOperator, Nodes
 from support.controllers import kueue, trainerv2, trainingoperator
+from support.controllers.webhooked import WebhookedController
+from support.images import build, trainer
+from support.node.images import full_reference
+from support.node.node import Node
 from support.plane import controlplane
-from support.plane.cluster import (
-    Api,
-    Installed,
-    OperatorProcess,
-    install_chart,
-    install_crds,
-    service_account_kubeconfig,
-)
-from support.plane.controlplane import free_port
-from support.tools.helm import RELEASE_NAMESPACE
+from support.plane.cluster import Api, install_chart, install_crds, ready_operator_pod, uninstall_chart
+from support.waiting import wait_for
 
-REPORT_PORT = free_port()
-
-# The chart's defaults but a 1 s scrape (its default 10 s would outlast a short training).
-VALUES = {"operator.scrapeInterval": 1, "operator.scrapeTimeout": 0.8}
-# Two nodes the size of a small CPU node pool: both pods of a spec fit, as on kind.
-NODES = [nodeagent.Node("node-a", cpu="4", memory="8Gi"), nodeagent.Node("node-b", cpu="4", memory="8Gi")]
+# The chart's defaults but a 1 s scrape (its default 10 s would outlast a short training), and
+# the operator on the node named after this machine, whose pods `kubectl logs` reaches.
+VALUES: Final = {"operator.scrapeInterval": 1, "operator.scrapeTimeout": 0.8}
 
 
-@pytest.fixture(scope="session")
-def agent(api: Api, tmp_path_factory: pytest.TempPathFactory) -> Iterator[nodeagent.NodeAgent]:
-    with nodeagent.running(api, tmp_path_factory.mktemp("node-agent"), NODES) as running:
-        yield running
-    assert running.errors == []
+@pytest.fixture(scope="module")
+def nodes(node: Node, second_node: Node) -> Nodes:
+    """Both nodes with the operator image, the trainer stand-in (also under the examples'
+    name) and the own-code stand-in, imported on each at once (4.8 GB: about a minute each)."""
+    archives = [build.operator_image(), trainer.trainer_image()]
+    seconds: dict[str, float] = {}
+    failed: list[BaseException] = []
+
+    def load(into: Node) -> None:
+        try:
+            seconds[into.name] = into.containerd.import_images(archives, timeout=600)
+            into.containerd.ctr("images", "tag", "--force", trainer.NAME, full_reference(EXAMPLE_IMAGE))
+        except BaseException as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=load, args=(n,), name=f"import-{n.name}") for n in (node, second_node)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failed:
+        raise failed[0]
+    print(f"images imported: {seconds}")
+    return Nodes(node, second_node)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def kubeflow(
-    plane: controlplane.ControlPlane,
-    api: Api,
-    agent: nodeagent.NodeAgent,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[trainingoperator.WebhookedController]:
+    plane: controlplane.ControlPlane, api: Api, nodes: Nodes, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WebhookedController]:
     process = trainingoperator.training_operator(
-        plane, api, agent.host_ip, tmp_path_factory.mktemp("kubeflow")
+        plane, api, plane.advertise_address, tmp_path_factory.mktemp("kubeflow")
     )
     process.start()
     yield process
-    process.stop()
+    process.retire()
 
 
-@pytest.fixture(scope="session")
-def trainer(
-    plane: controlplane.ControlPlane,
-    api: Api,
-    agent: nodeagent.NodeAgent,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[list[trainingoperator.WebhookedController]]:
+@pytest.fixture(scope="module")
+def trainer_v2(
+    plane: controlplane.ControlPlane, api: Api, nodes: Nodes, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[WebhookedController]]:
     """Kubeflow Trainer v2 and JobSet, beside the training-operator: a cluster that serves both."""
     install_crds(plane, [trainerv2.JOBSET_CRD])
-    processes = trainerv2.trainer_and_jobset(plane, api, agent.host_ip, tmp_path_factory.mktemp("trainer"))
+    processes = trainerv2.trainer_and_jobset(
+        plane, api, plane.advertise_address, tmp_path_factory.mktemp("trainer")
+    )
     try:
         for process in processes:
             process.start()
         yield processes
     finally:
         for process in reversed(processes):
-            process.stop()
+            process.retire()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def queueing(
     plane: controlplane.ControlPlane,
     api: Api,
-    agent: nodeagent.NodeAgent,
-    kubeflow: trainingoperator.WebhookedController,
+    kubeflow: WebhookedController,
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[trainingoperator.WebhookedController]:
+) -> Iterator[WebhookedController]:
     """The real Kueue v0.16.2 (controller and webhooks), beside the training-operator. Its pod
     and job webhooks see every namespace but kube-system and kueue-system from here on, as in a
     cluster that runs Kueue; the tests that use it come last in their module."""
-    process = kueue.kueue(plane, api, agent.host_ip, tmp_path_factory.mktemp("kueue"))
+    process = kueue.kueue(plane, api, plane.advertise_address, tmp_path_factory.mktemp("kueue"))
     try:
         process.start()
         yield process
     finally:
-        process.stop()
+        process.retire()
 
 
-# The report endpoint's certificate, as cert-manager would provide it (the chart's
-# reports.tls.secretName), valid for the Service's names and the host's address.
-REPORT_SECRET = "gpuop-report-tls-e2e"
-
-
-@pytest.fixture(scope="session")
-def installed(plane: controlplane.ControlPlane, api: Api, agent: nodeagent.NodeAgent) -> Installed:
-    """The chart, with the operator's report endpoint where the pods reach it: the operator runs
-    on the host, not in a pod behind its Service (no cluster DNS or kube-proxy here), so the
-    trainers are told the host's address on the node agent's network."""
-    service = "gpuop-gpu-training-operator-reports"
-    cert, key = plane.ca.issue("reports", service, sans=[
-        f"IP:{agent.host_ip}", f"DNS:{service}.{RELEASE_NAMESPACE}.svc",
-    ])  # fmt: skip
-    plane.kubectl("create", "namespace", RELEASE_NAMESPACE, check=False)
-    plane.kubectl("delete", "secret", REPORT_SECRET, "-n", RELEASE_NAMESPACE, "--ignore-not-found")
-    plane.kubectl("create", "secret", "generic", REPORT_SECRET, "-n", RELEASE_NAMESPACE, "--type=kubernetes.io/tls",
-                  f"--from-file=tls.crt={cert}", f"--from-file=tls.key={key}", f"--from-file=ca.crt={plane.ca.cert}")  # fmt: skip
-    installed = install_chart(plane, {**VALUES, "reports.tls.secretName": REPORT_SECRET})
-    installed.env["GPUOP_REPORT_URL"] = f"https://{agent.host_ip}:{REPORT_PORT}"
-    return installed
-
-
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def operator(
     plane: controlplane.ControlPlane,
-    installed: Installed,
-    kubeflow: trainingoperator.WebhookedController,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[OperatorProcess]:
-    """``gpuop operator`` with the chart's environment and its ServiceAccount's token."""
-    workdir = tmp_path_factory.mktemp("operator")
-    config = service_account_kubeconfig(
-        plane, RELEASE_NAMESPACE, installed.service_account, workdir / "kubeconfig"
-    )
-    process = OperatorProcess(config, workdir, env=installed.env, report_port=REPORT_PORT)
-    process.start()
-    yield process
-    process.stop()
-    assert "Traceback" not in process.log(), process.log()[-4000:]
+    api: Api,
+    nodes: Nodes,
+    cluster_dns: str,
+    kubeflow: WebhookedController,
+) -> Iterator[InClusterOperator]:
+    """``helm install`` of the chart with its defaults (and :data:`VALUES`): the operator's
+    Deployment runs our image on the first node, its report endpoint behind its Service with
+    the certificate the chart makes, which the trainers reach by the Service's name."""
+    started = time.monotonic()
+    install_chart(plane, {**VALUES, "nodeSelector": {"kubernetes.io/hostname": nodes.first.name}})
+    pod = wait_for("the operator's pod Ready", lambda: ready_operator_pod(api), timeout=120, every=0.5)
+    print(f"helm install -> operator pod Ready: {time.monotonic() - started:.1f}s")
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    running = InClusterOperator(pod, env["GPUOP_REPORT_URL"])
+    try:
+        yield running
+    finally:
+        said = running.log(plane)
+        _uninstall(plane, api)
+    assert "Traceback" not in said, said[-4000:]
+
+
+def _uninstall(plane: controlplane.ControlPlane, api: Api) -> None:
+    """The chart gone, and the chain's namespace before it (the operator releases its
+    GpuTrainings' finalizers), so that a later suite meets a cluster without either."""
+    with contextlib.suppress(Exception):
+        api.request("DELETE", f"/api/v1/namespaces/{NAMESPACE}")
+        wait_for(
+            "the chain's namespace gone", lambda: api.get("namespaces", NAMESPACE, None) is None, timeout=90
+        )
+    uninstall_chart(plane)
+
+
+@pytest.fixture(scope="module")
+def claims(plane: controlplane.ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Claims]:
+    made = Claims(tmp_path_factory.mktemp("claims"), plane)
+    yield made
+    plane.kubectl("delete", "pv", "-l", CLAIMS_LABEL, "--wait=false", check=False)

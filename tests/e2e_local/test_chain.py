@@ -2,15 +2,19 @@
 and what a platform team does to a running training: kill a trainer, suspend it, delete it.
 
 Assertions read what a user reads: ``kubectl get gtr -o json`` (polled into a timeline while
-the test acts), the PyTorchJob, pods and Services with kubectl, and events. The only thing the
-tests touch below the API is the trainer process they SIGKILL, as the kernel's OOM killer would.
+the test acts), the PyTorchJob, pods and Services with kubectl, and events. Below the API the
+tests touch only the trainer process they SIGKILL (found in its container's cgroup, as the
+kernel's OOM killer would pick it), and read what a user could read on a node: its containers'
+logs and the checkpoints on a training's claim.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import ssl
@@ -29,16 +33,16 @@ from gpuop.api.spec import parse
 from gpuop.backends.pytorchjob import PYTORCHJOB
 from gpuop.backends.registry import JobApi
 from gpuop.backends.trainjob import TRAINJOB
+from support.chain import NAMESPACE, Claims, InClusterOperator, Nodes
 from support.controllers import kueue, trainerv2
 from support.controllers.webhooked import WebhookedController
-from support.nodeagent import NodeAgent
+from support.images import trainer
 from support.paths import ROOT
-from support.plane.cluster import Api, Installed, OperatorProcess
+from support.plane.cluster import Api
 from support.plane.controlplane import ControlPlane
-from support.training import HOLD_SITE, hold_env, pace_env, release, wait_held
+from support.training import hold_env, release, wait_held
 from support.waiting import wait_for
 
-NAMESPACE = "e2e"
 KIND_CPU = ROOT / "examples" / "kind-cpu.yaml"
 KIND_CPU_ELASTIC = ROOT / "examples" / "kind-cpu-elastic.yaml"
 # Where a training's checkpoint claim is mounted (spec.checkpoint.path's default).
@@ -116,11 +120,19 @@ def namespace(plane: ControlPlane) -> str:
 
 
 @pytest.fixture
-def timelines() -> Iterator[list[Timeline]]:
+def timelines(plane: ControlPlane) -> Iterator[list[Timeline]]:
+    """The test's timelines; after it, each training it watched is deleted, pods and all: the
+    two nodes have two CPUs each (this machine's), so a training a failed test left running
+    would keep the next test's pods Pending."""
     made: list[Timeline] = []
     yield made
     for timeline in made:
         timeline.close()
+    for timeline in made:
+        plane.kubectl("delete", "gtr", timeline.name, "-n", NAMESPACE, "--ignore-not-found", "--wait=false")
+    for timeline in made:
+        plane.kubectl("wait", "--for=delete", "pods", "-l", f"gpuop.io/gputraining={timeline.name}",
+                      "-n", NAMESPACE, "--timeout=90s", check=False)  # fmt: skip
 
 
 def _variant(tmp: Path, name: str, source: Path = KIND_CPU, **spec: Any) -> Path:
@@ -134,13 +146,6 @@ def _variant(tmp: Path, name: str, source: Path = KIND_CPU, **spec: Any) -> Path
     return path
 
 
-def _claim(plane: ControlPlane, claim: str) -> None:
-    plane.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump({
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
-        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}},
-    }))  # fmt: skip
-
-
 @dataclass(frozen=True)
 class Gate:
     """The trainer gate of support.training (trainer_hold) in a training's pods: each rank waits
@@ -151,8 +156,13 @@ class Gate:
     spec.env refuses GPUTRAIN_* (the operator's names): PYTHONPATH brings in a sitecustomize
     on the training's checkpoint claim that sets the gate's variables and runs the gate."""
 
-    directory: Path  # the gate's folder as this host sees it
+    claim: str
+    folder: Path  # the claim's folder as this host sees it: the checkpoints, the gate
     env: list[dict[str, str]]  # for spec.env
+
+    @property
+    def directory(self) -> Path:
+        return self.folder / "hold"
 
     def wait_held(self, alive: Callable[[], bool]) -> int:
         """The step both ranks wait at, once they do."""
@@ -162,10 +172,10 @@ class Gate:
         release(self.directory)
 
 
-def _gate(agent: NodeAgent, claim: str) -> Gate:
-    """A gate for a training whose checkpoints are on ``claim``, the claim's folder shared by
-    its pods (the node agent's, as ReadWriteMany) and seen by this host."""
-    shared = agent.workdir / "claims" / NAMESPACE / claim
+def _gate(claims: Claims, claim: str) -> Gate:
+    """``claim``, made for a training's checkpoints, with a gate on it: the claim's folder is
+    shared by its pods wherever they run and seen by this host."""
+    shared = claims.make(NAMESPACE, claim)
     site = shared / "hold-site"
     site.mkdir(parents=True, exist_ok=True)
     # Made here, writable by all: the trainers run as the pod's user, and a release before they
@@ -174,29 +184,27 @@ def _gate(agent: NodeAgent, claim: str) -> Gate:
     (shared / "hold").chmod(0o777)
     variables = hold_env(Path(CHECKPOINTS) / "hold", HOLD_AT_STEP)
     del variables["PYTHONPATH"]  # this host's; the pods get theirs from spec.env
-    # The work tree is at the same path in every container, the gate with it.
+    # The gate itself is in the trainer image, where pace_env's hooks are.
     (site / "sitecustomize.py").write_text(textwrap.dedent(f"""\
         import importlib.util
         import os
         import sys
 
         os.environ.update({variables!r})
-        _spec = importlib.util.spec_from_file_location("trainer_hold", {str(HOLD_SITE / "sitecustomize.py")!r})
+        _spec = importlib.util.spec_from_file_location("trainer_hold", "{trainer.TEST_SITE}/sitecustomize.py")
         _gate = importlib.util.module_from_spec(_spec)
         sys.modules[_spec.name] = _gate
         _spec.loader.exec_module(_gate)
         """))  # fmt: skip
-    return Gate(shared / "hold", [{"name": "PYTHONPATH", "value": f"{CHECKPOINTS}/hold-site"}])
+    return Gate(claim, shared, [{"name": "PYTHONPATH", "value": f"{CHECKPOINTS}/hold-site"}])
 
 
 def _start_long_training(plane: ControlPlane, name: str, tmp: Path, gate: Gate) -> Timeline:
-    """The kind example for 40 epochs (about 15 s of training here), its checkpoints on a claim
-    so that they outlive its pods, held at HOLD_AT_STEP by ``gate``; applied, with a timeline
-    of its status."""
-    claim = f"{name}-checkpoints"
-    _claim(plane, claim)
+    """The kind example for 40 epochs (about 15 s of training here), its checkpoints on the
+    gate's claim so that they outlive its pods, held at HOLD_AT_STEP by ``gate``; applied, with
+    a timeline of its status."""
     spec = _variant(
-        tmp, name, training={"epochs": 40}, checkpoint={"volume": {"claimName": claim}}, env=gate.env
+        tmp, name, training={"epochs": 40}, checkpoint={"volume": {"claimName": gate.claim}}, env=gate.env
     )
     timeline = Timeline(plane, name)
     plane.kubectl("apply", "-n", NAMESPACE, "-f", str(spec))
@@ -208,9 +216,20 @@ def _phase(plane: ControlPlane, name: str) -> str | None:
     return found.get("status", {}).get("phase") if found else None
 
 
-def _trainer_pid(agent: NodeAgent, pod: str) -> int | None:
-    """The gputrain process torchrun started in the pod's container (not torchrun itself)."""
-    for pid in agent.processes(NAMESPACE, pod, "pytorch")[1:]:
+def _pods_named(plane: ControlPlane, pattern: str) -> list[dict[str, Any]]:
+    """The namespace's pods whose names match ``pattern`` (JobSet's Jobs name each attempt's
+    pod anew)."""
+    listed = json.loads(plane.kubectl("get", "pods", "-n", NAMESPACE, "-o", "json").stdout)["items"]
+    return [p for p in listed if fnmatch.fnmatchcase(p["metadata"]["name"], pattern)]
+
+
+def _trainer_pid(plane: ControlPlane, nodes: Nodes, pod: str) -> int | None:
+    """The gputrain process torchrun started in the pod's trainer container (not torchrun
+    itself), from the container's cgroup on its node."""
+    found = _get(plane, "pod", pod)
+    if found is None or not found["spec"].get("nodeName"):
+        return None
+    for pid in nodes.of(found).container_pids(found, found["spec"]["containers"][0]["name"]):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
@@ -220,18 +239,35 @@ def _trainer_pid(agent: NodeAgent, pod: str) -> int | None:
     return None
 
 
-def _resumed_steps(agent: NodeAgent, pod: str) -> list[int]:
+def _logs(plane: ControlPlane, nodes: Nodes, pattern: str) -> str:
+    """Every attempt of the trainer containers of the pods ``pattern`` names, as their nodes'
+    kubelets wrote them (a deleted pod's logs go with it)."""
+    return "".join(
+        nodes.of(pod).log_of(pod, container["name"])
+        for pod in _pods_named(plane, pattern)
+        for container in pod["spec"]["containers"]
+    )
+
+
+def _resumed_steps(plane: ControlPlane, nodes: Nodes, pod: str) -> list[int]:
     """The steps the trainer said it resumed from, in every attempt of the pod's containers."""
     steps = []
-    for line in agent.logs(NAMESPACE, pod).splitlines():
+    for line in _logs(plane, nodes, pod).splitlines():
         if " resumed from " in line:
             steps.append(int(line.rsplit("step ", 1)[1].split()[0].rstrip(",")))
     return steps
 
 
-def _checkpointed_steps(agent: NodeAgent, pod: str) -> list[int]:
-    return [int(line.rsplit("at step ", 1)[1]) for line in agent.logs(NAMESPACE, pod).splitlines()
-            if " checkpoint " in line and "at step " in line]  # fmt: skip
+CHECKPOINT_FILE = re.compile(r"step-(\d+)\.pt")
+
+
+def _checkpointed_steps(gate: Gate) -> list[int]:
+    """The steps of the complete checkpoints on the training's claim, in the training's folder
+    there (the trainer writes each under a temporary name and renames it: one with its final
+    name is whole)."""
+    return sorted(
+        int(m[1]) for p in gate.folder.glob("*/step-*.pt") if (m := CHECKPOINT_FILE.fullmatch(p.name))
+    )
 
 
 def _children_gone(plane: ControlPlane, name: str) -> bool:
@@ -243,9 +279,9 @@ def _children_gone(plane: ControlPlane, name: str) -> bool:
 def test_the_kind_cpu_example_trains_to_succeeded_through_the_real_training_operator(
     plane: ControlPlane,
     api: Api,
-    agent: NodeAgent,
+    nodes: Nodes,
     kubeflow: WebhookedController,
-    operator: OperatorProcess,
+    operator: InClusterOperator,
     timelines: list[Timeline],
 ) -> None:
     timelines.append(timeline := Timeline(plane, "kind-cpu"))
@@ -300,15 +336,16 @@ def test_the_real_webhook_refuses_what_the_training_operator_refuses(
 
 def test_progress_then_a_killed_trainer_resumes_from_its_checkpoint(
     plane: ControlPlane,
-    agent: NodeAgent,
-    operator: OperatorProcess,
+    nodes: Nodes,
+    claims: Claims,
+    operator: InClusterOperator,
     timelines: list[Timeline],
     tmp_path: Path,
 ) -> None:
     """SIGKILL the master's trainer mid-run: its container restarts in place, training goes on
     from the newest checkpoint on the claim, and the status never says Stalled."""
     name = "killed"
-    gate = _gate(agent, f"{name}-checkpoints")
+    gate = _gate(claims, f"{name}-checkpoints")
     timelines.append(timeline := _start_long_training(plane, name, tmp_path, gate))
     pod = f"{name}-master-0"
     held = gate.wait_held(lambda: not {"Succeeded", "Failed"} & set(timeline.phases()))
@@ -317,9 +354,9 @@ def test_progress_then_a_killed_trainer_resumes_from_its_checkpoint(
         (s["progress"] for s in reversed(timeline.seen) if s.get("progress", {}).get("step") == held), None),
         timeout=60)  # fmt: skip
     assert {"step", "totalSteps", "percent", "loss", "samplesPerSecond", "eta"} <= set(progress), progress
-    assert len(_checkpointed_steps(agent, pod)) >= 2  # one past the first epoch: not the start
-    pid = wait_for("the trainer process", lambda: _trainer_pid(agent, pod), timeout=10)
-    before_kill = max(_checkpointed_steps(agent, pod))
+    assert len(_checkpointed_steps(gate)) >= 2  # one past the first epoch: not the start
+    pid = wait_for("the trainer process", lambda: _trainer_pid(plane, nodes, pod), timeout=10)
+    before_kill = max(_checkpointed_steps(gate))
     os.kill(pid, signal.SIGKILL)
     # The other rank goes on, finds its peer gone and restarts too, as it would have unheld.
     gate.release()
@@ -329,7 +366,7 @@ def test_progress_then_a_killed_trainer_resumes_from_its_checkpoint(
         f"{name} Succeeded", lambda: _phase(plane, name) in ("Succeeded", "Failed"), timeout=240, every=0.5
     )
     assert _phase(plane, name) == "Succeeded", timeline.phases()
-    resumed = _resumed_steps(agent, pod)
+    resumed = _resumed_steps(plane, nodes, pod)
     assert resumed, "the restarted trainer did not resume"
     assert resumed[0] >= before_kill, (resumed, before_kill)
     assert "Stalled" not in timeline.conditions()
@@ -351,17 +388,18 @@ def test_progress_then_a_killed_trainer_resumes_from_its_checkpoint(
 
 def test_suspended_mid_run_its_pods_go_and_it_resumes_from_the_checkpoint(
     plane: ControlPlane,
-    agent: NodeAgent,
-    operator: OperatorProcess,
+    nodes: Nodes,
+    claims: Claims,
+    operator: InClusterOperator,
     timelines: list[Timeline],
     tmp_path: Path,
 ) -> None:
     name = "paused"
-    gate = _gate(agent, f"{name}-checkpoints")
+    gate = _gate(claims, f"{name}-checkpoints")
     timelines.append(timeline := _start_long_training(plane, name, tmp_path, gate))
     pod = f"{name}-master-0"
     gate.wait_held(lambda: not {"Succeeded", "Failed"} & set(timeline.phases()))
-    assert len(_checkpointed_steps(agent, pod)) >= 2  # one past the first epoch: not the start
+    assert len(_checkpointed_steps(gate)) >= 2  # one past the first epoch: not the start
     plane.kubectl(
         "patch", "gtr", name, "-n", NAMESPACE, "--type=merge", "-p", '{"spec":{"runPolicy":{"suspend":true}}}'
     )
@@ -371,7 +409,7 @@ def test_suspended_mid_run_its_pods_go_and_it_resumes_from_the_checkpoint(
         lambda: not _names(plane, "pods", f"training.kubeflow.org/job-name={name}"),
         timeout=60,
     )
-    saved = max(_checkpointed_steps(agent, pod))
+    saved = max(_checkpointed_steps(gate))
     gate.release()  # the resumed pods' trainers train on (SIGTERM let the deleted ones go)
     plane.kubectl(
         "patch",
@@ -387,7 +425,7 @@ def test_suspended_mid_run_its_pods_go_and_it_resumes_from_the_checkpoint(
         f"{name} Succeeded", lambda: _phase(plane, name) in ("Succeeded", "Failed"), timeout=240, every=0.5
     )
     assert _phase(plane, name) == "Succeeded", timeline.phases()
-    resumed = _resumed_steps(agent, pod)
+    resumed = _resumed_steps(plane, nodes, pod)
     assert resumed, "the resumed training started over"
     assert resumed[-1] >= saved, (resumed, saved)
     phases = timeline.caught_up("Succeeded")
@@ -396,7 +434,7 @@ def test_suspended_mid_run_its_pods_go_and_it_resumes_from_the_checkpoint(
 
 
 def test_an_elastic_spec_rendezvous_through_the_worker_only_layout(
-    plane: ControlPlane, agent: NodeAgent, operator: OperatorProcess, timelines: list[Timeline]
+    plane: ControlPlane, nodes: Nodes, operator: InClusterOperator, timelines: list[Timeline]
 ) -> None:
     name = "kind-cpu-elastic"
     timelines.append(timeline := Timeline(plane, name))
@@ -415,9 +453,9 @@ def test_an_elastic_spec_rendezvous_through_the_worker_only_layout(
 
 def test_the_kind_cpu_example_trains_to_succeeded_on_trainer_v2(
     plane: ControlPlane,
-    agent: NodeAgent,
-    trainer: list[WebhookedController],
-    operator: OperatorProcess,
+    nodes: Nodes,
+    trainer_v2: list[WebhookedController],
+    operator: InClusterOperator,
     timelines: list[Timeline],
     tmp_path: Path,
 ) -> None:
@@ -467,14 +505,14 @@ def _pods_of(plane: ControlPlane, name: str) -> list[dict[str, Any]]:
     return items
 
 
-# What a queued training runs through: the node agent, both Kubeflow APIs, the real Kueue and the operator.
-KUEUE_CHAIN = ("agent", "kubeflow", "trainer", "queueing", "operator")
+# What a queued training runs through: the nodes, both Kubeflow APIs, the real Kueue and the operator.
+KUEUE_CHAIN = ("nodes", "kubeflow", "trainer_v2", "queueing", "operator")
 
 
 @pytest.mark.usefixtures(*KUEUE_CHAIN)
 @pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
 def test_kueue_holds_the_second_training_queued_until_the_first_finishes(
-    plane: ControlPlane, agent: NodeAgent, timelines: list[Timeline], tmp_path: Path, backend: str
+    plane: ControlPlane, claims: Claims, timelines: list[Timeline], tmp_path: Path, backend: str
 ) -> None:
     """The real Kueue v0.16.2 with a ClusterQueue whose quota fits one kind-cpu training (2 pods
     of 1 CPU and 1 GiB): the first is admitted and runs; the second waits Queued, with Kueue's
@@ -488,10 +526,8 @@ def test_kueue_holds_the_second_training_queued_until_the_first_finishes(
     queued = {"scheduling": {"queueName": queue}, "backend": backend}
     # The first waits at HOLD_AT_STEP until the second has been seen queued: it cannot have
     # finished (and given its quota back) meanwhile.
-    claim = f"{first_name}-checkpoints"
-    _claim(plane, claim)
-    gate = _gate(agent, claim)
-    first = _variant(tmp_path, first_name, training={"epochs": 25}, checkpoint={"volume": {"claimName": claim}},
+    gate = _gate(claims, f"{first_name}-checkpoints")
+    first = _variant(tmp_path, first_name, training={"epochs": 25}, checkpoint={"volume": {"claimName": gate.claim}},
                      env=gate.env, **queued)  # fmt: skip
     second = _variant(tmp_path, second_name, **queued)
     timelines.append(first_timeline := Timeline(plane, first_name))
@@ -541,7 +577,7 @@ def test_kueue_holds_the_second_training_queued_until_the_first_finishes(
 
 
 def _rank0_pod(name: str, backend: str) -> str:
-    """The rank-0 pod's name, as a pattern for the node agent's logs: Kubeflow v1 names it
+    """The rank-0 pod's name, as a pattern for :func:`_logs`: Kubeflow v1 names it
     once; JobSet's Job gives each attempt a new random suffix."""
     return f"{name}-master-0" if backend == "pytorchjob" else f"{name}-node-0-0-*"
 
@@ -549,7 +585,7 @@ def _rank0_pod(name: str, backend: str) -> str:
 @pytest.mark.usefixtures(*KUEUE_CHAIN)
 @pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
 def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_and_resume(
-    plane: ControlPlane, agent: NodeAgent, timelines: list[Timeline], tmp_path: Path, backend: str
+    plane: ControlPlane, nodes: Nodes, claims: Claims, timelines: list[Timeline], tmp_path: Path, backend: str
 ) -> None:
     """The real Kueue preempting: a ClusterQueue that fits one training and preempts lower
     priorities (`withinClusterQueue: LowerPriority`, priorities from the pods' PriorityClass,
@@ -566,10 +602,10 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
             "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
             "metadata": {"name": priority_class}, "value": value}))  # fmt: skip
     low, high = f"low-{backend}", f"high-{backend}"
-    claim = f"{low}-checkpoints"
-    _claim(plane, claim)
-    gate = _gate(agent, claim)  # the low one waits at HOLD_AT_STEP: still running when preempted
-    low_spec = _variant(tmp_path, low, training={"epochs": 40}, checkpoint={"volume": {"claimName": claim}},
+    gate = _gate(
+        claims, f"{low}-checkpoints"
+    )  # the low one waits at HOLD_AT_STEP: still running when preempted
+    low_spec = _variant(tmp_path, low, training={"epochs": 40}, checkpoint={"volume": {"claimName": gate.claim}},
                         scheduling={"queueName": queue, "priorityClassName": "e2e-low"}, backend=backend,
                         env=gate.env)  # fmt: skip
     high_spec = _variant(tmp_path, high, scheduling={"queueName": queue, "priorityClassName": "e2e-high"},
@@ -579,7 +615,7 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
     plane.kubectl("apply", "-n", NAMESPACE, "-f", str(low_spec))
     rank0 = _rank0_pod(low, backend)
     gate.wait_held(lambda: not {"Succeeded", "Failed"} & set(low_timeline.phases()))
-    assert len(_checkpointed_steps(agent, rank0)) >= 2  # one past the first epoch: not the start
+    assert len(_checkpointed_steps(gate)) >= 2  # one past the first epoch: not the start
     plane.kubectl("apply", "-n", NAMESPACE, "-f", str(high_spec))
 
     def preempted() -> dict[str, Any] | None:
@@ -596,7 +632,7 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
         job["spec"]["runPolicy"]["suspend"] if backend == "pytorchjob" else job["spec"]["suspend"]
     ) is True
     wait_for(f"{low}'s pods gone", lambda: not _pods_of(plane, low), timeout=90)
-    saved = max(_checkpointed_steps(agent, rank0))
+    saved = max(_checkpointed_steps(gate))
     gate.release()  # for its pods when Kueue admits it again (SIGTERM let the evicted ones go)
 
     wait_for(
@@ -605,7 +641,7 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
     assert _phase(plane, high) == "Succeeded", high_timeline.phases()
     wait_for(f"{low} finished", lambda: _phase(plane, low) in ("Succeeded", "Failed"), timeout=300, every=0.5)
     assert _phase(plane, low) == "Succeeded", low_timeline.phases()
-    resumed = _resumed_steps(agent, rank0)
+    resumed = _resumed_steps(plane, nodes, rank0)
     assert resumed, "the preempted training started over"
     assert resumed[-1] >= saved, (resumed, saved)
     # The operator never fought Kueue: Running, then Queued while evicted, then Running again.
@@ -622,12 +658,13 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
 
 # -- the code people actually train: their own command, reporting by Kubeflow's protocol ---------
 
-# Each program as the spec's own command, 12 steps in all on two workers.
+# Each program as the spec's own command, 12 steps in all on two workers; in the own-code image
+# they are where a team's Dockerfile would COPY them (examples/hf-trainer, examples/plain-loop).
 PROGRAMS = {
     # A real transformers.Trainer (a tiny GPT-2 from a config, data it makes), no code of ours:
     # Transformers finds Kubeflow's variables the operator rendered and reports by itself.
     "hf": [
-        str(ROOT / "examples" / "hf-trainer" / "train.py"),
+        "/workspace/hf-trainer/train.py",
         "--samples",
         "96",
         "--epochs",
@@ -638,7 +675,7 @@ PROGRAMS = {
         "/tmp/hf-out",
     ],
     # A hand-written DDP loop with one gpureport.report() call a step.
-    "loop": [str(ROOT / "examples" / "plain-loop" / "train.py"), "--steps", "12"],
+    "loop": ["/workspace/plain-loop/train.py", "--steps", "12"],
 }
 
 
@@ -650,7 +687,7 @@ def _train_own_code(
     status moves while it runs and ends at 100. The training's name and its pods, still there."""
     name = f"{program}-{backend}"
     spec = {
-        "image": "registry.example.com/team/own-code:1",  # the node agent runs the host's venv
+        "image": trainer.OWN_CODE_NAME,  # a stand-in for a team's image: Transformers and the examples
         "command": ["torchrun"],
         "args": PROGRAMS[program],
         "backend": backend,
@@ -658,8 +695,12 @@ def _train_own_code(
         "gpusPerWorker": 0,
         "resources": {"cpu": "1", "memory": "2Gi"},
         # 12 steps of at least 1.5 s: long enough by construction for clients that report at
-        # most every 5 s to be seen reporting while they run (support.training.pace_env).
-        "env": [{"name": k, "value": v} for k, v in pace_env(1.5).items()],
+        # most every 5 s to be seen reporting while they run (support.training.pace_env, whose
+        # hooks the image has at TEST_SITE).
+        "env": [
+            {"name": "PYTHONPATH", "value": trainer.TEST_SITE},
+            {"name": "GPUOP_TEST_STEP_SECONDS", "value": "1.5"},
+        ],
     }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump({"apiVersion": "gpuop.io/v1alpha1", "kind": "GpuTraining",
@@ -701,7 +742,7 @@ def _delete_training(plane: ControlPlane, name: str) -> None:
     wait_for(f"{name}'s pods gone", lambda: not _pods_of(plane, name), timeout=90)
 
 
-@pytest.mark.usefixtures("agent", "kubeflow", "trainer", "operator")
+@pytest.mark.usefixtures("nodes", "kubeflow", "trainer_v2", "operator")
 @pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
 def test_the_code_people_train_reports_progress_into_status_on_either_backend(
@@ -726,13 +767,15 @@ class _NamedHTTPS(http.client.HTTPSConnection):
 
 @pytest.fixture
 def progress_gate_on(
-    plane: ControlPlane, api: Api, agent: NodeAgent, trainer: list[WebhookedController], tmp_path: Path
+    plane: ControlPlane, api: Api, trainer_v2: list[WebhookedController], tmp_path: Path
 ) -> Iterator[WebhookedController]:
     """Trainer restarted with its ``TrainJobStatus`` gate on (its own progress server up), for
     one test; then as it ships again."""
-    shipped = next(c for c in trainer if c.spec is trainerv2.TRAINER)
+    shipped = next(c for c in trainer_v2 if c.spec is trainerv2.TRAINER)
     shipped.stop()
-    gated = WebhookedController(trainerv2.TRAINER_WITH_PROGRESS_SERVER, plane, api, agent.host_ip, tmp_path)
+    gated = WebhookedController(
+        trainerv2.TRAINER_WITH_PROGRESS_SERVER, plane, api, plane.advertise_address, tmp_path
+    )
     try:
         gated.start()
         wait_for("Trainer's progress server", lambda: "Starting runtime status server" in gated.log.read_text(),
@@ -743,11 +786,11 @@ def progress_gate_on(
         shipped.start()
 
 
-@pytest.mark.usefixtures("agent", "kubeflow", "operator")
+@pytest.mark.usefixtures("nodes", "kubeflow")
 def test_with_trainers_own_progress_gate_on_the_code_reports_to_the_operator_alone(
     plane: ControlPlane,
     api: Api,
-    installed: Installed,
+    operator: InClusterOperator,
     progress_gate_on: WebhookedController,
     timelines: list[Timeline],
     tmp_path: Path,
@@ -766,7 +809,7 @@ def test_with_trainers_own_progress_gate_on_the_code_reports_to_the_operator_alo
     assert "kubeflow-trainer-token" in {v["name"] for v in pods[0]["spec"]["volumes"]}
     assert _get(plane, "configmap", f"{name}-tls-config") is not None
     env = {e["name"]: e.get("value") for e in pods[0]["spec"]["containers"][0]["env"]}
-    report_url = installed.env["GPUOP_REPORT_URL"] + REPORT_PATH.format(namespace=NAMESPACE, name=name)
+    report_url = operator.report_url + REPORT_PATH.format(namespace=NAMESPACE, name=name)
     assert env["KUBEFLOW_TRAINER_SERVER_URL"] == report_url, env
     assert env["KUBEFLOW_TRAINER_SERVER_TOKEN"].startswith(f"{REPORT_MOUNT}/"), env
     assert env["KUBEFLOW_TRAINER_SERVER_CA_CERT"].startswith(f"{REPORT_MOUNT}/"), env

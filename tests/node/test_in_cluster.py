@@ -2,11 +2,11 @@
 defaults, started by a real kubelet in containerd under restricted Pod Security, talking to the
 API through the ``kubernetes`` Service (kube-proxy's rules) with its ServiceAccount's token.
 
-Everywhere else in the suite the operator is a process on the test host with a kubeconfig;
-only here do the image's USER and ENTRYPOINT, the chart's securityContext (read-only root
-filesystem, no capabilities, RuntimeDefault seccomp, uid 65532), its probes and in-cluster
-configuration meet the real thing. The node agent of tests/e2e_local cannot run any of it: it
-runs no images.
+Here, in `make cluster` and in the end-to-end chain the operator runs this way; the
+control-plane suite runs it as a process on the test host with a kubeconfig. This module checks
+what the image and the chart bring: the image's USER and ENTRYPOINT, the chart's
+securityContext (read-only root filesystem, no capabilities, RuntimeDefault seccomp, uid
+65532), its probes and in-cluster configuration, against the real thing.
 
 The image is built by BuildKit from images/operator.Dockerfile, unchanged (support.images; cold
 once per machine, then cached by content). One module, so containerd imports the 103 MB archive
@@ -31,7 +31,7 @@ from support.node.images import ImageArchive
 from support.node.node import Node, Scheduler
 from support.node.proxy import ServiceProxy
 from support.paths import ROOT
-from support.plane.cluster import Api, install_chart
+from support.plane.cluster import Api, install_chart, ready_operator_pod, uninstall_chart
 from support.plane.controlplane import ControlPlane
 from support.tools.helm import RELEASE, RELEASE_NAMESPACE, helm
 from support.waiting import wait_for
@@ -122,8 +122,8 @@ def operator_pod(
     """The chart installed with its defaults into a namespace that enforces restricted Pod
     Security; the Deployment's pod once Ready (its readiness probe is the operator's /healthz).
 
-    One value differs from the defaults: a node selector for this node, so that no other node
-    a session may have registered (the node agent's) is chosen. The suite runs before the others
+    One value differs from the defaults: a node selector for this node, so that the second node
+    the module starts for one test is never chosen. The suite runs before the others
     (tests/conftest.py), on a cluster no chart or operator has been put in yet."""
     for namespace, labels in ((RELEASE_NAMESPACE, RESTRICTED), (NAMESPACE, {})):
         api.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace, "labels": labels}})
@@ -131,16 +131,10 @@ def operator_pod(
     install_chart(plane, {"nodeSelector": {"kubernetes.io/hostname": node.name}})
     print(f"helm install: {time.monotonic() - installing:.1f}s")
     try:
-
-        def ready() -> dict[str, Any] | None:
-            for found in api.list("pods", RELEASE_NAMESPACE):
-                statuses = found["status"].get("containerStatuses") or []
-                if statuses and all(s.get("ready") for s in statuses):
-                    return found
-            return None
-
         try:
-            running = wait_for("the operator's pod Ready", ready, timeout=120, every=0.5)
+            running = wait_for(
+                "the operator's pod Ready", lambda: ready_operator_pod(api), timeout=120, every=0.5
+            )
         except AssertionError as exc:
             raise AssertionError(f"{exc}\nevents: {_events(api, RELEASE_NAMESPACE)}") from None
         print(f"helm install -> operator pod Ready: {time.monotonic() - installing:.1f}s")
@@ -152,27 +146,7 @@ def operator_pod(
         wait_for(
             "the training namespace gone", lambda: api.get("namespaces", NAMESPACE, None) is None, timeout=60
         )
-        helm(
-            "uninstall",
-            RELEASE,
-            "-n",
-            RELEASE_NAMESPACE,
-            "--ignore-not-found",
-            "--kubeconfig",
-            str(plane.kubeconfig),
-        )
-        api.request("DELETE", f"/api/v1/namespaces/{RELEASE_NAMESPACE}")
-        # The CRD as it was found, applied by hand: uninstall keeps it (the chart's
-        # resource-policy) with Helm's ownership on it, which install_chart had put there.
-        crd = "crd/gputrainings.gpuop.io"
-        plane.kubectl("label", crd, "app.kubernetes.io/managed-by-")
-        plane.kubectl("annotate", crd, "meta.helm.sh/release-name-", "meta.helm.sh/release-namespace-")
-        # Gone before the next suite installs the chart into a namespace of the same name.
-        wait_for(
-            "the release namespace gone",
-            lambda: api.get("namespaces", RELEASE_NAMESPACE, None) is None,
-            timeout=90,
-        )
+        uninstall_chart(plane)
 
 
 # Run in the operator's container: each name given, resolved through its resolv.conf.

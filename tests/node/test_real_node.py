@@ -1,8 +1,8 @@
 """Pods on a real node: created through the API, placed by kube-scheduler, run by the kubelet
 through containerd and runc as containers in cgroups, with the kubelet's volumes and tokens.
 
-Each test checks what only a real node does (the node agent of tests/e2e_local imitates some of
-it and fails every one of these): a cgroup under ``kubepods`` and the exit code, the kernel's OOM
+Each test checks what only a real node does (the node agent the chain ran on before imitated
+some of it and failed every one of these): a cgroup under ``kubepods`` and the exit code, the kernel's OOM
 kill, the size the kubelet gives a memory-backed emptyDir, a projected token the apiserver
 accepts for its audience, and a stop that leaves nothing on the machine.
 """
@@ -48,8 +48,8 @@ def namespace(node: Node, node_api: Api) -> Iterator[str]:
 
 def pod(node: Node, name: str, script: str, memory: str | None = None, **spec: Any) -> dict[str, Any]:
     """A one-container pod of the stand-in shell image running ``script`` once, for ``node``:
-    the scheduler places it, and the node selector keeps it off any other node the session has
-    (the e2e_local suite's node agent binds every pending pod its nodes fit)."""
+    the scheduler places it, and the node selector keeps it off any other node the module
+    has."""
     container: dict[str, Any] = {
         "name": "main",
         "image": images.SHELL_IMAGE,
@@ -105,14 +105,6 @@ def logs(plane: ControlPlane, name: str) -> str:
     return plane.kubectl("logs", f"--namespace={NAMESPACE}", name).stdout
 
 
-def pod_cgroup(node: Node, uid: str, hierarchy: str = "memory") -> Path:
-    """The pod's cgroup directory under the node's kubepods (whatever its QoS class)."""
-    kubepods = hoststate.CGROUP_MOUNT / hierarchy / node.cgroup_root / "kubepods"
-    found = [path for path in kubepods.rglob(f"pod{uid}") if path.is_dir()]
-    assert len(found) == 1, f"pod{uid} under {kubepods}: {found}"
-    return found[0]
-
-
 def test_a_pod_runs_as_containers_in_kubepods_and_reports_its_exit_codes(
     node: Node, node_api: Api, plane: ControlPlane, namespace: str, scheduler: Scheduler
 ) -> None:
@@ -128,7 +120,7 @@ def test_a_pod_runs_as_containers_in_kubepods_and_reports_its_exit_codes(
         node.subnet
     )  # the bridge's
 
-    group = pod_cgroup(node, created["metadata"]["uid"])
+    group = node.pod_cgroup(created["metadata"]["uid"])
     assert int((group / "memory.limit_in_bytes").read_text()) == 64 * MI  # the limit, enforced by the kernel
     container_id = running["status"]["containerStatuses"][0]["containerID"].removeprefix("containerd://")
     procs = (group / container_id / "cgroup.procs").read_text().split()

@@ -11,7 +11,7 @@ drained, and sweeps what a piece left (support.node.node.Node.stop); then it che
 process, mount, bridge, cgroup or kube-proxy chain of the cluster is left on the machine.
 
 Both nodes have the operator's default trainer image, the stand-in assembled from the
-project's .venv (:mod:`support.images.trainer`, 4.6 GB, about 50 s to import on each node), so
+project's .venv (:mod:`support.images.trainer`, 4.8 GB with the own-code stand-in, about 60 s to import on each node), so
 a GpuTraining with no ``image`` trains: ``examples/kind-cpu.yaml`` without its ``image`` line.
 What it needs: root (cgroups, mounts, network namespaces, iptables), Go and gcc (the binaries
 are built from their modules the first time: README has the cold cost) and about 15 GB of disk
@@ -42,7 +42,7 @@ from support.node.process import processes_naming
 from support.node.proxy import kube_chains, running_service_proxy
 from support.paths import ROOT
 from support.plane import controlplane
-from support.plane.cluster import KUBEFLOW_CRD, TRAINER_CRDS, Api, install_crds
+from support.plane.cluster import KUBEFLOW_CRD, TRAINER_CRDS, Api, install_crds, ready_operator_pod
 from support.tools.helm import CHART, RELEASE, RELEASE_NAMESPACE, helm
 
 STATE: Final = ROOT / ".cluster"
@@ -52,11 +52,6 @@ _BINARIES: Final = ("kubectl", "ctr")
 
 def _say(message: str) -> None:
     print(f"cluster: {message}", flush=True)
-
-
-def _operator_ready(api: Api) -> bool:
-    pods = api.list("pods", RELEASE_NAMESPACE)
-    return any(all(s.get("ready") for s in p["status"].get("containerStatuses") or [{}]) for p in pods)
 
 
 def _operator_state(api: Api) -> str:
@@ -121,7 +116,7 @@ def _supervise(
                 *config,
             )
             deadline = time.monotonic() + 180
-            while not _operator_ready(api):
+            while ready_operator_pod(api) is None:
                 if stop.is_set():
                     raise RuntimeError("stopped while starting")
                 if time.monotonic() > deadline:

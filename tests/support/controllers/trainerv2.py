@@ -13,8 +13,8 @@ JobSet's pod webhooks to JobSet's pods. Each process gets its ports from a confi
 format its Deployment mounts.
 
 A TrainJob's chain on this machine: Trainer makes a JobSet, JobSet makes a Job per replicated job
-and a headless Service, kube-controller-manager's Job controller makes the pods, and the node
-agent runs them (tests/support/nodeagent.py).
+and a headless Service, kube-controller-manager's Job controller makes the pods, and the real
+nodes' kubelets run them (support.node).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ certificate for ``training-operator.kubeflow.svc``, stores them in its Secret an
 into the ValidatingWebhookConfiguration, which is the upstream one
 (tests/reference/training-operator-webhook.yaml, the pytorchjob entry, named as the release
 manifests name it). The API server reaches the webhook through the Service's endpoint, the test
-host's address on the node agent's bridge (``--enable-aggregator-routing``: no kube-proxy here).
+host's address (``--enable-aggregator-routing``: the API server dials the endpoint itself, with no
+kube-proxy on its host).
 The rotator reads its files from a fixed /tmp path, where the Deployment mounts the Secret; here
 the process gets a private tmpfs there (a mount namespace of its own, so two suites on one
 machine cannot overwrite each other's keys) and a thread plays the secret volume.
@@ -86,8 +87,8 @@ TRAINING_OPERATOR: Final = ControllerSpec(
         str(binary), "--enable-scheme=pytorchjob", f"--webhook-server-port={ports.webhook}",
         f"--health-probe-bind-address=127.0.0.1:{ports.health}", "--metrics-bind-address=0",
         "--leader-elect=false", "--zap-log-level=info",
-        # Its init container (waits for the master's name) runs in place of alpine on a real
-        # node; the node agent ignores images.
+        # Its init container (waits for the master's name) runs in place of alpine, which no
+        # registry here serves.
         f"--pytorch-init-container-image={images.SHELL_IMAGE}",
     ],
 )  # fmt: skip

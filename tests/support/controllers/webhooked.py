@@ -1,5 +1,5 @@
 """A Kubeflow-style controller manager run against the control plane with its webhooks: its
-namespace, Service and endpoint (the test host's address on the node agent's bridge), the
+namespace, Service and endpoint (the test host's address, which the API server dials), the
 Secret its own cert rotator fills, its webhook configurations as released, and its process.
 
 The training-operator, Trainer v2, JobSet and Kueue all run this way

@@ -13,5 +13,9 @@ through the API run as containers in cgroups, with the kubelet's volumes, tokens
   found and removed.
 - :mod:`.process`: starting daemons that die with their parent, and finding a node's shims.
 
-Needs root. Part 1 of issue 32; the node agent (:mod:`support.nodeagent`) is what it replaces.
+- :mod:`.fixtures`: the nodes, scheduler, kube-proxy and CoreDNS as module-scoped fixtures, for the
+  real-node suite and the end-to-end chain.
+
+Needs root. Every pod of the suites runs here; the node agent, a process per container that the
+chain ran on before, is gone.
 """

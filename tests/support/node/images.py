@@ -85,6 +85,16 @@ def _layer(files: Iterable[_File], directories: Iterable[str], symlinks: dict[st
     return buffer.getvalue()
 
 
+def full_reference(name: str) -> str:
+    """An image name as the kubelet asks containerd for it, Docker's short forms spelled out
+    (``team/app:1`` is ``docker.io/team/app:1``, ``app:1`` is ``docker.io/library/app:1``): an
+    image imported or tagged under the short form is never found by a pod that names it so."""
+    first, _, rest = name.partition("/")
+    if rest and ("." in first or ":" in first or first == "localhost"):
+        return name
+    return f"docker.io/{name}" if rest else f"docker.io/library/{name}"
+
+
 def blob_path(digest: str) -> str:
     """Where an OCI layout keeps the blob of ``digest`` ("sha256:..."): blobs/sha256/<hex>."""
     algorithm, _, hexadecimal = digest.partition(":")
@@ -99,19 +109,23 @@ def _blob(tar: tarfile.TarFile, data: bytes) -> str:
     return digest
 
 
-def image_index(name: str, manifest_digest: str, manifest_size: int) -> dict[str, object]:
+def image_index(
+    name: str, manifest_digest: str, manifest_size: int, *more: tuple[str, str, int]
+) -> dict[str, object]:
     """An OCI layout's index.json naming its one linux/amd64 image ``name``. containerd's
     importer names the image from io.containerd.image.name; other tools read the OCI ref
-    annotation, so both carry the full reference."""
+    annotation, so both carry the full reference. ``more`` lists further images of the
+    layout, each (name, manifest digest, manifest size): ``ctr images import`` imports every
+    manifest the index lists, each under its own name."""
     return {
         "schemaVersion": 2,
         "mediaType": "application/vnd.oci.image.index.v1+json",
         "manifests": [{
             "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "digest": manifest_digest, "size": manifest_size,
+            "digest": digest, "size": size,
             "platform": {"architecture": "amd64", "os": "linux"},
-            "annotations": {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": name},
-        }],
+            "annotations": {"io.containerd.image.name": named, "org.opencontainers.image.ref.name": named},
+        } for named, digest, size in ((name, manifest_digest, manifest_size), *more)],
     }  # fmt: skip
 
 

@@ -170,6 +170,29 @@ class Node:
             if line.count(" ") >= 3
         )
 
+    def pod_cgroup(self, uid: str, hierarchy: str = "memory") -> Path:
+        """A pod's cgroup directory under this node's kubepods (whatever its QoS class)."""
+        kubepods = hoststate.CGROUP_MOUNT / hierarchy / self.cgroup_root / "kubepods"
+        found = [path for path in kubepods.rglob(f"pod{uid}") if path.is_dir()]
+        if len(found) != 1:
+            raise LookupError(f"pod{uid} under {kubepods}: {found}")
+        return found[0]
+
+    def container_pids(self, pod: dict[str, Any], container: str) -> list[int]:
+        """The processes of a running container of ``pod`` (its current attempt), from its
+        cgroup: what the kernel's OOM killer or a test's SIGKILL would pick from."""
+        status = next(
+            (s for s in pod["status"].get("containerStatuses") or [] if s["name"] == container), None
+        )
+        if status is None or "running" not in status.get("state", {}) or not status.get("containerID"):
+            return []
+        container_id = status["containerID"].split("://", 1)[1]
+        try:
+            procs = self.pod_cgroup(pod["metadata"]["uid"], "pids") / container_id / "cgroup.procs"
+            return [int(pid) for pid in procs.read_text().split()]
+        except (LookupError, OSError):  # the container or the pod went meanwhile
+            return []
+
     def footprint(self) -> hoststate.Footprint:
         return hoststate.Footprint.of(self.workdir, self.cgroup_root, self.bridge)
 

@@ -279,5 +279,25 @@ def _mounted_secret(plane: ControlPlane, pod: Mapping[str, Any], volume: str) ->
     return directory
 
 
+def ready_operator_pod(api: Api) -> dict[str, Any] | None:
+    """The chart's operator pod once every container of it is Ready (its readiness probe is the
+    operator's /healthz), or None: for the suites and `make cluster` that run it on a node."""
+    for found in api.list("pods", RELEASE_NAMESPACE):
+        statuses = found["status"].get("containerStatuses") or []
+        if statuses and all(s.get("ready") for s in statuses):
+            return dict(found)
+    return None
+
+
 def uninstall_chart(plane: ControlPlane) -> None:
-    helm("uninstall", RELEASE, "-n", RELEASE_NAMESPACE, "--kubeconfig", str(plane.kubeconfig))
+    """``helm uninstall``, the release's namespace deleted and gone (a later install creates
+    one of that name), and the CRD as :func:`install_chart` found it: uninstall keeps it (the
+    chart's resource-policy) with Helm's ownership on it, which install_chart had put there."""
+    config = ["--kubeconfig", str(plane.kubeconfig)]
+    helm("uninstall", RELEASE, "-n", RELEASE_NAMESPACE, "--ignore-not-found", *config)
+    plane.kubectl(
+        "delete", "namespace", RELEASE_NAMESPACE, "--ignore-not-found", "--wait=true", "--timeout=90s"
+    )
+    crd = "crd/gputrainings.gpuop.io"
+    plane.kubectl("label", crd, "app.kubernetes.io/managed-by-")
+    plane.kubectl("annotate", crd, "meta.helm.sh/release-name-", "meta.helm.sh/release-namespace-")

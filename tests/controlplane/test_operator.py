@@ -34,11 +34,13 @@ from gpuop.api.spec import parse
 from gpuop.backends.registry import render_job
 from gputrain.contract import Progress
 from support import specs
+from support.controllers import kueue
 from support.plane.cluster import (
     Api,
     Installed,
     OperatorProcess,
     install_chart,
+    install_crds,
     service_account_kubeconfig,
     uninstall_chart,
 )
@@ -735,17 +737,35 @@ def test_one_pod_that_answers_a_byte_at_a_time_holds_no_other_trainings_status(
     assert "progress" not in dribbler or "step" not in dribbler["progress"]  # none of its bytes made figures
 
 
-def test_with_a_queue_suspend_is_kueues(
-    plane: ControlPlane, api: Api, fresh_operator: OperatorProcess
+def test_a_queue_without_kueue_is_said_at_once_and_once_kueue_is_served_suspend_is_kueues(
+    plane: ControlPlane, api: Api, fresh_operator: OperatorProcess, tmp_path: Path
 ) -> None:
-    """Kueue suspends a queued job and resumes it on admission, and suspends it again to preempt
-    it; the operator makes the job suspended and never undoes either. (Kueue itself does not
-    run here: the test writes what it writes.)"""
+    """A queued training on a cluster that serves no Kueue API gets no job (suspended, it would
+    wait for nobody) and says so at once: Pending, reason KueueNotInstalled. Once Kueue's own
+    CRDs are served (the real API server's discovery, asked again while it waits), the job is
+    made suspended; Kueue resumes it on admission and suspends it again to preempt it, and the
+    operator never undoes either. (Kueue's controller does not run here: the test writes what
+    it writes. Its CRDs stay for the session, as a cluster's would.)"""
     fresh_operator.start()
     plane.kubectl(
         "create", "-f", "-", input=json.dumps(training("queued", scheduling={"queueName": "team-a"}))
     )
-    job = wait_for("the PyTorchJob", lambda: api.get("pytorchjobs", "queued", NAMESPACE), timeout=60)
+
+    def waiting_for_kueue() -> dict[str, Any] | None:
+        conditions = _status(api, "queued").get("conditions", [])
+        return next(
+            (c for c in conditions if c["reason"] == "KueueNotInstalled" and c["status"] == "True"), None
+        )
+
+    condition = wait_for("KueueNotInstalled", waiting_for_kueue, timeout=30)
+    assert condition["type"] == "BackendUnavailable"
+    assert "install Kueue with its PyTorchJob integration" in condition["message"], condition
+    assert _status(api, "queued")["phase"] == "Pending"
+    assert api.get("pytorchjobs", "queued", NAMESPACE) is None
+    installed = time.monotonic()
+    install_crds(plane, kueue.crds(tmp_path))
+    job = wait_for("the PyTorchJob", lambda: api.get("pytorchjobs", "queued", NAMESPACE), timeout=90)
+    print(f"job made {time.monotonic() - installed:.1f}s after Kueue's CRDs were served")
     assert job["spec"]["runPolicy"]["suspend"] is True
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
 
@@ -753,7 +773,7 @@ def test_with_a_queue_suspend_is_kueues(
         api.request("PATCH", api.path("pytorchjobs", NAMESPACE, "queued"),
                     {"spec": {"runPolicy": {"suspend": suspend}}}, "application/merge-patch+json")  # fmt: skip
 
-    # No Kueue API here: queued all the same, saying what it waits for.
+    # Kueue's API is served but no Kueue made a Workload: queued, saying what it waits for.
     wait_for("queued Queued", lambda: _phase(api, "queued", "Queued"), timeout=30)
     condition = next(c for c in _status(api, "queued")["conditions"] if c["type"] == "Queued")
     assert condition["reason"] == "WaitingForKueue", condition

@@ -1,6 +1,6 @@
 """The whole chain on this machine, no Docker, every pod a container: the real control plane,
 two real nodes (containerd, runc, the CNI bridge and kubelet v1.35; kube-scheduler,
-kube-proxy and CoreDNS: :mod:`support.node.fixtures`), the real Kubeflow training-operator,
+kube-proxy and CoreDNS: :mod:`support.node.pool`), the real Kubeflow training-operator,
 Trainer v2 with JobSet and Kueue (controllers and webhooks, processes on this machine), and our
 operator running in the cluster from its image, installed by the real helm from the chart.
 
@@ -10,26 +10,28 @@ examples give (as ``kind load docker-image`` would); the user's own programs run
 archive's second image, a stand-in for a team's own image (:data:`~support.images.trainer.OWN_CODE_NAME`).
 
 Every test here is marked ``e2e_local`` (`make e2e-local` runs them alone); none skips. The
-nodes need root, as CI and the development machines have it. Each fixture here lives as long
-as the chain's module: the nodes it stands on do.
+nodes need root, as CI and the development machines have it. The nodes, controllers, operator
+and claims live as long as this package (package scope: set up once for its modules, about
+two minutes, most of it the images' import); Kueue only for its module.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
 from typing import Final
 
 import pytest
 
-from support.chain import CLAIMS_LABEL, EXAMPLE_IMAGE, NAMESPACE, Claims, InClusterOperator, Nodes
+from support.chain import CLAIMS_LABEL, EXAMPLE_IMAGE, NAMESPACE, Claims, InClusterOperator, Timeline
 from support.controllers import kueue, trainerv2, trainingoperator
 from support.controllers.webhooked import WebhookedController
 from support.images import build, trainer
+from support.node import binaries
 from support.node.images import full_reference
 from support.node.node import Node
+from support.node.pool import Pool, running_pool
 from support.plane import controlplane
 from support.plane.cluster import Api, install_chart, install_crds, ready_operator_pod, uninstall_chart
 from support.waiting import wait_for
@@ -39,35 +41,53 @@ from support.waiting import wait_for
 VALUES: Final = {"operator.scrapeInterval": 1, "operator.scrapeTimeout": 0.8}
 
 
-@pytest.fixture(scope="module")
-def nodes(node: Node, second_node: Node) -> Nodes:
-    """Both nodes with the operator image, the trainer stand-in (also under the examples'
-    name) and the own-code stand-in, imported on each at once (4.8 GB: about a minute each)."""
-    archives = [build.operator_image(), trainer.trainer_image()]
-    seconds: dict[str, float] = {}
-    failed: list[BaseException] = []
-
-    def load(into: Node) -> None:
-        try:
-            seconds[into.name] = into.containerd.import_images(archives, timeout=600)
-            into.containerd.ctr("images", "tag", "--force", trainer.NAME, full_reference(EXAMPLE_IMAGE))
-        except BaseException as exc:
-            failed.append(exc)
-
-    threads = [threading.Thread(target=load, args=(n,), name=f"import-{n.name}") for n in (node, second_node)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if failed:
-        raise failed[0]
-    print(f"images imported: {seconds}")
-    return Nodes(node, second_node)
+@pytest.fixture(scope="package", autouse=True)
+def namespace(plane: controlplane.ControlPlane) -> str:
+    plane.kubectl("create", "namespace", NAMESPACE)
+    return NAMESPACE
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
+def nodes(
+    plane: controlplane.ControlPlane,
+    node_api: Api,
+    node_binaries: binaries.NodeBinaries,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Pool]:
+    """Both nodes, kube-scheduler, kube-proxy and CoreDNS, with the operator image, the trainer
+    stand-in (also under the kind examples' name) and the own-code stand-in on each (4.8 GB,
+    imported on both at once: about 65 s)."""
+    images = [build.operator_image(), trainer.trainer_image()]
+
+    def tag_for_the_examples(node: Node) -> None:
+        node.containerd.ctr("images", "tag", "--force", trainer.NAME, full_reference(EXAMPLE_IMAGE))
+
+    with running_pool(
+        plane, node_api, node_binaries, tmp_path_factory.mktemp("pool"), images, tag_for_the_examples
+    ) as pool:
+        print(f"images imported: {pool.imported}")
+        yield pool
+
+
+@pytest.fixture
+def timelines(plane: controlplane.ControlPlane) -> Iterator[list[Timeline]]:
+    """The test's timelines; after it, each training it watched is deleted, pods and all: the
+    two nodes have two CPUs each (this machine's), so a training a failed test left running
+    would keep the next test's pods Pending."""
+    made: list[Timeline] = []
+    yield made
+    for timeline in made:
+        timeline.close()
+    for timeline in made:
+        plane.kubectl("delete", "gtr", timeline.name, "-n", NAMESPACE, "--ignore-not-found", "--wait=false")
+    for timeline in made:
+        plane.kubectl("wait", "--for=delete", "pods", "-l", f"gpuop.io/gputraining={timeline.name}",
+                      "-n", NAMESPACE, "--timeout=90s", check=False)  # fmt: skip
+
+
+@pytest.fixture(scope="package")
 def kubeflow(
-    plane: controlplane.ControlPlane, api: Api, nodes: Nodes, tmp_path_factory: pytest.TempPathFactory
+    plane: controlplane.ControlPlane, api: Api, nodes: Pool, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[WebhookedController]:
     process = trainingoperator.training_operator(
         plane, api, plane.advertise_address, tmp_path_factory.mktemp("kubeflow")
@@ -77,9 +97,9 @@ def kubeflow(
     process.retire()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def trainer_v2(
-    plane: controlplane.ControlPlane, api: Api, nodes: Nodes, tmp_path_factory: pytest.TempPathFactory
+    plane: controlplane.ControlPlane, api: Api, nodes: Pool, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[WebhookedController]]:
     """Kubeflow Trainer v2 and JobSet, beside the training-operator: a cluster that serves both."""
     install_crds(plane, [trainerv2.JOBSET_CRD])
@@ -104,7 +124,7 @@ def queueing(
 ) -> Iterator[WebhookedController]:
     """The real Kueue v0.16.2 (controller and webhooks), beside the training-operator. Its pod
     and job webhooks see every namespace but kube-system and kueue-system from here on, as in a
-    cluster that runs Kueue; the tests that use it come last in their module."""
+    cluster that runs Kueue; for its module alone (retired after, its webhooks with it)."""
     process = kueue.kueue(plane, api, plane.advertise_address, tmp_path_factory.mktemp("kueue"))
     try:
         process.start()
@@ -113,12 +133,11 @@ def queueing(
         process.retire()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def operator(
     plane: controlplane.ControlPlane,
     api: Api,
-    nodes: Nodes,
-    cluster_dns: str,
+    nodes: Pool,
     kubeflow: WebhookedController,
 ) -> Iterator[InClusterOperator]:
     """``helm install`` of the chart with its defaults (and :data:`VALUES`): the operator's
@@ -149,7 +168,7 @@ def _uninstall(plane: controlplane.ControlPlane, api: Api) -> None:
     uninstall_chart(plane)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def claims(plane: controlplane.ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Claims]:
     made = Claims(tmp_path_factory.mktemp("claims"), plane)
     yield made

@@ -1,19 +1,33 @@
-"""What the end-to-end chain (tests/e2e_local) stands on, as the tests see it: both real
-nodes, the in-cluster operator, and shared claims. Its fixtures make them."""
+"""What the end-to-end chain's tests (tests/e2e_local) share: the in-cluster operator, shared
+claims, and what the tests read and do as a user would: ``kubectl get`` of a training into a
+:class:`Timeline`, the examples varied, the trainer gate on a claim, and below the API only a
+node's logs, a container's processes and a claim's checkpoints. Imported as a namespace
+(``chain.get``, ``chain.Timeline``); the chain's conftest makes the fixtures."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import re
+import textwrap
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 import yaml
 
-from support.node.node import Node
+from gpuop.api.spec import parse
+from gpuop.backends.registry import JobApi
+from support.images import trainer
+from support.node.pool import Pool
 from support.paths import ROOT
 from support.plane import controlplane
+from support.plane.controlplane import ControlPlane
 from support.tools.helm import RELEASE_NAMESPACE
+from support.training import hold_env, release, wait_held
+from support.waiting import wait_for
 
 # The image the kind examples name: a user of kind builds it and loads it into the nodes.
 EXAMPLE_IMAGE: Final = yaml.safe_load((ROOT / "examples" / "kind-cpu.yaml").read_text())["spec"]["image"]
@@ -21,25 +35,6 @@ EXAMPLE_IMAGE: Final = yaml.safe_load((ROOT / "examples" / "kind-cpu.yaml").read
 NAMESPACE: Final = "e2e"
 # The label of the volumes :class:`Claims` makes, to find them again.
 CLAIMS_LABEL: Final = "gpuop.io/test-claim"
-
-
-@dataclass(frozen=True)
-class Nodes:
-    """Both nodes, the images on them."""
-
-    first: Node
-    second: Node
-
-    def all(self) -> tuple[Node, Node]:
-        return self.first, self.second
-
-    def of(self, pod: dict[str, Any]) -> Node:
-        """The node a pod is bound to."""
-        bound = pod["spec"].get("nodeName")
-        found = next((node for node in self.all() if node.name == bound), None)
-        if found is None:
-            raise LookupError(f"pod {pod['metadata']['name']} is on no node of the chain's ({bound})")
-        return found
 
 
 @dataclass(frozen=True)
@@ -82,3 +77,228 @@ class Claims:
                      "resources": {"requests": {"storage": "1Gi"}}},
         }))  # fmt: skip
         return folder
+
+
+KIND_CPU = ROOT / "examples" / "kind-cpu.yaml"
+KIND_CPU_ELASTIC = ROOT / "examples" / "kind-cpu-elastic.yaml"
+# Where a training's checkpoint claim is mounted (spec.checkpoint.path's default).
+CHECKPOINTS = "/checkpoints"
+# The kind example's digits on 2 workers of batch 32 are 23 steps an epoch: by step 50, in the
+# third epoch, two epoch-end checkpoints are written.
+HOLD_AT_STEP = 50
+
+
+def get(plane: ControlPlane, kind: str, name: str) -> dict[str, Any] | None:
+    result = plane.kubectl("get", kind, name, "-n", NAMESPACE, "-o", "json", check=False)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def names(plane: ControlPlane, kind: str, selector: str) -> list[str]:
+    out = plane.kubectl("get", kind, "-n", NAMESPACE, "-l", selector, "-o", "name").stdout
+    return sorted(out.split())
+
+
+def controller_env_missing(
+    plane: ControlPlane, api: JobApi, example: Path, pods: list[str]
+) -> dict[str, frozenset[str]]:
+    """Per pod, what of ``api.controller_env`` (the variables a spec's $(VAR) may name,
+    tests/unit/test_backend_env.py) its controller did not put in the trainer container."""
+    wanted = api.controller_env(parse(yaml.safe_load(example.read_text())).spec)
+    missing: dict[str, frozenset[str]] = {}
+    for pod in pods:
+        found = json.loads(plane.kubectl("get", pod, "-n", NAMESPACE, "-o", "json").stdout)
+        missing[pod] = wanted - {e["name"] for e in found["spec"]["containers"][0].get("env") or []}
+    return missing
+
+
+class Timeline:
+    """``kubectl get gtr NAME -o json`` every half second, in a thread, until closed."""
+
+    def __init__(self, plane: ControlPlane, name: str) -> None:
+        self.plane, self.name = plane, name
+        self.seen: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            found = get(self.plane, "gtr", self.name)
+            if found is not None:
+                self.seen.append(found.get("status", {}))
+
+    def phases(self) -> list[str]:
+        """The phases in order, repeats collapsed."""
+        out: list[str] = []
+        for status in self.seen:
+            if status.get("phase") and (not out or out[-1] != status["phase"]):
+                out.append(status["phase"])
+        return out
+
+    def caught_up(self, phase: str, timeout: float = 10.0) -> list[str]:
+        """:meth:`phases` once the sampler has recorded ``phase`` last: it polls every half second
+        (a kubectl call each), so it can lag a phase that a direct read has just seen."""
+        wait_for(f"the timeline to record {phase}", lambda: self.phases()[-1:] == [phase], timeout=timeout)
+        return self.phases()
+
+    def conditions(self) -> set[str]:
+        return {c["type"] for s in self.seen for c in s.get("conditions", []) if c["status"] == "True"}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def variant(tmp: Path, name: str, source: Path = KIND_CPU, **spec: Any) -> Path:
+    """The example under another name with some spec fields replaced (a longer run, a PVC)."""
+    doc = yaml.safe_load(source.read_text())
+    doc["metadata"]["name"] = name
+    for key, value in spec.items():
+        doc["spec"][key] = {**doc["spec"].get(key, {}), **value} if isinstance(value, dict) else value
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@dataclass(frozen=True)
+class Gate:
+    """The trainer gate of support.training (trainer_hold) in a training's pods: each rank waits
+    at HOLD_AT_STEP until :meth:`release` or a stop signal (SIGTERM, as pods are deleted). So
+    the test kills, suspends or preempts a run that cannot have finished meanwhile, however
+    slowly it got there: a free 40-epoch run is some 15 s of training here.
+
+    spec.env refuses GPUTRAIN_* (the operator's names): PYTHONPATH brings in a sitecustomize
+    on the training's checkpoint claim that sets the gate's variables and runs the gate."""
+
+    claim: str
+    folder: Path  # the claim's folder as this host sees it: the checkpoints, the gate
+    env: list[dict[str, str]]  # for spec.env
+
+    @property
+    def directory(self) -> Path:
+        return self.folder / "hold"
+
+    def wait_held(self, alive: Callable[[], bool]) -> int:
+        """The step both ranks wait at, once they do."""
+        return wait_held(self.directory, 2, alive, timeout=240)
+
+    def release(self) -> None:
+        release(self.directory)
+
+
+def gate(claims: Claims, claim: str) -> Gate:
+    """``claim``, made for a training's checkpoints, with a gate on it: the claim's folder is
+    shared by its pods wherever they run and seen by this host."""
+    shared = claims.make(NAMESPACE, claim)
+    site = shared / "hold-site"
+    site.mkdir(parents=True, exist_ok=True)
+    # Made here, writable by all: the trainers run as the pod's user, and a release before they
+    # get there makes it too (as root, closed to them otherwise).
+    (shared / "hold").mkdir(parents=True, exist_ok=True)
+    (shared / "hold").chmod(0o777)
+    variables = hold_env(Path(CHECKPOINTS) / "hold", HOLD_AT_STEP)
+    del variables["PYTHONPATH"]  # this host's; the pods get theirs from spec.env
+    # The gate itself is in the trainer image, where pace_env's hooks are.
+    (site / "sitecustomize.py").write_text(textwrap.dedent(f"""\
+        import importlib.util
+        import os
+        import sys
+
+        os.environ.update({variables!r})
+        _spec = importlib.util.spec_from_file_location("trainer_hold", "{trainer.TEST_SITE}/sitecustomize.py")
+        _gate = importlib.util.module_from_spec(_spec)
+        sys.modules[_spec.name] = _gate
+        _spec.loader.exec_module(_gate)
+        """))  # fmt: skip
+    return Gate(claim, shared, [{"name": "PYTHONPATH", "value": f"{CHECKPOINTS}/hold-site"}])
+
+
+def start_long_training(plane: ControlPlane, name: str, tmp: Path, gate: Gate) -> Timeline:
+    """The kind example for 40 epochs (about 15 s of training here), its checkpoints on the
+    gate's claim so that they outlive its pods, held at HOLD_AT_STEP by ``gate``; applied, with
+    a timeline of its status."""
+    spec = variant(
+        tmp, name, training={"epochs": 40}, checkpoint={"volume": {"claimName": gate.claim}}, env=gate.env
+    )
+    timeline = Timeline(plane, name)
+    plane.kubectl("apply", "-n", NAMESPACE, "-f", str(spec))
+    return timeline
+
+
+def phase(plane: ControlPlane, name: str) -> str | None:
+    found = get(plane, "gtr", name)
+    return found.get("status", {}).get("phase") if found else None
+
+
+def pods_named(plane: ControlPlane, pattern: str) -> list[dict[str, Any]]:
+    """The namespace's pods whose names match ``pattern`` (JobSet's Jobs name each attempt's
+    pod anew)."""
+    listed = json.loads(plane.kubectl("get", "pods", "-n", NAMESPACE, "-o", "json").stdout)["items"]
+    return [p for p in listed if fnmatch.fnmatchcase(p["metadata"]["name"], pattern)]
+
+
+def trainer_pid(plane: ControlPlane, pool: Pool, pod: str) -> int | None:
+    """The gputrain process torchrun started in the pod's trainer container (not torchrun
+    itself), from the container's cgroup on its node."""
+    found = get(plane, "pod", pod)
+    if found is None or not found["spec"].get("nodeName"):
+        return None
+    for pid in pool.of(found).container_pids(found, found["spec"]["containers"][0]["name"]):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"gputrain" in argv and not any(a.endswith(b"torchrun") for a in argv):
+            return pid
+    return None
+
+
+def logs(plane: ControlPlane, pool: Pool, pattern: str) -> str:
+    """Every attempt of the trainer containers of the pods ``pattern`` names, as their nodes'
+    kubelets wrote them (a deleted pod's logs go with it)."""
+    return "".join(
+        pool.of(pod).log_of(pod, container["name"])
+        for pod in pods_named(plane, pattern)
+        if pod["spec"].get("nodeName")  # a pod not yet placed has no log
+        for container in pod["spec"]["containers"]
+    )
+
+
+def resumed_steps(plane: ControlPlane, pool: Pool, pod: str) -> list[int]:
+    """The steps the trainer said it resumed from, in every attempt of the pod's containers."""
+    steps = []
+    for line in logs(plane, pool, pod).splitlines():
+        if " resumed from " in line:
+            steps.append(int(line.rsplit("step ", 1)[1].split()[0].rstrip(",")))
+    return steps
+
+
+CHECKPOINT_FILE = re.compile(r"step-(\d+)\.pt")
+
+
+def checkpointed_steps(gate: Gate) -> list[int]:
+    """The steps of the complete checkpoints on the training's claim, in the training's folder
+    there (the trainer writes each under a temporary name and renames it: one with its final
+    name is whole)."""
+    return sorted(
+        int(m[1]) for p in gate.folder.glob("*/step-*.pt") if (m := CHECKPOINT_FILE.fullmatch(p.name))
+    )
+
+
+def children_gone(plane: ControlPlane, name: str) -> bool:
+    selector = f"training.kubeflow.org/job-name={name}"
+    return (get(plane, "pytorchjob", name) is None and not names(plane, "pods", selector)
+            and not names(plane, "services", selector))  # fmt: skip
+
+
+def pods_of(plane: ControlPlane, name: str) -> list[dict[str, Any]]:
+    out = plane.kubectl("get", "pods", "-n", NAMESPACE, "-l", f"gpuop.io/gputraining={name}",
+                        "-o", "json").stdout  # fmt: skip
+    items: list[dict[str, Any]] = json.loads(out)["items"]
+    return items
+
+
+def rank0_pod(name: str, backend: str) -> str:
+    """The rank-0 pod's name, as a pattern for :func:`logs`: Kubeflow v1 names it
+    once; JobSet's Job gives each attempt a new random suffix."""
+    return f"{name}-master-0" if backend == "pytorchjob" else f"{name}-node-0-0-*"

@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import shutil
 import signal
-import socket
 import sys
 import textwrap
 import threading
@@ -35,18 +34,17 @@ from typing import IO, Final
 from support.controllers import trainerv2, trainingoperator
 from support.images import build, trainer
 from support.node import binaries, hoststate
-from support.node.dns import running_cluster_dns
 from support.node.images import ImageArchive
-from support.node.node import PREFIX, Node, running_node, running_scheduler, session_ident
+from support.node.node import PREFIX
+from support.node.pool import GPUS_PER_NODE, running_pool
 from support.node.process import processes_naming
-from support.node.proxy import kube_chains, running_service_proxy
+from support.node.proxy import kube_chains
 from support.paths import ROOT
 from support.plane import controlplane
 from support.plane.cluster import KUBEFLOW_CRD, TRAINER_CRDS, Api, install_crds, ready_operator_pod
 from support.tools.helm import CHART, RELEASE, RELEASE_NAMESPACE, helm
 
 STATE: Final = ROOT / ".cluster"
-GPUS_PER_NODE: Final = 2
 _BINARIES: Final = ("kubectl", "ctr")
 
 
@@ -81,22 +79,12 @@ def _supervise(
             # Kopf's); before the chart, so that the operator finds both backends at its start.
             install_crds(plane, [KUBEFLOW_CRD, *TRAINER_CRDS, trainerv2.JOBSET_CRD])
             api = Api(plane)
-            pieces.enter_context(running_scheduler(plane, node_binaries, state / "scheduler"))
-            nodes: list[Node] = []
-            # The first named after this machine: the apiserver reaches a kubelet by its Node's
-            # name, so `kubectl logs` and `exec` work for its pods (support.node.kubelet).
-            for letter, name in (("a", socket.gethostname()), ("b", None)):
-                ident = session_ident(letter)
-                nodes.append(pieces.enter_context(running_node(
-                    plane, api, node_binaries, state / f"node-{letter}", name or f"{PREFIX}{ident}", ident,
-                    gpus=GPUS_PER_NODE,
-                )))  # fmt: skip
-                seconds = nodes[-1].containerd.import_images(images, timeout=600)
-                _say(f"images imported on {nodes[-1].name} in {seconds:.0f}s")
-            pieces.enter_context(
-                running_service_proxy(plane, node_binaries, state / "kube-proxy", nodes[0].name)
+            pool = pieces.enter_context(running_pool(plane, api, node_binaries, state, images))
+            _say(
+                "images imported: "
+                + ", ".join(f"{name} {seconds:.0f}s" for name, seconds in pool.imported.items())
             )
-            pieces.enter_context(running_cluster_dns(api, nodes[0]))
+            nodes = pool.nodes
             controllers = [
                 trainingoperator.training_operator(plane, api, plane.advertise_address, state),
                 *trainerv2.trainer_and_jobset(plane, api, plane.advertise_address, state),

@@ -5,7 +5,7 @@ value from the entries before it; a name it cannot find stays literally ``$(VAR)
 then gets ``--master-addr=$(MASTER_ADDR)`` and waits for a host of that name. The env of the
 pods is ours (rendered) plus what the backend's controller adds (``controller_env``: the
 training-operator's MASTER_* and PET_*, Trainer v2's PET_* only). The controllers' sets are
-checked on their real pods in tests/e2e_local/test_chain.py.
+checked on their real pods in tests/e2e_local/test_examples.py.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import pytest
 
 from gpuop.api.spec import GpuTraining, GpuTrainingSpec
 from gpuop.backends import pod, registry
+from gpuop.controller import discovery
 from gpuop.controller.reconciler import Reconciler
 from gpuop.controller.settings import OperatorSettings
 from gpuop.observing import observe
@@ -284,3 +285,64 @@ def test_reports_reach_status_once_a_tick_not_on_every_event(toy: ToyJobApi) -> 
         assert (status["progress"]["step"], status["progress"]["percent"]) == (40, 100)
     finally:
         reconciler.close()
+
+
+class StoreWithKueue(Store):
+    """The store, serving Kueue's Workloads (v1beta2) once ``kueue`` is set."""
+
+    kueue = False
+
+    def served_resources(self, api_version: str) -> frozenset[str]:
+        if api_version == "kueue.x-k8s.io/v1beta2":
+            return frozenset({"workloads", "localqueues"}) if self.kueue else frozenset()
+        return super().served_resources(api_version)
+
+
+def test_a_queued_training_on_a_cluster_without_kueue_says_so_at_once_and_gets_its_job_once_kueue_is_there(
+    toy: ToyJobApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """spec.scheduling.queueName with no Kueue API served: no job is made (suspended, it would
+    wait for nobody; running, it would skip the queue), the status is Pending with reason
+    KueueNotInstalled naming the field and what to install, said once as a Warning; once
+    discovery finds Kueue, the job is made, suspended for Kueue to admit."""
+    monkeypatch.setattr(discovery, "DISCOVERY_TTL_SECONDS", 0.0)  # every reconcile asks again
+    store = StoreWithKueue()
+    body = minimal(scheduling={"queueName": "team-a"})
+    body["metadata"] |= {"name": "t", "namespace": "default", "uid": "u-1", "generation": 1}
+    store.trainings[("default", "t")] = store._stamp(copy.deepcopy(body))
+    clock = iter(datetime(2026, 11, 24, 10, 0, s, tzinfo=UTC) for s in range(60))
+    reconciler = Reconciler(store, OperatorSettings(peering_name=None), clock=lambda: next(clock))  # type: ignore[arg-type]
+    try:
+        reconciler.training_event("ADDED", store.get_training("default", "t") or {})
+        assert store.created == []
+        status = store.trainings[("default", "t")]["status"]
+        waiting = next(c for c in status["conditions"] if c["type"] == "BackendUnavailable")
+        assert (status["phase"], waiting["status"], waiting["reason"]) == (
+            "Pending",
+            "True",
+            "KueueNotInstalled",
+        )
+        assert waiting["message"] == (
+            "spec.scheduling.queueName is 'team-a', but this cluster serves no Kueue API (kueue.x-k8s.io/v1beta2 "
+            "or kueue.x-k8s.io/v1beta1 Workloads): install Kueue with its ToyJob integration "
+            "(https://kueue.sigs.k8s.io/docs/installation/), or remove spec.scheduling.queueName; the ToyJob is "
+            "made once Kueue is served"
+        )
+        writes = store.status_writes
+        reconciler.reconcile(("default", "t"))  # still none: no second write, no job
+        assert (store.status_writes, store.created) == (writes, [])
+
+        store.kueue = True
+        reconciler.reconcile(("default", "t"))
+        assert store.created == ["ToyConfig", "ToyJob"]
+        assert store.job()["spec"]["paused"] is True  # Kueue's to resume
+        status = store.trainings[("default", "t")]["status"]
+        assert {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}[
+            "BackendUnavailable"
+        ] == (
+            "False",
+            "Cleared",
+        )
+    finally:
+        reconciler.close()
+    assert store.events.count("KueueNotInstalled") == 1

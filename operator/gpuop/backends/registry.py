@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
+from gpuop.api.identity import KUEUE_API_VERSIONS
 from gpuop.api.spec import GpuTraining, GpuTrainingSpec
 from gpuop.api.status import GpuTrainingStatus
 from gpuop.backends.pod import ReportEndpoint, report_ca_object
@@ -96,7 +97,7 @@ class Choice:
     """The backend for one training, or None (and why) when none can run it here."""
 
     backend: str | None
-    reason: str  # CamelCase, for the condition: Requested, Auto, NotServed, Unsupported
+    reason: str  # CamelCase, for the condition: Requested, Auto, NotServed, Unsupported, KueueNotInstalled
     message: str
 
 
@@ -108,6 +109,24 @@ def served(resources: Callable[[str], frozenset[str]]) -> frozenset[str]:
 def gaps(spec: GpuTrainingSpec) -> dict[str, tuple[str, ...]]:
     """Per backend, the spec's fields it cannot carry (none: every one can run it)."""
     return {name: found for name, api in APIS.items() if (found := api.spec_gaps(spec))}
+
+
+def without_kueue(api: JobApi, queue_name: str) -> Choice:
+    """No job for a training that names a Kueue queue on a cluster that serves no Kueue API.
+
+    Made suspended, as a queued job is, it would wait for a Kueue that is not there (before,
+    it did, as ``WaitingForKueue``, for ever); made running, it would skip the queue its spec
+    asked for. So it is not made, and the status says what to install; once Kueue is served
+    (discovery is asked again while the training waits) the job is made as usual.
+    """
+    return Choice(
+        None,
+        "KueueNotInstalled",
+        f"spec.scheduling.queueName is {queue_name!r}, but this cluster serves no Kueue API "
+        f"({' or '.join(KUEUE_API_VERSIONS)} Workloads): install Kueue with its {api.kind} integration "
+        f"(https://kueue.sigs.k8s.io/docs/installation/), or remove spec.scheduling.queueName; the "
+        f"{api.kind} is made once Kueue is served",
+    )
 
 
 def choose(requested: str, served: frozenset[str], spec_gaps: Mapping[str, tuple[str, ...]]) -> Choice:

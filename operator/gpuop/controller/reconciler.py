@@ -270,16 +270,27 @@ class Reconciler:
         """The job API this training runs on, and the choice when it is made now.
 
         Chosen once: a training whose status (or job) names its backend keeps it, whatever the
-        cluster serves since; a training on it never moves mid-run.
+        cluster serves since; a training on it never moves mid-run. None (and why) when no
+        backend here can run it, or when it names a Kueue queue and the cluster serves no Kueue.
         """
         api = registry.recorded(previous)
         if api is None and tracked.child is not None:
             api = registry.of_kind(tracked.child.get("kind"))
-        if api is not None:
-            return api, None
+        choice = None
         spec = training.spec
-        choice = registry.choose(spec.backend, self._served(), registry.gaps(spec))
-        return (registry.APIS[choice.backend] if choice.backend is not None else None), choice
+        if api is None:
+            choice = registry.choose(spec.backend, self._served(), registry.gaps(spec))
+            api = registry.APIS[choice.backend] if choice.backend is not None else None
+        queue = spec.scheduling.queue_name
+        finished = previous is not None and previous.phase in ("Succeeded", "Failed")
+        # Asked only before its job is made (last, so discovery is asked only then): a job once
+        # made stays Kueue's, whatever befalls Kueue.
+        if (
+            api is not None and queue is not None and tracked.child is None and not finished
+            and not self._served.kueue()
+        ):  # fmt: skip
+            return None, registry.without_kueue(api, queue)
+        return api, choice
 
     # -- the tick: scrape running jobs, retry what failed ---------------------------------
 

@@ -13,8 +13,9 @@ through the API run as containers in cgroups, with the kubelet's volumes, tokens
   found and removed.
 - :mod:`.process`: starting daemons that die with their parent, and finding a node's shims.
 
-- :mod:`.fixtures`: the nodes, scheduler, kube-proxy and CoreDNS as module-scoped fixtures, for the
-  real-node suite and the end-to-end chain.
+- :mod:`.pool`: scheduler, two nodes, kube-proxy and CoreDNS started together, images on both:
+  what `make cluster` and the end-to-end chain run.
+- :mod:`.fixtures`: the same pieces one module-scoped fixture at a time, for the real-node suite.
 
 Needs root. Every pod of the suites runs here; the node agent, a process per container that the
 chain ran on before, is gone.

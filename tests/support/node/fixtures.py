@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
-from typing import Final
 
 import pytest
 
 from support.node import binaries
 from support.node.dns import running_cluster_dns
 from support.node.node import Node, Scheduler, running_node, running_scheduler, session_ident
+from support.node.pool import GPUS_PER_NODE
 from support.node.proxy import ServiceProxy, running_service_proxy
 from support.plane.cluster import Api
 from support.plane.controlplane import ControlPlane
-
-GPUS_PER_NODE: Final = 2
 
 
 @pytest.fixture(scope="session")

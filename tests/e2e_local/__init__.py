@@ -1,0 +1,1 @@
+"""The end-to-end chain on two real nodes (see conftest.py)."""

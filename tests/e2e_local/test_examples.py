@@ -1,0 +1,272 @@
+"""``kubectl apply -f examples/kind-cpu.yaml`` to Succeeded through the real training-operator
+and, with ``backend: trainjob``, through Trainer v2 and JobSet; the elastic example; and what a
+platform team does to a running training: kill a trainer, suspend it, delete it.
+
+Assertions read what a user reads: ``kubectl get gtr -o json`` (polled into a timeline while
+the test acts), the jobs, pods and Services with kubectl, and events. Below the API the tests
+touch only the trainer process they SIGKILL (found in its container's cgroup, as the kernel's
+OOM killer would pick it), and read what a user could read on a node: its containers' logs and
+the checkpoints on a training's claim (support.chain).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+from gpuop.backends.pytorchjob import PYTORCHJOB
+from gpuop.backends.trainjob import TRAINJOB
+from support import chain
+from support.chain import Claims, InClusterOperator
+from support.controllers.webhooked import WebhookedController
+from support.node.pool import Pool
+from support.plane.cluster import Api
+from support.plane.controlplane import ControlPlane
+from support.waiting import wait_for
+
+
+def test_the_kind_cpu_example_trains_to_succeeded_through_the_real_training_operator(
+    plane: ControlPlane,
+    api: Api,
+    nodes: Pool,
+    kubeflow: WebhookedController,
+    operator: InClusterOperator,
+    timelines: list[chain.Timeline],
+) -> None:
+    timelines.append(timeline := chain.Timeline(plane, "kind-cpu"))
+    plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", str(chain.KIND_CPU))
+    wait_for("kind-cpu Succeeded", lambda: chain.phase(plane, "kind-cpu") in ("Succeeded", "Failed"), timeout=180,
+             every=0.5)  # fmt: skip
+    gtr = chain.get(plane, "gtr", "kind-cpu")
+    assert gtr is not None
+    status = gtr["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    # The PyTorchJob's status is the real training-operator's, and so are the pods and Services.
+    job = chain.get(plane, "pytorchjob", "kind-cpu")
+    assert job is not None
+    assert {c["type"] for c in job["status"]["conditions"] if c["status"] == "True"} >= {
+        "Created",
+        "Succeeded",
+    }
+    assert job["status"]["replicaStatuses"]["Master"]["succeeded"] == 1
+    selector = "training.kubeflow.org/job-name=kind-cpu"
+    assert chain.names(plane, "services", selector) == [
+        "service/kind-cpu-master-0",
+        "service/kind-cpu-worker-0",
+    ]
+    pods = chain.names(plane, "pods", selector)
+    assert chain.controller_env_missing(plane, PYTORCHJOB, chain.KIND_CPU, pods) == {p: set() for p in pods}
+    # The final figures (the trainer's termination message); no GPU, no GPU hours.
+    assert status["progress"]["accuracy"] > 0.9
+    assert status["progress"]["percent"] == 100
+    assert status["gpuHours"] == 0
+    # While it trained, the status had its workers and progress from the pods' metrics.
+    running = [s for s in timeline.seen if s.get("phase") == "Running"]
+    assert running, timeline.phases()
+    assert any(s.get("workers", {}).get("ready") == 2 for s in running), running[-1]
+    assert "Stalled" not in timeline.conditions()
+    events = plane.kubectl("get", "events", "-n", chain.NAMESPACE, "--field-selector",
+                           "involvedObject.name=kind-cpu", "-o", "json").stdout  # fmt: skip
+    reasons = {e["reason"] for e in json.loads(events)["items"]}
+    assert "SuccessfulCreatePod" in reasons  # the training-operator's
+    # Deleting the GpuTraining takes the PyTorchJob, its pods and Services with it.
+    plane.kubectl("delete", "gtr", "kind-cpu", "-n", chain.NAMESPACE, "--wait=true")
+    wait_for(
+        "kind-cpu's children gone", lambda: chain.children_gone(plane, "kind-cpu"), timeout=60, every=0.5
+    )
+
+
+def test_the_real_webhook_refuses_what_the_training_operator_refuses(
+    plane: ControlPlane, kubeflow: WebhookedController
+) -> None:
+    """A name the API server takes but Kubeflow's webhook does not (DNS-1035: no leading digit)."""
+    job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "1-starts-with-a-digit"},
+           "spec": {"pytorchReplicaSpecs": {"Master": {"replicas": 1, "template": {"spec": {"containers": [
+               {"name": "pytorch", "image": "x", "command": ["true"]}]}}}}}}  # fmt: skip
+    refused = plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", "-", input=json.dumps(job), check=False)
+    assert refused.returncode != 0
+    assert 'admission webhook "validator.pytorchjob.training-operator.kubeflow.org" denied' in refused.stderr
+
+
+def test_progress_then_a_killed_trainer_resumes_from_its_checkpoint(
+    plane: ControlPlane,
+    nodes: Pool,
+    claims: Claims,
+    operator: InClusterOperator,
+    timelines: list[chain.Timeline],
+    tmp_path: Path,
+) -> None:
+    """SIGKILL the master's trainer mid-run: its container restarts in place, training goes on
+    from the newest checkpoint on the claim, and the status never says Stalled."""
+    name = "killed"
+    gate = chain.gate(claims, f"{name}-checkpoints")
+    timelines.append(timeline := chain.start_long_training(plane, name, tmp_path, gate))
+    pod = f"{name}-master-0"
+    held = gate.wait_held(lambda: not {"Succeeded", "Failed"} & set(timeline.phases()))
+    # While it waits there, the status has that step, every figure there.
+    progress = wait_for("the held step in the status", lambda: next(
+        (s["progress"] for s in reversed(timeline.seen) if s.get("progress", {}).get("step") == held), None),
+        timeout=60)  # fmt: skip
+    assert {"step", "totalSteps", "percent", "loss", "samplesPerSecond", "eta"} <= set(progress), progress
+    assert len(chain.checkpointed_steps(gate)) >= 2  # one past the first epoch: not the start
+    pid = wait_for("the trainer process", lambda: chain.trainer_pid(plane, nodes, pod), timeout=10)
+    before_kill = max(chain.checkpointed_steps(gate))
+    os.kill(pid, signal.SIGKILL)
+    # The other rank goes on, finds its peer gone and restarts too, as it would have unheld.
+    gate.release()
+    wait_for("the container restarted", lambda: (chain.get(plane, "pod", pod) or {}).get("status", {}).get(
+        "containerStatuses", [{}])[0].get("restartCount", 0) >= 1, timeout=60)  # fmt: skip
+    wait_for(
+        f"{name} Succeeded",
+        lambda: chain.phase(plane, name) in ("Succeeded", "Failed"),
+        timeout=240,
+        every=0.5,
+    )
+    assert chain.phase(plane, name) == "Succeeded", timeline.phases()
+    resumed = chain.resumed_steps(plane, nodes, pod)
+    assert resumed, "the restarted trainer did not resume"
+    assert resumed[0] >= before_kill, (resumed, before_kill)
+    assert "Stalled" not in timeline.conditions()
+    phases = timeline.caught_up("Succeeded")
+    assert phases[-1] == "Succeeded"
+    assert "Failed" not in phases
+    # Kubeflow keeps the job Running through an in-place restart; ours says Restarting until
+    # the trainer advances again, then Running.
+    assert "Restarting" in phases, phases
+    assert phases[phases.index("Restarting") + 1] == "Running", phases
+    # Progress advanced while it trained: scrapes with different steps while Running.
+    steps = {
+        s["progress"]["step"]
+        for s in timeline.seen
+        if s.get("phase") == "Running" and s.get("progress", {}).get("step")
+    }
+    assert len(steps) >= 2, steps
+
+
+def test_suspended_mid_run_its_pods_go_and_it_resumes_from_the_checkpoint(
+    plane: ControlPlane,
+    nodes: Pool,
+    claims: Claims,
+    operator: InClusterOperator,
+    timelines: list[chain.Timeline],
+    tmp_path: Path,
+) -> None:
+    name = "paused"
+    gate = chain.gate(claims, f"{name}-checkpoints")
+    timelines.append(timeline := chain.start_long_training(plane, name, tmp_path, gate))
+    pod = f"{name}-master-0"
+    gate.wait_held(lambda: not {"Succeeded", "Failed"} & set(timeline.phases()))
+    assert len(chain.checkpointed_steps(gate)) >= 2  # one past the first epoch: not the start
+    plane.kubectl(
+        "patch",
+        "gtr",
+        name,
+        "-n",
+        chain.NAMESPACE,
+        "--type=merge",
+        "-p",
+        '{"spec":{"runPolicy":{"suspend":true}}}',
+    )
+    wait_for(f"{name} Suspended", lambda: chain.phase(plane, name) == "Suspended", timeout=60, every=0.5)
+    wait_for(
+        "its pods gone",
+        lambda: not chain.names(plane, "pods", f"training.kubeflow.org/job-name={name}"),
+        timeout=60,
+    )
+    saved = max(chain.checkpointed_steps(gate))
+    gate.release()  # the resumed pods' trainers train on (SIGTERM let the deleted ones go)
+    plane.kubectl(
+        "patch",
+        "gtr",
+        name,
+        "-n",
+        chain.NAMESPACE,
+        "--type=merge",
+        "-p",
+        '{"spec":{"runPolicy":{"suspend":false}}}',
+    )
+    wait_for(
+        f"{name} Succeeded",
+        lambda: chain.phase(plane, name) in ("Succeeded", "Failed"),
+        timeout=240,
+        every=0.5,
+    )
+    assert chain.phase(plane, name) == "Succeeded", timeline.phases()
+    resumed = chain.resumed_steps(plane, nodes, pod)
+    assert resumed, "the resumed training started over"
+    assert resumed[-1] >= saved, (resumed, saved)
+    phases = timeline.caught_up("Succeeded")
+    assert phases.index("Suspended") < len(phases) - 1
+    assert "Stalled" not in timeline.conditions()
+
+
+def test_an_elastic_spec_rendezvous_through_the_worker_only_layout(
+    plane: ControlPlane, nodes: Pool, operator: InClusterOperator, timelines: list[chain.Timeline]
+) -> None:
+    name = "kind-cpu-elastic"
+    timelines.append(timeline := chain.Timeline(plane, name))
+    plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", str(chain.KIND_CPU_ELASTIC))
+    wait_for(
+        f"{name} Succeeded",
+        lambda: chain.phase(plane, name) in ("Succeeded", "Failed"),
+        timeout=240,
+        every=0.5,
+    )
+    status = (chain.get(plane, "gtr", name) or {}).get("status", {})
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    pods = chain.names(plane, "pods", f"training.kubeflow.org/job-name={name}")
+    assert pods == [f"pod/{name}-worker-0", f"pod/{name}-worker-1"]
+    assert chain.controller_env_missing(plane, PYTORCHJOB, chain.KIND_CPU_ELASTIC, pods) == {
+        p: set() for p in pods
+    }
+    assert status["progress"]["accuracy"] > 0.9
+    assert "Stalled" not in timeline.conditions()
+
+
+def test_the_kind_cpu_example_trains_to_succeeded_on_trainer_v2(
+    plane: ControlPlane,
+    nodes: Pool,
+    trainer_v2: list[WebhookedController],
+    operator: InClusterOperator,
+    timelines: list[chain.Timeline],
+    tmp_path: Path,
+) -> None:
+    """The same example with ``backend: trainjob``, through the real Trainer v2.3.0 and JobSet
+    v0.12.0 (controllers and webhooks): TrainingRuntime + TrainJob -> JobSet -> Job -> pods, with
+    torchrun's rendezvous from Trainer's PET_* variables over JobSet's headless Service."""
+    spec = chain.variant(tmp_path, "kind-cpu-v2", backend="trainjob")
+    timelines.append(timeline := chain.Timeline(plane, "kind-cpu-v2"))
+    plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", str(spec))
+    wait_for("kind-cpu-v2 finished", lambda: chain.phase(plane, "kind-cpu-v2") in ("Succeeded", "Failed"),
+             timeout=240, every=0.5)  # fmt: skip
+    status = chain.get(plane, "gtr", "kind-cpu-v2")["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    assert (status["backend"], status["trainJob"]) == ("trainjob", "kind-cpu-v2")
+    # Trainer's own objects and status: the TrainJob Complete, its JobSet, the Job's pods.
+    job = chain.get(plane, "trainjob", "kind-cpu-v2")
+    assert job is not None
+    assert {c["type"] for c in job["status"]["conditions"] if c["status"] == "True"} == {"Complete"}
+    assert chain.get(plane, "jobset", "kind-cpu-v2") is not None
+    pods = chain.names(plane, "pods", "jobset.sigs.k8s.io/jobset-name=kind-cpu-v2")
+    assert len(pods) == 2, pods
+    # The final figures came from the trainers' termination messages, as on the v1 path.
+    assert status["progress"]["percent"] == 100
+    assert status["progress"]["accuracy"] > 0.9
+    running = [s for s in timeline.seen if s.get("phase") == "Running"]
+    assert running, timeline.phases()
+    assert any(s.get("progress", {}).get("step") for s in running), running[-1]  # scraped while running
+    assert any(s.get("workers", {}).get("ready") == 2 for s in running), running[-1]
+    # The pods are the restricted ones we render, with Trainer's rendezvous variables added.
+    pod = json.loads(plane.kubectl("get", pods[0], "-n", chain.NAMESPACE, "-o", "json").stdout)
+    container = pod["spec"]["containers"][0]
+    env = {e["name"] for e in container["env"]}
+    assert "GPUTRAIN_JOB_NAME" in env
+    assert chain.controller_env_missing(plane, TRAINJOB, spec, pods) == {p: set() for p in pods}
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["restartPolicy"] == "OnFailure"
+    assert {v["name"] for v in pod["spec"]["volumes"]} >= {"dshm", "checkpoints", "output"}
+    plane.kubectl("delete", "gtr", "kind-cpu-v2", "-n", chain.NAMESPACE, "--wait=true")
+    wait_for("kind-cpu-v2's children gone", lambda: chain.get(plane, "trainjob", "kind-cpu-v2") is None
+             and not chain.names(plane, "pods", "jobset.sigs.k8s.io/jobset-name=kind-cpu-v2"), timeout=90)  # fmt: skip

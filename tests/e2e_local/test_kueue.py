@@ -1,0 +1,176 @@
+"""The real Kueue v0.16.2 (controller and webhooks) in front of both backends: a second
+training held Queued until the first has finished, and a lower-priority one preempted, left
+waiting and resumed from its checkpoint. Kueue runs for this module alone (its ``queueing``
+fixture), so its webhooks see no other module's jobs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from support import chain
+from support.chain import Claims
+from support.controllers import kueue
+from support.node.pool import Pool
+from support.plane.controlplane import ControlPlane
+from support.waiting import wait_for
+
+# What a queued training runs through: the nodes, both Kubeflow APIs, the real Kueue and the operator.
+KUEUE_CHAIN = ("nodes", "kubeflow", "trainer_v2", "queueing", "operator")
+
+
+@pytest.mark.usefixtures(*KUEUE_CHAIN)
+@pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
+def test_kueue_holds_the_second_training_queued_until_the_first_finishes(
+    plane: ControlPlane, claims: Claims, timelines: list[chain.Timeline], tmp_path: Path, backend: str
+) -> None:
+    """The real Kueue v0.16.2 with a ClusterQueue whose quota fits one kind-cpu training (2 pods
+    of 1 CPU and 1 GiB): the first is admitted and runs; the second waits Queued, with Kueue's
+    own reason, and no pod, until the first has finished; then it is admitted and runs. The
+    operator never resumes a job Kueue holds. On either backend, through Kueue's own PyTorchJob
+    and TrainJob integrations."""
+    queue = f"team-{backend}"
+    for obj in kueue.queues(queue, chain.NAMESPACE, {"cpu": "2", "memory": "2Gi"}):
+        plane.kubectl("apply", "-f", "-", input=json.dumps(obj))
+    first_name, second_name = f"q1-{backend}", f"q2-{backend}"
+    queued = {"scheduling": {"queueName": queue}, "backend": backend}
+    # The first waits at chain.HOLD_AT_STEP until the second has been seen queued: it cannot have
+    # finished (and given its quota back) meanwhile.
+    gate = chain.gate(claims, f"{first_name}-checkpoints")
+    first = chain.variant(tmp_path, first_name, training={"epochs": 25}, checkpoint={"volume": {"claimName": gate.claim}},
+                     env=gate.env, **queued)  # fmt: skip
+    second = chain.variant(tmp_path, second_name, **queued)
+    timelines.append(first_timeline := chain.Timeline(plane, first_name))
+    timelines.append(second_timeline := chain.Timeline(plane, second_name))
+    plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", str(first))
+    wait_for(
+        f"{first_name} Running", lambda: chain.phase(plane, first_name) == "Running", timeout=120, every=0.5
+    )
+    plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", str(second))
+
+    def kueues_reason() -> dict[str, Any] | None:
+        status = (chain.get(plane, "gtr", second_name) or {}).get("status", {})
+        found = [c for c in status.get("conditions", []) if c["type"] == "Queued" and c["status"] == "True"]
+        pending = status.get("phase") == "Queued" and found and found[0]["reason"] == "Pending"
+        return found[0] if pending else None
+
+    condition = wait_for(f"{second_name} Queued with Kueue's reason", kueues_reason, timeout=60, every=0.5)
+    assert "insufficient unused quota" in condition["message"], condition
+    assert chain.phase(plane, first_name) == "Running"
+    job = chain.get(plane, backend, second_name)
+    assert job is not None
+    assert (
+        job["spec"]["runPolicy"]["suspend"] if backend == "pytorchjob" else job["spec"]["suspend"]
+    ) is True
+    assert chain.pods_of(plane, second_name) == []
+    gate.release()
+
+    wait_for(f"{first_name} finished", lambda: chain.phase(plane, first_name) in ("Succeeded", "Failed"),
+             timeout=240, every=0.5)  # fmt: skip
+    assert chain.phase(plane, first_name) == "Succeeded", first_timeline.phases()
+    wait_for(f"{second_name} finished", lambda: chain.phase(plane, second_name) in ("Succeeded", "Failed"),
+             timeout=240, every=0.5)  # fmt: skip
+    assert chain.phase(plane, second_name) == "Succeeded", second_timeline.phases()
+    # Its pods came after the first had finished: Kueue admitted it then, not the operator before.
+    finished = (chain.get(plane, "gtr", first_name) or {})["status"]["completionTime"]
+    started = min(p["metadata"]["creationTimestamp"] for p in chain.pods_of(plane, second_name))
+    assert started >= finished, (started, finished)
+    workloads = json.loads(
+        plane.kubectl("get", "workloads.kueue.x-k8s.io", "-n", chain.NAMESPACE, "-o", "json").stdout
+    )
+    admitted = {w["metadata"]["ownerReferences"][0]["name"]: w["status"].get("admission", {}).get("clusterQueue")
+                for w in workloads["items"]}  # fmt: skip
+    assert (admitted.get(first_name), admitted.get(second_name)) == (queue, queue), admitted
+    phases = second_timeline.caught_up("Succeeded")
+    assert phases[0] in ("Created", "Queued"), phases
+    assert "Suspended" not in phases, phases
+    assert "Failed" not in phases, phases
+    assert phases.index("Queued") < phases.index("Running"), phases
+
+
+@pytest.mark.usefixtures(*KUEUE_CHAIN)
+@pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
+def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_and_resume(
+    plane: ControlPlane,
+    nodes: Pool,
+    claims: Claims,
+    timelines: list[chain.Timeline],
+    tmp_path: Path,
+    backend: str,
+) -> None:
+    """The real Kueue preempting: a ClusterQueue that fits one training and preempts lower
+    priorities (`withinClusterQueue: LowerPriority`, priorities from the pods' PriorityClass,
+    as Kueue reads them). A low-priority training runs and checkpoints; a high-priority one
+    arrives; Kueue evicts the low one and suspends its job. The operator shows it Queued with
+    Kueue's reason (Preempted), never resumes it, and once the high one has finished and Kueue
+    admits the low one again, it resumes from its checkpoint to Succeeded."""
+    queue = f"preempting-{backend}"
+    for obj in kueue.queues(queue, chain.NAMESPACE, {"cpu": "2", "memory": "2Gi"},
+                            preemption={"withinClusterQueue": "LowerPriority"}):  # fmt: skip
+        plane.kubectl("apply", "-f", "-", input=json.dumps(obj))
+    for priority_class, value in (("e2e-low", 100), ("e2e-high", 1000)):
+        plane.kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+            "metadata": {"name": priority_class}, "value": value}))  # fmt: skip
+    low, high = f"low-{backend}", f"high-{backend}"
+    gate = chain.gate(
+        claims, f"{low}-checkpoints"
+    )  # the low one waits at chain.HOLD_AT_STEP: still running when preempted
+    low_spec = chain.variant(tmp_path, low, training={"epochs": 40}, checkpoint={"volume": {"claimName": gate.claim}},
+                        scheduling={"queueName": queue, "priorityClassName": "e2e-low"}, backend=backend,
+                        env=gate.env)  # fmt: skip
+    high_spec = chain.variant(tmp_path, high, scheduling={"queueName": queue, "priorityClassName": "e2e-high"},
+                         backend=backend)  # fmt: skip
+    timelines.append(low_timeline := chain.Timeline(plane, low))
+    timelines.append(high_timeline := chain.Timeline(plane, high))
+    plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", str(low_spec))
+    rank0 = chain.rank0_pod(low, backend)
+    gate.wait_held(lambda: not {"Succeeded", "Failed"} & set(low_timeline.phases()))
+    assert len(chain.checkpointed_steps(gate)) >= 2  # one past the first epoch: not the start
+    plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", str(high_spec))
+
+    def preempted() -> dict[str, Any] | None:
+        status = (chain.get(plane, "gtr", low) or {}).get("status", {})
+        found = [c for c in status.get("conditions", []) if c["type"] == "Queued" and c["status"] == "True"]
+        return found[0] if status.get("phase") == "Queued" and found else None
+
+    condition = wait_for(f"{low} Queued after Kueue's preemption", preempted, timeout=90, every=0.5)
+    assert condition["reason"] == "Preempted", condition
+    assert "Preempted to accommodate" in condition["message"], condition
+    job = chain.get(plane, backend, low)
+    assert job is not None
+    assert (
+        job["spec"]["runPolicy"]["suspend"] if backend == "pytorchjob" else job["spec"]["suspend"]
+    ) is True
+    wait_for(f"{low}'s pods gone", lambda: not chain.pods_of(plane, low), timeout=90)
+    saved = max(chain.checkpointed_steps(gate))
+    gate.release()  # for its pods when Kueue admits it again (SIGTERM let the evicted ones go)
+
+    wait_for(
+        f"{high} finished",
+        lambda: chain.phase(plane, high) in ("Succeeded", "Failed"),
+        timeout=240,
+        every=0.5,
+    )
+    assert chain.phase(plane, high) == "Succeeded", high_timeline.phases()
+    wait_for(
+        f"{low} finished", lambda: chain.phase(plane, low) in ("Succeeded", "Failed"), timeout=300, every=0.5
+    )
+    assert chain.phase(plane, low) == "Succeeded", low_timeline.phases()
+    resumed = chain.resumed_steps(plane, nodes, rank0)
+    assert resumed, "the preempted training started over"
+    assert resumed[-1] >= saved, (resumed, saved)
+    # The operator never fought Kueue: Running, then Queued while evicted, then Running again.
+    phases = low_timeline.caught_up("Succeeded")
+    assert "Suspended" not in phases, phases
+    assert "Failed" not in phases, phases
+    first_queued_after_running = phases.index("Queued", phases.index("Running"))
+    assert "Running" in phases[first_queued_after_running:], phases
+    assert "Stalled" not in low_timeline.conditions()
+    high_phases = high_timeline.caught_up("Succeeded")
+    assert "Suspended" not in high_phases, high_phases
+    assert "Failed" not in high_phases, high_phases

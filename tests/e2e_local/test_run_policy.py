@@ -56,11 +56,11 @@ def test_backoff_and_deadline_end_trainings_failed_through_the_real_controllers_
         f"backoff-{backend}": (backend, FAILS, {"backoffLimit": RESTARTS_ALLOWED})
         for backend in ("pytorchjob", "trainjob")
     } | {"deadline-trainjob": ("trainjob", NEVER_ENDS, {"activeDeadlineSeconds": DEADLINE_SECONDS})}
+    created = time.monotonic()  # before any job: each deadline counts from its job's start, later
     for name, (backend, program, run_policy) in cases.items():
         plane.kubectl(
             "create", "-f", "-", input=json.dumps(_policy_training(name, backend, program, run_policy))
         )
-    created = time.monotonic()
     restarts: dict[str, int] = dict.fromkeys(cases, 0)
     at_failure: dict[str, int] = {}
     ended: dict[str, float] = {}
@@ -107,8 +107,10 @@ def test_backoff_and_deadline_end_trainings_failed_through_the_real_controllers_
     assert at_failure["backoff-pytorchjob"] == RESTARTS_ALLOWED + 1, at_failure
     assert RESTARTS_ALLOWED <= at_failure["backoff-trainjob"] <= RESTARTS_ALLOWED + 1, at_failure
     assert at_failure["deadline-trainjob"] == 0
-    # Not before the deadline (counted from the job's start, after its creation), nor long after.
+    # Not before the deadline, nor long after. The controller counts from a start time kept to
+    # the second, so it may fire up to a second before our clock says 20 s (seen: 19.7 s
+    # when this clock started after the creates).
     took = ended["deadline-trainjob"] - created
-    assert DEADLINE_SECONDS <= took <= DEADLINE_SECONDS + 60, took
+    assert DEADLINE_SECONDS - 1 <= took <= DEADLINE_SECONDS + 60, took
     for name in cases:
         plane.kubectl("delete", "gtr", name, "-n", chain.NAMESPACE, "--wait=false")

@@ -37,8 +37,7 @@ def test_the_kind_cpu_example_trains_to_succeeded_through_the_real_training_oper
 ) -> None:
     timelines.append(timeline := chain.Timeline(plane, "kind-cpu"))
     plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", str(chain.KIND_CPU))
-    wait_for("kind-cpu Succeeded", lambda: chain.phase(plane, "kind-cpu") in ("Succeeded", "Failed"), timeout=180,
-             every=0.5)  # fmt: skip
+    chain.wait_finished(plane, "kind-cpu", timeout=180)
     gtr = chain.get(plane, "gtr", "kind-cpu")
     assert gtr is not None
     status = gtr["status"]
@@ -118,12 +117,7 @@ def test_progress_then_a_killed_trainer_resumes_from_its_checkpoint(
     gate.release()
     wait_for("the container restarted", lambda: (chain.get(plane, "pod", pod) or {}).get("status", {}).get(
         "containerStatuses", [{}])[0].get("restartCount", 0) >= 1, timeout=60)  # fmt: skip
-    wait_for(
-        f"{name} Succeeded",
-        lambda: chain.phase(plane, name) in ("Succeeded", "Failed"),
-        timeout=240,
-        every=0.5,
-    )
+    chain.wait_finished(plane, name)
     assert chain.phase(plane, name) == "Succeeded", timeline.phases()
     resumed = chain.resumed_steps(plane, nodes, pod)
     assert resumed, "the restarted trainer did not resume"
@@ -187,12 +181,7 @@ def test_suspended_mid_run_its_pods_go_and_it_resumes_from_the_checkpoint(
         "-p",
         '{"spec":{"runPolicy":{"suspend":false}}}',
     )
-    wait_for(
-        f"{name} Succeeded",
-        lambda: chain.phase(plane, name) in ("Succeeded", "Failed"),
-        timeout=240,
-        every=0.5,
-    )
+    chain.wait_finished(plane, name)
     assert chain.phase(plane, name) == "Succeeded", timeline.phases()
     resumed = chain.resumed_steps(plane, nodes, pod)
     assert resumed, "the resumed training started over"
@@ -208,12 +197,7 @@ def test_an_elastic_spec_rendezvous_through_the_worker_only_layout(
     name = "kind-cpu-elastic"
     timelines.append(timeline := chain.Timeline(plane, name))
     plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", str(chain.KIND_CPU_ELASTIC))
-    wait_for(
-        f"{name} Succeeded",
-        lambda: chain.phase(plane, name) in ("Succeeded", "Failed"),
-        timeout=240,
-        every=0.5,
-    )
+    chain.wait_finished(plane, name)
     status = (chain.get(plane, "gtr", name) or {}).get("status", {})
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
     pods = chain.names(plane, "pods", f"training.kubeflow.org/job-name={name}")
@@ -239,8 +223,7 @@ def test_the_kind_cpu_example_trains_to_succeeded_on_trainer_v2(
     spec = chain.variant(tmp_path, "kind-cpu-v2", backend="trainjob")
     timelines.append(timeline := chain.Timeline(plane, "kind-cpu-v2"))
     plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", str(spec))
-    wait_for("kind-cpu-v2 finished", lambda: chain.phase(plane, "kind-cpu-v2") in ("Succeeded", "Failed"),
-             timeout=240, every=0.5)  # fmt: skip
+    chain.wait_finished(plane, "kind-cpu-v2")
     status = chain.get(plane, "gtr", "kind-cpu-v2")["status"]
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
     assert (status["backend"], status["trainJob"]) == ("trainjob", "kind-cpu-v2")

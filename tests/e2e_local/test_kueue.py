@@ -69,11 +69,9 @@ def test_kueue_holds_the_second_training_queued_until_the_first_finishes(
     assert chain.pods_of(plane, second_name) == []
     gate.release()
 
-    wait_for(f"{first_name} finished", lambda: chain.phase(plane, first_name) in ("Succeeded", "Failed"),
-             timeout=240, every=0.5)  # fmt: skip
+    chain.wait_finished(plane, first_name)
     assert chain.phase(plane, first_name) == "Succeeded", first_timeline.phases()
-    wait_for(f"{second_name} finished", lambda: chain.phase(plane, second_name) in ("Succeeded", "Failed"),
-             timeout=240, every=0.5)  # fmt: skip
+    chain.wait_finished(plane, second_name)
     assert chain.phase(plane, second_name) == "Succeeded", second_timeline.phases()
     # Its pods came after the first had finished: Kueue admitted it then, not the operator before.
     finished = (chain.get(plane, "gtr", first_name) or {})["status"]["completionTime"]
@@ -150,16 +148,9 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
     saved = max(chain.checkpointed_steps(gate))
     gate.release()  # for its pods when Kueue admits it again (SIGTERM let the evicted ones go)
 
-    wait_for(
-        f"{high} finished",
-        lambda: chain.phase(plane, high) in ("Succeeded", "Failed"),
-        timeout=240,
-        every=0.5,
-    )
+    chain.wait_finished(plane, high)
     assert chain.phase(plane, high) == "Succeeded", high_timeline.phases()
-    wait_for(
-        f"{low} finished", lambda: chain.phase(plane, low) in ("Succeeded", "Failed"), timeout=300, every=0.5
-    )
+    chain.wait_finished(plane, low, timeout=300)
     assert chain.phase(plane, low) == "Succeeded", low_timeline.phases()
     resumed = chain.resumed_steps(plane, nodes, rank0)
     assert resumed, "the preempted training started over"

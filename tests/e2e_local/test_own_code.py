@@ -81,12 +81,7 @@ def _train_own_code(
     plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", str(path))
     wait_for(f"{name}'s two pods", lambda: len(chain.pods_of(plane, name)) == 2, timeout=120, every=0.5)
     pods = chain.pods_of(plane, name)
-    wait_for(
-        f"{name} finished",
-        lambda: chain.phase(plane, name) in ("Succeeded", "Failed"),
-        timeout=300,
-        every=0.5,
-    )
+    chain.wait_finished(plane, name, timeout=300)
     status = chain.get(plane, "gtr", name)["status"]
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
     progress = status["progress"]

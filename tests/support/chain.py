@@ -230,6 +230,16 @@ def phase(plane: ControlPlane, name: str) -> str | None:
     return found.get("status", {}).get("phase") if found else None
 
 
+def wait_finished(plane: ControlPlane, name: str, timeout: float = 240.0) -> str:
+    """The training's phase once it is Succeeded or Failed (polled every half second)."""
+
+    def ended() -> str | None:
+        found = phase(plane, name)
+        return found if found in ("Succeeded", "Failed") else None
+
+    return str(wait_for(f"{name} finished", ended, timeout=timeout, every=0.5))
+
+
 def pods_named(plane: ControlPlane, pattern: str) -> list[dict[str, Any]]:
     """The namespace's pods whose names match ``pattern`` (JobSet's Jobs name each attempt's
     pod anew)."""

@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import tomllib
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ _ENDPOINT = {
         "path": {"type": "string"},
         "interval": _DURATION,
         "scrapeTimeout": _DURATION,
+        "honorLabels": {"type": "boolean"},
         "relabelings": {
             "type": "array",
             "items": {
@@ -441,6 +443,7 @@ def _exported_series() -> dict[str, set[str]]:
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
+    from gpuop.controller.table import Tracked
     from gpuop.controller.telemetry import OperatorMetrics
     from gputrain.contract import Progress
     from gputrain.metrics import GpuReading, MetricsServer
@@ -459,7 +462,12 @@ def _exported_series() -> dict[str, set[str]]:
     operator.duration.observe(0.1)
     operator.status_patches.inc()
     operator.scrapes.labels(outcome="ok").inc()
-    operator.set_phases(["Running"])
+    running = Tracked(body={"metadata": {"name": "llm", "namespace": "team-a", "uid": "u"}, "status": {
+        "phase": "Running", "gpu": {"count": 8}, "gpuHours": 1.0, "gpuHoursCountedAt": "2026-11-24T10:00:00Z",
+        "conditions": [{"type": t, "status": "True", "lastTransitionTime": "2026-11-24T10:00:00Z"}
+                       for t in ("Running", "Stalled")]}})  # fmt: skip
+    operator.observe_trainings([(("team-a", "llm"), running)], datetime(2026, 11, 24, 10, tzinfo=UTC))
+    operator.observe_trainings([(("team-a", "llm"), running)], datetime(2026, 11, 24, 11, tzinfo=UTC))
     series: dict[str, set[str]] = {}
     for registry in (trainer.registry, operator.registry):
         for family in text_string_to_metric_families(generate_latest(registry).decode()):

@@ -1,12 +1,14 @@
 """The session's shared fixtures, defined once (tests/conftest.py loads this as a plugin).
 
 One real control plane serves the whole session: the control-plane suite first, the
-end-to-end chain after it (each cleans up what it installs). Fixtures that only one suite
+end-to-end chain after it (each cleans up what it installs); tests/controlplane/test_api.py
+alone also starts the oldest claimed kube-apiserver, for itself. Fixtures that only one suite
 needs stay in that suite's conftest.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -26,7 +28,23 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[controlplane.Con
 def crd_warnings(plane: controlplane.ControlPlane) -> str:
     """Our CRD, Kubeflow's PyTorchJob and Trainer v2 CRDs and Kopf's peering CRDs, created and
     Established once; the value is whatever kubectl printed on stderr while applying them."""
-    return install_crds(plane)
+    return installed_crds(plane)
+
+
+_CRD_WARNINGS: weakref.WeakKeyDictionary[controlplane.ControlPlane, str] = weakref.WeakKeyDictionary()
+
+
+def installed_crds(plane: controlplane.ControlPlane) -> str:
+    """:func:`install_crds` once per control plane, and what kubectl warned then.
+
+    A module that overrides ``plane`` to run on more than one version (tests/controlplane/
+    test_api.py) cannot reach the session's ``crd_warnings``: that fixture would resolve
+    ``plane`` to the module's override, of a narrower scope. It asks here instead, so the
+    session's plane still gets its CRDs applied once, whichever asks first.
+    """
+    if plane not in _CRD_WARNINGS:
+        _CRD_WARNINGS[plane] = install_crds(plane)
+    return _CRD_WARNINGS[plane]
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ import pytest
 from gpuop.api.spec import GpuTraining, GpuTrainingSpec
 from gpuop.backends import pod, registry
 from gpuop.controller import discovery
+from gpuop.controller.kube import ApiError
 from gpuop.controller.reconciler import Reconciler
 from gpuop.controller.settings import OperatorSettings
 from gpuop.observing import observe
@@ -88,6 +89,11 @@ class ToyJobApi:
             return None
         return {"spec": {"paused": paused}}
 
+    def wake_times(self, job: Mapping[str, Any] | None) -> tuple[datetime, ...]:
+        """A toy controller sleeps through the time in ``status.wakeAt``."""
+        wake_at = ((job or {}).get("status") or {}).get("wakeAt")
+        return (datetime.fromisoformat(wake_at),) if wake_at else ()
+
 
 class Store:
     """The API calls the reconciler makes, on dicts: enough of a cluster serving only the toy."""
@@ -100,6 +106,7 @@ class Store:
         self.created: list[str] = []
         self.events: list[str] = []
         self.status_writes = 0
+        self.annotated: list[str] = []
         self._versions = itertools.count(1)
 
     def _stamp(self, obj: dict[str, Any]) -> dict[str, Any]:
@@ -126,8 +133,14 @@ class Store:
     def patch_object(
         self, api_version: str, plural: str, namespace: str, name: str, patch: Mapping[str, Any]
     ) -> dict[str, Any]:
-        obj = self.objects[(api_version, plural, namespace, name)]
-        obj["spec"].update(patch["spec"])
+        key = (api_version, plural, namespace, name)
+        if key not in self.objects:
+            raise ApiError(404, "NotFound", f"{plural} {name} not found")
+        obj = self.objects[key]
+        obj["spec"].update(patch.get("spec") or {})
+        annotations = (patch.get("metadata") or {}).get("annotations") or {}
+        obj["metadata"].setdefault("annotations", {}).update(annotations)
+        self.annotated += [f"{k}={v}" for k, v in annotations.items()]
         return copy.deepcopy(self._stamp(obj))
 
     def job(self) -> dict[str, Any]:
@@ -346,3 +359,62 @@ def test_a_queued_training_on_a_cluster_without_kueue_says_so_at_once_and_gets_i
     finally:
         reconciler.close()
     assert store.events.count("KueueNotInstalled") == 1
+
+
+def test_a_clock_the_controller_sleeps_through_wakes_it_when_due_and_again_only_if_it_slept_on(
+    toy: ToyJobApi,
+) -> None:
+    """The v1 training-operator fails a job past its deadline and deletes one past its TTL only
+    when something makes it reconcile (kubeflow/trainer#3358). The operator touches the job at
+    the time its backend names: once, again 30 s later if nothing came of it, and for a
+    finished job too, which no tick reconciles otherwise."""
+    store = Store()
+    body = minimal()
+    body["metadata"] |= {"name": "t", "namespace": "default", "uid": "u-1", "generation": 1}
+    store.trainings[("default", "t")] = store._stamp(copy.deepcopy(body))
+    now = [datetime(2026, 11, 24, 10, 0, 0, tzinfo=UTC)]
+    reconciler = Reconciler(store, OperatorSettings(peering_name=None), clock=lambda: now[0])  # type: ignore[arg-type]
+
+    def at(seconds: int) -> None:
+        now[0] = datetime(2026, 11, 24, 10, 0, 0, tzinfo=UTC) + timedelta(seconds=seconds)
+        reconciler.tick()
+
+    try:
+        reconciler.training_event("ADDED", store.get_training("default", "t") or {})
+        job = store.job()
+        job["status"] = {
+            "state": "Running",
+            "began": "2026-11-24T10:00:00Z",
+            "wakeAt": "2026-11-24T10:00:20Z",
+        }
+        reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
+        at(10)
+        assert store.annotated == []
+        at(20)
+        assert store.annotated == ["gpuop.io/woken-at=2026-11-24T10:00:20+00:00"]
+        at(30)
+        at(45)
+        assert len(store.annotated) == 1  # one PATCH; the controller has 30 s to act on it
+        at(50)
+        assert store.annotated[1:] == ["gpuop.io/woken-at=2026-11-24T10:00:50+00:00"]
+
+        # Finished, with a TTL: no tick reconciles it, but the one at its TTL's end.
+        job = store.job()
+        job["status"] = {"state": "Done", "began": "2026-11-24T10:00:00Z", "since": "2026-11-24T10:01:00Z",
+                         "wakeAt": "2026-11-24T10:03:00Z"}  # fmt: skip
+        reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
+        assert store.trainings[("default", "t")]["status"]["phase"] == "Succeeded"
+        writes = store.status_writes
+        at(120)
+        assert (len(store.annotated), store.status_writes) == (2, writes)
+        at(180)
+        assert store.annotated[2:] == ["gpuop.io/woken-at=2026-11-24T10:03:00+00:00"]
+
+        # Deleted meanwhile (its controller acted): the touch finds nothing, and says nothing.
+        store.objects = {k: v for k, v in store.objects.items() if v["kind"] != "ToyJob"}
+        at(210)
+        assert len(store.annotated) == 3
+        assert store.trainings[("default", "t")]["status"]["phase"] == "Succeeded"
+    finally:
+        reconciler.close()
+    assert "ReconcileError" not in store.events

@@ -175,3 +175,58 @@ def test_job_conditions_of_a_pytorchjob_are_as_kubeflow_wrote_them() -> None:
     assert PYTORCHJOB.conditions(job) == (
         JobCondition("Running", "True", "PyTorchJobRunning", "Running", "2026-11-22T10:00:00Z"),
     )
+
+
+def _pytorchjob(run_policy: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    return {"kind": "PyTorchJob", "spec": {"runPolicy": run_policy}, "status": status}
+
+
+_STARTED = {"startTime": "2026-11-24T10:00:00Z", "conditions": [{"type": "Running", "status": "True"}]}
+_FINISHED = {
+    "startTime": "2026-11-24T10:00:00Z", "completionTime": "2026-11-24T10:05:00Z",
+    "conditions": [{"type": "Succeeded", "status": "True"}],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("run_policy", "status", "due"),
+    [
+        ({"activeDeadlineSeconds": 20}, _STARTED, ["2026-11-24T10:00:20+00:00"]),
+        ({"activeDeadlineSeconds": 20}, {"conditions": [{"type": "Created", "status": "True"}]}, []),
+        ({"activeDeadlineSeconds": 20, "suspend": True}, _STARTED, []),
+        ({}, _STARTED, []),
+        # Once finished the deadline is moot: the TTL counts, from completionTime alone.
+        (
+            {"activeDeadlineSeconds": 20, "ttlSecondsAfterFinished": 60},
+            _FINISHED,
+            ["2026-11-24T10:06:00+00:00"],
+        ),
+        ({"ttlSecondsAfterFinished": 0}, _FINISHED, ["2026-11-24T10:05:00+00:00"]),
+        ({"activeDeadlineSeconds": 20}, _FINISHED, []),
+        ({"ttlSecondsAfterFinished": 60}, {**_FINISHED, "completionTime": None}, []),
+        ({"activeDeadlineSeconds": 20}, {**_STARTED, "startTime": "yesterday"}, []),
+    ],
+    ids=[
+        "deadline",
+        "not started",
+        "suspended",
+        "no deadline",
+        "ttl",
+        "ttl 0",
+        "finished, no ttl",
+        "no completion time",
+        "not a time",
+    ],
+)
+def test_a_pytorchjob_wakes_at_its_deadline_and_at_its_ttl(
+    run_policy: dict[str, Any], status: dict[str, Any], due: list[str]
+) -> None:
+    """The v1 training-operator sleeps through both (kubeflow/trainer#3358); the operator
+    touches the job at these times, and only at these."""
+    assert [t.isoformat() for t in PYTORCHJOB.wake_times(_pytorchjob(run_policy, status))] == due
+    assert PYTORCHJOB.wake_times(None) == ()
+
+
+def test_a_trainjob_keeps_its_own_clocks() -> None:
+    job = {"kind": "TrainJob", "spec": {"activeDeadlineSeconds": 20}, "status": _STARTED}
+    assert TRAINJOB.wake_times(job) == ()

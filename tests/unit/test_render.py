@@ -86,6 +86,7 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [
                 "queueName": "team-a",
                 "priorityClassName": "high",
                 "gang": True,
+                "schedulerName": "volcano",
                 "nodeSelector": {"pool": "a100"},
                 "tolerations": [
                     {"key": "spot", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 60},
@@ -406,6 +407,19 @@ def test_labels_and_queue() -> None:
     }
     for pod_template in (r["template"] for r in job["spec"]["pytorchReplicaSpecs"].values()):
         assert pod_template["metadata"]["labels"]["gpuop.io/gputraining"] == "demo"
+
+
+def test_scheduler_name_is_on_every_replica_and_left_out_unless_set() -> None:
+    """Left out, a gang-scheduling training-operator writes its gang scheduler's name into the
+    pods (and any other scheduler's name would make it keep that one): so nothing by default."""
+    assert not any("schedulerName" in p for p in pods(render(minimal(workers=3, scheduling={"gang": True}))))
+    job = render(minimal(workers=3, scheduling={"gang": True, "schedulerName": "volcano"}))
+    assert [p["schedulerName"] for p in pods(job)] == ["volcano", "volcano"]  # Master and Worker
+    assert job["spec"]["runPolicy"]["schedulingPolicy"] == {"minAvailable": 3}
+    elastic = render(
+        minimal(workers=2, elastic={"maxWorkers": 3}, scheduling={"schedulerName": "my-scheduler"})
+    )
+    assert [p["schedulerName"] for p in pods(elastic)] == ["my-scheduler"]  # Worker only
 
 
 def test_user_pod_labels_cannot_replace_ours() -> None:

@@ -48,7 +48,7 @@ def test_minimal_spec_gets_the_documented_defaults() -> None:
         500,
         3,
     )
-    assert spec.run_policy.clean_pod_policy == "None"
+    assert spec.run_policy.clean_pod_policy == "Running"
     assert spec.run_policy.suspend is False
     assert spec.nccl.profile == "none"
     assert spec.stall_timeout_seconds == 900
@@ -84,6 +84,21 @@ def test_explicit_null_means_absent_as_in_the_api_server() -> None:
 
 def test_integer_quantities_are_accepted() -> None:
     assert parse(minimal(shmSize=1073741824)).spec.shm_size == "1073741824"
+
+
+def test_scheduler_name_is_any_schedulers_and_unset_by_default() -> None:
+    """Unset, nothing is rendered and the training-operator names its gang scheduler; a set name
+    is taken as given, default-scheduler too when nothing asks for a gang."""
+    assert parse(minimal()).spec.scheduling.scheduler_name is None
+    for scheduling in (
+        {"schedulerName": "default-scheduler"},
+        {"gang": True, "schedulerName": "volcano"},
+        {"gang": True, "schedulerName": "scheduler-plugins-scheduler"},
+        {"backend": "trainjob", "schedulerName": "volcano"},
+    ):
+        backend = scheduling.pop("backend", "auto")
+        spec = parse(minimal(backend=backend, scheduling=scheduling)).spec
+        assert spec.scheduling.scheduler_name == scheduling["schedulerName"]
 
 
 def test_custom_command_needs_no_dataset() -> None:
@@ -361,6 +376,11 @@ BAD_SPECS: list[tuple[str, dict[str, Any], list[str]]] = [
         [TRAINJOB_REFUSES["cleanPodPolicy"]],
     ),
     (
+        "clean pod policy None on trainjob",
+        {"backend": "trainjob", "runPolicy": {"cleanPodPolicy": "None"}},
+        [TRAINJOB_REFUSES["cleanPodPolicy"]],
+    ),
+    (
         "bad nccl profile",
         {"nccl": {"profile": "azure"}},
         ['spec.nccl.profile: must be one of none, eks-efa, gke, aks-infiniband (got "azure")'],
@@ -390,6 +410,24 @@ BAD_SPECS: list[tuple[str, dict[str, Any], list[str]]] = [
         "gang not a bool",
         {"scheduling": {"gang": "yes"}},
         ['spec.scheduling.gang: must be true or false (got "yes")'],
+    ),
+    (
+        "scheduler name not a DNS name",
+        {"scheduling": {"schedulerName": "Volcano_GPU"}},
+        ['spec.scheduling.schedulerName: must be a lowercase DNS name such as volcano (got "Volcano_GPU")'],
+    ),
+    (
+        "scheduler name too long",
+        {"scheduling": {"schedulerName": "s" * 254}},
+        ["spec.scheduling.schedulerName: must be at most 253 characters long"],
+    ),
+    (
+        "gang placed by the default scheduler",
+        {"scheduling": {"gang": True, "schedulerName": "default-scheduler"}},
+        [
+            "spec.scheduling.schedulerName: default-scheduler does not gang-schedule: leave schedulerName "
+            "empty with gang (the training-operator fills in its gang scheduler) or name your gang scheduler"
+        ],
     ),
     (
         "memory out of range",

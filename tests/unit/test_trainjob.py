@@ -97,6 +97,7 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [
             scheduling={
                 "queueName": "team-a",
                 "priorityClassName": "high",
+                "schedulerName": "volcano",
                 "nodeSelector": {"pool": "a100"},
                 "tolerations": [{"key": "spot", "operator": "Exists", "effect": "NoExecute"}],
             },
@@ -133,7 +134,7 @@ def test_the_pod_is_the_pytorchjobs_but_for_name_ports_launch_and_restart_policy
         gpuType="NVIDIA-H100-80GB-HBM3",
         nccl={"profile": "aks-infiniband"},
         checkpoint={"volume": {"claimName": "ckpt"}},
-        scheduling={"priorityClassName": "high"},
+        scheduling={"priorityClassName": "high", "schedulerName": "volcano"},
     )
     v1 = render_pytorchjob(parse(body))["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
     v2 = merged_pod_template(*both(body))
@@ -150,6 +151,15 @@ def test_the_pod_is_the_pytorchjobs_but_for_name_ports_launch_and_restart_policy
     assert c2["resources"]["limits"][render.GPU_RESOURCE] == 8
     assert c2["terminationMessagePath"] == TERMINATION_LOG
     assert c2["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+
+
+def test_scheduler_name_reaches_the_pods_through_the_runtime_and_only_when_set() -> None:
+    """A TrainJob's pods take their spec from the runtime's pod template alone (its trainer
+    overrides only the container)."""
+    assert "schedulerName" not in node_pod(minimal())
+    job, runtime = both(minimal(scheduling={"schedulerName": "volcano"}))
+    assert "schedulerName" not in str(job["spec"])  # the record in its annotations names it
+    assert merged_pod_template(job, runtime)["spec"]["schedulerName"] == "volcano"
 
 
 def test_trainer_carries_what_kubeflow_shows_and_trainer_v2_sets_the_rendezvous() -> None:

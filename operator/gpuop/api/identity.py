@@ -20,6 +20,9 @@ TRAINING_LABEL: Final = "gpuop.io/gputraining"  # on the job and its pods: the G
 # The fixed spec fields the job was made from (JSON), so that a change that got past the CRD's
 # transition rules is reported instead of silently not applied.
 CREATED_FROM_ANNOTATION: Final = "gpuop.io/created-from"
+# On a PyTorchJob, when the operator last woke its controller for a deadline or a TTL that
+# came due (gpuop.backends.pytorchjob: the v1 training-operator sleeps through both).
+WOKEN_AT_ANNOTATION: Final = "gpuop.io/woken-at"
 # The version has one home, pyproject.toml; the installed distribution's metadata carries it
 # here (and the chart's appVersion is checked against it), so a release is one edit.
 PACKAGE_VERSION: Final = importlib.metadata.version("gpu-training-operator")

@@ -161,8 +161,31 @@ class Scheduling:
     gang: bool = api_field(
         "All-or-nothing scheduling: sets runPolicy.schedulingPolicy.minAvailable to the worker "
         "count, for Volcano or the scheduler-plugins coscheduler configured in the "
-        "training-operator.",
+        "training-operator (its --gang-scheduler-name), which makes the job's PodGroup from it.",
         default=False,
+    )
+    scheduler_name: str | None = api_field(
+        "Scheduler of the worker pods (their spec.schedulerName), e.g. volcano; empty: the "
+        "cluster's default-scheduler. With gang on backend pytorchjob leave it empty: the "
+        "training-operator fills in the scheduler its --gang-scheduler-name names; a different "
+        "name is kept (the training-operator warns SetPodTemplateSchedulerName) and the pods "
+        "are placed by that scheduler, not the gang scheduler.",
+        default=None,
+        max_length=253,
+        pattern=K8S_NAME_PATTERN,
+        pattern_hint="a lowercase DNS name such as volcano",
+    )
+
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        # Kubernetes' own scheduler places pods one by one: named with gang, the PodGroup would
+        # be made and then ignored, and the all-or-nothing promise silently dropped.
+        Rule(
+            cel="!self.gang || !has(self.schedulerName) || self.schedulerName != 'default-scheduler'",
+            message="default-scheduler does not gang-schedule: leave schedulerName empty with gang "
+            "(the training-operator fills in its gang scheduler) or name your gang scheduler",
+            check=lambda s: {} if s.gang and s.scheduler_name == "default-scheduler" else None,
+            field=".schedulerName",
+        ),
     )
 
 

@@ -223,7 +223,12 @@ class RunPolicy:
         default=False,
     )
     clean_pod_policy: Literal["None", "Running", "All"] = api_field(
-        "Pods deleted when the job finishes: None keeps them (logs stay readable), Running "
-        "deletes those still running, All deletes every pod.",
-        default="None",
+        "Pods deleted when the job finishes: Running deletes those still running (a job failed "
+        "by its deadline or backoff limit frees its GPUs; finished pods and their logs stay), "
+        "All deletes every pod, None keeps them all (a failed job's pods run on, crash-looping "
+        "or training, holding their GPUs).",
+        # Running, where Kubeflow's PyTorchJob default is None: on the real training-operator a
+        # job failed at its deadline kept training, and one failed by backoff kept restarting
+        # its pod, each on GPUs nobody could use. A TrainJob's JobSet does what Running does.
+        default="Running",
     )

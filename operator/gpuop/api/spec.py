@@ -95,10 +95,10 @@ TRAINJOB_GAPS: Final = (
         "backend pytorchjob or drop it",
     ),
     _TrainJobGap(
-        ".runPolicy.cleanPodPolicy", "self.runPolicy.cleanPodPolicy != 'None'",
-        lambda s: s.run_policy.clean_pod_policy != "None",
-        "a TrainJob's Jobs keep their finished pods, as cleanPodPolicy None; use backend pytorchjob "
-        "or drop it",
+        ".runPolicy.cleanPodPolicy", "self.runPolicy.cleanPodPolicy != 'Running'",
+        lambda s: s.run_policy.clean_pod_policy != "Running",
+        "a TrainJob's JobSet deletes its running pods when it ends and keeps the finished ones, as "
+        "cleanPodPolicy Running; use backend pytorchjob or drop it",
     ),
 )  # fmt: skip
 

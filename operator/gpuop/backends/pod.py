@@ -423,6 +423,9 @@ def pod_template(
         pod["serviceAccountName"] = spec.service_account_name
     if spec.scheduling.priority_class_name is not None:
         pod["priorityClassName"] = spec.scheduling.priority_class_name
+    if spec.scheduling.scheduler_name is not None:
+        # Left out, a gang-scheduling training-operator writes its own scheduler's name here.
+        pod["schedulerName"] = spec.scheduling.scheduler_name
     if node_selector:
         pod["nodeSelector"] = node_selector
     if tolerations:

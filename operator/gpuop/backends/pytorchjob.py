@@ -9,6 +9,7 @@ the terms status is derived in (Created, Running, Suspended, Restarting, Succeed
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta
 from typing import Any, Final
 
 from gpuop.api.identity import (
@@ -195,6 +196,30 @@ class PyTorchJobApi:
         want, have = desired["spec"]["runPolicy"], (child.get("spec") or {}).get("runPolicy") or {}
         changes = observe.changed(want, have, MUTABLE_RUN_POLICY, skip)
         return {"spec": {"runPolicy": changes}} if changes else None
+
+    def wake_times(self, job: Mapping[str, Any] | None) -> tuple[datetime, ...]:
+        """Its deadline while it runs, its TTL's end once finished.
+
+        The training-operator v1.9.4 checks both only when it reconciles the job, and schedules
+        that reconcile on a work queue that drops delayed additions (kubeflow/trainer#3358): on
+        the real controller a quiet job ran minutes past a 20 s deadline, and a finished one
+        outlived its TTL. Any change to the job makes it reconcile (its watch has no update
+        filter), so the operator touches the job at these times.
+        """
+        run_policy = ((job or {}).get("spec") or {}).get("runPolicy") or {}
+        status = (job or {}).get("status") or {}
+        if run_policy.get("suspend"):
+            return ()  # neither clock runs while suspended (nor does the controller's check)
+        if not observe.finished(self.conditions(job)):
+            clock, seconds = status.get("startTime"), run_policy.get("activeDeadlineSeconds")
+        else:  # the controller counts from completionTime alone (none: it cannot clean up)
+            clock, seconds = status.get("completionTime"), run_policy.get("ttlSecondsAfterFinished")
+        if not isinstance(clock, str) or not isinstance(seconds, int):
+            return ()
+        try:
+            return (datetime.fromisoformat(clock) + timedelta(seconds=seconds),)
+        except ValueError:
+            return ()  # not a time the controller wrote: it could not count from it either
 
 
 PYTORCHJOB: Final = PyTorchJobApi()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Final, Protocol
 
 from gpuop.api.identity import KUEUE_API_VERSIONS
@@ -84,6 +85,12 @@ class JobApi(Protocol):
         self, desired: Mapping[str, Any], child: Mapping[str, Any], skip: tuple[str, ...] = ()
     ) -> dict[str, Any] | None:
         """The merge patch bringing a made job's mutable fields to ``desired``'s, but ``skip``."""
+        ...
+
+    def wake_times(self, job: Mapping[str, Any] | None) -> tuple[datetime, ...]:
+        """When its controller must act on the job by the clock alone (a deadline, a TTL) and is
+        known to sleep through it unless the job changes: the operator touches the job then.
+        Empty for a controller that keeps its own clocks."""
         ...
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from datetime import datetime
 from typing import Any, Final
 
 from gpuop._kits.schema import SpecError
@@ -236,6 +237,11 @@ class TrainJobApi:
         """suspend, its only mutable field, unless Kueue owns it (in ``skip``)."""
         changes = observe.changed(desired["spec"], child.get("spec") or {}, ("suspend",), skip)
         return {"spec": changes} if changes else None
+
+    def wake_times(self, job: Mapping[str, Any] | None) -> tuple[datetime, ...]:
+        # The deadline is the Job controller's (through JobSet), which requeues itself for it; a
+        # TrainJob has no TTL (the spec refuses one on this backend).
+        return ()
 
 
 TRAINJOB: Final = TrainJobApi()

@@ -8,8 +8,10 @@ mid-reconcile, or a retried create had succeeded); a stranger's is never touched
 from __future__ import annotations
 
 import logging
-from typing import Any
+from datetime import datetime, timedelta
+from typing import Any, Final
 
+from gpuop.api.identity import WOKEN_AT_ANNOTATION
 from gpuop.api.spec import GpuTraining
 from gpuop.api.status import GpuTrainingStatus
 from gpuop.backends import registry
@@ -19,6 +21,18 @@ from gpuop.controller.table import Tracked
 from gpuop.observing import observe
 
 log = logging.getLogger(__name__)
+
+# How long a woken controller has before it is woken again, should it not have acted (it was
+# restarting, or missed the event): the real one acts within a second. One PATCH each time.
+WAKE_AGAIN: Final = timedelta(seconds=30)
+
+
+def wake_due(tracked: Tracked, api: JobApi, now: datetime) -> bool:
+    """Whether a clock the job's controller sleeps through has come, and it was not woken for
+    it within :data:`WAKE_AGAIN`."""
+    if tracked.child is None or not any(due <= now for due in api.wake_times(tracked.child)):
+        return False
+    return tracked.woken_at is None or now - tracked.woken_at >= WAKE_AGAIN
 
 
 def conflict(kind: str, name: str) -> str:
@@ -76,6 +90,27 @@ class Children:
                 log.info("gputraining %s/%s: updated the %s: %s", namespace, name, api.kind, patch)
                 outcome = "updated" if outcome == "unchanged" else outcome
         return outcome, None
+
+    def wake(self, tracked: Tracked, api: JobApi, now: datetime) -> bool:
+        """Touch the job when :func:`wake_due`: a changed annotation is an update event to its
+        controller, which then fails it past its deadline or deletes it past its TTL, by its own
+        rules and with its own reasons. Returns whether it touched it."""
+        if not wake_due(tracked, api, now):
+            return False
+        assert tracked.child is not None
+        meta = tracked.child.get("metadata") or {}
+        namespace, name = str(meta.get("namespace") or "default"), str(meta.get("name"))
+        patch = {"metadata": {"annotations": {WOKEN_AT_ANNOTATION: now.isoformat(timespec="seconds")}}}
+        try:
+            tracked.child = observe.slim_job(
+                self.kube.patch_object(api.api_version, api.plural, namespace, name, patch)
+            )
+        except ApiError as exc:
+            if exc.status != 404:  # gone already: its DELETED event follows
+                raise
+        tracked.woken_at = now
+        log.info("gputraining %s/%s: woke the %s's controller for its clock", namespace, name, api.kind)
+        return True
 
     def _create_or_adopt(
         self, api_version: str, plural: str, desired: dict[str, Any]

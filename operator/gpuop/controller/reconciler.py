@@ -29,7 +29,7 @@ from gpuop.api.status import GpuTrainingStatus, status_from_json
 from gpuop.backends import registry
 from gpuop.backends.pod import ReportEndpoint
 from gpuop.backends.registry import Choice, JobApi
-from gpuop.controller.children import Children
+from gpuop.controller.children import Children, wake_due
 from gpuop.controller.discovery import ServedBackends
 from gpuop.controller.kube import ApiError, Kube
 from gpuop.controller.pods import PodReader
@@ -200,6 +200,8 @@ class Reconciler:
 
         objects = view.objects(api, self.settings.trainer_image, self.report_endpoint)
         outcome, conflict = self._children.ensure(tracked, view.training, api, objects)
+        if conflict is None and self._children.wake(tracked, api, now) and outcome == "unchanged":
+            outcome = "woken"
         observation = self._observe(tracked, previous, view, api, choice, conflict, now, generation)
         thresholds = Thresholds(
             stall_timeout_seconds=spec.stall_timeout_seconds,
@@ -319,13 +321,21 @@ class Reconciler:
                         tracked.pods = pods
         for key, tracked in items:
             # A finished job changes only on an event (a spec edit, a deletion), which
-            # reconciles it anyway; everything else may need time (Stalled) or a retry.
+            # reconciles it anyway, or at its TTL; everything else may need time (Stalled) or a
+            # retry.
             if tracked.phase not in ("Succeeded", "Failed"):
                 tracked.reports = self.reports.of(key)
                 self.reconcile(key)
+            elif self._wake_due(tracked):  # a finished job's TTL, which no event announces
+                self.reconcile(key)
         # Only what this replica serves: a standby's table is stale, and its counts would add
         # to the active replica's in a sum over pods.
-        self.metrics.set_phases(tracked.phase for _, tracked in items)
+        self.metrics.observe_trainings(items, self.clock())
+
+    def _wake_due(self, tracked: Tracked) -> bool:
+        child = tracked.child
+        api = registry.of_kind(child.get("kind")) if child is not None else None
+        return api is not None and wake_due(tracked, api, self.clock())
 
     # -- introspection (probes, tests) ----------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from gpuop._kits.schema import SpecError
@@ -92,6 +93,7 @@ class Tracked:
     view: SpecView | None = None
     failure: str | None = None  # the last unexpected error, said once
     child_gone: bool = False  # asked for and not found, after the training finished
+    woken_at: datetime | None = None  # when the job was last touched to wake its controller
 
     @property
     def phase(self) -> str | None:

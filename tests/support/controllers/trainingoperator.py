@@ -20,6 +20,7 @@ machine cannot overwrite each other's keys) and a thread plays the secret volume
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Final
 
@@ -94,5 +95,22 @@ TRAINING_OPERATOR: Final = ControllerSpec(
 )  # fmt: skip
 
 
-def training_operator(plane: ControlPlane, api: Api, host_ip: str, workdir: Path) -> WebhookedController:
-    return WebhookedController(TRAINING_OPERATOR, plane, api, host_ip, workdir)
+def training_operator(
+    plane: ControlPlane,
+    api: Api,
+    host_ip: str,
+    workdir: Path,
+    *,
+    gang_scheduler: str | None = None,
+    watch_namespace: str | None = None,
+) -> WebhookedController:
+    """``gang_scheduler``: its ``--gang-scheduler-name`` (volcano, or the coscheduler's scheduler
+    name), which gangs every PyTorchJob it sees; ``watch_namespace``: its ``--namespace``, the only
+    namespace whose jobs it acts on (its webhook, cluster-wide, is the same either way)."""
+    extra = [f"--gang-scheduler-name={gang_scheduler}"] if gang_scheduler else []
+    extra += [f"--namespace={watch_namespace}"] if watch_namespace else []
+    spec = TRAINING_OPERATOR
+    if extra:
+        spec = dataclasses.replace(spec, command=lambda binary, ports, workdir: [
+            *TRAINING_OPERATOR.command(binary, ports, workdir), *extra])  # fmt: skip
+    return WebhookedController(spec, plane, api, host_ip, workdir)

@@ -18,6 +18,13 @@ works, tokens are verified), ``--authorization-mode=Node,RBAC`` and the default 
 chain plus NodeRestriction, as kubeadm configures them; the controller-manager runs every
 default controller (garbage collector, namespace, service-account and token controllers...).
 No kubelet and no scheduler: nothing here runs pods.
+
+The oldest Kubernetes the docs claim gets a plane of its own (:func:`running` with
+``oldest=True``): its kube-apiserver, built from ``tests/controlplane-oldest/go.mod``, on an
+etcd of its own (the same build), driven by the same kubectl. No controller-manager runs beside it, as the one built
+here is newer than that apiserver, and a controller-manager newer than its apiserver is outside
+Kubernetes' version skew policy; the suites that run there need only the API server's own
+judgement (validation, defaulting, admission).
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ from support.plane import gobuild
 from support.tls import CertificateAuthority, openssl
 
 MODULE: Final = ROOT / "tests" / "controlplane"
+# kube-apiserver at the oldest Kubernetes minor the docs claim (docs/architecture.md, Compatibility).
+OLDEST_MODULE: Final = ROOT / "tests" / "controlplane-oldest"
 STATE: Final = ROOT / ".controlplane"
 # Binary name -> Go package (etcd's comes out as "server" and is renamed: see support.plane.gobuild).
 PACKAGES: Final = {
@@ -102,6 +111,28 @@ def recipe() -> gobuild.Recipe:
 def ensure_binaries(say: Say = _say) -> Path:
     """The cached binaries, built first when missing. Safe to call from several processes."""
     return gobuild.ensure(recipe(), say)
+
+
+def oldest_version() -> str:
+    """The oldest Kubernetes the docs claim, as its tools module pins it: "v1.29.15"."""
+    return gobuild.required_version(OLDEST_MODULE, "k8s.io/kubernetes")
+
+
+def oldest_recipe() -> gobuild.Recipe:
+    version = oldest_version()
+    return gobuild.Recipe(
+        name="controlplane-oldest",
+        module=OLDEST_MODULE,
+        packages={"kube-apiserver": PACKAGES["kube-apiserver"]},
+        label=f"k8s-{version}",
+        cold_cost="measured 5.4 min on 2 cores after the control plane's own build, ~190 MB of modules",
+        ldflags=_version_ldflags(version),
+    )
+
+
+def ensure_oldest_binaries(say: Say = _say) -> Path:
+    """The oldest claimed kube-apiserver, built first when missing."""
+    return gobuild.ensure(oldest_recipe(), say)
 
 
 # -- certificates -------------------------------------------------------------------------
@@ -186,11 +217,18 @@ class Component:
 
 
 class ControlPlane:
-    """etcd + kube-apiserver + kube-controller-manager under ``workdir``, on loopback ports."""
+    """etcd + kube-apiserver + kube-controller-manager under ``workdir``, on loopback ports.
 
-    def __init__(self, workdir: Path, binaries: Path, say: Say = _say) -> None:
+    With ``apiserver`` (a directory holding another kube-apiserver: the oldest claimed) that one
+    runs instead, and no controller-manager: see the module's docstring.
+    """
+
+    def __init__(
+        self, workdir: Path, binaries: Path, say: Say = _say, *, apiserver: Path | None = None
+    ) -> None:
         self.workdir = workdir
         self.binaries = binaries
+        self.apiserver = apiserver
         self.say = say
         self.components: list[Component] = []
         self.pki = workdir / "pki"
@@ -205,6 +243,8 @@ class ControlPlane:
         return f"https://127.0.0.1:{self.apiserver_port}"
 
     def binary(self, name: str) -> Path:
+        if name == "kube-apiserver" and self.apiserver is not None:
+            return self.apiserver / name
         return self.binaries / name
 
     # -- start and stop -------------------------------------------------------------------
@@ -270,6 +310,10 @@ class ControlPlane:
             "--audit-log-format=json", "--audit-log-mode=batch", "--audit-log-batch-max-wait=1s",
         ])  # fmt: skip
         self._wait(f"{self.server}/readyz", "kube-apiserver", timeout)
+        self.kubeconfig.write_text(kubeconfig(self.server, self.ca.cert, user="admin",
+                                              cert=pki / "admin.crt", key=pki / "admin.key"))  # fmt: skip
+        if self.apiserver is not None:  # another version's apiserver: no controller-manager
+            return
         kcm = self.workdir / "controller-manager.kubeconfig"
         kcm.write_text(kubeconfig(self.server, self.ca.cert, user="system:kube-controller-manager",
                                   cert=pki / "controller-manager.crt", key=pki / "controller-manager.key"))  # fmt: skip
@@ -283,8 +327,6 @@ class ControlPlane:
             "--v=1",
         ])  # fmt: skip
         self._wait(f"https://127.0.0.1:{controller_manager_port}/healthz", "kube-controller-manager", timeout)
-        self.kubeconfig.write_text(kubeconfig(self.server, self.ca.cert, user="admin",
-                                              cert=pki / "admin.crt", key=pki / "admin.key"))  # fmt: skip
         # The controllers are really working once the namespace's ServiceAccount exists (pods
         # cannot be created before) and the root CA is published.
         self._wait_for_object("/api/v1/namespaces/default/serviceaccounts/default", timeout)
@@ -407,9 +449,11 @@ class ControlPlane:
 
 
 @contextlib.contextmanager
-def running(workdir: Path, say: Say = _say) -> Iterator[ControlPlane]:
-    """A started control plane for the duration of the block (the pytest fixture's form)."""
-    plane = ControlPlane(workdir, ensure_binaries(say), say)
+def running(workdir: Path, say: Say = _say, *, oldest: bool = False) -> Iterator[ControlPlane]:
+    """A started control plane for the duration of the block (the pytest fixture's form); with
+    ``oldest``, the oldest claimed kube-apiserver on its own etcd, no controller-manager."""
+    binaries = ensure_binaries(say)
+    plane = ControlPlane(workdir, binaries, say, apiserver=ensure_oldest_binaries(say) if oldest else None)
     try:
         plane.start()
         yield plane
@@ -566,12 +610,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "build":
             from support.controllers import (
                 kueue,
+                podgroups,
                 trainingoperator,
-            )  # the other Go-built binaries the tests run
+            )  # the other Go-built binaries the tests run, and the gang schedulers' CRDs
 
             print(ensure_binaries())
+            print(ensure_oldest_binaries())
             print(trainingoperator.ensure_binary())
             print(kueue.ensure_binary())
+            print(podgroups.volcano_crd())
+            print(podgroups.coscheduler_crd())
             return 0
         if args.command == "up":
             return up(args.dir.resolve())

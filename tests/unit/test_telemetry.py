@@ -1,0 +1,278 @@
+"""The operator's series that users sum and alert on: GPU-hours per namespace (a counter that only
+grows), trainings by phase per namespace, and the few per-training series the chart's alerts
+read, set from the state table at each tick and gone with the training."""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from gpuop.backends import registry
+from gpuop.controller.reconciler import Reconciler
+from gpuop.controller.settings import OperatorSettings
+from gpuop.controller.table import Tracked
+from gpuop.controller.telemetry import OperatorMetrics
+from gpuop.observing.records import ReceivedReport
+from gpuop.observing.reports import parse_report
+from support.specs import minimal
+from unit.test_backend_plugin import Store, ToyJobApi
+
+T0 = datetime(2026, 11, 24, 10, 0, 0, tzinfo=UTC)
+
+
+def _at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def _stamp(seconds: float) -> str:
+    return _at(seconds).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _condition(kind: str, status: str, since: float) -> dict[str, Any]:
+    return {
+        "type": kind,
+        "status": status,
+        "reason": kind,
+        "message": "",
+        "lastTransitionTime": _stamp(since),
+    }
+
+
+def _training(
+    name: str,
+    namespace: str = "team-a",
+    *,
+    uid: str | None = None,
+    phase: str | None = "Running",
+    **status: Any,
+) -> Tracked:
+    body: dict[str, Any] = {
+        "metadata": {"name": name, "namespace": namespace, "uid": uid or f"uid-{name}",
+                     "creationTimestamp": _stamp(-600)},
+        "spec": {},
+    }  # fmt: skip
+    if phase is not None:
+        body["status"] = {"phase": phase, **status}
+    return Tracked(body=body)
+
+
+def _running(name: str, namespace: str = "team-a", *, gpus: int, hours: float, counted: float,
+             **status: Any) -> Tracked:  # fmt: skip
+    """A training whose last status write said it holds ``gpus`` GPUs, counted up to ``counted``."""
+    status = {"conditions": [_condition("Running", "True", 0)], **status}
+    return _training(name, namespace, gpu={"count": gpus}, gpuHours=hours, gpuHoursCountedAt=_stamp(counted),
+                     **status)  # fmt: skip
+
+
+def _value(metrics: OperatorMetrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def _series(metrics: OperatorMetrics, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for family in metrics.registry.collect()
+        for s in family.samples
+        if s.name == name
+    }
+
+
+def _tick(metrics: OperatorMetrics, seconds: float, *trainings: Tracked) -> None:
+    items = [((t.body["metadata"]["namespace"], t.body["metadata"]["name"]), t) for t in trainings]
+    metrics.observe_trainings(items, _at(seconds))
+
+
+def test_gpu_hours_grow_with_the_clock_between_status_writes_and_never_count_twice() -> None:
+    metrics = OperatorMetrics()
+    hours = "gpuop_gpu_hours_total"
+    # First seen with 10 GPU-hours in its status (held before this process): not this process's
+    # to bill, but the namespace's series is there from 0 on.
+    _tick(metrics, 0, _running("llm", gpus=4, hours=10.0, counted=0))
+    assert _value(metrics, hours, namespace="team-a") == 0
+    _tick(metrics, 900, _running("llm", gpus=4, hours=10.0, counted=0))
+    assert _value(metrics, hours, namespace="team-a") == pytest.approx(1.0)  # 4 GPUs x 15 min
+    # The status is written: the span moves into gpuHours, with no jump.
+    _tick(metrics, 900, _running("llm", gpus=4, hours=11.0, counted=900))
+    assert _value(metrics, hours, namespace="team-a") == pytest.approx(1.0)
+    _tick(metrics, 1800, _running("llm", gpus=4, hours=11.0, counted=900))
+    assert _value(metrics, hours, namespace="team-a") == pytest.approx(2.0)
+    # It finished at 1700 s, which the operator learnt at 1800: its final gpuHours is under what was
+    # counted. The counter keeps its value (a counter never goes down) and counts none of it again.
+    finished = _training("llm", phase="Succeeded", gpu={"count": 4}, gpuHours=11.0 + 4 * 800 / 3600)
+    _tick(metrics, 1800, finished)
+    _tick(metrics, 3600, finished)
+    assert _value(metrics, hours, namespace="team-a") == pytest.approx(2.0)
+
+
+def test_gpu_hours_are_per_namespace_and_only_for_trainings_holding_gpus() -> None:
+    metrics = OperatorMetrics()
+    trainings = [
+        _running("a", "team-a", gpus=8, hours=0.0, counted=0),
+        _running("b", "team-b", gpus=1, hours=0.0, counted=0),
+        _training("queued", "team-b", phase="Queued", gpu={"count": 16}, gpuHours=3.0),  # no pods: no count
+        _running("cpu", "team-c", gpus=0, hours=0.0, counted=0),
+    ]
+    _tick(metrics, 0, *trainings)
+    _tick(metrics, 3600, *trainings)
+    assert _series(metrics, "gpuop_gpu_hours_total") == {
+        (("namespace", "team-a"),): pytest.approx(8.0),
+        (("namespace", "team-b"),): pytest.approx(1.0),
+        (("namespace", "team-c"),): 0.0,
+    }
+
+
+def test_a_restarted_operator_or_a_recreated_training_bills_only_from_then_on() -> None:
+    before = _running("llm", gpus=2, hours=50.0, counted=0)
+    restarted = OperatorMetrics()
+    _tick(restarted, 1800, before)  # 50 + 1 GPU-hours held, none of them since this process began
+    assert _value(restarted, "gpuop_gpu_hours_total", namespace="team-a") == 0
+    _tick(restarted, 3600, before)
+    assert _value(restarted, "gpuop_gpu_hours_total", namespace="team-a") == pytest.approx(1.0)
+    # Deleted and made again under the same name: a new uid, a new count from its own start.
+    again = _running("llm", uid="uid-2", gpus=2, hours=0.0, counted=3600)
+    _tick(restarted, 3600, again)
+    _tick(restarted, 5400, again)
+    assert _value(restarted, "gpuop_gpu_hours_total", namespace="team-a") == pytest.approx(2.0)
+
+
+def test_a_namespace_this_replica_stops_leading_is_neither_shown_nor_billed_again_for_its_absence() -> None:
+    metrics = OperatorMetrics()
+    llm = _running("llm", gpus=4, hours=0.0, counted=0)
+    _tick(metrics, 0, llm)
+    _tick(metrics, 900, llm)
+    assert _value(metrics, "gpuop_gpu_hours_total", namespace="team-a") == pytest.approx(1.0)
+    _tick(metrics, 1800)  # another replica leads team-a now: it bills 900..1800
+    assert _series(metrics, "gpuop_trainings") == {}
+    assert _series(metrics, "gpuop_training_phase") == {}
+    _tick(metrics, 2700, llm)  # led here again: from now on, not from 900
+    _tick(metrics, 3600, llm)
+    assert _value(metrics, "gpuop_gpu_hours_total", namespace="team-a") == pytest.approx(2.0)
+
+
+def test_trainings_by_phase_count_every_phase_of_each_namespace_and_drop_an_emptied_namespace() -> None:
+    metrics = OperatorMetrics()
+    a = _running("a", "team-a", gpus=1, hours=0.0, counted=0)
+    b = _training("b", "team-a", phase="Queued")
+    new = _training("new", "team-b", phase=None)  # no status yet
+    _tick(metrics, 0, a, b, new)
+    counts = _series(metrics, "gpuop_trainings")
+    assert len(counts) == 2 * 9  # every phase (and Unknown) of each namespace, zeros included
+    assert counts[(("namespace", "team-a"), ("phase", "Running"))] == 1
+    assert counts[(("namespace", "team-a"), ("phase", "Queued"))] == 1
+    assert counts[(("namespace", "team-a"), ("phase", "Failed"))] == 0
+    assert counts[(("namespace", "team-b"), ("phase", "Unknown"))] == 1
+    _tick(metrics, 10, a, b)  # team-b's only training was deleted
+    assert {dict(k)["namespace"] for k in _series(metrics, "gpuop_trainings")} == {"team-a"}
+
+
+def test_per_training_series_name_the_training_follow_its_phase_and_go_with_it() -> None:
+    metrics = OperatorMetrics()
+    queued = _training("big", phase="Queued", conditions=[_condition("Queued", "True", 120)])
+    pending = _training("fresh", "team-b", phase="Pending")
+    _tick(metrics, 300, queued, pending)
+    assert _series(metrics, "gpuop_training_phase") == {
+        (("gputraining", "big"), ("namespace", "team-a"), ("phase", "Queued")): 1,
+        (("gputraining", "fresh"), ("namespace", "team-b"), ("phase", "Pending")): 1,
+    }
+    assert _series(metrics, "gpuop_training_phase_since_timestamp_seconds") == {
+        (("gputraining", "big"), ("namespace", "team-a"), ("phase", "Queued")): _at(120).timestamp(),
+        # Pending has no condition of its name: since the GpuTraining was made.
+        (("gputraining", "fresh"), ("namespace", "team-b"), ("phase", "Pending")): _at(-600).timestamp(),
+    }
+    # Admitted: the Queued series go, the Running ones come, with no second series per training.
+    running = _running("big", gpus=8, hours=0.0, counted=400,
+                       conditions=[_condition("Queued", "False", 400), _condition("Running", "True", 400)])  # fmt: skip
+    _tick(metrics, 500, running, pending)
+    assert _series(metrics, "gpuop_training_phase") == {
+        (("gputraining", "big"), ("namespace", "team-a"), ("phase", "Running")): 1,
+        (("gputraining", "fresh"), ("namespace", "team-b"), ("phase", "Pending")): 1,
+    }
+    assert _value(metrics, "gpuop_training_phase_since_timestamp_seconds", namespace="team-a",
+                  gputraining="big", phase="Running") == _at(400).timestamp()  # fmt: skip
+    _tick(metrics, 600)  # both deleted
+    for name in ("gpuop_training_phase", "gpuop_training_phase_since_timestamp_seconds",
+                 "gpuop_training_condition", "gpuop_training_last_progress_timestamp_seconds"):  # fmt: skip
+        assert _series(metrics, name) == {}, name
+
+
+def test_the_alarm_conditions_are_1_while_they_hold_and_0_once_cleared() -> None:
+    metrics = OperatorMetrics()
+    conditions = [_condition("Running", "True", 0), _condition("Stalled", "True", 900),
+                  _condition("Underutilized", "False", 800), _condition("SpecNotApplied", "True", 0)]  # fmt: skip
+    _tick(metrics, 1000, _running("llm", gpus=1, hours=0.0, counted=0, conditions=conditions))
+    assert _series(metrics, "gpuop_training_condition") == {
+        (("condition", "Stalled"), ("gputraining", "llm"), ("namespace", "team-a")): 1,
+        (("condition", "Underutilized"), ("gputraining", "llm"), ("namespace", "team-a")): 0,
+    }
+
+
+def _report(seconds: float) -> ReceivedReport:
+    body = b'{"trainerStatus": {"progressPercentage": 10}}'
+    return ReceivedReport("llm-node-0", parse_report(body), _at(seconds))
+
+
+def test_the_last_progress_is_the_newest_report_figures_or_start_of_the_run_and_only_while_running() -> None:
+    metrics = OperatorMetrics()
+    name = "gpuop_training_last_progress_timestamp_seconds"
+    silent = _running("llm", gpus=1, hours=0.0, counted=0)  # Running since 0, nothing sent yet
+    _tick(metrics, 100, silent)
+    assert _value(metrics, name, namespace="team-a", gputraining="llm") == _at(0).timestamp()
+    scraped = _running("llm", gpus=1, hours=0.0, counted=0, progress={"step": 5, "updatedAt": _stamp(200)})
+    _tick(metrics, 300, scraped)
+    assert _value(metrics, name, namespace="team-a", gputraining="llm") == _at(200).timestamp()
+    scraped.reports = (_report(250), _report(280))  # the same figures again, but it is alive
+    _tick(metrics, 300, scraped)
+    assert _value(metrics, name, namespace="team-a", gputraining="llm") == _at(280).timestamp()
+    _tick(metrics, 400, _training("llm", phase="Succeeded", progress={"updatedAt": _stamp(390)}))
+    assert _series(metrics, name) == {}
+
+
+@pytest.fixture
+def toy(monkeypatch: pytest.MonkeyPatch) -> ToyJobApi:
+    api = ToyJobApi()
+    monkeypatch.setitem(registry.APIS, api.backend, api)
+    return api
+
+
+def test_the_reconcilers_tick_sets_them_for_the_namespaces_it_leads(toy: ToyJobApi) -> None:
+    """Through the real Reconciler and a toy job API: a running job's training is counted by
+    phase, shown per training and billed as the clock runs; a replica that leads no namespace
+    shows none of it."""
+    store = Store()
+    body = minimal(workers=2, gpusPerWorker=4)
+    body["metadata"] |= {"name": "t", "namespace": "team-a", "uid": "u-1", "generation": 1}
+    store.trainings[("team-a", "t")] = store._stamp(copy.deepcopy(body))
+    now = [T0]
+    leading = [True]
+    metrics = OperatorMetrics()
+    reconciler = Reconciler(
+        store,  # type: ignore[arg-type]
+        OperatorSettings(peering_name=None),
+        metrics,
+        clock=lambda: now[0],
+        leadership=lambda: lambda _namespace: leading[0],
+    )
+    try:
+        reconciler.training_event("ADDED", store.get_training("team-a", "t") or {})
+        job = store.job()
+        job["status"] = {"state": "Running", "began": _stamp(0)}
+        reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
+        reconciler.tick()
+        assert _value(metrics, "gpuop_trainings", namespace="team-a", phase="Running") == 1
+        phase = _value(metrics, "gpuop_training_phase", namespace="team-a", gputraining="t", phase="Running")
+        assert phase == 1
+        assert _value(metrics, "gpuop_gpu_hours_total", namespace="team-a") == 0
+        now[0] = _at(1800)
+        reconciler.tick()
+        # 8 GPUs x 30 min
+        assert _value(metrics, "gpuop_gpu_hours_total", namespace="team-a") == pytest.approx(4.0)
+        leading[0] = False
+        reconciler.tick()
+        assert _series(metrics, "gpuop_trainings") == {}
+        assert _series(metrics, "gpuop_training_phase") == {}
+        assert _value(metrics, "gpuop_gpu_hours_total", namespace="team-a") == pytest.approx(4.0)
+    finally:
+        reconciler.close()

@@ -18,7 +18,15 @@ from gpuop.api.status import (
 )
 from gpuop.backends.pytorchjob import PYTORCHJOB
 from gpuop.observing.derive import derive_status, events
-from gpuop.observing.records import JobCondition, Observation, PodObservation, QueueState, Thresholds
+from gpuop.observing.records import (
+    JobCondition,
+    Observation,
+    PodObservation,
+    QueueState,
+    ReceivedReport,
+    Thresholds,
+)
+from gpuop.observing.reports import parse_report
 from gpuop.observing.scrape import GpuFigures, TrainerMetrics
 from gputrain.contract import Result
 
@@ -594,6 +602,48 @@ def test_an_hour_paused_is_no_stall_the_clock_starts_again_on_resume(paused: str
     stuck = derive_status(still, observe(3660 + 900, pods=running_pods(10), **queue), THRESHOLDS)
     assert types(stuck)["Stalled"] == "True"
     assert "has not advanced for 15m" in next(c.message for c in stuck.conditions if c.type == "Stalled")
+
+
+def _said(step: int, seconds: float, activity: str | None = None) -> tuple[ReceivedReport, ...]:
+    """What the training code reported last: its step and, in a pause, what it is doing."""
+    metrics = [{"name": "current_step", "value": str(step)}, {"name": "total_steps", "value": "100"}]
+    metrics += [{"name": "activity", "value": activity}] if activity is not None else []
+    report = parse_report(json.dumps({"trainerStatus": {"metrics": metrics}}).encode())
+    return (ReceivedReport("demo-master-0", report, at(seconds)),)
+
+
+@pytest.mark.parametrize("activity", ["evaluating", "saving", "loading", "compiling"])
+def test_an_hour_evaluating_or_saving_is_no_stall_and_the_clock_starts_again_after_it(activity: str) -> None:
+    """Issue 28: the stall clock ran through evaluation and checkpoint saves (and data loading,
+    torch.compile), so an hour's evaluation was "step 10 has not advanced for 1h". While the code
+    says it is doing one (gpureport.pause, the Lightning callback's validation) no Stalled is
+    judged, and the clock starts again when it says it trains; a step not taken for the stall
+    timeout after that is still Stalled. An activity not among these is training."""
+    running = derive_status(None, observe(0, reports=_said(10, 0)), THRESHOLDS)
+    paused = derive_status(running, observe(60, reports=_said(10, 60, activity)), THRESHOLDS)
+    assert paused.progress is not None
+    assert paused.progress.activity == activity
+    # An hour on, still in it (as a restarted operator reads the status): no stall.
+    hour = derive_status(_round_trip(paused), observe(3660, reports=_said(10, 60, activity)), THRESHOLDS)
+    assert "Stalled" not in types(hour), [c.message for c in hour.conditions]
+    back = derive_status(hour, observe(3700, reports=_said(10, 3700)), THRESHOLDS)
+    assert back.progress is not None
+    assert back.progress.activity is None
+    assert "Stalled" not in types(back)
+    still = derive_status(_round_trip(back), observe(3700 + 899, reports=_said(10, 3700)), THRESHOLDS)
+    assert "Stalled" not in types(still)
+    stuck = derive_status(still, observe(3700 + 900, reports=_said(10, 3700)), THRESHOLDS)
+    assert types(stuck)["Stalled"] == "True"
+    assert "has not advanced for 15m" in next(c.message for c in stuck.conditions if c.type == "Stalled")
+
+
+def test_an_activity_that_is_no_pause_is_training() -> None:
+    running = derive_status(None, observe(0, reports=_said(10, 0)), THRESHOLDS)
+    other = derive_status(running, observe(60, reports=_said(10, 60, "thinking")), THRESHOLDS)
+    assert other.progress is not None
+    assert other.progress.activity is None
+    stuck = derive_status(other, observe(900, reports=_said(10, 60, "thinking")), THRESHOLDS)
+    assert types(stuck)["Stalled"] == "True"
 
 
 def test_a_moment_without_a_ready_child_job_is_no_pause_for_the_stall_clock() -> None:

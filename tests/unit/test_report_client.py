@@ -183,10 +183,10 @@ def make_reporter() -> Iterator[Any]:
 class FlushingReporter(Reporter):
     """Waits until each report was tried: none replaces another still waiting."""
 
-    def report_metrics(self, *args: Any, **kwargs: Any) -> bool:
-        queued = super().report_metrics(*args, **kwargs)
-        self.flush(timeout=5)
-        return queued
+    def _enqueue(self, body: bytes) -> int:
+        sequence = super()._enqueue(body)
+        self._wait_for(sequence, timeout=5)
+        return sequence
 
 
 def _sent(reporter: Reporter, server: StatusServer) -> list[Recorded]:
@@ -294,6 +294,56 @@ def test_one_report_per_5_seconds_besides_the_first_and_the_final(
     clock.now += 0.1
     assert reporter.report(step=5, total_steps=10)
     assert [s.metrics["current_step"] for s in _sent(reporter, server)] == ["1", "3", "5"]
+
+
+def test_a_pause_is_said_at_once_and_its_end_too_and_reports_inside_it_carry_it(
+    server: StatusServer, environ: dict[str, str], make_reporter: Any
+) -> None:
+    """Issue 28: a long evaluation or save is no stall when the code says it is one. Its start
+    and end pass the 5 s throttle (the stall clock must see both); a report inside carries the
+    pause, as one without it would end it; a nested pause adds nothing; pauses back to back are
+    said until their reports would outrun the server's rate per pod (one a second)."""
+    clock = ManualClock()
+    reporter = make_reporter(environ, clock=clock, kind=FlushingReporter)
+    assert reporter.report(step=1, total_steps=10)
+    clock.now += 1
+    with reporter.pause("evaluating"):
+        reporter.flush()
+        with reporter.pause("saving"):  # nested: the outer one stands
+            reporter.flush()
+        clock.now += 10
+        assert reporter.report(step=1, total_steps=10)
+    reporter.flush()
+    clock.now += 1
+    with reporter.pause("saving"):  # 11 s after the last start: said
+        reporter.flush()
+    reporter.flush()
+    clock.now += 1
+    with reporter.pause("evaluating"):  # 1 s after it: said (a save, then an evaluation)
+        reporter.flush()
+    reporter.flush()
+    with reporter.pause("loading"):  # at once after that: the bucket is empty, not said
+        reporter.flush()
+    sent = _sent(reporter, server)
+    assert [(s.metrics.get("current_step"), s.metrics.get("activity")) for s in sent] == [
+        ("1", None),
+        (None, "evaluating"),
+        ("1", "evaluating"),
+        (None, "training"),
+        (None, "saving"),
+        (None, "training"),
+        (None, "evaluating"),
+        (None, "training"),
+    ]
+
+
+def test_a_pause_never_raises_into_the_block_and_is_a_no_op_without_a_server(make_reporter: Any) -> None:
+    reporter = make_reporter({}, clock=ManualClock())
+    with reporter.pause("evaluating"):
+        pass
+    with gpureport.pause("saving"):
+        pass
+    assert reporter.delivered == reporter.failures == 0
 
 
 def test_the_latest_report_replaces_one_still_waiting(
@@ -532,6 +582,42 @@ def test_the_lightning_callback_reports_steps_loss_and_the_end(
     assert all(s.status["progressPercentage"] < 100 for s in sent[:-1])
 
 
+def test_the_lightning_callback_says_a_validation_within_the_fit_is_a_pause(
+    server: StatusServer, environ: dict[str, str], make_reporter: Any
+) -> None:
+    torch = pytest.importorskip("torch")
+    lightning = pytest.importorskip("lightning.pytorch")
+    from gpureport.lightning import GpuopProgress
+
+    class Validated(lightning.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self.layer(x), y))
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1)),
+                                       batch_size=16)  # fmt: skip
+    reporter = make_reporter(environ, min_interval=0, kind=FlushingReporter)
+    trainer = lightning.Trainer(
+        max_epochs=2, accelerator="cpu", devices=1, callbacks=[GpuopProgress(reporter)], num_sanity_val_steps=0,
+        enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(Validated(), data, data)
+    said = [s.metrics["activity"] for s in server.received() if "activity" in s.metrics]
+    assert said == ["evaluating", "training"] * 2  # one validation an epoch, each ended
+
+
 # -- the built-in trainer -------------------------------------------------------------------
 
 
@@ -557,6 +643,14 @@ def test_the_built_in_trainer_reports_its_intervals_and_its_end(tmp_path: Path, 
     finally:
         plain.stop()
     result = json.loads((tmp_path / "term").read_text())
+    # Its evaluation and its checkpoint saves are pauses, each one said then ended (issue 28). One
+    # over before the sender took its start is not said at all (latest wins): the digits
+    # model's evaluation is, here; its saves, which write files, are not.
+    paused = [s.metrics["activity"] for s in sent if s.metrics.keys() == {"activity"}]
+    assert "saving" in paused, paused
+    assert set(paused[0::2]) <= {"evaluating", "saving"}, paused
+    assert paused[1::2] == ["training"] * (len(paused) // 2), paused
+    sent = [s for s in sent if s.metrics.keys() != {"activity"}]
     assert len(sent) >= 2
     first, final = sent[0], sent[-1]
     assert first.headers["authorization"] == "Bearer token-1"

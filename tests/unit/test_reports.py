@@ -412,3 +412,30 @@ def test_any_bytes_are_a_report_or_a_report_error(raw: bytes) -> None:
     else:
         assert isinstance(report, TrainerReport)
         _within_the_status(report)
+
+
+@pytest.mark.parametrize(
+    ("said", "read"),
+    [("evaluating", "evaluating"), ("saving", "saving"), ("loading", "loading"), ("compiling", "compiling"),
+     ("training", None), ("Evaluating", None), ("x" * 64, None)],
+)  # fmt: skip
+def test_a_pause_is_read_from_the_activity_metric_and_lasts_only_while_reports_say_it(
+    said: str, read: str | None
+) -> None:
+    """The code's pause (gpureport.pause) is one of four words; anything else is training. It
+    is not carried over from the pod's earlier report, as the other figures are: a report that
+    does not say it ends it."""
+    body = {
+        "trainerStatus": {
+            "metrics": [{"name": "current_step", "value": "5"}, {"name": "activity", "value": said}]
+        }
+    }
+    report = parse_report(json.dumps(body).encode())
+    assert report.activity == read
+    assert "activity" not in dict(report.other)
+    later = parse_report(
+        json.dumps({"trainerStatus": {"metrics": [{"name": "loss", "value": "0.5"}]}}).encode()
+    )
+    merged = later.over(report)
+    assert (merged.step, merged.loss, merged.activity) == (5, 0.5, None)
+    assert report.over(later).activity == read

@@ -12,6 +12,7 @@ without it nothing is made and nothing changes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -122,6 +123,11 @@ class Reporter:
                 interval.rate,
                 eta,
             )
+
+    def pause(self, activity: str) -> contextlib.AbstractContextManager[None]:
+        """Tell the operator, while the block runs, that rank 0 is ``activity`` ("evaluating",
+        "saving") rather than stepping: not a stall however long it takes."""
+        return self.progress.pause(activity) if self.progress is not None else contextlib.nullcontext()
 
     def evaluated(self, at: Standing, figures: Figures) -> None:
         """Report an evaluation, after ``figures`` took its results."""

@@ -163,7 +163,9 @@ class Trainer:
     # Checkpoints
 
     def save_checkpoint(self) -> None:
-        path = self.checkpoints.save(checkpoint_of(self.components, self.settings.model), self.position.step)
+        with self.reporter.pause("saving"):
+            state = checkpoint_of(self.components, self.settings.model)
+            path = self.checkpoints.save(state, self.position.step)
         log.info("checkpoint %s at step %d", path, self.position.step)
 
     def resume(self) -> None:
@@ -267,11 +269,12 @@ class Trainer:
                 dist.broadcast(buffer, src=0)
 
     def evaluate(self) -> None:
-        self._sync_buffers()
-        self.model.eval()
-        sums = _evaluation_sums(self.model, self.data, self.settings, self.device)
-        self.figures.evaluated(*sum_over_ranks(self.cluster, sums))
-        self.model.train()
+        with self.reporter.pause("evaluating"):
+            self._sync_buffers()
+            self.model.eval()
+            sums = _evaluation_sums(self.model, self.data, self.settings, self.device)
+            self.figures.evaluated(*sum_over_ranks(self.cluster, sums))
+            self.model.train()
         self.reporter.evaluated(self._standing(), self.figures)
 
     def _micro_step(self, x: torch.Tensor, y: torch.Tensor, group_size: int, last: bool) -> torch.Tensor:

@@ -73,6 +73,9 @@ class WorkerCounts:
 
 # Where a training's progress figures came from (ProgressStatus.source).
 ProgressSource = Literal["TrainerStatus", "TrainerMetrics", "TrainerResult"]
+# What the training code may say it is doing besides optimizer steps (its reports' "activity"
+# metric); the stall clock is paused meanwhile.
+Activity = Literal["loading", "compiling", "evaluating", "saving"]
 
 
 @api_object
@@ -125,6 +128,12 @@ class ProgressStatus:
         default=None,
         date_time=True,
         max_length=64,
+    )
+    activity: Activity | None = api_field(
+        "What the training code says it is doing besides optimizer steps, for as long as its "
+        "reports say so (gpureport's pause(), the Lightning callback's validation); absent: "
+        "training. Stalled is not judged meanwhile, and its clock starts again when this ends.",
+        default=None,
     )
     source: ProgressSource | None = api_field(
         "Where these figures came from: TrainerStatus (the training code's reports: Hugging Face's "

@@ -460,7 +460,11 @@ def _running_alarms(
     advanced = progress.step_advanced_at if progress is not None else None
     if advanced is not None and resumed_at is not None:
         advanced = max(advanced, resumed_at)
-    if thresholds.stall_timeout_seconds and advanced is not None:
+    # While the code says it evaluates, saves, loads or compiles, no step is due: a long one is
+    # no stall. The price: a hang inside it is not Stalled either (Underutilized, on a GPU, and
+    # the chart's no-report alert still see it), until the code says it is training again.
+    paused = progress is not None and progress.activity is not None
+    if thresholds.stall_timeout_seconds and advanced is not None and not paused:
         idle = _seconds_between(advanced, now)
         if idle >= thresholds.stall_timeout_seconds:
             step = progress.step if progress is not None and progress.step is not None else 0

@@ -56,6 +56,7 @@ def progress_from_report(received: ReceivedReport, now: str) -> ProgressStatus:
     return dataclasses.replace(
         progress,
         source=source,
+        activity=report.activity,
         reported_by=received.pod,
         metrics=tuple(NamedMetric(name=n, value=v) for n, v in _unique(report.other)),
     )
@@ -200,12 +201,14 @@ def progress(
         return previous
     advanced = now
     # A step that went back is a restart from an older checkpoint: activity, not a stall. A
-    # client that sends percent and no steps (the Kubeflow SDK's) advances with its percent.
+    # client that sends percent and no steps (the Kubeflow SDK's) advances with its percent. A
+    # pause begun or ended (evaluating, saving, ...) starts the clock again, as a resume does.
     if (
         previous is not None
         and previous.step_advanced_at is not None
         and fresh.step == previous.step
         and (fresh.step is not None or fresh.percent == previous.percent)
+        and fresh.activity == previous.activity
     ):
         advanced = previous.step_advanced_at
     return dataclasses.replace(fresh, updated_at=now, step_advanced_at=advanced)

@@ -17,9 +17,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
+
+from gpuop.api.status import Activity
 
 # A report with 256 metrics of 64-character values is about 30 KiB of JSON; 64 KiB leaves room
 # for long names and whitespace and still bounds what one request costs the operator to read.
@@ -43,9 +46,14 @@ _TOTAL_EPOCHS: Final = ("total_epochs", "num_train_epochs", "max_epochs")
 _LOSS: Final = ("loss", "train_loss", "train/loss")
 _ACCURACY: Final = ("accuracy", "eval_accuracy", "eval/accuracy", "val_accuracy", "val_acc")
 _SAMPLES_PER_SECOND: Final = ("samples_per_second", "train_samples_per_second")
+# What the code says it is doing besides optimizer steps (gpureport's ``pause()``, our Lightning
+# callback): the stall clock does not run through these. Another value, or none, is training.
+ACTIVITY_METRIC: Final = "activity"
+PAUSES: Final = frozenset(typing.get_args(Activity))
 _READ: Final = frozenset(
     _STEP + _TOTAL_STEPS + _EPOCH + _TOTAL_EPOCHS + _LOSS + _ACCURACY + _SAMPLES_PER_SECOND
-)
+    + (ACTIVITY_METRIC,)
+)  # fmt: skip
 
 
 class ReportError(ValueError):
@@ -69,6 +77,7 @@ class TrainerReport:
     loss: float | None = None
     accuracy: float | None = None  # 0..1
     samples_per_second: float | None = None
+    activity: Activity | None = None  # while the code says so; None: training
     # The other metrics, in the client's order, at most MAX_SHOWN_METRICS: (name, value as sent).
     other: tuple[tuple[str, str], ...] = ()
     sent_at: str | None = None  # the client's lastUpdatedTime, as sent (for people only)
@@ -84,7 +93,8 @@ class TrainerReport:
         and status shows the latest known value of each figure."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for name, value in values.items():
-            if value is None:
+            # A pause lasts while each report says it: a report that does not is training again.
+            if value is None and name != "activity":
                 values[name] = getattr(earlier, name)
         values["other"] = tuple({**dict(earlier.other), **dict(self.other)}.items())[-MAX_SHOWN_METRICS:]
         return TrainerReport(**values)
@@ -126,9 +136,15 @@ def parse_report(body: bytes) -> TrainerReport:
         loss=first(_LOSS),
         accuracy=_ratio(first(_ACCURACY)),
         samples_per_second=_nonnegative(first(_SAMPLES_PER_SECOND)),
+        activity=_activity(metrics),
         other=tuple((n, v) for n, v in metrics if n not in _READ)[:MAX_SHOWN_METRICS],
         sent_at=sent_at[:64] if isinstance(sent_at, str) else None,
     )
+
+
+def _activity(metrics: list[tuple[str, str]]) -> Activity | None:
+    said = next((value for name, value in metrics if name == ACTIVITY_METRIC), None)
+    return typing.cast(Activity, said) if said in PAUSES else None
 
 
 def _refuse_constant(name: str) -> Any:

@@ -24,6 +24,11 @@ What the training loop can rely on:
   throttled call costs a clock read and a lock, and returns False.
 - Percent is capped at 99 until the final report, which sends 100 and an ETA of 0 and waits
   (up to ``final_timeout``, 5 s) for its POST to be answered.
+- ``with gpureport.pause("evaluating"):`` (or "saving", "loading", "compiling") says the code
+  is doing something other than optimizer steps for as long as the block lasts, so a long
+  evaluation is not taken for a stall. Its start and its end are sent at once, past the
+  throttle: two pauses back to back (a save, then an evaluation) are both said, while a loop
+  that pauses more than once a second is paused for the operator only as often as that.
 
 Metric names are the ones Hugging Face's ``KubeflowCallback`` sends (``current_step``,
 ``total_steps``, ``current_epoch``, ``loss``, ...), so a reader reads every client alike.
@@ -31,6 +36,7 @@ Metric names are the ones Hugging Face's ``KubeflowCallback`` sends (``current_s
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import ipaddress
 import json
@@ -39,13 +45,13 @@ import os
 import ssl
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 from gpureport._bounds import MAX_CHARS, MAX_METRICS, fraction_done, metric_list, whole_seconds
 
-__all__ = ["MAX_CHARS", "MAX_METRICS", "Reporter", "default_reporter", "finish", "report"]
+__all__ = ["MAX_CHARS", "MAX_METRICS", "Reporter", "default_reporter", "finish", "pause", "report"]
 __version__ = "0.1.0"
 
 URL_ENV = "KUBEFLOW_TRAINER_SERVER_URL"
@@ -53,6 +59,9 @@ CA_ENV = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
 TOKEN_ENV = "KUBEFLOW_TRAINER_SERVER_TOKEN"
 
 log = logging.getLogger("gpureport")
+
+# Pause reports (a start and its end each) a burst may hold; refilled at one a second.
+PAUSE_BURST = 4
 
 
 class Reporter:
@@ -100,6 +109,12 @@ class Reporter:
         self._settled_ok = False
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._activity: str | None = None  # the pause under way, when its start was sent
+        # Pause reports spend from a bucket of PAUSE_BURST refilled at one a second, the
+        # server's rate per pod less the step reports' share: a save right before an
+        # evaluation is said whole, a loop that pauses every batch is not a flood.
+        self._pause_reports = float(PAUSE_BURST)
+        self._pause_reports_at: float | None = None
 
         # The sender thread's own.
         self._ssl_context: ssl.SSLContext | None = None
@@ -149,6 +164,44 @@ class Reporter:
         """The final report: 100 % and an ETA of 0, past the throttle; waits for the answer."""
         figures.pop("final", None)
         return self.report(step, total_steps, loss, final=True, **figures)
+
+    @contextlib.contextmanager
+    def pause(self, activity: str) -> Iterator[None]:
+        """Say, while the ``with`` block runs, that the code is ``activity`` ("evaluating",
+        "saving", "loading" or "compiling") rather than taking optimizer steps: the operator
+        does not count that time against the stall timeout. Never raises into the block."""
+        said = self._say_activity(activity)
+        try:
+            yield
+        finally:
+            if said:
+                self._say_activity(None)
+
+    def _say_activity(self, activity: str | None) -> bool:
+        """Queue a report of the activity (None: training again) past the report throttle; a
+        pause's start only while the bucket holds its two reports, and none inside another."""
+        if not self.enabled or self._closed:
+            return False
+        try:
+            now = self._clock()
+            with self._changed:
+                if activity is not None:
+                    if self._activity is not None:
+                        return False  # nested: the outer pause stands until it ends
+                    at = self._pause_reports_at if self._pause_reports_at is not None else now
+                    self._pause_reports = min(PAUSE_BURST, self._pause_reports + max(0.0, now - at))
+                    self._pause_reports_at = now
+                    if self._pause_reports < 2:
+                        return False  # not said, nor its end: the server would refuse some
+                    self._pause_reports -= 2  # its start and its end, which is always said
+                self._activity = activity
+            status = {"metrics": metric_list([("activity", activity or "training")]),
+                      "lastUpdatedTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+            self._enqueue(json.dumps({"trainerStatus": status}, separators=(",", ":")).encode())
+            return True
+        except Exception:  # whatever it was given, training goes on
+            log.debug("gpureport: an activity report was dropped", exc_info=True)
+            return False
 
     def due(self, final: bool = False) -> bool:
         """Whether a report now would be sent rather than throttled (False when disabled).
@@ -247,6 +300,8 @@ class Reporter:
             ("total_epochs", total_epochs),
             ("loss", loss),
             ("samples_per_second", samples_per_second),
+            # Every report says the pause under way, or it would end it (one without is training).
+            ("activity", self._activity),
         )
         status: dict[str, Any] = {}
         if final:
@@ -456,3 +511,11 @@ def finish(step: Any = None, total_steps: Any = None, loss: Any = None, **figure
     except Exception:
         return False
     return reporter.finish(step, total_steps, loss, **figures)
+
+
+def pause(activity: str) -> contextlib.AbstractContextManager[None]:
+    """:meth:`Reporter.pause` on the process's Reporter."""
+    try:
+        return default_reporter().pause(activity)
+    except Exception:
+        return contextlib.nullcontext()

@@ -4,7 +4,8 @@ On rank 0 only (``trainer.is_global_zero``), after each training batch: the opti
 done (``global_step``) of ``estimated_stepping_batches``, the epoch (from 1) of
 ``max_epochs``, and every scalar the module logged (``self.log("loss", ...)`` and the rest,
 under the names it logged them by); the final report (100 %) when the fit ends. A logged
-``loss`` is the loss; without one, the loss ``training_step`` returned.
+``loss`` is the loss; without one, the loss ``training_step`` returned. A validation run
+inside the fit is a pause (``Reporter.pause("evaluating")``): the stall timeout does not count it.
 
 Cost: a report is gathered only when :meth:`gpureport.Reporter.due` says it would be sent,
 once per 5 s: reading a GPU tensor's value waits for the device, and doing it every batch
@@ -16,6 +17,7 @@ installed; ``gpureport`` itself needs neither.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -37,6 +39,7 @@ class GpuopProgress(Callback):
     def __init__(self, reporter: Reporter | None = None) -> None:
         super().__init__()
         self._reporter = reporter
+        self._pausing: contextlib.ExitStack | None = None  # a validation run under way
 
     @property
     def reporter(self) -> Reporter:
@@ -52,6 +55,17 @@ class GpuopProgress(Callback):
         if trainer.is_global_zero and self.reporter.due():
             self._send(trainer, outputs, final=False)
 
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Within a fit only: a validate() call on its own trains nothing that could stall.
+        if trainer.is_global_zero and self._pausing is None and _fitting(trainer):
+            self._pausing = contextlib.ExitStack()
+            self._pausing.enter_context(self.reporter.pause("evaluating"))
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._pausing is not None:
+            self._pausing.close()
+            self._pausing = None
+
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.is_global_zero and self.reporter.enabled:
             self._send(trainer, None, final=True)
@@ -63,6 +77,11 @@ class GpuopProgress(Callback):
             figures = {"step": getattr(trainer, "global_step", None)}
         logged = dict(figures.pop("logged", {}))
         self.reporter.report_metrics(logged, final=final, **figures)
+
+
+def _fitting(trainer: Trainer) -> bool:
+    state = getattr(trainer, "state", None)
+    return str(getattr(getattr(state, "fn", None), "value", "")) == "fit"
 
 
 def _figures(trainer: Trainer, outputs: Any) -> dict[str, Any]:

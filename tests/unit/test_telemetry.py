@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from gpuop.backends import registry
 from gpuop.controller.reconciler import Reconciler
 from gpuop.controller.settings import OperatorSettings
 from gpuop.controller.table import Tracked
@@ -18,7 +17,7 @@ from gpuop.controller.telemetry import OperatorMetrics
 from gpuop.observing.records import ReceivedReport
 from gpuop.observing.reports import parse_report
 from support.specs import minimal
-from unit.test_backend_plugin import Store, ToyJobApi
+from support.toyjob import Store, ToyJobApi
 
 T0 = datetime(2026, 11, 24, 10, 0, 0, tzinfo=UTC)
 
@@ -228,13 +227,6 @@ def test_the_last_progress_is_the_newest_report_figures_or_start_of_the_run_and_
     assert _value(metrics, name, namespace="team-a", gputraining="llm") == _at(280).timestamp()
     _tick(metrics, 400, _training("llm", phase="Succeeded", progress={"updatedAt": _stamp(390)}))
     assert _series(metrics, name) == {}
-
-
-@pytest.fixture
-def toy(monkeypatch: pytest.MonkeyPatch) -> ToyJobApi:
-    api = ToyJobApi()
-    monkeypatch.setitem(registry.APIS, api.backend, api)
-    return api
 
 
 def test_the_reconcilers_tick_sets_them_for_the_namespaces_it_leads(toy: ToyJobApi) -> None:

@@ -21,10 +21,6 @@ those whose CRDs the cluster does not serve.
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-from functools import cache
 from pathlib import Path
 from typing import Any, Final
 
@@ -61,19 +57,9 @@ def ensure_binary() -> Path:
     return gobuild.ensure(recipe()) / "kueue"
 
 
-@cache
 def source() -> Path:
     """The Kueue module's directory in the module cache, the version go.mod pins."""
-    out = subprocess.run(
-        ["go", "list", "-m", "-json", "sigs.k8s.io/kueue"],
-        cwd=MODULE, env={**os.environ, "GOFLAGS": "-mod=readonly", "GOTOOLCHAIN": "local"},
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    directory = json.loads(out).get("Dir")
-    if not directory:  # listed but not downloaded
-        subprocess.run(["go", "mod", "download", "sigs.k8s.io/kueue"], cwd=MODULE, check=True)
-        return source.__wrapped__()  # listed again, now downloaded
-    return Path(directory)
+    return gobuild.module_source(MODULE, "sigs.k8s.io/kueue")
 
 
 def crds(workdir: Path) -> list[Path]:

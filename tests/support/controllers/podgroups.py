@@ -25,13 +25,10 @@ controller-gen and the generated CRD are cached like every Go-built tool
 from __future__ import annotations
 
 import fcntl
-import json
 import os
-import re
 import shutil
 import subprocess
 import tempfile
-from functools import cache
 from pathlib import Path
 from typing import Final
 
@@ -48,30 +45,19 @@ CRD_OPTIONS: Final = "crd:crdVersions=v1,generateEmbeddedObjectMeta=true"
 VOLCANO_PACKAGE: Final = f"{VOLCANO_APIS}/pkg/apis/scheduling/v1beta1"
 VOLCANO_CRD: Final = "scheduling.volcano.sh_podgroups.yaml"
 COSCHEDULER_CRD: Final = "config/crd/bases/scheduling.x-k8s.io_podgroups.yaml"
-GO_ENV: Final = {"GOFLAGS": "-mod=readonly", "GOTOOLCHAIN": "local"}
-
-
-def _pinned(module: Path, dependency: str) -> str:
-    """The version ``module``'s go.mod requires, in a require block or on a line of its own
-    (``go mod tidy`` writes a lone direct requirement so)."""
-    text = (module / "go.mod").read_text()
-    match = re.search(rf"^\s*(?:require\s+)?{re.escape(dependency)}\s+(v\S+)", text, re.MULTILINE)
-    if match is None:
-        raise RuntimeError(f"{module / 'go.mod'} does not require {dependency}")
-    return match.group(1)
 
 
 def recipe() -> gobuild.Recipe:
     """controller-gen, from the tools module that also pins Volcano's API types."""
-    apis = _pinned(MODULE, VOLCANO_APIS)
-    linked = _pinned(trainingoperator.MODULE, VOLCANO_APIS)
+    apis = gobuild.required_version(MODULE, VOLCANO_APIS)
+    linked = gobuild.required_version(trainingoperator.MODULE, VOLCANO_APIS)
     if apis != linked:
         raise RuntimeError(
             f"tests/podgroups/go.mod pins {VOLCANO_APIS} {apis}, but the training-operator is linked with "
             f"{linked} (tests/kubeflow/go.mod); run `cd tests/podgroups && go get {VOLCANO_APIS}@{linked} "
             "&& go mod tidy`"
         )
-    tools = _pinned(MODULE, CONTROLLER_TOOLS)
+    tools = gobuild.required_version(MODULE, CONTROLLER_TOOLS)
     return gobuild.Recipe(
         name="podgroups",
         module=MODULE,
@@ -98,7 +84,7 @@ def volcano_crd() -> Path:
                 subprocess.run(
                     [str(directory / "controller-gen"), CRD_OPTIONS, f"paths={VOLCANO_PACKAGE}",
                      f"output:crd:dir={staging}"],
-                    cwd=MODULE, env={**os.environ, **GO_ENV}, check=True, capture_output=True, text=True,
+                    cwd=MODULE, env={**os.environ, **gobuild.GO_ENV}, check=True, capture_output=True, text=True,
                 )  # fmt: skip
             except subprocess.CalledProcessError as exc:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -107,21 +93,6 @@ def volcano_crd() -> Path:
     return generated / VOLCANO_CRD
 
 
-@cache
-def _module_dir(module: Path, dependency: str) -> Path:
-    """``dependency``'s directory in the module cache, at the version ``module`` selects."""
-    listed = subprocess.run(
-        ["go", "list", "-m", "-json", dependency],
-        cwd=module, env={**os.environ, **GO_ENV}, capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    directory = json.loads(listed).get("Dir")
-    if not directory:  # selected but not downloaded yet
-        subprocess.run(["go", "mod", "download", dependency], cwd=module, env={**os.environ, **GO_ENV},
-                       check=True)  # fmt: skip
-        return _module_dir.__wrapped__(module, dependency)
-    return Path(directory)
-
-
 def coscheduler_crd() -> Path:
     """The scheduler-plugins coscheduler's PodGroup CRD, as its module ships it."""
-    return _module_dir(trainingoperator.MODULE, SCHEDULER_PLUGINS) / COSCHEDULER_CRD
+    return gobuild.module_source(trainingoperator.MODULE, SCHEDULER_PLUGINS) / COSCHEDULER_CRD

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -20,9 +21,13 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
+from typing import Final
 
 Say = Callable[[str], None]
+# Every go command here: this machine's Go only, and go.mod/go.sum as committed.
+GO_ENV: Final = {"GOFLAGS": "-mod=readonly", "GOTOOLCHAIN": "local"}
 
 
 def say_on_stderr(message: str) -> None:
@@ -60,12 +65,28 @@ class Recipe:
 
 
 def required_version(module: Path, dependency: str) -> str:
-    """The version of ``dependency`` that ``module``'s go.mod pins."""
+    """The version of ``dependency`` that ``module``'s go.mod pins, in a require block or on a
+    line of its own (``go mod tidy`` writes a lone direct requirement so)."""
     text = (module / "go.mod").read_text()
-    match = re.search(rf"^\s*{re.escape(dependency)}\s+(v\S+)", text, re.MULTILINE)
+    match = re.search(rf"^\s*(?:require\s+)?{re.escape(dependency)}\s+(v\S+)", text, re.MULTILINE)
     if match is None:
         raise RuntimeError(f"{module / 'go.mod'} does not require {dependency}")
     return match.group(1)
+
+
+@cache
+def module_source(module: Path, dependency: str) -> Path:
+    """``dependency``'s directory in the Go module cache, at the version ``module`` selects;
+    downloaded (and checked against go.sum) when missing. For files a module ships (CRDs)."""
+    env = {**os.environ, **GO_ENV}
+    listed = subprocess.run(["go", "list", "-m", "-json", dependency], cwd=module, env=env,
+                            capture_output=True, text=True, check=True).stdout  # fmt: skip
+    directory = json.loads(listed).get("Dir")
+    if directory:
+        return Path(directory)
+    downloaded = subprocess.run(["go", "mod", "download", "-json", dependency], cwd=module, env=env,
+                                capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return Path(json.loads(downloaded)["Dir"])
 
 
 def cache_root() -> Path:
@@ -97,8 +118,7 @@ def _build(recipe: Recipe, target: Path, say: Say) -> None:
     say(f"building {', '.join(recipe.packages)} from {recipe.module} into {target} "
         f"(once per machine; {recipe.cold_cost})")  # fmt: skip
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-    env = {**os.environ, "CGO_ENABLED": "1" if recipe.cgo else "0", "GOTOOLCHAIN": "local",
-           "GOFLAGS": "-mod=readonly"}  # fmt: skip
+    env = {**os.environ, **GO_ENV, "CGO_ENABLED": "1" if recipe.cgo else "0"}
     tags = [f"-tags={recipe.tags}"] if recipe.tags else []
     command = [go, "build", "-v", "-trimpath", *tags, f"-ldflags={recipe.ldflags}", "-o", f"{staging}/",
                *recipe.packages.values()]  # fmt: skip

@@ -22,11 +22,8 @@ so ``go mod tidy`` would drop the line; keep it.
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
-from functools import cache
 from pathlib import Path
 from typing import Final
 
@@ -37,7 +34,6 @@ MODULE: Final = ROOT / "tests" / "monitoring"
 PROMETHEUS: Final = "github.com/prometheus/prometheus"
 PROMETHEUS_OPERATOR: Final = "github.com/prometheus-operator/prometheus-operator"
 TAGS: Final = "remove_all_sd,enable_kubernetes_sd"
-_GO_ENV: Final = {"GOFLAGS": "-mod=readonly", "GOTOOLCHAIN": "local"}
 
 
 def recipe() -> gobuild.Recipe:
@@ -57,24 +53,14 @@ def ensure_promtool() -> Path:
     return gobuild.ensure(recipe()) / "promtool"
 
 
-@cache
-def _operator_source() -> Path:
-    """prometheus-operator's module directory in the module cache, downloaded (and checked
-    against go.sum) when missing."""
-    env = {**os.environ, **_GO_ENV}
-    listed = subprocess.run(["go", "list", "-m", "-json", PROMETHEUS_OPERATOR], cwd=MODULE, env=env,
-                            capture_output=True, text=True, check=True).stdout  # fmt: skip
-    directory = json.loads(listed).get("Dir")
-    if directory:
-        return Path(directory)
-    downloaded = subprocess.run(["go", "mod", "download", "-json", PROMETHEUS_OPERATOR], cwd=MODULE, env=env,
-                                capture_output=True, text=True, check=True).stdout  # fmt: skip
-    return Path(json.loads(downloaded)["Dir"])
-
-
 def operator_crd(plural: str) -> Path:
     """One of prometheus-operator's CRDs (``prometheusrules``, ``servicemonitors``, ...)."""
-    path = _operator_source() / "example" / "prometheus-operator-crd" / f"monitoring.coreos.com_{plural}.yaml"
+    path = (
+        gobuild.module_source(MODULE, PROMETHEUS_OPERATOR)
+        / "example"
+        / "prometheus-operator-crd"
+        / f"monitoring.coreos.com_{plural}.yaml"
+    )
     if not path.is_file():
         raise RuntimeError(f"{PROMETHEUS_OPERATOR} has no CRD for {plural} at {path}")
     return path

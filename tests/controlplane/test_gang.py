@@ -74,7 +74,7 @@ def gang_training_operator(
     plane: ControlPlane, api: Api, workdir: Path, scheduler: str, namespace: str
 ) -> Iterator[None]:
     """The real training-operator with ``--gang-scheduler-name=scheduler``, for ``namespace`` alone."""
-    assert _get(api, _webhook_configuration()) is None, (
+    assert api.get_at(_webhook_configuration()) is None, (
         "another training-operator serves this plane; a gang-scheduling one beside it would fight "
         "it over the same jobs and webhook"
     )
@@ -157,16 +157,6 @@ def test_coscheduler_podgroup_is_accepted_by_the_coschedulers_crd_and_the_pods_n
             assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "co-gang"
 
 
-def _get(api: Api, path: str) -> dict[str, Any] | None:
-    try:
-        found: dict[str, Any] = api.request("GET", path)
-    except HttpError as exc:
-        if exc.status == 404:
-            return None
-        raise
-    return found
-
-
 def _webhook_configuration() -> str:
     return (
         "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/"
@@ -175,7 +165,7 @@ def _webhook_configuration() -> str:
 
 
 def _podgroup(api: Api, group: str, namespace: str, name: str) -> dict[str, Any] | None:
-    return _get(api, f"{group}/namespaces/{namespace}/podgroups/{name}")
+    return api.get_at(f"{group}/namespaces/{namespace}/podgroups/{name}")
 
 
 def _merge(api: Api, group: str, namespace: str, name: str, patch: dict[str, Any]) -> None:

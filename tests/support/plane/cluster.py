@@ -116,8 +116,13 @@ class Api:
         return f"{base}{scope}/{resource}" + (f"/{name}" if name else "")
 
     def get(self, resource: str, name: str, namespace: str | None = "default") -> dict[str, Any] | None:
+        return self.get_at(self.path(resource, namespace, name))
+
+    def get_at(self, path: str) -> dict[str, Any] | None:
+        """The object at an API path (one of a resource :data:`PATHS` does not name); None when
+        there is none."""
         try:
-            body: dict[str, Any] = self.request("GET", self.path(resource, namespace, name))
+            body: dict[str, Any] = self.request("GET", path)
         except HttpError as exc:
             if exc.status == 404:
                 return None

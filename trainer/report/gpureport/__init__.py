@@ -195,9 +195,7 @@ class Reporter:
                         return False  # not said, nor its end: the server would refuse some
                     self._pause_reports -= 2  # its start and its end, which is always said
                 self._activity = activity
-            status = {"metrics": metric_list([("activity", activity or "training")]),
-                      "lastUpdatedTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
-            self._enqueue(json.dumps({"trainerStatus": status}, separators=(",", ":")).encode())
+            self._enqueue(_body({"metrics": metric_list([("activity", activity or "training")])}))
             return True
         except Exception:  # whatever it was given, training goes on
             log.debug("gpureport: an activity report was dropped", exc_info=True)
@@ -312,8 +310,7 @@ class Reporter:
         if eta is not None:
             status["estimatedRemainingSeconds"] = eta
         status["metrics"] = metric_list(list(named) + list(metrics.items()))
-        status["lastUpdatedTime"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        return json.dumps({"trainerStatus": status}, allow_nan=False, separators=(",", ":")).encode()
+        return _body(status)
 
     def _eta_at_pace(self, now: float, fraction: float | None) -> int | None:
         """Seconds left at the pace since the first report (called with _changed held)."""
@@ -428,6 +425,12 @@ class Reporter:
             return None
         self._token_cache = (now, token)
         return token
+
+
+def _body(status: dict[str, Any]) -> bytes:
+    """A report's body: ``status`` as the protocol's trainerStatus, stamped with the time now."""
+    status["lastUpdatedTime"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return json.dumps({"trainerStatus": status}, allow_nan=False, separators=(",", ":")).encode()
 
 
 # -----------------------------------------------------------------------------------------

@@ -106,8 +106,10 @@ class Children:
                 self.kube.patch_object(api.api_version, api.plural, namespace, name, patch)
             )
         except ApiError as exc:
-            if exc.status != 404:  # gone already: its DELETED event follows
-                raise
+            if exc.status != 404:
+                raise  # not woken: the next reconcile tries again
+            tracked.woken_at = now  # gone already (its controller acted): its DELETED event follows
+            return False
         tracked.woken_at = now
         log.info("gputraining %s/%s: woke the %s's controller for its clock", namespace, name, api.kind)
         return True

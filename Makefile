@@ -35,8 +35,9 @@ test: $(STAMP) $(HELM) controlplane-binaries monitoring-binaries node-binaries o
 controlplane-binaries: $(STAMP)
 	$(CONTROLPLANE) build
 
-## monitoring-binaries: build (or find cached) Prometheus's promtool (tests/monitoring/go.mod), which
-## checks and unit-tests the chart's alert rules, and fetch prometheus-operator's CRDs from the same module
+## monitoring-binaries: build (or find cached) Prometheus (promtool and the server, tests/monitoring/go.mod)
+## and prometheus-operator with its config reloader (tests/prometheus-operator/go.mod): promtool checks and
+## unit-tests the chart's alert rules; the chain runs the rest as pods (tests/e2e_local/test_monitoring.py)
 monitoring-binaries: $(STAMP)
 	PYTHONPATH=tests $(BIN)/python -m support.tools.prometheus
 

@@ -24,6 +24,7 @@ from typing import Final
 
 import pytest
 
+from support import monitoring
 from support.chain import CLAIMS_LABEL, EXAMPLE_IMAGE, NAMESPACE, Claims, InClusterOperator, Timeline
 from support.controllers import kueue, trainerv2, trainingoperator
 from support.controllers.webhooked import WebhookedController
@@ -34,11 +35,40 @@ from support.node.node import Node
 from support.node.pool import Pool, running_pool
 from support.plane import controlplane
 from support.plane.cluster import Api, install_chart, install_crds, ready_operator_pod, uninstall_chart
+from support.tools.helm import RELEASE_NAMESPACE
 from support.waiting import wait_for
 
-# The chart's defaults but a 1 s scrape (its default 10 s would outlast a short training), and
-# the operator on the node named after this machine, whose pods `kubectl logs` reaches.
-VALUES: Final = {"operator.scrapeInterval": 1, "operator.scrapeTimeout": 0.8}
+# The chart's defaults but a 1 s scrape (its default 10 s would outlast a short training) and
+# GPUs underutilized after 5 s under the threshold, not 10 min (only test_monitoring's GPUs,
+# whose figures a dcgm-exporter stand-in gives, have figures at all); and the operator on the
+# node named after this machine, whose pods `kubectl logs` reaches (chart_values).
+VALUES: Final = {
+    "operator.scrapeInterval": 1,
+    "operator.scrapeTimeout": 0.8,
+    "operator.underutilized.seconds": 5,
+}
+# Monitoring on, as a user turns it on, every scrape a second and every alert's `for` a second,
+# its thresholds in seconds (test_monitoring drives each alert's state in a few seconds). None
+# of these changes the operator's Deployment: turning them on and off rolls no pod.
+MONITORING_VALUES: Final = {
+    "metrics.serviceMonitor": {"enabled": True, "interval": "1s", "scrapeTimeout": "1s"},
+    "metrics.trainerPodMonitor": {"enabled": True, "interval": "1s", "scrapeTimeout": "1s"},
+    "metrics.prometheusRule": {
+        "enabled": True,
+        "stalled": {"for": "1s"},
+        "underutilized": {"for": "1s"},
+        "failed": {"for": "1s"},
+        "queuedTooLong": {"seconds": 5, "for": "1s"},
+        "noProgressReport": {"seconds": 8, "for": "1s"},
+        "operatorDown": {"for": "1s"},
+        "notReconciling": {"for": "1s", "window": "20s"},
+    },
+}
+
+
+def chart_values(nodes: Pool) -> dict[str, object]:
+    """The chart's values in this chain: :data:`VALUES`, and the operator on the first node."""
+    return {**VALUES, "nodeSelector": {"kubernetes.io/hostname": nodes.first.name}}
 
 
 @pytest.fixture(scope="package", autouse=True)
@@ -82,7 +112,7 @@ def timelines(plane: controlplane.ControlPlane) -> Iterator[list[Timeline]]:
         plane.kubectl("delete", "gtr", timeline.name, "-n", NAMESPACE, "--ignore-not-found", "--wait=false")
     for timeline in made:
         plane.kubectl("wait", "--for=delete", "pods", "-l", f"gpuop.io/gputraining={timeline.name}",
-                      "-n", NAMESPACE, "--timeout=90s", check=False)  # fmt: skip
+                      "-n", NAMESPACE, "--timeout=90s", check=False, timeout=100)  # fmt: skip
 
 
 @pytest.fixture(scope="package")
@@ -144,7 +174,7 @@ def operator(
     Deployment runs our image on the first node, its report endpoint behind its Service with
     the certificate the chart makes, which the trainers reach by the Service's name."""
     started = time.monotonic()
-    install_chart(plane, {**VALUES, "nodeSelector": {"kubernetes.io/hostname": nodes.first.name}})
+    install_chart(plane, chart_values(nodes))
     pod = wait_for("the operator's pod Ready", lambda: ready_operator_pod(api), timeout=120, every=0.5)
     print(f"helm install -> operator pod Ready: {time.monotonic() - started:.1f}s")
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
@@ -173,3 +203,22 @@ def claims(plane: controlplane.ControlPlane, tmp_path_factory: pytest.TempPathFa
     made = Claims(tmp_path_factory.mktemp("claims"), plane)
     yield made
     plane.kubectl("delete", "pv", "-l", CLAIMS_LABEL, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def monitored(
+    plane: controlplane.ControlPlane, api: Api, nodes: Pool, operator: InClusterOperator
+) -> Iterator[monitoring.Prometheus]:
+    """prometheus-operator and Prometheus (:mod:`support.monitoring`), and the chart upgraded
+    with :data:`MONITORING_VALUES`, for one module; then the chart as before (its monitors and
+    rules gone while the CRDs still serve them), and prometheus-operator and its CRDs gone."""
+    started = time.monotonic()
+    with monitoring.running_monitoring(
+        plane, api, nodes,
+        monitors_on=lambda: install_chart(plane, {**chart_values(nodes), **MONITORING_VALUES}),
+        monitors_off=lambda: install_chart(plane, chart_values(nodes)),
+    ) as prometheus:  # fmt: skip
+        wait_for("Prometheus scraping the operator, with the chart's rules",
+                 lambda: prometheus.serves_chart(RELEASE_NAMESPACE), timeout=120, every=1)  # fmt: skip
+        print(f"monitoring on, Prometheus scraping with the chart's rules: {time.monotonic() - started:.1f}s")
+        yield prometheus

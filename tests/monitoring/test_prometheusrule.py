@@ -102,6 +102,7 @@ def test_values_reach_the_rule() -> None:
         "metrics.prometheusRule.queuedTooLong": {"seconds": 7200, "for": "10m", "severity": "info"},
         "metrics.prometheusRule.noProgressReport.seconds": 900,
         "metrics.prometheusRule.notReconciling.errorRatio": 0.25,
+        "metrics.prometheusRule.notReconciling.window": "30m",
         "metrics.prometheusRule.operatorDown.severity": "page",
     })  # fmt: skip
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
@@ -121,10 +122,10 @@ def test_values_reach_the_rule() -> None:
     assert "7200s" in queued["annotations"]["description"]
     assert "> 900\n" in alerts["GpuTrainingNoProgressReport"]["expr"]
     assert ") > 0.25\n" in alerts["GpuTrainingOperatorNotReconciling"]["expr"]
-    assert (
-        "more than 25% of its reconciles"
-        in alerts["GpuTrainingOperatorNotReconciling"]["annotations"]["description"]
-    )
+    not_reconciling = alerts["GpuTrainingOperatorNotReconciling"]
+    assert "more than 25% of its reconciles over 30m" in not_reconciling["annotations"]["description"]
+    assert not_reconciling["expr"].count("[30m]") == 3
+    assert "[10m]" not in not_reconciling["expr"]
     assert alerts["GpuTrainingOperatorDown"]["labels"]["severity"] == "page"
     assert 'namespace="gpuop-system"' in alerts["GpuTrainingOperatorDown"]["expr"]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
@@ -57,8 +58,10 @@ def ensure(root: Path, name: str, inputs: str, build: Callable[[Path], None], su
             (staging / target.name).rename(target)
         finally:
             _remove(staging)
+        # Earlier builds of this name alone: "prometheus-<key>", not "prometheus-config-reloader-<key>".
+        earlier = re.compile(rf"{re.escape(name)}-[0-9a-f]{{{len(inputs)}}}{re.escape(suffix)}")
         for old in root.glob(f"{name}-*{suffix}"):
-            if old == target:
+            if old == target or not earlier.fullmatch(old.name):
                 continue
             if old.is_dir():
                 shutil.rmtree(old)

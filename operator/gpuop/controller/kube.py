@@ -416,6 +416,8 @@ def _objects(api_version: str, plural: str, namespace: str) -> str:
 
 
 _VERBS: Final = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
+# The verbs of :func:`request_target` that change the cluster: what "writes" counts.
+WRITE_VERBS: Final = frozenset(_VERBS.values())
 
 
 def request_target(method: str, path: str) -> tuple[str, str]:

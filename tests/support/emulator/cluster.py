@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from gpuop.controller.kube import WRITE_VERBS
 from gputrain.contract import Progress
 from support.emulator.server import ApiServer, RunningApiServer
 from support.plane.controlplane import ensure_binaries
@@ -150,7 +151,7 @@ class Cluster:
     def writes(self, agent: str = "gpuop") -> dict[str, int]:
         out: dict[str, int] = {}
         for (who, verb, key), count in dict(self.server.counts).items():
-            if who == agent and verb in ("create", "patch", "update", "delete"):
+            if who == agent and verb in WRITE_VERBS:
                 out[f"{verb} {key}"] = out.get(f"{verb} {key}", 0) + count
         return out
 

@@ -235,7 +235,7 @@ if __name__ == "__main__":
 
 def single_binary_image(name: str, binary: Path, path_in_image: str) -> ImageArchive:
     """An image of one static binary at ``/<path_in_image>``, its entrypoint (a stand-in for a
-    registry's image of the same program: CoreDNS's)."""
+    registry's image of the same program: CoreDNS's, Prometheus's)."""
     data = binary.read_bytes()
 
     def build(destination: Path) -> None:
@@ -243,4 +243,4 @@ def single_binary_image(name: str, binary: Path, path_in_image: str) -> ImageArc
         write_oci_archive(destination, name, layer, entrypoint=[f"/{path_in_image}"])
 
     inputs = name.encode() + hashlib.sha256(data).digest()
-    return ImageArchive(name, _cached(path_in_image, inputs, build))
+    return ImageArchive(name, _cached(Path(path_in_image).name, inputs, build))

@@ -10,6 +10,7 @@ tests (tests/e2e_local); the real-node suite starts the same pieces one fixture 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -63,6 +64,7 @@ def import_everywhere(
     """``images`` imported into every node at once (disk-bound: the two imports of the 4.8 GB
     trainer archive take about 65 s side by side, as one alone does), then ``then(node)`` on
     each; the seconds each import took."""
+    _enough_disk(nodes, images)
     seconds: dict[str, float] = {}
     failed: list[BaseException] = []
 
@@ -81,6 +83,24 @@ def import_everywhere(
     if failed:
         raise failed[0]
     return seconds
+
+
+def _enough_disk(nodes: tuple[Node, ...], images: list[ImageArchive]) -> None:
+    """Refuse at once, saying what to free, when the imports cannot fit: each node's containerd
+    holds an archive's layers twice while it imports them (the content store, then the unpacked
+    snapshot; the first is discarded after), every node at once. Without this the import dies
+    half-way on ENOSPC in ctr's words (a CI run did, with stale clones filling the disk)."""
+    archives = sum(image.path.stat().st_size for image in images)
+    for node in nodes:
+        device = node.workdir.stat().st_dev
+        sharing = [n for n in nodes if n.workdir.stat().st_dev == device]  # room needed together
+        needed, free = 2 * archives * len(sharing), shutil.disk_usage(node.workdir).free
+        if free < needed:
+            raise RuntimeError(
+                f"importing {len(images)} images ({archives / 1e9:.1f} GB) on {len(sharing)} nodes needs about "
+                f"{needed / 1e9:.0f} GB free on the filesystem of {node.workdir}, which has {free / 1e9:.1f} GB: "
+                "free some (old clones of this repository, /tmp) and run again"
+            )
 
 
 @contextlib.contextmanager

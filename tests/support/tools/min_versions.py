@@ -60,6 +60,10 @@ IGNORED = {
         "its API emulator (support.emulator) checks objects against our CRD's schema with cel-python, "
         "as above; test_kube_clients drives Kube with kubernetes 29.0.0 through it in the dev venv"
     ),
+    "tests/unit/test_bench_counting.py": (
+        "imports bench/operator_scale.py, which imports the API emulator (support.emulator: jsonpatch "
+        "and cel-python, dev tools)"
+    ),
     "tests/unit/test_layers.py": "runs lint-imports (import-linter, a dev tool)",
     "tests/unit/test_docs.py": "runs Mermaid's parser from npm (a docs tool)",
     "tests/unit/test_kube_clients.py": (

@@ -38,15 +38,10 @@ from support.plane.cluster import Api, install_chart, install_crds, ready_operat
 from support.tools.helm import RELEASE_NAMESPACE
 from support.waiting import wait_for
 
-# The chart's defaults but a 1 s scrape (its default 10 s would outlast a short training) and
-# GPUs underutilized after 5 s under the threshold, not 10 min (only test_monitoring's GPUs,
-# whose figures a dcgm-exporter stand-in gives, have figures at all); and the operator on the
-# node named after this machine, whose pods `kubectl logs` reaches (chart_values).
-VALUES: Final = {
-    "operator.scrapeInterval": 1,
-    "operator.scrapeTimeout": 0.8,
-    "operator.underutilized.seconds": 5,
-}
+# The chart's defaults but a 1 s scrape (its default 10 s would outlast a short training), and
+# the operator on the node named after this machine, whose pods `kubectl logs` reaches
+# (chart_values).
+VALUES: Final = {"operator.scrapeInterval": 1, "operator.scrapeTimeout": 0.8}
 # Monitoring on, as a user turns it on, every scrape a second and every alert's `for` a second,
 # its thresholds in seconds (test_monitoring drives each alert's state in a few seconds). None
 # of these changes the operator's Deployment: turning them on and off rolls no pod.

@@ -295,6 +295,18 @@ def checkpointed_steps(gate: Gate) -> list[int]:
     )
 
 
+def made_by_training_operator(plane: ControlPlane, name: str) -> list[str]:
+    """What the training-operator says it created for the job ``name``, from its events
+    (``Created pod: kind-cpu-master-0``, ``Created service: ...``), sorted. Under cleanPodPolicy
+    Running (the default) a replica still running when the job ends is deleted, its Service
+    with it, so what is left after the end is not what was made."""
+    listed = plane.kubectl("get", "events", "-n", NAMESPACE, "--field-selector", f"involvedObject.name={name}",
+                           "-o", "json").stdout  # fmt: skip
+    return sorted(
+        e["message"] for e in json.loads(listed)["items"] if e["reason"].startswith("SuccessfulCreate")
+    )
+
+
 def children_gone(plane: ControlPlane, name: str) -> bool:
     selector = f"training.kubeflow.org/job-name={name}"
     return (get(plane, "pytorchjob", name) is None and not names(plane, "pods", selector)

@@ -67,13 +67,6 @@ def panel_queries(dashboard: str, variables: dict[str, str]) -> list[tuple[str, 
     return found
 
 
-def _alert_gone(prometheus: Prometheus, alert: str, **labels: str) -> bool:
-    return not any(
-        a["labels"].get("alertname") == alert and all(a["labels"].get(k) == v for k, v in labels.items())
-        for a in prometheus.alerts()
-    )
-
-
 def _own_code_training(plane: ControlPlane, tmp_path: Path, name: str, program: str, **spec: Any) -> None:
     """A one-worker training of the own-code image running ``python -c program``: code of a
     team's own that reports nothing. A PyTorchJob whatever else the package's cluster serves
@@ -159,7 +152,7 @@ def test_prometheus_scrapes_the_chain_answers_every_dashboard_query_and_a_stall_
     gate.release()
     assert chain.wait_finished(plane, name) == "Succeeded"
     wait_for("GpuTrainingStalled resolved",
-             lambda: _alert_gone(monitored, "GpuTrainingStalled", gputraining=name), timeout=30, every=1)  # fmt: skip
+             lambda: not monitored.alerting("GpuTrainingStalled", gputraining=name), timeout=30, every=1)  # fmt: skip
     _delete(plane, name)
 
 
@@ -192,7 +185,7 @@ def test_a_failed_a_silent_training_and_a_stopped_operator_each_fire_their_alert
     assert chain.phase(plane, silent) == "Running"
     for name, alert in ((failing, "GpuTrainingFailed"), (silent, "GpuTrainingNoProgressReport")):
         _delete(plane, name)
-        wait_for(f"{alert} resolved", lambda: _alert_gone(monitored, alert, gputraining=name),  # noqa: B023
+        wait_for(f"{alert} resolved", lambda: not monitored.alerting(alert, gputraining=name),  # noqa: B023
                  timeout=30, every=1)  # fmt: skip
 
     pod = ready_operator_pod(api)
@@ -208,7 +201,7 @@ def test_a_failed_a_silent_training_and_a_stopped_operator_each_fire_their_alert
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
-    wait_for("GpuTrainingOperatorDown resolved", lambda: _alert_gone(monitored, "GpuTrainingOperatorDown"),
+    wait_for("GpuTrainingOperatorDown resolved", lambda: not monitored.alerting("GpuTrainingOperatorDown"),
              timeout=30, every=1)  # fmt: skip
 
 
@@ -232,4 +225,4 @@ def test_a_training_queued_past_the_threshold_fires_queued_too_long_until_it_goe
     assert chain.phase(plane, name) == "Queued"
     _delete(plane, name)
     wait_for("GpuTrainingQueuedTooLong resolved",
-             lambda: _alert_gone(monitored, "GpuTrainingQueuedTooLong", gputraining=name), timeout=30, every=1)  # fmt: skip
+             lambda: not monitored.alerting("GpuTrainingQueuedTooLong", gputraining=name), timeout=30, every=1)  # fmt: skip

@@ -35,7 +35,7 @@ import yaml
 from support.node import images
 from support.node.node import Node
 from support.node.pool import Pool, import_everywhere
-from support.plane.cluster import Api
+from support.plane.cluster import Api, pod_ready
 from support.plane.controlplane import ControlPlane
 from support.tools import prometheus as tools
 from support.waiting import wait_for
@@ -147,13 +147,15 @@ class Prometheus:
         return bool(self.query(f'up{{namespace="{namespace}"}} == 1')) and {
             "gpu-training-operator.trainings", "gpu-training-operator.operator"} <= groups  # fmt: skip
 
+    def alerting(self, alert: str, **labels: str) -> list[str]:
+        """The states (pending, firing) of the alerts named ``alert`` with ``labels``."""
+        return [
+            a["state"] for a in self.alerts()
+            if a["labels"].get("alertname") == alert and all(a["labels"].get(k) == v for k, v in labels.items())
+        ]  # fmt: skip
+
     def firing(self, alert: str, **labels: str) -> bool:
-        return any(
-            a["labels"].get("alertname") == alert
-            and a["state"] == "firing"
-            and all(a["labels"].get(k) == v for k, v in labels.items())
-            for a in self.alerts()
-        )
+        return "firing" in self.alerting(alert, **labels)
 
 
 @contextlib.contextmanager
@@ -195,10 +197,7 @@ def running_monitoring(
 
         def ready() -> str | None:
             pod = api.get("pods", PROMETHEUS_POD, NAMESPACE)
-            statuses = (pod or {}).get("status", {}).get("containerStatuses") or []
-            if pod and statuses and all(s.get("ready") for s in statuses):
-                return str(pod["status"]["podIP"])
-            return None
+            return str(pod["status"]["podIP"]) if pod is not None and pod_ready(pod) else None
 
         address = wait_for(f"{PROMETHEUS_POD} Ready", ready, timeout=180, every=0.5)
         print(f"prometheus-operator and Prometheus up in {time.monotonic() - started:.1f}s")

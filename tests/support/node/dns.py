@@ -20,7 +20,7 @@ from typing import Any, Final
 from support.node import binaries, images
 from support.node.kubelet import CLUSTER_DNS
 from support.node.node import Node
-from support.plane.cluster import Api, HttpError
+from support.plane.cluster import Api, HttpError, pod_ready
 from support.waiting import wait_for
 
 NAMESPACE: Final = "kube-system"
@@ -118,9 +118,7 @@ def running_cluster_dns(api: Api, node: Node, timeout: float = 120.0) -> Iterato
 
         def ready() -> bool:
             pods = api.list("pods", NAMESPACE, selector="k8s-app=kube-dns")
-            return any(
-                all(s.get("ready") for s in p["status"].get("containerStatuses") or [{}]) for p in pods
-            )
+            return any(pod_ready(p) for p in pods)
 
         wait_for("CoreDNS Ready", ready, timeout=timeout, every=0.5)
         yield CLUSTER_DNS

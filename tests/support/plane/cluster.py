@@ -284,14 +284,16 @@ def _mounted_secret(plane: ControlPlane, pod: Mapping[str, Any], volume: str) ->
     return directory
 
 
+def pod_ready(pod: Mapping[str, Any] | None) -> bool:
+    """Whether a pod has container statuses and every container in them is Ready."""
+    statuses = (pod or {}).get("status", {}).get("containerStatuses") or []
+    return bool(statuses) and all(s.get("ready") for s in statuses)
+
+
 def ready_operator_pod(api: Api) -> dict[str, Any] | None:
     """The chart's operator pod once every container of it is Ready (its readiness probe is the
     operator's /healthz), or None: for the suites and `make cluster` that run it on a node."""
-    for found in api.list("pods", RELEASE_NAMESPACE):
-        statuses = found["status"].get("containerStatuses") or []
-        if statuses and all(s.get("ready") for s in statuses):
-            return dict(found)
-    return None
+    return next((dict(found) for found in api.list("pods", RELEASE_NAMESPACE) if pod_ready(found)), None)
 
 
 def uninstall_chart(plane: ControlPlane) -> None:

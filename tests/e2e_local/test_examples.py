@@ -58,8 +58,10 @@ def test_the_kind_cpu_example_trains_to_succeeded_through_the_real_training_oper
     services = chain.names(plane, "services", selector)
     assert "service/kind-cpu-master-0" in services
     assert set(services) <= {"service/kind-cpu-master-0", "service/kind-cpu-worker-0"}
-    pods = chain.names(plane, "pods", selector)
-    assert chain.controller_env_missing(plane, PYTORCHJOB, chain.KIND_CPU, pods) == {p: set() for p in pods}
+    missing = chain.controller_env_missing(plane, PYTORCHJOB, chain.KIND_CPU, selector)
+    assert "pod/kind-cpu-master-0" in missing
+    assert set(missing) <= {"pod/kind-cpu-master-0", "pod/kind-cpu-worker-0"}
+    assert missing == {p: set() for p in missing}
     # The final figures (the trainer's termination message); no GPU, no GPU hours.
     assert status["progress"]["accuracy"] > 0.9
     assert status["progress"]["percent"] == 100
@@ -209,12 +211,12 @@ def test_an_elastic_spec_rendezvous_through_the_worker_only_layout(
     # Running), so the pods left are checked for the controller's variables.
     made = [m for m in chain.made_by_training_operator(plane, name) if m.startswith("Created pod:")]
     assert made == [f"Created pod: {name}-worker-{i}" for i in (0, 1)]
-    pods = chain.names(plane, "pods", f"training.kubeflow.org/job-name={name}")
-    assert pods
-    assert set(pods) <= {f"pod/{name}-worker-0", f"pod/{name}-worker-1"}
-    assert chain.controller_env_missing(plane, PYTORCHJOB, chain.KIND_CPU_ELASTIC, pods) == {
-        p: set() for p in pods
-    }
+    missing = chain.controller_env_missing(
+        plane, PYTORCHJOB, chain.KIND_CPU_ELASTIC, f"training.kubeflow.org/job-name={name}"
+    )
+    assert missing
+    assert set(missing) <= {f"pod/{name}-worker-0", f"pod/{name}-worker-1"}
+    assert missing == {p: set() for p in missing}
     assert status["progress"]["accuracy"] > 0.9
     assert "Stalled" not in timeline.conditions()
 
@@ -256,7 +258,10 @@ def test_the_kind_cpu_example_trains_to_succeeded_on_trainer_v2(
     container = pod["spec"]["containers"][0]
     env = {e["name"] for e in container["env"]}
     assert "GPUTRAIN_JOB_NAME" in env
-    assert chain.controller_env_missing(plane, TRAINJOB, spec, pods) == {p: set() for p in pods}
+    missing = chain.controller_env_missing(
+        plane, TRAINJOB, spec, "jobset.sigs.k8s.io/jobset-name=kind-cpu-v2"
+    )
+    assert missing == {p: set() for p in pods}
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert pod["spec"]["restartPolicy"] == "OnFailure"
     assert {v["name"] for v in pod["spec"]["volumes"]} >= {"dshm", "checkpoints", "output"}

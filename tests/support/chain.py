@@ -99,16 +99,20 @@ def names(plane: ControlPlane, kind: str, selector: str) -> list[str]:
 
 
 def controller_env_missing(
-    plane: ControlPlane, api: JobApi, example: Path, pods: list[str]
+    plane: ControlPlane, api: JobApi, example: Path, selector: str
 ) -> dict[str, frozenset[str]]:
-    """Per pod, what of ``api.controller_env`` (the variables a spec's $(VAR) may name,
-    tests/unit/test_backend_env.py) its controller did not put in the trainer container."""
+    """Per pod the selector finds, what of ``api.controller_env`` (the variables a spec's $(VAR)
+    may name, tests/unit/test_backend_env.py) its controller did not put in the trainer container.
+
+    One list, not a get per name: a worker still running when the job ends is deleted by the
+    controller (cleanPodPolicy Running) between any list and a later get (seen in CI)."""
     wanted = api.controller_env(parse(yaml.safe_load(example.read_text())).spec)
-    missing: dict[str, frozenset[str]] = {}
-    for pod in pods:
-        found = json.loads(plane.kubectl("get", pod, "-n", NAMESPACE, "-o", "json").stdout)
-        missing[pod] = wanted - {e["name"] for e in found["spec"]["containers"][0].get("env") or []}
-    return missing
+    out = plane.kubectl("get", "pods", "-n", NAMESPACE, "-l", selector, "-o", "json").stdout
+    return {
+        f"pod/{pod['metadata']['name']}": wanted
+        - {e["name"] for e in pod["spec"]["containers"][0].get("env") or []}
+        for pod in json.loads(out)["items"]
+    }
 
 
 class Timeline:

@@ -367,6 +367,7 @@ def run(kubeconfig: Path, count: int, args: argparse.Namespace) -> dict[str, Any
              "--report-url", f"https://127.0.0.1:{report_port}", "--report-port", str(report_port),
              "--report-tls-dir", str(tls_dir)],
             env={**os.environ, "KUBECONFIG": str(kubeconfig)}, stdout=log, stderr=subprocess.STDOUT,
+            preexec_fn=_pinned(args.operator_cpus),
         )  # fmt: skip
         generator: subprocess.Popen[bytes] | None = None
         try:
@@ -460,6 +461,18 @@ def _exists(core: client.CoreV1Api, namespace: str) -> bool:
         raise
 
 
+def _cpus(text: str | None) -> set[int] | None:
+    return {int(cpu) for cpu in text.split(",")} if text else None
+
+
+def _pinned(cpus: set[int] | None) -> Any:
+    """A ``preexec_fn`` that keeps a process (and what it starts: the operator's endpoint child)
+    on ``cpus``; None leaves it where the kernel puts it."""
+    if cpus is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
 def _start_generator(
     workdir: Path,
     port: int,
@@ -476,7 +489,9 @@ def _start_generator(
         "port": port, "ca": str(tls_dir / "ca.crt"), "interval": args.interval, "seconds": seconds,
         "start_at": start_at, "out": str(result_file), "trainings": trainings,
     }))  # fmt: skip
-    generator = subprocess.Popen([sys.executable, __file__, "--generate", str(spec_file)])
+    generator = subprocess.Popen(
+        [sys.executable, __file__, "--generate", str(spec_file)], preexec_fn=_pinned(args.bench_cpus)
+    )
     if args.generator_nice:  # the instrument: its own waits for a CPU are not the endpoint's
         os.setpriority(os.PRIO_PROCESS, generator.pid, args.generator_nice)
     return generator, start_at, result_file
@@ -764,6 +779,18 @@ def main() -> int:
     )
     parser.add_argument("--floor-warmup", type=float, default=20.0, help="seconds before a floor's window")
     parser.add_argument("--floor-window", type=float, default=120.0, help="seconds a floor is measured")
+    parser.add_argument(
+        "--operator-cpus",
+        type=_cpus,
+        help="CPUs the operator (and its endpoint child) is kept on, as 1 or 2,3: "
+        "a cluster's operator pod has its node's CPUs, not the API server's or the trainers'",
+    )
+    parser.add_argument(
+        "--bench-cpus",
+        type=_cpus,
+        help="CPUs the bench and its load generator are kept on (the control plane's "
+        "are set outside: docs/benchmarks.md)",
+    )
     parser.add_argument("--generate", type=Path, help=argparse.SUPPRESS)  # the load generator's process
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # an endpoint alone, for a floor
     args = parser.parse_args()
@@ -772,6 +799,8 @@ def main() -> int:
     if args.serve:
         return serve(args.serve)
     kubeconfig = args.kubeconfig.resolve()
+    if args.bench_cpus is not None:
+        os.sched_setaffinity(0, args.bench_cpus)
     config.load_kube_config(config_file=str(kubeconfig))
     scale._install_crds()
     for count in args.counts:

@@ -463,7 +463,11 @@ def _exported_series() -> dict[str, set[str]]:
     operator.status_patches.inc()
     operator.scrapes.labels(outcome="ok").inc()
     running = Tracked(body={"metadata": {"name": "llm", "namespace": "team-a", "uid": "u"}, "status": {
-        "phase": "Running", "gpu": {"count": 8}, "gpuHours": 1.0, "gpuHoursCountedAt": "2026-11-24T10:00:00Z",
+        "phase": "Running", "gpuHours": 1.0, "gpuHoursCountedAt": "2026-11-24T10:00:00Z",
+        "gpu": {"count": 8, "model": "NVIDIA H100 80GB HBM3",
+                "perWorker": [{"pod": "llm-master-0", "utilizationPercent": 50.0, "memoryUsedBytes": 1}]},
+        "progress": {"percent": 30.0, "loss": 0.5, "accuracy": 0.9, "samplesPerSecond": 100.0,
+                     "estimatedRemainingSeconds": 60},
         "conditions": [{"type": t, "status": "True", "lastTransitionTime": "2026-11-24T10:00:00Z"}
                        for t in ("Running", "Stalled")]}})  # fmt: skip
     operator.observe_trainings([(("team-a", "llm"), running)], datetime(2026, 11, 24, 10, tzinfo=UTC))

@@ -38,10 +38,15 @@ from support.plane.cluster import Api, install_chart, install_crds, ready_operat
 from support.tools.helm import RELEASE_NAMESPACE
 from support.waiting import wait_for
 
-# The chart's defaults but a 1 s scrape (its default 10 s would outlast a short training), and
-# the operator on the node named after this machine, whose pods `kubectl logs` reaches
-# (chart_values).
-VALUES: Final = {"operator.scrapeInterval": 1, "operator.scrapeTimeout": 0.8}
+# The chart's defaults but a 1 s scrape (its default 10 s would outlast a short training) and
+# GPUs underutilized after 5 s under the threshold, not 10 min (only test_monitoring's GPUs,
+# whose figures a dcgm-exporter stand-in gives, have figures at all); and the operator on the
+# node named after this machine, whose pods `kubectl logs` reaches (chart_values).
+VALUES: Final = {
+    "operator.scrapeInterval": 1,
+    "operator.scrapeTimeout": 0.8,
+    "operator.underutilized.seconds": 5,
+}
 # Monitoring on, as a user turns it on, every scrape a second and the `for` of each alert
 # test_monitoring drives a second, its thresholds in seconds (each state comes in seconds). None
 # of these changes the operator's Deployment: turning them on and off rolls no pod.
@@ -51,10 +56,12 @@ MONITORING_VALUES: Final = {
     "metrics.prometheusRule": {
         "enabled": True,
         "stalled": {"for": "1s"},
+        "underutilized": {"for": "1s"},
         "failed": {"for": "1s"},
         "queuedTooLong": {"seconds": 5, "for": "1s"},
         "noProgressReport": {"seconds": 8, "for": "1s"},
         "operatorDown": {"for": "1s"},
+        "notReconciling": {"for": "1s", "window": "20s"},
     },
 }
 

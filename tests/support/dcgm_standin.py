@@ -150,9 +150,10 @@ def node(hostname: str, count: int = 8, *, model: str = H100) -> StandinNode:
 
 
 class StandinServer:
-    """An HTTP server on 127.0.0.1; ``url`` is its base. Serves until :meth:`close`."""
+    """An HTTP server on ``host`` (127.0.0.1, or an address pods reach); ``url`` is its base.
+    Serves until :meth:`close`."""
 
-    def __init__(self, route: Callable[[str], tuple[int, str, bytes]]) -> None:
+    def __init__(self, route: Callable[[str], tuple[int, str, bytes]], host: str = "127.0.0.1") -> None:
         self.body: bytes | None = None  # served instead of the route's answer when set
         self.declare_length = True  # False: no Content-Length, the body ends when the connection does
         self.headers: dict[str, str] = {}  # sent with every answer (a Location, say)
@@ -162,9 +163,10 @@ class StandinServer:
         self._hanging = False
         self._release = threading.Event()
         self._lock = threading.Lock()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server = ThreadingHTTPServer((host, 0), self._handler())
         self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.port: int = self.server.server_address[1]
+        self.url = f"http://{host}:{self.port}"
         # A short poll: close() waits up to one for the serving loop to notice.
         threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
 
@@ -213,15 +215,15 @@ class StandinServer:
 
 
 @contextlib.contextmanager
-def dcgm_exporter(standin_node: StandinNode) -> Iterator[StandinServer]:
-    """A stand-in dcgm-exporter for ``standin_node`` at ``<url>/metrics``."""
+def dcgm_exporter(standin_node: StandinNode, host: str = "127.0.0.1") -> Iterator[StandinServer]:
+    """A stand-in dcgm-exporter for ``standin_node`` at ``<url>/metrics``, listening on ``host``."""
 
     def route(path: str) -> tuple[int, str, bytes]:
         if urllib.parse.urlsplit(path).path != "/metrics":
             return 404, "text/plain", b"404 page not found\n"
         return 200, "text/plain; version=0.0.4; charset=utf-8", standin_node.exposition().encode()
 
-    server = StandinServer(route)
+    server = StandinServer(route, host)
     try:
         yield server
     finally:

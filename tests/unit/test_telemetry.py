@@ -208,6 +208,56 @@ def test_the_alarm_conditions_are_1_while_they_hold_and_0_once_cleared() -> None
     }
 
 
+def test_each_trainings_figures_are_its_status_for_any_code_and_the_running_ones_go_when_it_stops() -> None:
+    """What the dashboards chart, read from status (a team's own code's reports, dcgm-exporter's
+    GPU figures) rather than from the built-in trainer's own series, which other code lacks."""
+    metrics = OperatorMetrics()
+    progress = {"percent": 40.0, "loss": 1.25, "accuracy": 0.5, "samplesPerSecond": 300.0,
+                "estimatedRemainingSeconds": 90, "step": 40}  # fmt: skip
+    gpu = {"count": 2, "model": "NVIDIA H100 80GB HBM3", "source": "DcgmExporter", "perWorker": [
+        {"pod": "llm-worker-0", "utilizationPercent": 4.0, "memoryUsedBytes": 2048},
+        {"pod": "llm-worker-1", "utilizationPercent": 96.0},  # no memory figure: none shown
+        {"utilizationPercent": 50.0},  # no pod: not a series
+    ]}  # fmt: skip
+    running = [_condition("Running", "True", 0)]
+    _tick(metrics, 100, _training("llm", conditions=running, progress=progress, gpu=gpu))
+
+    def of(name: str) -> float | None:
+        return _value(metrics, name, namespace="team-a", gputraining="llm")
+
+    assert of("gpuop_training_progress_ratio") == 0.4
+    assert of("gpuop_training_loss") == 1.25
+    assert of("gpuop_training_accuracy_ratio") == 0.5
+    assert of("gpuop_training_samples_per_second") == 300.0
+    assert of("gpuop_training_estimated_remaining_seconds") == 90
+    assert _series(metrics, "gpuop_training_gpu_utilization_ratio") == {
+        (("gputraining", "llm"), ("namespace", "team-a"), ("pod", "llm-worker-0")): 0.04,
+        (("gputraining", "llm"), ("namespace", "team-a"), ("pod", "llm-worker-1")): 0.96,
+    }
+    assert _series(metrics, "gpuop_training_gpu_memory_used_bytes") == {
+        (("gputraining", "llm"), ("namespace", "team-a"), ("pod", "llm-worker-0")): 2048,
+    }
+    assert _series(metrics, "gpuop_training_gpus") == {
+        (("gputraining", "llm"), ("model", "NVIDIA H100 80GB HBM3"), ("namespace", "team-a")): 2,
+    }
+    # Finished: its last loss, progress and accuracy stay; throughput, time to go and GPUs go.
+    _tick(metrics, 200, _training("llm", phase="Succeeded", progress={**progress, "percent": 100.0}, gpu=gpu))
+    assert of("gpuop_training_progress_ratio") == 1.0
+    assert of("gpuop_training_loss") == 1.25
+    for gone in ("gpuop_training_samples_per_second", "gpuop_training_estimated_remaining_seconds",
+                 "gpuop_training_gpu_utilization_ratio", "gpuop_training_gpu_memory_used_bytes",
+                 "gpuop_training_gpus"):  # fmt: skip
+        assert _series(metrics, gone) == {}, gone
+    # A figure that is not a number (a hand-edited status) is no series, and no error.
+    _tick(metrics, 300, _training("llm", conditions=running, progress={"loss": "NaN?", "percent": True},
+                                  gpu={"count": "8", "perWorker": ["x"]}))  # fmt: skip
+    assert of("gpuop_training_loss") is None
+    assert of("gpuop_training_progress_ratio") is None
+    _tick(metrics, 400)  # deleted
+    for name in ("gpuop_training_progress_ratio", "gpuop_training_loss", "gpuop_training_accuracy_ratio"):
+        assert _series(metrics, name) == {}, name
+
+
 def _report(seconds: float) -> ReceivedReport:
     body = b'{"trainerStatus": {"progressPercentage": 10}}'
     return ReceivedReport("llm-node-0", parse_report(body), _at(seconds))

@@ -1,7 +1,12 @@
 """The operator's own Prometheus metrics: what it did, how long it took, what it costs the API,
-and what users sum and alert on: GPU-hours per namespace, trainings by phase, and a few series
-per GpuTraining (its phase, since when, its Stalled and Underutilized conditions, its last
-progress).
+and what users sum, chart and alert on: GPU-hours per namespace, trainings by phase, and a few
+series per GpuTraining (its phase, since when, its Stalled and Underutilized conditions, its last
+progress, and its figures as its status has them).
+
+The figures per training (progress, loss, throughput, GPU use per pod) are read from the
+GpuTraining's status, which has them for any training code: from the code's reports, or the
+built-in trainer's, and from dcgm-exporter for any image. The trainer pods' own ``gputrain_*``
+series exist only for the built-in trainer, so the chart's dashboards read these instead.
 
 A registry of its own (not prometheus_client's global one) so that tests can run several
 operators in one process and read each one's figures.
@@ -14,7 +19,7 @@ no ``namespace``, so they get the operator pod's as before.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Final
@@ -39,6 +44,22 @@ if TYPE_CHECKING:
 # set, so two series per training at most.
 ALARM_CONDITIONS: Final = ("Stalled", "Underutilized")
 _TRAINING: Final = ["namespace", "gputraining"]
+# status.progress fields exported per training: (series, help, field, scale, only while it runs).
+# Throughput and time to go mean nothing once it stops; the last loss and progress still do.
+_FIGURES: Final = (
+    ("gpuop_training_progress_ratio", "Progress of each GpuTraining, 0..1 (status.progress.percent).",
+     "percent", 0.01, False),
+    ("gpuop_training_loss", "Training loss of each GpuTraining (status.progress.loss).", "loss", 1.0, False),
+    ("gpuop_training_accuracy_ratio", "Evaluation accuracy of each GpuTraining, 0..1 "
+     "(status.progress.accuracy).", "accuracy", 1.0, False),
+    ("gpuop_training_samples_per_second", "Throughput of each running GpuTraining's whole job "
+     "(status.progress.samplesPerSecond).", "samplesPerSecond", 1.0, True),
+    ("gpuop_training_estimated_remaining_seconds", "Estimated seconds to completion of each running "
+     "GpuTraining (status.progress.estimatedRemainingSeconds).", "estimatedRemainingSeconds", 1.0, True),
+)  # fmt: skip
+_HOLDS_GPUS: Final = ("Running", "Restarting")
+# How a tick sets one series (and notes it as shown, so that the next tick can remove it).
+_Show = Callable[[Gauge, tuple[str, ...], float], None]
 
 
 @dataclass
@@ -165,6 +186,31 @@ class OperatorMetrics:
             _TRAINING,
             registry=self.registry,
         )
+        self.training_figures = tuple(
+            (Gauge(series, text, _TRAINING, registry=self.registry), field, scale, running_only)
+            for series, text, field, scale, running_only in _FIGURES
+        )
+        self.training_gpu_utilization = Gauge(
+            "gpuop_training_gpu_utilization_ratio",
+            "Mean utilization of each worker pod's GPUs while its GpuTraining holds them, 0..1 "
+            "(status.gpu.perWorker: dcgm-exporter's figures for any image, or the built-in trainer's).",
+            [*_TRAINING, "pod"],
+            registry=self.registry,
+        )
+        self.training_gpu_memory = Gauge(
+            "gpuop_training_gpu_memory_used_bytes",
+            "GPU memory in use by each worker pod while its GpuTraining holds its GPUs "
+            "(status.gpu.perWorker).",
+            [*_TRAINING, "pod"],
+            registry=self.registry,
+        )
+        self.training_gpus = Gauge(
+            "gpuop_training_gpus",
+            "GPUs each GpuTraining holds while it runs, by the model its workers see (status.gpu; several "
+            "models come comma-separated in one label).",
+            [*_TRAINING, "model"],
+            registry=self.registry,
+        )
         self._billed: dict[Key, _Billed] = {}
         self._shown: dict[Gauge, set[tuple[str, ...]]] = {}
 
@@ -206,11 +252,19 @@ class OperatorMetrics:
                 progress = _last_progress(tracked, status, conditions)
                 if progress is not None:
                     show(self.training_progress, (namespace, name), progress)
+            figures = status.get("progress") or {}
+            for gauge, field, scale, running_only in self.training_figures:
+                value = _figure(figures.get(field))
+                if value is not None and (phase == "Running" or not running_only):
+                    show(gauge, (namespace, name), value * scale)
+            if phase in _HOLDS_GPUS:
+                self._show_gpus(show, (namespace, name), status.get("gpu") or {})
         for namespace, per_phase in counts.items():
             for phase, count in per_phase.items():
                 show(self.trainings, (namespace, phase), count)
-        for gauge in (self.trainings, self.training_phase, self.training_phase_since,
-                      self.training_condition, self.training_progress):  # fmt: skip
+        for gauge in (self.trainings, self.training_phase, self.training_phase_since, self.training_condition,
+                      self.training_progress, self.training_gpu_utilization, self.training_gpu_memory,
+                      self.training_gpus, *(figure[0] for figure in self.training_figures)):  # fmt: skip
             for gone in self._shown.get(gauge, set()) - shown.get(gauge, set()):
                 gauge.remove(*gone)
         self._shown = shown
@@ -218,6 +272,20 @@ class OperatorMetrics:
         # again), what it held meanwhile may have been counted by another replica.
         for key in self._billed.keys() - seen:
             del self._billed[key]
+
+    def _show_gpus(self, show: _Show, training: tuple[str, str], gpu: Mapping[str, Any]) -> None:
+        """A running training's GPU figures, per worker pod, and its GPUs by model."""
+        for worker in gpu.get("perWorker") or ():
+            pod = worker.get("pod") if isinstance(worker, Mapping) else None
+            if not isinstance(pod, str):
+                continue
+            if (utilization := _figure(worker.get("utilizationPercent"))) is not None:
+                show(self.training_gpu_utilization, (*training, pod), utilization / 100)
+            if (used := _figure(worker.get("memoryUsedBytes"))) is not None:
+                show(self.training_gpu_memory, (*training, pod), used)
+        count, model = _figure(gpu.get("count")), gpu.get("model")
+        if count is not None and count > 0 and isinstance(model, str) and model:
+            show(self.training_gpus, (*training, model), count)
 
     def _bill(self, key: Key, body: Mapping[str, Any], status: Mapping[str, Any], now: datetime) -> None:
         """Add to its namespace's GPU-hours what a training has held since the last tick."""
@@ -238,6 +306,11 @@ class OperatorMetrics:
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
+
+
+def _figure(value: Any) -> float | None:
+    """A status figure a gauge can take: a number, not a bool (JSON's true is Python's 1)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _timestamp(text: Any) -> float | None:

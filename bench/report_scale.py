@@ -465,12 +465,15 @@ def _cpus(text: str | None) -> set[int] | None:
     return {int(cpu) for cpu in text.split(",")} if text else None
 
 
+# Every CPU this process may use, read before --bench-cpus narrows it: what a process started
+# with no --operator-cpus gets, rather than the bench's own CPUs (children inherit them).
+_ALL_CPUS: Final = frozenset(os.sched_getaffinity(0))
+
+
 def _pinned(cpus: set[int] | None) -> Any:
     """A ``preexec_fn`` that keeps a process (and what it starts: the operator's endpoint child)
-    on ``cpus``; None leaves it where the kernel puts it."""
-    if cpus is None:
-        return None
-    return lambda: os.sched_setaffinity(0, cpus)
+    on ``cpus``, or on every CPU when None."""
+    return lambda: os.sched_setaffinity(0, cpus if cpus is not None else _ALL_CPUS)
 
 
 def _start_generator(
@@ -570,7 +573,7 @@ def _floor(
                                      "out": str(handled_file)}))  # fmt: skip
     server = subprocess.Popen(
         [sys.executable, __file__, "--serve", str(spec_file)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        env=env,
+        env=env, preexec_fn=_pinned(args.operator_cpus),
     )  # fmt: skip
     try:
         assert server.stdout is not None
@@ -789,7 +792,7 @@ def main() -> int:
         "--bench-cpus",
         type=_cpus,
         help="CPUs the bench and its load generator are kept on (the control plane's "
-        "are set outside: docs/benchmarks.md)",
+        "processes are set outside, e.g. taskset -a -p -c 0 PID for each)",
     )
     parser.add_argument("--generate", type=Path, help=argparse.SUPPRESS)  # the load generator's process
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # an endpoint alone, for a floor

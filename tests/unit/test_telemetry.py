@@ -240,6 +240,19 @@ def test_each_trainings_figures_are_its_status_for_any_code_and_the_running_ones
     assert _series(metrics, "gpuop_training_gpus") == {
         (("gputraining", "llm"), ("model", "NVIDIA H100 80GB HBM3"), ("namespace", "team-a")): 2,
     }
+    # Stalled: its throughput is 0, whatever its last report said (status keeps that figure).
+    stalled = [*running, _condition("Stalled", "True", 150)]
+    _tick(metrics, 180, _training("llm", conditions=stalled, progress=progress, gpu=gpu))
+    assert of("gpuop_training_samples_per_second") == 0
+    assert of("gpuop_training_loss") == 1.25
+    # Restarting: status keeps the last perWorker, but those pods may be gone; so do their series.
+    _tick(metrics, 190, _training("llm", phase="Restarting", conditions=running, progress=progress, gpu=gpu))
+    assert _series(metrics, "gpuop_training_gpu_utilization_ratio") == {}
+    # Its GPUs, with no figures that named their model (no dcgm-exporter, a custom image).
+    _tick(metrics, 195, _training("llm", conditions=running, progress=progress, gpu={"count": 8}))
+    assert _series(metrics, "gpuop_training_gpus") == {
+        (("gputraining", "llm"), ("model", "unknown"), ("namespace", "team-a")): 8,
+    }
     # Finished: its last loss, progress and accuracy stay; throughput, time to go and GPUs go.
     _tick(metrics, 200, _training("llm", phase="Succeeded", progress={**progress, "percent": 100.0}, gpu=gpu))
     assert of("gpuop_training_progress_ratio") == 1.0
@@ -253,8 +266,18 @@ def test_each_trainings_figures_are_its_status_for_any_code_and_the_running_ones
                                   gpu={"count": "8", "perWorker": ["x"]}))  # fmt: skip
     assert of("gpuop_training_loss") is None
     assert of("gpuop_training_progress_ratio") is None
-    _tick(metrics, 400)  # deleted
-    for name in ("gpuop_training_progress_ratio", "gpuop_training_loss", "gpuop_training_accuracy_ratio"):
+    # Deleted while it runs: every series of it goes at the next tick.
+    alarms = [*running, _condition("Underutilized", "False", 0)]
+    _tick(metrics, 350, _training("llm", conditions=alarms, progress=progress, gpu=gpu))
+    every = [
+        family.name for family in metrics.registry.collect() if family.name.startswith("gpuop_training_")
+    ]
+    assert len(every) == 12
+    assert all(_series(metrics, name) for name in every), [
+        name for name in every if not _series(metrics, name)
+    ]
+    _tick(metrics, 400)
+    for name in every:
         assert _series(metrics, name) == {}, name
 
 

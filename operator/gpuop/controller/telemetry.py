@@ -45,7 +45,9 @@ if TYPE_CHECKING:
 ALARM_CONDITIONS: Final = ("Stalled", "Underutilized")
 _TRAINING: Final = ["namespace", "gputraining"]
 # status.progress fields exported per training: (series, help, field, scale, only while it runs).
-# Throughput and time to go mean nothing once it stops; the last loss and progress still do.
+# Throughput and time to go mean nothing once it stops; the last loss and progress still do. A
+# Stalled training's throughput is 0, not its last report's (which status keeps): a chart that
+# held the last figure would show a stalled job as healthy.
 _FIGURES: Final = (
     ("gpuop_training_progress_ratio", "Progress of each GpuTraining, 0..1 (status.progress.percent).",
      "percent", 0.01, False),
@@ -57,7 +59,10 @@ _FIGURES: Final = (
     ("gpuop_training_estimated_remaining_seconds", "Estimated seconds to completion of each running "
      "GpuTraining (status.progress.estimatedRemainingSeconds).", "estimatedRemainingSeconds", 1.0, True),
 )  # fmt: skip
-_HOLDS_GPUS: Final = ("Running", "Restarting")
+_THROUGHPUT: Final = "samplesPerSecond"
+# Its GPUs' figures only while Running: status keeps the last perWorker through a restart, whose
+# pods may be gone. A model the figures never named (no dcgm-exporter, a custom image) is this.
+UNKNOWN_MODEL: Final = "unknown"
 # How a tick sets one series (and notes it as shown, so that the next tick can remove it).
 _Show = Callable[[Gauge, tuple[str, ...], float], None]
 
@@ -192,22 +197,21 @@ class OperatorMetrics:
         )
         self.training_gpu_utilization = Gauge(
             "gpuop_training_gpu_utilization_ratio",
-            "Mean utilization of each worker pod's GPUs while its GpuTraining holds them, 0..1 "
+            "Mean utilization of each worker pod's GPUs while its GpuTraining runs, 0..1 "
             "(status.gpu.perWorker: dcgm-exporter's figures for any image, or the built-in trainer's).",
             [*_TRAINING, "pod"],
             registry=self.registry,
         )
         self.training_gpu_memory = Gauge(
             "gpuop_training_gpu_memory_used_bytes",
-            "GPU memory in use by each worker pod while its GpuTraining holds its GPUs "
-            "(status.gpu.perWorker).",
+            "GPU memory in use by each worker pod's GPUs while its GpuTraining runs (status.gpu.perWorker).",
             [*_TRAINING, "pod"],
             registry=self.registry,
         )
         self.training_gpus = Gauge(
             "gpuop_training_gpus",
-            "GPUs each GpuTraining holds while it runs, by the model its workers see (status.gpu; several "
-            "models come comma-separated in one label).",
+            "GPUs each running GpuTraining holds, by the model its workers see (status.gpu; several "
+            f"models come comma-separated in one label; {UNKNOWN_MODEL} when no figures named it).",
             [*_TRAINING, "model"],
             registry=self.registry,
         )
@@ -253,11 +257,12 @@ class OperatorMetrics:
                 if progress is not None:
                     show(self.training_progress, (namespace, name), progress)
             figures = status.get("progress") or {}
+            stalled = _holds(conditions, "Stalled")
             for gauge, field, scale, running_only in self.training_figures:
                 value = _figure(figures.get(field))
                 if value is not None and (phase == "Running" or not running_only):
-                    show(gauge, (namespace, name), value * scale)
-            if phase in _HOLDS_GPUS:
+                    show(gauge, (namespace, name), 0.0 if stalled and field == _THROUGHPUT else value * scale)
+            if phase == "Running":
                 self._show_gpus(show, (namespace, name), status.get("gpu") or {})
         for namespace, per_phase in counts.items():
             for phase, count in per_phase.items():
@@ -284,8 +289,12 @@ class OperatorMetrics:
             if (used := _figure(worker.get("memoryUsedBytes"))) is not None:
                 show(self.training_gpu_memory, (*training, pod), used)
         count, model = _figure(gpu.get("count")), gpu.get("model")
-        if count is not None and count > 0 and isinstance(model, str) and model:
-            show(self.training_gpus, (*training, model), count)
+        if count is not None and count > 0:
+            show(
+                self.training_gpus,
+                (*training, model if isinstance(model, str) and model else UNKNOWN_MODEL),
+                count,
+            )
 
     def _bill(self, key: Key, body: Mapping[str, Any], status: Mapping[str, Any], now: datetime) -> None:
         """Add to its namespace's GPU-hours what a training has held since the last tick."""
@@ -306,6 +315,11 @@ class OperatorMetrics:
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
+
+
+def _holds(conditions: Mapping[Any, Mapping[str, Any]], kind: str) -> bool:
+    condition = conditions.get(kind)
+    return condition is not None and condition.get("status") == "True"
 
 
 def _figure(value: Any) -> float | None:

@@ -69,6 +69,14 @@ def suite_chart(plane: ControlPlane, api: Api) -> Iterator[Installed]:
     plane.kubectl("create", "namespace", NAMESPACE)
     yield suite_chart
     uninstall_chart(plane)
+    # Nothing of this suite may outlive it: the session's control plane goes on to the chain,
+    # whose training-operator would run a job left here on its nodes (seen: two left 2-GPU
+    # trainings held all four stand-in GPUs there), and whose operator would reconcile it.
+    _delete_namespace(plane, NAMESPACE)
+
+
+def _delete_namespace(plane: ControlPlane, namespace: str) -> None:
+    plane.kubectl("delete", "namespace", namespace, "--ignore-not-found", "--wait=false")
 
 
 @pytest.fixture
@@ -507,6 +515,7 @@ def test_without_the_peering_object_the_operator_says_so_and_runs_standalone(
         wait_for("its PyTorchJob", lambda: api.get("pytorchjobs", "alone", "lonely"), timeout=60)
     finally:
         fresh_operator.stop()
+        _delete_namespace(plane, "lonely")
     assert re.search(r"WARNING.*no KopfPeering/gpu-training-operator in lonely .*running standalone",
                      fresh_operator.log()), fresh_operator.log()  # fmt: skip
 
@@ -532,6 +541,7 @@ def test_a_required_peering_object_is_waited_for_with_a_warning(
                  lambda: api.get("pytorchjobs", "patient", "waiting"), timeout=60)  # fmt: skip
     finally:
         fresh_operator.stop()
+        _delete_namespace(plane, "waiting")
 
 
 @dataclass

@@ -71,8 +71,25 @@ def chart_values(nodes: Pool) -> dict[str, object]:
     return {**VALUES, "nodeSelector": {"kubernetes.io/hostname": nodes.first.name}}
 
 
+# What an earlier suite on the session's control plane may have left: the chain's controllers
+# would run such a job on its nodes and its operator would reconcile such a training, taking
+# GPUs, CPUs and reconciles from the chain's tests (seen: two left 2-GPU trainings held all four
+# stand-in GPUs, and their reconciles kept NotReconciling's error ratio low). Each suite cleans
+# up after itself; this is the chain's guard against one that does not.
+LEFTOVER_KINDS: Final = (
+    "gputrainings.gpuop.io",
+    "pytorchjobs.kubeflow.org",
+    "trainjobs.trainer.kubeflow.org",
+)
+
+
 @pytest.fixture(scope="package", autouse=True)
 def namespace(plane: controlplane.ControlPlane) -> str:
+    for kind in LEFTOVER_KINDS:
+        left = plane.kubectl("get", kind, "-A", "-o", "name", check=False)
+        if left.returncode == 0 and left.stdout.strip():  # a kind not served yet has none
+            print(f"deleting what earlier suites left: {' '.join(left.stdout.split())}")
+            plane.kubectl("delete", kind, "--all", "-A", "--wait=false")
     plane.kubectl("create", "namespace", NAMESPACE)
     return NAMESPACE
 

@@ -87,6 +87,16 @@ def _delete(plane: ControlPlane, name: str) -> None:
     plane.kubectl("delete", "gtr", name, "-n", chain.NAMESPACE, "--wait=true", "--timeout=90s")
 
 
+def _grafana_variables(name: str) -> dict[str, str]:
+    """Grafana's variables as the trainings dashboard sets them for one training."""
+    return {"namespace": chain.NAMESPACE, "training": name, "__rate_interval": "30s", "__range": "5m"}
+
+
+def _conditions_holding(plane: ControlPlane, name: str) -> set[str]:
+    status = (chain.get(plane, "gtr", name) or {}).get("status", {})
+    return {c["type"] for c in status.get("conditions", []) if c["status"] == "True"}
+
+
 def _waited(what: str, check: Any, timeout: float, said: Any) -> None:
     """``wait_for``, failing with what ``said()`` tells of the cluster then (a wait in this
     module that passed alone failed inside the package once, and its message said nothing)."""
@@ -145,7 +155,7 @@ def test_prometheus_scrapes_the_chain_answers_every_dashboard_query_and_a_stall_
     assert all(s["metric"]["namespace"] == chain.NAMESPACE for s in series), series
 
     # Every panel of both dashboards, as Grafana would ask for this training.
-    variables = {"namespace": chain.NAMESPACE, "training": name, "__rate_interval": "30s", "__range": "5m"}
+    variables = _grafana_variables(name)
     queries = panel_queries("trainings.json", variables) + panel_queries(
         "operator.json", {**variables, "namespace": RELEASE_NAMESPACE}
     )
@@ -165,8 +175,7 @@ def test_prometheus_scrapes_the_chain_answers_every_dashboard_query_and_a_stall_
     # slow start can stall the training for a moment before the gate, and the alert that
     # fired then may still be firing a second after its condition cleared.
     def stalled() -> bool:
-        status = (chain.get(plane, "gtr", name) or {}).get("status", {})
-        return "Stalled" in {c["type"] for c in status.get("conditions", []) if c["status"] == "True"}
+        return "Stalled" in _conditions_holding(plane, name)
 
     wait_for(f"{name} Stalled at the gate", stalled, timeout=STALL_SECONDS + 60, every=0.5)
     wait_for(
@@ -268,19 +277,13 @@ def test_gpus_the_exporter_says_are_idle_fire_underutilized_until_the_training_g
             _waited("GpuTrainingUnderutilized firing",
                     lambda: monitored.firing("GpuTrainingUnderutilized", namespace=chain.NAMESPACE, gputraining=name),
                     90, lambda: f"exporter asked {exporter.requests} times; {_pods_said(plane, name)}")  # fmt: skip
-            status = chain.get(plane, "gtr", name)["status"]
-            assert "Underutilized" in {c["type"] for c in status["conditions"] if c["status"] == "True"}, (
-                status
-            )
+            holding = _conditions_holding(plane, name)
+            assert "Underutilized" in holding, holding
             assert exporter.requests > 0
             # The dashboards' GPU panels, from the exporter's figures through the status.
-            variables = {
-                "namespace": chain.NAMESPACE,
-                "training": name,
-                "__rate_interval": "30s",
-                "__range": "5m",
+            gpu_panels = {
+                t: e for t, e in panel_queries("trainings.json", _grafana_variables(name)) if t in GPU_ONLY
             }
-            gpu_panels = {t: e for t, e in panel_queries("trainings.json", variables) if t in GPU_ONLY}
             assert set(gpu_panels) == GPU_ONLY
             wait_for("the GPU panels answered", lambda: all(monitored.query(e) for e in gpu_panels.values()),
                      timeout=30, every=1)  # fmt: skip

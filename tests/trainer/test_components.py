@@ -13,13 +13,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from gpuop.api.status import GpuUsage, format_eta
 from gpuop.local.runner import progress_line, scrape
 from gpuop.observing.figures import gpu_usage
 from gpuop.observing.scrape import parse_metrics
 from gputrain.checkpoint import CheckpointManager
-from gputrain.contract import Metric, Progress, Result
+from gputrain.contract import Metric, Progress, Result, TrainerSettings
 from gputrain.data import (
     DatasetMissingError,
     TensorData,
@@ -366,6 +367,23 @@ def test_models_classify_their_inputs(name: str, channels: int, size: int) -> No
         assert model(torch.randn(2, channels, size, size)).shape == (2, 10)
 
 
+def test_the_cnns_blocks_pool_before_relu_as_the_usual_order_would_compute() -> None:
+    """The CNN's blocks end in pool-then-ReLU, which costs a quarter of the ReLU; the usual
+    ReLU-then-pool is the same function, gradients included, so checkpoints of either load."""
+    torch.manual_seed(0)
+    block = build_model("cnn", 1, 10, 28).features[0]  # type: ignore[index]
+    *front, pool, relu = block
+    assert (type(pool), type(relu)) == (nn.MaxPool2d, nn.ReLU)
+    usual = nn.Sequential(*front, nn.ReLU(), nn.MaxPool2d(2))
+    x = torch.randn(4, 1, 28, 28, requires_grad=True)
+    ours_out = block(x)
+    (ours_grad,) = torch.autograd.grad(ours_out.square().sum(), x)
+    usual_out = usual(x)
+    (usual_grad,) = torch.autograd.grad(usual_out.square().sum(), x)
+    assert torch.equal(ours_out, usual_out)
+    assert torch.equal(ours_grad, usual_grad)
+
+
 def test_torchvision_imports_here() -> None:
     torchvision = import_torchvision()
     assert hasattr(torchvision.models, "resnet50")
@@ -543,6 +561,52 @@ def test_fp16_loss_scaling_steps_once_per_optimizer_step(tmp_path: Path) -> None
         assert scaler["_growth_tracker"] < 23
     saved, _path = CheckpointManager(tmp_path / "ck" / "demo", keep=1).load_latest()  # type: ignore[misc]
     assert saved["scaler"] == scaler
+
+
+# --- bf16 on CPUs: only where the CPU computes it ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("avx512_bf16", "amx", "asked", "device", "runs"),
+    [
+        (False, False, "bf16", "cpu", "fp32"),  # emulated bf16: 12.8x slower here (docs/benchmarks.md)
+        (True, False, "bf16", "cpu", "bf16"),
+        (False, True, "bf16", "cpu", "bf16"),
+        (False, False, "bf16", "cuda", "bf16"),  # a GPU's bf16 is not the CPU's business
+        (False, False, "fp32", "cpu", "fp32"),
+        (False, False, "fp16", "cuda", "fp16"),
+    ],
+)
+def test_bf16_runs_on_a_cpu_only_where_the_cpu_has_bf16_arithmetic(
+    monkeypatch: pytest.MonkeyPatch, avx512_bf16: bool, amx: bool, asked: str, device: str, runs: str
+) -> None:
+    from gputrain.train import effective_precision
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    settings = _digits_settings().replace(precision=asked)
+    assert effective_precision(settings, torch.device(device)) == runs
+
+
+def test_a_torch_that_cannot_tell_the_cpus_bf16_keeps_what_the_spec_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gputrain.train import effective_precision
+
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    settings = _digits_settings().replace(precision="bf16")
+    assert effective_precision(settings, torch.device("cpu")) == "bf16"
+
+
+def _digits_settings() -> TrainerSettings:
+    """The settings the operator renders for a digits training with the spec's defaults."""
+    from gpuop.api.spec import parse
+    from gpuop.backends.pod import trainer_settings
+    from support.specs import minimal
+
+    training = parse(minimal(dataset={"name": "digits"}))
+    return trainer_settings(training.name, training.spec)
 
 
 # --- progress and the LR schedule by the run's data, whatever the world size -----------------

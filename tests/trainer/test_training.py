@@ -120,12 +120,17 @@ def test_ranks_end_with_identical_models(tmp_path: Path) -> None:
         assert torch.equal(first[key], second[key]), key
 
 
-def test_bf16_autocast_on_cpu_trains(tmp_path: Path) -> None:
+def test_bf16_on_cpu_trains_and_says_when_this_cpu_runs_it_in_fp32(tmp_path: Path) -> None:
+    """bf16 autocast where the CPU has bf16 arithmetic; elsewhere fp32, said in each rank's log."""
+    from gputrain.train import cpu_computes_bf16_natively
+
     run = digits_run(tmp_path, precision="bf16", epochs=3)
     assert train(run) == 0, log_of(run)
     result = json.loads(run.termination_log.read_text())
     assert result["phase"] == "Succeeded"
     assert result["accuracy"] >= 0.9
+    said = log_of(run).count("this CPU has no bf16 arithmetic (AVX512-BF16 or AMX)")
+    assert said == (0 if cpu_computes_bf16_natively() else 2), log_of(run)  # once per rank
 
 
 def test_compile_under_ddp_with_accumulation_trains_and_ranks_agree(tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ def test_minimal_spec_gets_the_documented_defaults() -> None:
         gradient_accumulation_steps=1,
         seed=0,
         max_grad_norm=1.0,
-        channels_last=False,
+        channels_last=True,
         compile=False,
         log_every_steps=20,
     )

@@ -14,8 +14,13 @@ def _block(cin: int, cout: int) -> nn.Sequential:
         nn.ReLU(inplace=True),
         nn.Conv2d(cout, cout, kernel_size=3, padding=1, bias=False),
         nn.BatchNorm2d(cout),
-        nn.ReLU(inplace=True),
+        # Pool, then ReLU: the same function as the usual ReLU-then-pool (a max commutes with
+        # any non-decreasing map), with the ReLU and its backward on a quarter of the values:
+        # about 1.3 ms of a 56 ms step on 2 CPU cores at 28x28, batch 64 (the ReLU's forward and
+        # backward took 1.34 ms at 64x32x28x28 and 0.37 ms at 64x64x14x14 there). No parameters
+        # move, so checkpoints of the other order load unchanged.
         nn.MaxPool2d(2),
+        nn.ReLU(inplace=True),
     )
 
 

@@ -28,7 +28,7 @@ from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
 
 from gputrain.checkpoint import CheckpointManager, write_atomically
-from gputrain.contract import MODEL_FILE, RESULT_FILE, ContractError, Result, TrainerSettings
+from gputrain.contract import MODEL_FILE, RESULT_FILE, ContractError, Precision, Result, TrainerSettings
 from gputrain.data import DataSource, build_data
 from gputrain.distributed import Cluster, sum_over_ranks
 from gputrain.metrics import MetricsServer
@@ -53,6 +53,26 @@ __all__ = ["Position", "PreemptedError", "Trainer", "resume_at", "warmup_cosine"
 
 class PreemptedError(Exception):
     """SIGTERM arrived; a checkpoint was written where this rank is its pod's writer."""
+
+
+def cpu_computes_bf16_natively() -> bool:
+    """Whether this CPU has bf16 arithmetic (AVX512-BF16 or AMX): without it, oneDNN emulates
+    bf16 in fp32 registers plus conversions, and autocast to bf16 runs slower than fp32 (the
+    CNN at 373 against 745 samples/s on a 2-core AVX-512 machine without it, docs/benchmarks.md).
+    With it (Sapphire Rapids and later, Zen 4 and later), bf16 is oneDNN's fast path."""
+    names = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, in torch >= 2.3
+    probes = [getattr(torch.cpu, name, None) for name in names]
+    if all(probe is None for probe in probes):
+        return True  # a torch that cannot tell: keep what the spec asked for
+    return any(probe is not None and probe() for probe in probes)
+
+
+def effective_precision(settings: TrainerSettings, device: torch.device) -> Precision:
+    """The precision the loop runs in: the spec's, except bf16 on a CPU without bf16 arithmetic,
+    which is fp32 (slower in bf16 and no more memory to save on a CPU's host RAM)."""
+    if settings.precision == "bf16" and device.type == "cpu" and not cpu_computes_bf16_natively():
+        return "fp32"
+    return settings.precision
 
 
 def _autocast(settings: TrainerSettings, device: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -106,6 +126,14 @@ class Trainer:
         self.device = cluster.device
         self.stop_requested = False
         self.stop_signal: int | None = None  # SIGTERM or SIGINT, once one came
+        if (precision := effective_precision(settings, self.device)) != settings.precision:
+            log.warning(
+                "precision %s: this CPU has no bf16 arithmetic (AVX512-BF16 or AMX), where bf16 "
+                "runs slower than fp32; training in %s",
+                settings.precision,
+                precision,
+            )
+            settings = self.settings = settings.replace(precision=precision)
 
         torch.manual_seed(settings.seed)  # the same initial weights on every rank
         if self.device.type == "cuda":

@@ -111,8 +111,9 @@ class Training:
         maximum=1e6,
     )
     channels_last: bool = api_field(
-        "Use the channels_last memory format (faster convolutions on tensor cores).",
-        default=False,
+        "Keep images and convolution weights in the channels_last memory format: faster "
+        "convolutions on tensor cores and in oneDNN on CPUs (the CNN: 1.3x on 2 CPU cores).",
+        default=True,
     )
     compile: bool = api_field("Compile the model with torch.compile.", default=False)
     log_every_steps: int = api_field(

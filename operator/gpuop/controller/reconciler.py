@@ -18,6 +18,7 @@ that talks to the API.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 _ACTIVE_PHASES: Final = ("Created", "Running", "Restarting")
 _NO_ALARMS: Final = Thresholds(stall_timeout_seconds=0)
+_STATUS_NEXT: Final = "created, status next"  # a job made, its training's status left for later
 
 
 def _now() -> datetime:
@@ -78,6 +80,13 @@ class Reconciler:
         # Where trainers report (rendered into their pods), and what they reported so far.
         self.report_endpoint = report_endpoint
         self.reports = reports or ReportBook()
+        # Trainings seen with no job yet, whose reconcile has not made one. While any wait, a
+        # reconcile that just made a job leaves its Created status to the job's own watch event:
+        # in a burst of new trainings, every job comes before any status (a job waiting behind a
+        # status write waits for nothing), and Kopf hands the job events over after the
+        # trainings' events queued before them. Alone, a training's status is written at once.
+        self._awaiting_jobs: set[Key] = set()
+        self._awaiting_lock = threading.Lock()
 
     # -- watch events ---------------------------------------------------------------------
 
@@ -86,6 +95,7 @@ class Reconciler:
         if event_type == "DELETED":
             self._table.forget(key)
             self.reports.forget(key)
+            self._made_job(key)
             return
         tracked = self._table.get_or_add(key, body)
         with tracked.lock:
@@ -93,6 +103,11 @@ class Reconciler:
                 tracked.body, tracked.child, tracked.pods = body, None, ()  # re-created under the same name
             elif newer(body, tracked.body):
                 tracked.body = body
+            if tracked.versions() == tracked.reconciled:
+                return  # our own write echoed, or an older event: nothing the last reconcile did not see
+            if tracked.child is None:
+                with self._awaiting_lock:
+                    self._awaiting_jobs.add(key)
         self.reconcile(key)
 
     def job_event(self, event_type: str | None, body: dict[str, Any]) -> None:
@@ -108,6 +123,8 @@ class Reconciler:
                 tracked.child, tracked.pods = None, ()
             elif tracked.child is None or newer(body, tracked.child):
                 tracked.child, tracked.child_gone = observe.slim_job(body), False
+            if tracked.versions() == tracked.reconciled:
+                return  # the job we made or patched, echoed: the reconcile that did it saw it
         if event_type == "DELETED" and not self._still_there(key):
             return  # the garbage collector took it with its GpuTraining: do not re-create it
         self.reconcile(key)
@@ -139,6 +156,10 @@ class Reconciler:
             try:
                 outcome = self._reconcile(tracked)
                 tracked.failure = None
+                if outcome == _STATUS_NEXT:
+                    outcome = "created"  # not reconciled yet: its job's event will finish it
+                else:
+                    tracked.reconciled = tracked.versions()
             except ApiError as exc:
                 # Already retried with backoff; the next event or tick tries again.
                 self.metrics.errors.inc()
@@ -150,9 +171,17 @@ class Reconciler:
                 self.metrics.errors.inc()
                 outcome = "error"
                 self._report_failure(tracked, exc)
+            finally:
+                self._made_job(key)  # or found it could not: either way it waits no more
         self.metrics.duration.observe(time.monotonic() - started)
         self.metrics.reconciles.labels(outcome=outcome).inc()
         return outcome
+
+    def _made_job(self, key: Key) -> bool:
+        """Count ``key`` as no longer waiting for its job; whether others still wait."""
+        with self._awaiting_lock:
+            self._awaiting_jobs.discard(key)
+            return bool(self._awaiting_jobs)
 
     def _report_failure(self, tracked: Tracked, exc: Exception) -> None:
         namespace, name = key_of(tracked.body)
@@ -200,6 +229,10 @@ class Reconciler:
 
         objects = view.objects(api, self.settings.trainer_image, self.report_endpoint)
         outcome, conflict = self._children.ensure(tracked, view.training, api, objects)
+        if outcome == "created" and self._made_job(key_of(tracked.body)):
+            # Others wait for their jobs: this one's status follows on its job's watch event
+            # (or, should that never come, the next tick), once the jobs queued before it are made.
+            return _STATUS_NEXT
         if conflict is None and self._children.wake(tracked, api, now) and outcome == "unchanged":
             outcome = "woken"
         observation = self._observe(tracked, previous, view, api, choice, conflict, now, generation)

@@ -94,6 +94,16 @@ class Tracked:
     failure: str | None = None  # the last unexpected error, said once
     child_gone: bool = False  # asked for and not found, after the training finished
     woken_at: datetime | None = None  # when the job was last touched to wake its controller
+    # The versions() a reconcile last finished with: a watch event that brings no newer object
+    # (the echo of our own status write or job create) has nothing to reconcile.
+    reconciled: tuple[str, str] | None = None
+
+    def versions(self) -> tuple[str, str]:
+        """The resourceVersions of the GpuTraining and its job as last seen ("" for no job)."""
+        child = (self.child or {}).get("metadata") or {}
+        return str((self.body.get("metadata") or {}).get("resourceVersion", "")), str(
+            child.get("resourceVersion", "")
+        )
 
     @property
     def phase(self) -> str | None:

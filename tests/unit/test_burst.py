@@ -1,0 +1,137 @@
+"""A burst of new trainings: every job before any status, and no reconcile for an echo.
+
+Through the real Reconciler on the toy backend's in-memory store (support.toyjob), with watch
+events delivered as Kopf delivers them: the training's, then the job's once it exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from gpuop.controller.reconciler import Reconciler
+from gpuop.controller.settings import OperatorSettings
+from support.specs import minimal
+from support.toyjob import Store, ToyJobApi
+
+
+def _add(store: Store, name: str) -> dict[str, Any]:
+    body = minimal()
+    body["metadata"] |= {"name": name, "namespace": "default", "uid": f"u-{name}", "generation": 1}
+    store.trainings[("default", name)] = store._stamp(copy.deepcopy(body))
+    return store.get_training("default", name) or {}
+
+
+def _reconciler(store: Store) -> Reconciler:
+    return Reconciler(
+        store,  # type: ignore[arg-type]
+        OperatorSettings(peering_name=None),
+        clock=lambda: datetime(2026, 11, 25, 10, tzinfo=UTC),
+    )
+
+
+def _reconciles(reconciler: Reconciler) -> dict[str, float]:
+    return {
+        sample.labels["outcome"]: sample.value
+        for metric in reconciler.metrics.reconciles.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    }
+
+
+def _job_of(store: Store, name: str) -> dict[str, Any]:
+    return copy.deepcopy(
+        next(o for o in store.objects.values() if o["kind"] == "ToyJob" and o["metadata"]["name"] == name)
+    )
+
+
+def test_the_echo_of_our_own_writes_is_not_reconciled_and_news_is(toy: ToyJobApi) -> None:
+    store = Store()
+    reconciler = _reconciler(store)
+    try:
+        reconciler.training_event("ADDED", _add(store, "t"))
+        assert store.trainings[("default", "t")]["status"]["phase"] == "Created"  # alone: at once
+        before, writes = _reconciles(reconciler), store.status_writes
+
+        reconciler.job_event("ADDED", _job_of(store, "t"))  # the job we made, as its watch shows it
+        reconciler.training_event("MODIFIED", store.get_training("default", "t") or {})  # our status
+        assert _reconciles(reconciler) == before
+        assert store.status_writes == writes
+
+        job = store.job()
+        job["status"] = {"state": "Running", "began": "2026-11-25T10:00:00Z"}
+        reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))  # news: reconciled
+        assert sum(_reconciles(reconciler).values()) == sum(before.values()) + 1
+        assert store.trainings[("default", "t")]["status"]["phase"] == "Running"
+    finally:
+        reconciler.close()
+
+
+class _HeldStore(Store):
+    """A store whose create of one training's job waits until the test lets it go."""
+
+    def __init__(self, held: str) -> None:
+        super().__init__()
+        self.held = held
+        self.reached = threading.Event()
+        self.release = threading.Event()
+
+    def create_object(self, obj: Mapping[str, Any], plural: str) -> dict[str, Any]:
+        if obj["kind"] == "ToyJob" and obj["metadata"]["name"] == self.held:
+            self.reached.set()
+            assert self.release.wait(10)
+        return super().create_object(obj, plural)
+
+
+def test_while_others_wait_for_their_jobs_a_new_jobs_status_waits_for_its_watch_event(
+    toy: ToyJobApi,
+) -> None:
+    store = _HeldStore(held="slow")
+    reconciler = _reconciler(store)
+    slow_body, fast_body = _add(store, "slow"), _add(store, "fast")
+    slow = threading.Thread(target=reconciler.training_event, args=("ADDED", slow_body))
+    try:
+        slow.start()
+        assert store.reached.wait(10)  # "slow" is waiting for its job
+
+        reconciler.training_event("ADDED", fast_body)
+        assert _job_of(store, "fast")["metadata"]["ownerReferences"][0]["uid"] == "u-fast"
+        assert "status" not in store.trainings[("default", "fast")]  # its job first, not its status
+
+        store.release.set()
+        slow.join(10)
+        # The last of the burst to get its job: nobody waits, so its status is written at once.
+        assert store.trainings[("default", "slow")]["status"]["phase"] == "Created"
+
+        reconciler.job_event("ADDED", _job_of(store, "fast"))  # the deferred status, on the job's event
+        assert store.trainings[("default", "fast")]["status"]["phase"] == "Created"
+        assert _reconciles(reconciler).get("created") == 2
+    finally:
+        store.release.set()
+        slow.join(10)
+        reconciler.close()  # waits for the Events, which are posted off the reconcile's thread
+    assert store.events == ["ToyJobCreated", "ToyJobCreated"]  # one each, the deferred one too
+
+
+def test_a_deferred_status_is_written_by_the_tick_should_the_jobs_event_never_come(toy: ToyJobApi) -> None:
+    store = _HeldStore(held="slow")
+    reconciler = _reconciler(store)
+    slow_body, fast_body = _add(store, "slow"), _add(store, "fast")
+    slow = threading.Thread(target=reconciler.training_event, args=("ADDED", slow_body))
+    try:
+        slow.start()
+        assert store.reached.wait(10)
+        reconciler.training_event("ADDED", fast_body)
+        assert "status" not in store.trainings[("default", "fast")]
+        store.release.set()
+        slow.join(10)
+
+        reconciler.tick()  # no job event delivered (a watch that missed it)
+        assert store.trainings[("default", "fast")]["status"]["phase"] == "Created"
+    finally:
+        store.release.set()
+        slow.join(10)
+        reconciler.close()

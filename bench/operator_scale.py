@@ -344,6 +344,16 @@ def reactive_floor(
     return converged, submitted, latencies
 
 
+OPERATOR_SOURCE: Path | None = None  # --operator-source: another checkout's operator, to compare
+
+
+def _operator_source_env() -> dict[str, str]:
+    """PYTHONPATH for an operator run from OPERATOR_SOURCE (its packages before this venv's)."""
+    if OPERATOR_SOURCE is None:
+        return {}
+    return {"PYTHONPATH": f"{OPERATOR_SOURCE / 'operator'}:{OPERATOR_SOURCE / 'trainer'}"}
+
+
 def _delete_namespaces(core: client.CoreV1Api, namespaces: list[str]) -> None:
     """Delete them and wait until they are gone: the namespace controller deletes their
     thousands of objects through the same API server, which the next run would measure too
@@ -443,7 +453,8 @@ def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any
         operator = subprocess.Popen(
             [GPUOP, "operator", "--standalone", "--namespace", operator_ns,
              "--metrics-port", str(metrics_port), "--health-port", "0", "--max-workers", str(CONCURRENCY)],
-            env={**os.environ, "KUBECONFIG": kubeconfig}, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "KUBECONFIG": kubeconfig, **_operator_source_env()},
+            stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
             deadline = time.monotonic() + 60
@@ -594,7 +605,14 @@ def main() -> int:
         "--kubeconfig", help="a real cluster (its CRDs are created first); default: the emulator"
     )
     parser.add_argument("--quiet-seconds", type=float, default=25.0, help="idle period checked for writes")
+    parser.add_argument(
+        "--operator-source",
+        type=Path,
+        help="run the operator from this checkout (git worktree add DIR REV): two versions side by side",
+    )
     args = parser.parse_args()
+    global OPERATOR_SOURCE
+    OPERATOR_SOURCE = args.operator_source
     if args.kubeconfig:
         config.load_kube_config(config_file=args.kubeconfig)
         _install_crds()

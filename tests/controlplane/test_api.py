@@ -342,3 +342,31 @@ def test_the_server_accepts_changing_a_mutable_field(
         else:
             assert stored["spec"][key] == value
     api.delete("gputrainings", before["metadata"]["name"], "ml")
+
+
+def test_the_operators_create_knows_the_job_as_the_server_stored_it(
+    plane: ControlPlane, crd_warnings: str
+) -> None:
+    """``Kube.create_object`` asks for a reply of metadata only (PartialObjectMetadata) and fills in
+    the rest from what it sent: what the operator keeps of the job must be what a GET returns."""
+    from kubernetes import client as k8s_client
+    from kubernetes import config as k8s_config
+
+    from gpuop.controller.kube import Kube
+    from gpuop.observing import observe
+
+    configuration = k8s_client.Configuration()
+    k8s_config.load_kube_config(config_file=str(plane.kubeconfig), client_configuration=configuration)  # type: ignore[no-untyped-call]
+    kube = Kube(k8s_client.ApiClient(configuration))
+    body = minimal(dataset={"name": "digits"})
+    body["metadata"] |= {"name": "created-as-stored", "namespace": "ml"}
+    job = render_job(parse(body), "pytorchjob", default_image="example.com/trainer:1")[-1]
+    job["metadata"].pop("ownerReferences", None)  # no GpuTraining exists to own it
+    try:
+        made = kube.create_object(job, "pytorchjobs")
+        stored = kube.get_object("kubeflow.org/v1", "pytorchjobs", "ml", "created-as-stored")
+        assert stored is not None
+        assert made["metadata"]["uid"] == stored["metadata"]["uid"]
+        assert observe.slim_job(made) == observe.slim_job(stored)
+    finally:
+        plane.kubectl("delete", "pytorchjob", "created-as-stored", "-n", "ml", "--ignore-not-found")

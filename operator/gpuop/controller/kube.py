@@ -48,6 +48,8 @@ USER_AGENT: Final = "gpuop-operator/0.1"
 RETRIED_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 _TRAININGS: Final = f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/{PLURAL}"
 _MERGE_PATCH: Final = "application/merge-patch+json"
+# A reply of metadata only (every API server we claim, 1.29 on, serves it); plain JSON elsewhere.
+_METADATA_ONLY: Final = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
 
 
 class ApiError(Exception):
@@ -156,10 +158,12 @@ class Kube:
         timeout: float | None = None,
         retried: frozenset[int] = RETRIED_STATUSES,
         attempts: int | None = None,
+        accept: str | None = None,
     ) -> Any:
         if query:
             path = f"{path}?{urllib.parse.urlencode(query)}"
-        headers = {"Accept": "*/*" if raw else "application/json", "User-Agent": USER_AGENT}
+        accept = accept or ("*/*" if raw else "application/json")
+        headers = {"Accept": accept, "User-Agent": USER_AGENT}
         if body is not None:
             headers["Content-Type"] = content_type
         payload = json.dumps(body).encode() if body is not None else None
@@ -211,10 +215,16 @@ class Kube:
 
     def create_object(self, obj: Mapping[str, Any], plural: str) -> dict[str, Any]:
         """Create a namespaced object (a custom one, or a core one such as a ConfigMap);
-        ApiError 409 AlreadyExists when its name is taken."""
+        ApiError 409 AlreadyExists when its name is taken.
+
+        Returns the object as sent with the metadata the API server gave it (uid,
+        resourceVersion, ...): the reply carries only metadata (PartialObjectMetadata), since a
+        whole PyTorchJob (13 KB of JSON, 7.5 KB of it managedFields) took 13% of the operator's
+        CPU to decode in a burst of 1,000, and everything else in it is what was sent (defaults
+        a webhook added come with the object's watch event)."""
         path = _objects(str(obj["apiVersion"]), plural, obj["metadata"]["namespace"])
-        created: dict[str, Any] = self._request("POST", path, body=obj)
-        return created
+        reply = self._request("POST", path, body=obj, accept=_METADATA_ONLY)
+        return {**obj, "metadata": (reply or {}).get("metadata") or dict(obj["metadata"])}
 
     def get_object(self, api_version: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
         return self._get_or_none(f"{_objects(api_version, plural, namespace)}/{name}")

@@ -119,12 +119,15 @@ class Reconciler:
         if tracked is None:  # its GpuTraining's own event will come and reconcile
             return
         with tracked.lock:
+            known = tracked.child
             if event_type == "DELETED":
                 tracked.child, tracked.pods = None, ()
             elif tracked.child is None or newer(body, tracked.child):
                 tracked.child, tracked.child_gone = observe.slim_job(body), False
-            if tracked.versions() == tracked.reconciled:
-                return  # the job we made or patched, echoed: the reconcile that did it saw it
+            if tracked.versions() == tracked.reconciled and tracked.child == known:
+                # The job we made or patched, echoed: the reconcile that did it saw all of it (a
+                # job we made is known as sent: a webhook's defaults make it news here).
+                return
         if event_type == "DELETED" and not self._still_there(key):
             return  # the garbage collector took it with its GpuTraining: do not re-create it
         self.reconcile(key)

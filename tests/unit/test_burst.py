@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+import pytest
+
+from gpuop.controller import jobsfirst
 from gpuop.controller.reconciler import Reconciler
 from gpuop.controller.settings import OperatorSettings
 from support.specs import minimal
@@ -86,9 +90,15 @@ class _HeldStore(Store):
         return super().create_object(obj, plural)
 
 
-def test_while_others_wait_for_their_jobs_a_new_jobs_status_waits_for_its_watch_event(
-    toy: ToyJobApi,
-) -> None:
+def _wait_for_status(store: Store, name: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 10
+    while "status" not in store.trainings[("default", name)] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    status: dict[str, Any] = store.trainings[("default", name)]["status"]
+    return status
+
+
+def test_while_others_wait_for_their_jobs_a_first_status_is_written_once_none_waits(toy: ToyJobApi) -> None:
     store = _HeldStore(held="slow")
     reconciler = _reconciler(store)
     slow_body, fast_body = _add(store, "slow"), _add(store, "fast")
@@ -100,14 +110,15 @@ def test_while_others_wait_for_their_jobs_a_new_jobs_status_waits_for_its_watch_
         reconciler.training_event("ADDED", fast_body)
         assert _job_of(store, "fast")["metadata"]["ownerReferences"][0]["uid"] == "u-fast"
         assert "status" not in store.trainings[("default", "fast")]  # its job first, not its status
+        reconciler.job_event("ADDED", _job_of(store, "fast"))  # its job's event: "slow" still waits
+        assert "status" not in store.trainings[("default", "fast")]
 
         store.release.set()
         slow.join(10)
-        # The last of the burst to get its job: nobody waits, so its status is written at once.
+        # The last of the burst to get its job: nobody waits, so its status is written at once,
+        # and the one left for later by the pool, with no event needed.
         assert store.trainings[("default", "slow")]["status"]["phase"] == "Created"
-
-        reconciler.job_event("ADDED", _job_of(store, "fast"))  # the deferred status, on the job's event
-        assert store.trainings[("default", "fast")]["status"]["phase"] == "Created"
+        assert _wait_for_status(store, "fast")["phase"] == "Created"
         assert _reconciles(reconciler).get("created") == 2
     finally:
         store.release.set()
@@ -116,7 +127,11 @@ def test_while_others_wait_for_their_jobs_a_new_jobs_status_waits_for_its_watch_
     assert store.events == ["ToyJobCreated", "ToyJobCreated"]  # one each, the deferred one too
 
 
-def test_a_deferred_status_is_written_by_the_tick_should_the_jobs_event_never_come(toy: ToyJobApi) -> None:
+def test_a_first_status_is_left_for_later_only_so_long(
+    toy: ToyJobApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A steady stream of new trainings, where some always wait, must not keep statuses unwritten."""
+    monkeypatch.setattr(jobsfirst, "AT_MOST", 0.0)
     store = _HeldStore(held="slow")
     reconciler = _reconciler(store)
     slow_body, fast_body = _add(store, "slow"), _add(store, "fast")
@@ -125,12 +140,7 @@ def test_a_deferred_status_is_written_by_the_tick_should_the_jobs_event_never_co
         slow.start()
         assert store.reached.wait(10)
         reconciler.training_event("ADDED", fast_body)
-        assert "status" not in store.trainings[("default", "fast")]
-        store.release.set()
-        slow.join(10)
-
-        reconciler.tick()  # no job event delivered (a watch that missed it)
-        assert store.trainings[("default", "fast")]["status"]["phase"] == "Created"
+        assert store.trainings[("default", "fast")]["status"]["phase"] == "Created"  # at once
     finally:
         store.release.set()
         slow.join(10)

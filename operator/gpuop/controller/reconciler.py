@@ -18,7 +18,6 @@ that talks to the API.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -32,6 +31,7 @@ from gpuop.backends.pod import ReportEndpoint
 from gpuop.backends.registry import Choice, JobApi
 from gpuop.controller.children import Children, wake_due
 from gpuop.controller.discovery import ServedBackends
+from gpuop.controller.jobsfirst import JobsFirst
 from gpuop.controller.kube import ApiError, Kube
 from gpuop.controller.pods import PodReader
 from gpuop.controller.settings import OperatorSettings
@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 
 _ACTIVE_PHASES: Final = ("Created", "Running", "Restarting")
 _NO_ALARMS: Final = Thresholds(stall_timeout_seconds=0)
-_STATUS_NEXT: Final = "created, status next"  # a job made, its training's status left for later
 
 
 def _now() -> datetime:
@@ -80,13 +79,8 @@ class Reconciler:
         # Where trainers report (rendered into their pods), and what they reported so far.
         self.report_endpoint = report_endpoint
         self.reports = reports or ReportBook()
-        # Trainings seen with no job yet, whose reconcile has not made one. While any wait, a
-        # reconcile that just made a job leaves its Created status to the job's own watch event:
-        # in a burst of new trainings, every job comes before any status (a job waiting behind a
-        # status write waits for nothing), and Kopf hands the job events over after the
-        # trainings' events queued before them. Alone, a training's status is written at once.
-        self._awaiting_jobs: set[Key] = set()
-        self._awaiting_lock = threading.Lock()
+        # In a burst of new trainings, every job before any first status (jobsfirst's docstring).
+        self._jobs_first = JobsFirst(self.reconcile, settings.max_workers)
 
     # -- watch events ---------------------------------------------------------------------
 
@@ -95,7 +89,7 @@ class Reconciler:
         if event_type == "DELETED":
             self._table.forget(key)
             self.reports.forget(key)
-            self._made_job(key)
+            self._jobs_first.forget(key)
             return
         tracked = self._table.get_or_add(key, body)
         with tracked.lock:
@@ -106,8 +100,7 @@ class Reconciler:
             if tracked.versions() == tracked.reconciled:
                 return  # our own write echoed, or an older event: nothing the last reconcile did not see
             if tracked.child is None:
-                with self._awaiting_lock:
-                    self._awaiting_jobs.add(key)
+                self._jobs_first.waits(key)
         self.reconcile(key)
 
     def job_event(self, event_type: str | None, body: dict[str, Any]) -> None:
@@ -157,11 +150,10 @@ class Reconciler:
         started = time.monotonic()
         with tracked.lock:
             try:
+                tracked.status_later = False
                 outcome = self._reconcile(tracked)
                 tracked.failure = None
-                if outcome == _STATUS_NEXT:
-                    outcome = "created"  # not reconciled yet: its job's event will finish it
-                else:
+                if not tracked.status_later:  # else not done: the reconcile that writes it is
                     tracked.reconciled = tracked.versions()
             except ApiError as exc:
                 # Already retried with backoff; the next event or tick tries again.
@@ -175,16 +167,10 @@ class Reconciler:
                 outcome = "error"
                 self._report_failure(tracked, exc)
             finally:
-                self._made_job(key)  # or found it could not: either way it waits no more
+                self._jobs_first.done(key)  # its job made, or it could not be: it waits no more
         self.metrics.duration.observe(time.monotonic() - started)
         self.metrics.reconciles.labels(outcome=outcome).inc()
         return outcome
-
-    def _made_job(self, key: Key) -> bool:
-        """Count ``key`` as no longer waiting for its job; whether others still wait."""
-        with self._awaiting_lock:
-            self._awaiting_jobs.discard(key)
-            return bool(self._awaiting_jobs)
 
     def _report_failure(self, tracked: Tracked, exc: Exception) -> None:
         namespace, name = key_of(tracked.body)
@@ -232,10 +218,12 @@ class Reconciler:
 
         objects = view.objects(api, self.settings.trainer_image, self.report_endpoint)
         outcome, conflict = self._children.ensure(tracked, view.training, api, objects)
-        if outcome == "created" and self._made_job(key_of(tracked.body)):
-            # Others wait for their jobs: this one's status follows on its job's watch event
-            # (or, should that never come, the next tick), once the jobs queued before it are made.
-            return _STATUS_NEXT
+        if previous is None and conflict is None:
+            key = key_of(tracked.body)
+            self._jobs_first.done(key)
+            if self._jobs_first.leave_for_later(key, tracked.first_seen):
+                tracked.status_later = True  # written once no other training waits for its job
+                return outcome
         if conflict is None and self._children.wake(tracked, api, now) and outcome == "unchanged":
             outcome = "woken"
         observation = self._observe(tracked, previous, view, api, choice, conflict, now, generation)
@@ -379,5 +367,6 @@ class Reconciler:
         return len(self._table)
 
     def close(self) -> None:
+        self._jobs_first.close()
         self._pods.close()
         self._status.close()

@@ -9,6 +9,7 @@ reconciles (watch events, ticks) over the same few generations.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -97,6 +98,10 @@ class Tracked:
     # The versions() a reconcile last finished with: a watch event that brings no newer object
     # (the echo of our own status write or job create) has nothing to reconcile.
     reconciled: tuple[str, str] | None = None
+    # Its first status left for later by the last reconcile (gpuop.controller.jobsfirst), and
+    # when it was first seen (how long that may be).
+    status_later: bool = False
+    first_seen: float = field(default_factory=time.monotonic)
 
     def versions(self) -> tuple[str, str]:
         """The resourceVersions of the GpuTraining and its job as last seen ("" for no job)."""

@@ -5,16 +5,25 @@ Against a real API server (``--kubeconfig``; `make controlplane` starts one here
 1. the limit: N PyTorchJobs, the very ones the operator would render, created by a plain
    client loop with the operator's concurrency, timed from the first request to the last
    reply: what this API server, etcd and machine can take;
-2. the operator: ``gpuop operator`` started here, N GpuTrainings created by the same loop,
-   timed from the first request until every one has its PyTorchJob and status Created.
+2. the floor: the same loop making, per job, every write the operator's path makes (the
+   user's GpuTraining, its PyTorchJob, the Created status, the Event);
+3. the reactive floor: the same loop creating the GpuTrainings only, and a plain controller
+   (one watch, the same number of writer threads, jobs before statuses) making the other
+   three writes as each training appears: the operator's arrival of work, with nothing parsed,
+   rendered or derived. The floor's create->child is one request by construction (the thread
+   that made the training makes its job), which no controller can match; this one's is the
+   bound for the operator's;
+4. the operator: ``gpuop operator`` started here, N GpuTrainings created by the same loop,
+   timed from the first request until every one has its PyTorchJob and status Created, and
+   until its counters show every write made (its Events are posted off the reconcile path).
 
-3. between them, the floor: the same loop making, per job, every write the operator's path
-   makes (the user's GpuTraining, its PyTorchJob, the Created status, the Event).
-
-It reports operator/limit and operator/floor, p50/p99 of create->child (first sight of each
+It reports the operator's time against each, p50/p99 of create->child (first sight of each
 object on a watch, one clock), the operator's writes per job and its writes in a quiet period
-afterwards (its own request counters), and its peak RSS. All three share the machine with the
-API server: compare them side by side, in one run.
+afterwards (its own request counters), its peak RSS, and the CPU seconds of the API server,
+etcd, the operator and the bench in the operator's run and the floor's. All share the machine
+with the API server: compare them side by side, in one run. Each run waits for its namespaces
+to be deleted, so the next one does not measure that. ``--operator-source DIR`` runs the
+operator from another checkout, to compare two versions run after run.
 
 Without ``--kubeconfig`` the same operator runs against tests/support's API emulator (fast,
 no server to build; the emulator stamps creation times itself), for quick comparisons of the

@@ -5,8 +5,8 @@ backlog), each needs two writes to get going: its job, then its Created status. 
 order, one training's status write holds a worker while the next training's job waits, and a
 job is what starts the work. So while any new training still waits for its job, a training's
 first status is left for later; once none waits, the statuses left are written by a pool of
-their own. On the real API server (bench/operator_scale.py, N=1,000 on 2 cores) that took the
-create->child p99 from 15-23 s to NNN s; the writes are the same.
+their own. On the real API server (bench/operator_scale.py, N=1,000 on 2 cores, with the other
+changes of that day) the create->child p99 went from 20-23 s to 6-10 s; the writes are the same.
 
 A training's first status waits at most :data:`AT_MOST` after it was first seen: a steady
 stream of new trainings, where some always wait, must not keep the statuses unwritten (the

@@ -145,3 +145,25 @@ def test_a_first_status_is_left_for_later_only_so_long(
         store.release.set()
         slow.join(10)
         reconciler.close()
+
+
+def test_a_training_slow_to_get_its_job_holds_anothers_first_status_only_so_long(
+    toy: ToyJobApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No event and no tick needed: the status whose time is up is written while "slow" still waits."""
+    monkeypatch.setattr(jobsfirst, "AT_MOST", 0.5)
+    store = _HeldStore(held="slow")
+    reconciler = _reconciler(store)
+    slow_body, fast_body = _add(store, "slow"), _add(store, "fast")
+    slow = threading.Thread(target=reconciler.training_event, args=("ADDED", slow_body))
+    try:
+        slow.start()
+        assert store.reached.wait(10)
+        reconciler.training_event("ADDED", fast_body)
+        assert "status" not in store.trainings[("default", "fast")]  # left for later
+        assert _wait_for_status(store, "fast")["phase"] == "Created"
+        assert not store.release.is_set()  # "slow" still waits for its job
+    finally:
+        store.release.set()
+        slow.join(10)
+        reconciler.close()

@@ -8,25 +8,23 @@ first status is left for later; once none waits, the statuses left are written b
 their own. On the real API server (bench/operator_scale.py, N=1,000 on 2 cores, with the other
 changes of that day) the create->child p99 went from 20-23 s to 6-10 s; the writes are the same.
 
-A training's first status waits at most :data:`AT_MOST` after it was first seen: a steady
-stream of new trainings, where some always wait, must not keep the statuses unwritten (the
-tick writes them then).
+A first status is left for later :data:`AT_MOST` after its training was first seen, and no
+longer, whatever the others do: a training whose own API calls are slow, or a steady stream of
+new ones where some always wait, must not keep another's status unwritten. A thread of its own
+writes the statuses whose time is up.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
-log = logging.getLogger(__name__)
-
 Key = tuple[str, str]  # (namespace, name)
 
-AT_MOST: Final = 30.0  # seconds a first status may be left for later
+AT_MOST: Final = 15.0  # seconds after it was first seen that a first status may wait
 
 
 class JobsFirst:
@@ -34,10 +32,13 @@ class JobsFirst:
 
     def __init__(self, reconcile: Callable[[Key], object], workers: int) -> None:
         self._reconcile = reconcile
-        self._lock = threading.Lock()
-        self._waiting: set[Key] = set()  # seen with no job, their reconcile not done yet
-        self._later: dict[Key, None] = {}  # first statuses left for later, in order
+        self._lock = threading.Condition()
+        self._waiting: set[Key] = set()  # seen with no job, their reconcile not over yet
+        self._later: dict[Key, float] = {}  # first statuses left for later: by when (monotonic)
+        self._stopping = False
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="statuses")
+        self._due = threading.Thread(target=self._hand_over_when_due, name="statuses-due", daemon=True)
+        self._due.start()
 
     def waits(self, key: Key) -> None:
         """``key`` was seen with no job: its reconcile is on its way."""
@@ -45,29 +46,23 @@ class JobsFirst:
             self._waiting.add(key)
 
     def done(self, key: Key) -> None:
-        """``key``'s reconcile is over (its job made, or it could not be): it waits no more.
-        The last one to stop waiting hands the statuses left for later to the pool."""
+        """``key``'s reconcile is over (its job made, or it could not be): it waits no more."""
         with self._lock:
             self._waiting.discard(key)
-            if self._waiting or not self._later:
-                return
-            due, self._later = list(self._later), {}
-        for later in due:
-            try:
-                self._pool.submit(self._reconcile, later)
-            except RuntimeError:  # shut down: the operator is stopping, the next one writes it
-                return
+            if not self._waiting and self._later:
+                self._lock.notify()
 
     def leave_for_later(self, key: Key, first_seen: float) -> bool:
-        """Whether ``key``'s first status waits, because other trainings wait for their jobs
-        (and it was first seen less than :data:`AT_MOST` ago)."""
-        if time.monotonic() - first_seen >= AT_MOST:
+        """Whether ``key``'s first status waits, because other trainings wait for their jobs and
+        it was first seen less than :data:`AT_MOST` ago."""
+        by = first_seen + AT_MOST
+        if time.monotonic() >= by:
             return False
         with self._lock:
-            others = len(self._waiting) - (key in self._waiting)
-            if others <= 0:
+            if len(self._waiting) - (key in self._waiting) <= 0:
                 return False
-            self._later[key] = None
+            self._later[key] = by
+            self._lock.notify()  # it may be due before the others
             return True
 
     def forget(self, key: Key) -> None:
@@ -75,5 +70,26 @@ class JobsFirst:
             self._waiting.discard(key)
             self._later.pop(key, None)
 
+    def _hand_over_when_due(self) -> None:
+        """Give the pool every status left for later once none waits for its job, and each one
+        whose time is up whatever the others do."""
+        with self._lock:
+            while not self._stopping:
+                now = time.monotonic()
+                due = [key for key, by in self._later.items() if not self._waiting or by <= now]
+                if not due:
+                    self._lock.wait(min(self._later.values()) - now if self._later else None)
+                    continue
+                for key in due:
+                    del self._later[key]
+                    try:
+                        self._pool.submit(self._reconcile, key)
+                    except RuntimeError:  # shut down: the operator is stopping
+                        return
+
     def close(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        self._due.join(5)
         self._pool.shutdown(wait=True, cancel_futures=True)

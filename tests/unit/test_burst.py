@@ -6,10 +6,12 @@ events delivered as Kopf delivers them: the training's, then the job's once it e
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -98,32 +100,53 @@ def _wait_for_status(store: Store, name: str) -> dict[str, Any]:
     return status
 
 
-def test_while_others_wait_for_their_jobs_a_first_status_is_written_once_none_waits(toy: ToyJobApi) -> None:
+@dataclass
+class _Burst:
+    """Two new trainings: "slow", whose job create is held until ``release``, and "fast"."""
+
+    store: _HeldStore
+    reconciler: Reconciler
+    fast: dict[str, Any]
+    slow: threading.Thread
+
+    def release(self) -> None:
+        self.store.release.set()
+        self.slow.join(10)
+
+
+@contextlib.contextmanager
+def _slow_waits_for_its_job() -> Iterator[_Burst]:
+    """A burst in which "slow" waits for its job (its reconcile held in the create) while the
+    test delivers "fast"'s events; everything released and closed afterwards."""
     store = _HeldStore(held="slow")
     reconciler = _reconciler(store)
     slow_body, fast_body = _add(store, "slow"), _add(store, "fast")
     slow = threading.Thread(target=reconciler.training_event, args=("ADDED", slow_body))
+    burst = _Burst(store, reconciler, fast_body, slow)
     try:
         slow.start()
         assert store.reached.wait(10)  # "slow" is waiting for its job
+        yield burst
+    finally:
+        burst.release()
+        reconciler.close()  # waits for the Events, which are posted off the reconcile's thread
 
-        reconciler.training_event("ADDED", fast_body)
+
+def test_while_others_wait_for_their_jobs_a_first_status_is_written_once_none_waits(toy: ToyJobApi) -> None:
+    with _slow_waits_for_its_job() as burst:
+        store, reconciler = burst.store, burst.reconciler
+        reconciler.training_event("ADDED", burst.fast)
         assert _job_of(store, "fast")["metadata"]["ownerReferences"][0]["uid"] == "u-fast"
         assert "status" not in store.trainings[("default", "fast")]  # its job first, not its status
         reconciler.job_event("ADDED", _job_of(store, "fast"))  # its job's event: "slow" still waits
         assert "status" not in store.trainings[("default", "fast")]
 
-        store.release.set()
-        slow.join(10)
+        burst.release()
         # The last of the burst to get its job: nobody waits, so its status is written at once,
         # and the one left for later by the pool, with no event needed.
         assert store.trainings[("default", "slow")]["status"]["phase"] == "Created"
         assert _wait_for_status(store, "fast")["phase"] == "Created"
         assert _reconciles(reconciler).get("created") == 2
-    finally:
-        store.release.set()
-        slow.join(10)
-        reconciler.close()  # waits for the Events, which are posted off the reconcile's thread
     assert store.events == ["ToyJobCreated", "ToyJobCreated"]  # one each, the deferred one too
 
 
@@ -132,19 +155,9 @@ def test_a_first_status_is_left_for_later_only_so_long(
 ) -> None:
     """A steady stream of new trainings, where some always wait, must not keep statuses unwritten."""
     monkeypatch.setattr(jobsfirst, "AT_MOST", 0.0)
-    store = _HeldStore(held="slow")
-    reconciler = _reconciler(store)
-    slow_body, fast_body = _add(store, "slow"), _add(store, "fast")
-    slow = threading.Thread(target=reconciler.training_event, args=("ADDED", slow_body))
-    try:
-        slow.start()
-        assert store.reached.wait(10)
-        reconciler.training_event("ADDED", fast_body)
-        assert store.trainings[("default", "fast")]["status"]["phase"] == "Created"  # at once
-    finally:
-        store.release.set()
-        slow.join(10)
-        reconciler.close()
+    with _slow_waits_for_its_job() as burst:
+        burst.reconciler.training_event("ADDED", burst.fast)
+        assert burst.store.trainings[("default", "fast")]["status"]["phase"] == "Created"  # at once
 
 
 def test_a_training_slow_to_get_its_job_holds_anothers_first_status_only_so_long(
@@ -152,18 +165,8 @@ def test_a_training_slow_to_get_its_job_holds_anothers_first_status_only_so_long
 ) -> None:
     """No event and no tick needed: the status whose time is up is written while "slow" still waits."""
     monkeypatch.setattr(jobsfirst, "AT_MOST", 0.5)
-    store = _HeldStore(held="slow")
-    reconciler = _reconciler(store)
-    slow_body, fast_body = _add(store, "slow"), _add(store, "fast")
-    slow = threading.Thread(target=reconciler.training_event, args=("ADDED", slow_body))
-    try:
-        slow.start()
-        assert store.reached.wait(10)
-        reconciler.training_event("ADDED", fast_body)
-        assert "status" not in store.trainings[("default", "fast")]  # left for later
-        assert _wait_for_status(store, "fast")["phase"] == "Created"
-        assert not store.release.is_set()  # "slow" still waits for its job
-    finally:
-        store.release.set()
-        slow.join(10)
-        reconciler.close()
+    with _slow_waits_for_its_job() as burst:
+        burst.reconciler.training_event("ADDED", burst.fast)
+        assert "status" not in burst.store.trainings[("default", "fast")]  # left for later
+        assert _wait_for_status(burst.store, "fast")["phase"] == "Created"
+        assert not burst.store.release.is_set()  # "slow" still waits for its job

@@ -319,15 +319,22 @@ def reactive_floor(
     def writer() -> None:
         while True:
             step, _, name = work.get()
-            if step == 0:
-                writes["job"](name)
-                work.put((1, next(order), name))  # its status once no job waits
-            elif step == 1:
-                writes["status"](name)
-                with done_lock:
-                    done.append(name)
-            else:
-                return
+            try:
+                if step == 0:
+                    writes["job"](name)
+                    work.put((1, next(order), name))  # its status once no job waits
+                elif step == 1:
+                    writes["status"](name)
+                    with done_lock:
+                        done.append(name)
+                else:
+                    return
+            except client.ApiException as exc:  # a refusal under load (429, 5xx): again, later
+                if exc.status == 409 and step == 0:  # made by the try whose reply was lost
+                    work.put((1, next(order), name))
+                    continue
+                time.sleep(0.2)
+                work.put((step, next(order), name))
 
     for watcher in (trainings, children):
         watcher.start()
@@ -590,7 +597,7 @@ def _print_real(r: dict[str, Any]) -> None:
         print(f"         only {r['created']} of {r['count']} reached Created within the deadline", flush=True)
     print(f"         requests/job by verb and code: {r['writes']}", flush=True)
     print(
-        f"         CPU seconds until all were Created: {r['cpu_seconds']}; in the floor's run: "
+        f"         CPU seconds until every write was made: {r['cpu_seconds']}; in the floor's run: "
         f"{r['floor_cpu_seconds']}",
         flush=True,
     )

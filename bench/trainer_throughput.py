@@ -151,8 +151,8 @@ def _model_alone(batch: int, layout: torch.memory_format, steps: int) -> dict[st
     """Milliseconds per training step of the model alone, on one batch it already holds (no data
     path, no figures, nothing logged); of that, the convolution kernels' (forward and backward,
     from the profiler), and the other kernels that cost the most. The step is the one gputrain
-    makes with the spec's defaults: forward, loss, backward, gradients clipped to norm 1, fused
-    AdamW."""
+    makes with the spec's defaults on a CPU without bf16 arithmetic: fp32 forward, loss,
+    backward, gradients clipped to norm 1, fused AdamW."""
     torch.manual_seed(0)
     model = ConvNet(1, 10).to(memory_format=layout)  # type: ignore[call-overload]
     x = torch.randn(batch, 1, 28, 28).contiguous(memory_format=layout)
@@ -251,8 +251,8 @@ def main() -> None:
     runs: dict[str, list[float]] = {"baseline": [], "gputrain": []}
     pipeline: dict[str, list[float]] = {"baseline": [], "gputrain": []}
     ceilings: list[dict[str, Any]] = []
-    # Each loop runs in a process of its own, one at a time, so neither inherits the other's heap
-    # or the kernels it warmed up.
+    # The common loop in one process, gputrain's (its loop, its input path, the bounds) in another,
+    # one at a time, so neither inherits the other's heap or the kernels it warmed up.
     spawn = multiprocessing.get_context("spawn")
     with (
         tempfile.TemporaryDirectory() as tmp,

@@ -164,9 +164,63 @@ def test_a_training_slow_to_get_its_job_holds_anothers_first_status_only_so_long
     toy: ToyJobApi, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No event and no tick needed: the status whose time is up is written while "slow" still waits."""
-    monkeypatch.setattr(jobsfirst, "AT_MOST", 0.5)
+    monkeypatch.setattr(jobsfirst, "AT_MOST", 2.0)  # long enough for "fast"'s reconcile on a loaded machine
     with _slow_waits_for_its_job() as burst:
         burst.reconciler.training_event("ADDED", burst.fast)
         assert "status" not in burst.store.trainings[("default", "fast")]  # left for later
         assert _wait_for_status(burst.store, "fast")["phase"] == "Created"
-        assert not burst.store.release.is_set()  # "slow" still waits for its job
+        assert burst.slow.is_alive()  # "slow" still waits for its job
+        assert "status" not in burst.store.trainings[("default", "slow")]
+
+
+class _EditedMeanwhileStore(Store):
+    """A store in which the user edits the spec while the operator's status patch is on its way:
+    the patch's reply carries the edit, and the edit's own event comes after, older than it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.edit_on_next_status = False
+        self.edit_event: dict[str, Any] | None = None
+
+    def patch_training_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        if self.edit_on_next_status:
+            self.edit_on_next_status = False
+            body = self.trainings[(namespace, name)]
+            body["metadata"]["generation"] += 1
+            body["spec"]["workers"] = 3
+            self.edit_event = copy.deepcopy(self._stamp(body))
+        return super().patch_training_status(namespace, name, patch)
+
+
+def test_a_spec_edited_while_our_status_write_was_on_its_way_is_reconciled(toy: ToyJobApi) -> None:
+    store = _EditedMeanwhileStore()
+    reconciler = _reconciler(store)
+    try:
+        store.edit_on_next_status = True
+        reconciler.training_event("ADDED", _add(store, "t"))
+        assert store.edit_event is not None
+        assert store.trainings[("default", "t")]["status"]["observedGeneration"] == 1
+        reconciler.training_event("MODIFIED", store.edit_event)  # older than our status write's reply
+        status = store.trainings[("default", "t")]["status"]
+        assert status["observedGeneration"] == 2
+        assert status["workers"]["total"] == 3
+    finally:
+        reconciler.close()
+
+
+def test_a_late_deleted_event_of_an_older_object_of_that_name_leaves_the_new_one(toy: ToyJobApi) -> None:
+    store = Store()
+    reconciler = _reconciler(store)
+    try:
+        old = _add(store, "t")
+        reconciler.training_event("ADDED", old)
+        renewed = copy.deepcopy(old)
+        renewed["metadata"]["uid"] = "u-t-2"  # deleted and created again under the same name
+        store.trainings[("default", "t")] = store._stamp(renewed)
+        reconciler.training_event("ADDED", store.get_training("default", "t") or {})
+        reconciler.training_event("DELETED", old)  # the old one's deletion, seen last
+        assert reconciler.tracked() == 1
+        reconciler.training_event("DELETED", store.get_training("default", "t") or {})
+        assert reconciler.tracked() == 0
+    finally:
+        reconciler.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import platform
 import signal
 import time
 from pathlib import Path
@@ -60,6 +61,8 @@ def cpu_computes_bf16_natively() -> bool:
     bf16 in fp32 registers plus conversions, and autocast to bf16 runs slower than fp32 (the
     CNN at 373 against 745 samples/s on a 2-core AVX-512 machine without it, docs/benchmarks.md).
     With it (Sapphire Rapids and later, Zen 4 and later), bf16 is oneDNN's fast path."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True  # the probes know x86 only; an Arm CPU's bf16 (Neoverse V1 on) is its own
     names = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, in torch >= 2.3
     probes = [getattr(torch.cpu, name, None) for name in names]
     if all(probe is None for probe in probes):

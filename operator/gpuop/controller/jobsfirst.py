@@ -59,7 +59,7 @@ class JobsFirst:
         if time.monotonic() >= by:
             return False
         with self._lock:
-            if len(self._waiting) - (key in self._waiting) <= 0:
+            if self._stopping or len(self._waiting) - (key in self._waiting) <= 0:
                 return False
             self._later[key] = by
             self._lock.notify()  # it may be due before the others
@@ -69,6 +69,7 @@ class JobsFirst:
         with self._lock:
             self._waiting.discard(key)
             self._later.pop(key, None)
+            self._lock.notify()  # it may have been the last one waiting
 
     def _hand_over_when_due(self) -> None:
         """Give the pool every status left for later once none waits for its job, and each one

@@ -4,7 +4,10 @@ Level-triggered on purpose. Every call looks at the latest GpuTraining, its job 
 as last seen, and makes the cluster match; it never asks "what changed since the last
 event". So a restarted operator, a lost watch event or a failed request all heal the same
 way: the next call (the next event, or the scrape tick every few seconds) does the work, and
-a call with nothing new costs no write at all. That is also why Kopf's change-tracking
+a call with nothing new costs no write at all. An event that brings no object newer than the
+last finished reconcile saw (the echo of our own write) is not even a call: what it could
+change is in those objects, and what changes outside them (pods, reports, the clock) is the
+tick's. That is also why Kopf's change-tracking
 handlers are not used: they persist a diff base in every object (one more write per job) and
 re-run on.create against stale bodies after a restart.
 
@@ -48,6 +51,11 @@ _ACTIVE_PHASES: Final = ("Created", "Running", "Restarting")
 _NO_ALARMS: Final = Thresholds(stall_timeout_seconds=0)
 
 
+def _uid(body: dict[str, Any]) -> str | None:
+    uid = (body.get("metadata") or {}).get("uid")
+    return str(uid) if uid else None
+
+
 def _now() -> datetime:
     return datetime.now(UTC)
 
@@ -87,13 +95,16 @@ class Reconciler:
     def training_event(self, event_type: str | None, body: dict[str, Any]) -> None:
         key = key_of(body)
         if event_type == "DELETED":
+            tracked = self._table.get(key)
+            if tracked is not None and _uid(tracked.body) not in (None, _uid(body)):
+                return  # an older object of that name: the one re-created since stays
             self._table.forget(key)
             self.reports.forget(key)
             self._jobs_first.forget(key)
             return
         tracked = self._table.get_or_add(key, body)
         with tracked.lock:
-            if (tracked.body.get("metadata") or {}).get("uid") != (body.get("metadata") or {}).get("uid"):
+            if _uid(tracked.body) != _uid(body):
                 tracked.body, tracked.child, tracked.pods = body, None, ()  # re-created under the same name
             elif newer(body, tracked.body):
                 tracked.body = body
@@ -117,7 +128,11 @@ class Reconciler:
                 tracked.child, tracked.pods = None, ()
             elif tracked.child is None or newer(body, tracked.child):
                 tracked.child, tracked.child_gone = observe.slim_job(body), False
-            if tracked.versions() == tracked.reconciled and tracked.child == known:
+            if (
+                event_type != "DELETED"
+                and tracked.versions() == tracked.reconciled
+                and tracked.child == known
+            ):
                 # The job we made or patched, echoed: the reconcile that did it saw all of it (a
                 # job we made is known as sent: a webhook's defaults make it news here).
                 return
@@ -146,15 +161,19 @@ class Reconciler:
         """Make one GpuTraining's world match its spec; returns what it did (for metrics, tests)."""
         tracked = self._table.get(key)
         if tracked is None:
+            self._jobs_first.done(key)
             return "gone"
         started = time.monotonic()
         with tracked.lock:
             try:
                 tracked.status_later = False
+                generation = (tracked.body.get("metadata") or {}).get("generation")
                 outcome = self._reconcile(tracked)
                 tracked.failure = None
-                if not tracked.status_later:  # else not done: the reconcile that writes it is
-                    tracked.reconciled = tracked.versions()
+                # Done unless its first status waits for later, or our own write's reply brought
+                # a spec edited meanwhile (its event, older than that reply, would be dropped).
+                edited = (tracked.body.get("metadata") or {}).get("generation") != generation
+                tracked.reconciled = None if tracked.status_later or edited else tracked.versions()
             except ApiError as exc:
                 # Already retried with backoff; the next event or tick tries again.
                 self.metrics.errors.inc()

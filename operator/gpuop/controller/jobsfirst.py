@@ -24,7 +24,11 @@ from typing import Final
 
 Key = tuple[str, str]  # (namespace, name)
 
-AT_MOST: Final = 15.0  # seconds after it was first seen that a first status may wait
+# Seconds after it was first seen that a first status may wait. 30 s, about the time the
+# operator takes to make 1,000 jobs on 2 cores: a shorter bound makes the early trainings'
+# statuses come due mid-burst, where they compete with the last jobs (docs/benchmarks.md
+# compares 15 and 30 s). The cost: a status up to 30 s late in a burst.
+AT_MOST: Final = 30.0
 
 
 class JobsFirst:

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HELM := $(BIN)/helm
 CHART := charts/gpu-training-operator
 
-.PHONY: docs-tools version test run lint typecheck imports unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries node-binaries operator-image node min-versions cluster cluster-down monitoring-binaries
+.PHONY: docs-tools version test run lint typecheck imports unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries node-binaries operator-image node min-versions cluster cluster-down monitoring-binaries objectstore-binaries
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,7 @@ CONTROLPLANE := PYTHONPATH=tests $(BIN)/python -m support.plane.controlplane
 ## CRD is current, the operator's unit tests at the lowest versions it declares, pytest: unit,
 ## chart, operator, trainer, the real control-plane suite, the real-node suite and the local
 ## end-to-end chain)
-test: $(STAMP) $(HELM) controlplane-binaries monitoring-binaries node-binaries operator-image docs-tools lint typecheck imports crd min-versions unit
+test: $(STAMP) $(HELM) controlplane-binaries monitoring-binaries objectstore-binaries node-binaries operator-image docs-tools lint typecheck imports crd min-versions unit
 
 ## controlplane-binaries: build (or find cached) etcd, kube-apiserver, kube-controller-manager,
 ## kubectl, the oldest kube-apiserver we claim (1.29), the Kubeflow controllers, Kueue and the
@@ -40,6 +40,11 @@ controlplane-binaries: $(STAMP)
 ## unit-tests the chart's alert rules; the chain runs the rest as pods (tests/e2e_local/test_monitoring.py)
 monitoring-binaries: $(STAMP)
 	PYTHONPATH=tests $(BIN)/python -m support.tools.prometheus
+
+## objectstore-binaries: build (or find cached) SeaweedFS (tests/objectstore/go.mod), the real
+## S3-compatible store the checkpoint tests keep their buckets in (tests/support/objectstore.py)
+objectstore-binaries: $(STAMP)
+	PYTHONPATH=tests $(BIN)/python -m support.objectstore
 
 ## node-binaries: build (or find cached) what a real node runs: containerd, runc (cgo; installs
 ## Debian's libseccomp-dev, iptables and debootstrap once), the CNI plugins, kubelet, kube-proxy,

@@ -13,7 +13,7 @@ COPY pyproject.toml README.md constraints.txt ./
 COPY trainer/ trainer/
 COPY operator/ operator/
 RUN python -m pip install --no-deps . \
- && python -m pip install -c constraints.txt prometheus-client nvidia-ml-py scikit-learn \
+ && python -m pip install -c constraints.txt prometheus-client nvidia-ml-py scikit-learn obstore \
  && python -c "import gputrain.contract, torch, torchvision, sklearn"
 
 RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin trainer

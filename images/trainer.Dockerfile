@@ -10,7 +10,7 @@ COPY pyproject.toml README.md constraints.txt ./
 COPY trainer/ trainer/
 COPY operator/ operator/
 RUN python -m pip install --no-deps . \
- && python -m pip install -c constraints.txt prometheus-client nvidia-ml-py scikit-learn \
+ && python -m pip install -c constraints.txt prometheus-client nvidia-ml-py scikit-learn obstore \
  && python -c "import gputrain.contract, torch, torchvision"
 
 # The EFA variant (the release's `-efa` tag, for spec.nccl.profile eks-efa): AWS's EFA

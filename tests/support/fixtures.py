@@ -2,8 +2,9 @@
 
 One real control plane serves the whole session: the control-plane suite first, the
 end-to-end chain after it (each cleans up what it installs); tests/controlplane/test_api.py
-alone also starts the oldest claimed kube-apiserver, for itself. Fixtures that only one suite
-needs stay in that suite's conftest.
+alone also starts the oldest claimed kube-apiserver, for itself. One real S3-compatible store
+(SeaweedFS, :mod:`support.objectstore`) serves every test that keeps things in a bucket; each
+takes a prefix of its own. Fixtures that only one suite needs stay in that suite's conftest.
 """
 
 from __future__ import annotations
@@ -13,8 +14,13 @@ from collections.abc import Iterator
 
 import pytest
 
+from support import objectstore
 from support.plane import controlplane
 from support.plane.cluster import Api, install_crds
+
+# The buckets the session's store has: the trainer's and the chain's checkpoints, and one that
+# the credentials of the store's identity can reach but a test may delete things from at will.
+BUCKETS = ("checkpoints",)
 
 
 @pytest.fixture(scope="session")
@@ -51,3 +57,10 @@ def installed_crds(plane: controlplane.ControlPlane) -> str:
 def api(plane: controlplane.ControlPlane, crd_warnings: str) -> Api:
     """The test's client of the control plane, its CRDs installed."""
     return Api(plane)
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[objectstore.S3Server]:
+    """The session's real S3-compatible store, its buckets (:data:`BUCKETS`) made."""
+    with objectstore.running_server(tmp_path_factory.mktemp("s3"), BUCKETS) as server:
+        yield server

@@ -10,11 +10,14 @@ import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
+from gputrain.checkpoint import CheckpointManager
+from support import objectstore
 from support.paths import ROOT
 
 BENCH = ROOT / "bench"
@@ -76,3 +79,18 @@ def test_cpu_benchmark_reports_both_loops_and_the_convolution_ceiling() -> None:
     # gputrain ran with the spec's defaults, as this machine runs them.
     assert report["gputrain_settings"]["channels_last"] is True
     assert report["gputrain_settings"]["max_grad_norm"] == 1.0
+
+
+def test_checkpoint_store_benchmark_saves_and_loads_in_a_directory_and_a_bucket(
+    s3: objectstore.S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bench = _load("checkpoint_store", monkeypatch)
+    for name, value in s3.env().items():
+        monkeypatch.setenv(name, value)
+    state = bench.trained_state("cnn")
+    assert state["optimizer"]["state"]  # the moments are there: one step was taken
+    for where in (tmp_path / "volume", "s3://checkpoints/test-checkpoint-store-benchmark"):
+        saving, loading, size = bench.timed(CheckpointManager(where, keep=1), state, 7)
+        assert saving > 0
+        assert loading > 0
+        assert size > sum(t.numel() * t.element_size() for t in state["model"].values())

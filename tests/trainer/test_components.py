@@ -44,11 +44,17 @@ def test_checkpoints_keep_the_newest_k_and_leave_no_temporary_files(tmp_path: Pa
     for step in (5, 10, 15):
         manager.save({"step": step, "w": torch.full((3,), float(step))}, step)
     assert [p.name for p in manager.checkpoints()] == ["step-00000010.pt", "step-00000015.pt"]
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000010.pt", "step-00000015.pt"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+        "step-00000010.json", "step-00000010.pt", "step-00000015.json", "step-00000015.pt"
+    ]  # fmt: skip
     found = manager.load_latest()
     assert found is not None
-    state, path = found
-    assert (state["step"], path.name) == (15, "step-00000015.pt")
+    state, saved = found
+    assert (state["step"], saved.name, saved.uri) == (
+        15,
+        "step-00000015.pt",
+        f"{tmp_path}/ck/step-00000015.pt",
+    )
 
 
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(
@@ -57,12 +63,14 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(
     manager = CheckpointManager(tmp_path, keep=3)
     manager.save({"step": 1}, 1)
     newest = manager.save({"step": 2, "w": torch.randn(1000)}, 2)
-    newest.write_bytes(newest.read_bytes()[:100])  # truncated, as by a full disk
+    file = tmp_path / newest.name
+    file.write_bytes(file.read_bytes()[:100])  # truncated, as by a full disk
     with caplog.at_level(logging.WARNING):
         found = manager.load_latest()
     assert found is not None
     assert found[0]["step"] == 1
-    assert f"checkpoint {newest} is unreadable" in caplog.text
+    assert f"checkpoint {newest.uri} is unreadable" in caplog.text
+    assert "bytes where its manifest says" in caplog.text  # the manifest caught it before torch did
 
 
 def test_with_keep_1_a_corrupt_newest_checkpoint_never_pushes_out_the_new_ones(tmp_path: Path) -> None:
@@ -115,9 +123,9 @@ def test_each_components_state_round_trips_through_a_checkpoint_file(tmp_path: P
         "figures": Figures(loss=0.5, accuracy=None, test_loss=0.4, samples_trained=96.0, seconds_trained=2.0),
         "rng": RngState(torch.device("cpu")),
     }
-    path = CheckpointManager(tmp_path, keep=1).save(checkpoint_of(saved, "cnn"), 33)
+    written = CheckpointManager(tmp_path, keep=1).save(checkpoint_of(saved, "cnn"), 33)
     draw = torch.rand(4)  # what the generator gives next from the saved state
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = torch.load(tmp_path / written.name, map_location="cpu", weights_only=True)
     loaded: dict[str, Stateful] = {
         "position": Position(),
         "figures": Figures(),

@@ -25,6 +25,7 @@ MODULE_OF = {
     "kopf": "kopf", "kubernetes": "kubernetes", "urllib3": "urllib3", "pyyaml": "yaml",
     "prometheus-client": "prometheus_client", "torch": "torch", "torchvision": "torchvision",
     "nvidia-ml-py": "pynvml", "scikit-learn": "sklearn", "numpy": "numpy", "click": "click", "rich": "rich",
+    "obstore": "obstore",
 }  # fmt: skip
 # Imported only by a command an image does not run, from an optional extra: `gpuop run --plot`
 # (matplotlib) is for laptops, not the operator's pod.

@@ -446,3 +446,17 @@ def test_backoff_limit_counts_restarts_of_the_training_not_of_containers() -> No
         assert kubeflow_backoff_limit(restarts, pods) == limit
     job = render_pytorchjob(parse(minimal(workers=3, runPolicy={"backoffLimit": 2})))
     assert job["spec"]["runPolicy"]["backoffLimit"] == 7
+
+
+def test_checkpoints_in_a_bucket_mount_nothing_and_take_the_secret_as_the_environment() -> None:
+    body = minimal(workers=2, checkpoint={"uri": "s3://team-ckpt/runs/", "secretName": "s3-creds"})
+    for pod in pods(render(body)):
+        container = pod["containers"][0]
+        assert env_of(container)["GPUTRAIN_CHECKPOINT_DIR"] == "s3://team-ckpt/runs/demo"
+        assert container["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+        assert "checkpoints" not in {v["name"] for v in pod["volumes"]}
+        assert "checkpoints" not in {m["name"] for m in container["volumeMounts"]}
+    # Workload identity: no Secret named, nothing taken from one.
+    for pod in pods(render(minimal(checkpoint={"uri": "gs://team-ckpt"}))):
+        assert "envFrom" not in pod["containers"][0]
+        assert env_of(pod["containers"][0])["GPUTRAIN_CHECKPOINT_DIR"] == "gs://team-ckpt/demo"

@@ -292,6 +292,24 @@ BAD_SPECS: list[tuple[str, dict[str, Any], list[str]]] = [
     ),
     ("elastic without max", {"elastic": {"minWorkers": 1}}, ["spec.elastic.maxWorkers: required"]),
     (
+        "checkpoint uri and volume",
+        {"checkpoint": {"uri": "s3://bkt/p", "volume": {"claimName": "ckpt"}}},
+        ["spec.checkpoint.uri: set volume or uri, not both: a training's checkpoints are in one place"],
+    ),
+    (
+        "checkpoint secret without uri",
+        {"checkpoint": {"secretName": "creds"}},
+        ["spec.checkpoint.secretName: is for a uri's credentials: set uri too, or leave secretName out"],
+    ),
+    (
+        "checkpoint uri not a bucket",
+        {"checkpoint": {"uri": "https://example.com/b"}},
+        [
+            "spec.checkpoint.uri: must be s3://bucket/prefix, gs://bucket/prefix or az://container/prefix "
+            '(got "https://example.com/b")'
+        ],
+    ),
+    (
         "reserved env name",
         {"env": [{"name": "MASTER_ADDR", "value": "x"}]},
         ["spec.env[0].name: MASTER_ADDR is set by the operator and cannot be overridden; remove it"],
@@ -589,3 +607,8 @@ def test_a_map_with_a_key_that_is_not_a_string_is_refused_not_a_crash(
     with pytest.raises(SpecError) as refused:
         parse(minimal(**fields))
     assert [str(p) for p in refused.value.problems] == [message]
+
+
+def test_a_checkpoint_uri_frees_the_checkpoint_path() -> None:
+    """With a bucket nothing is mounted at checkpoint.path, so it may be where the output is."""
+    parse(minimal(checkpoint={"uri": "az://ckpt/x", "path": "/output"}))

@@ -2,7 +2,8 @@
 
 Settings come from the GPUTRAIN_* environment the operator renders; flags override them
 (``--epochs 3``). Exit codes (gputrain.contract): 0 done, 2 bad settings, 3 dataset
-missing, 143 preempted by SIGTERM after writing a checkpoint.
+missing, 4 the checkpoint store refused at the start, 143 preempted by SIGTERM after writing a
+checkpoint.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from gputrain.contract import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_PREEMPTED,
+    EXIT_STORAGE,
     FAILURE_REASONS,
     TERMINATION_LOG,
     ContractError,
@@ -90,6 +92,7 @@ def main(argv: Sequence[str] | None = None, after: Callable[[Trainer], None] | N
     # Heavy imports after the settings are known to be good: a typo fails in milliseconds.
     from gputrain.data import DatasetMissingError
     from gputrain.distributed import join, leave
+    from gputrain.storage import StorageError
     from gputrain.train import PreemptedError, Trainer
 
     try:
@@ -109,6 +112,9 @@ def main(argv: Sequence[str] | None = None, after: Callable[[Trainer], None] | N
     except DatasetMissingError as exc:
         log.error("%s", exc)
         return _report_failure(termination_log, EXIT_DATA_MISSING, str(exc))
+    except StorageError as exc:  # reading the checkpoints at the start: nothing to train from
+        log.error("%s", exc)
+        return _report_failure(termination_log, EXIT_STORAGE, str(exc))
     except PreemptedError:
         step = trainer.position.step if trainer else 0
         interrupted = trainer is not None and trainer.stop_signal == signal.SIGINT

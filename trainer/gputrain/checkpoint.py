@@ -1,100 +1,164 @@
-"""Checkpoints: written atomically, the newest K kept, the newest readable one loaded.
+"""Checkpoints: complete or invisible, the newest K kept, the newest readable one loaded.
 
-A checkpoint is ``step-<8 digits>.pt`` in the checkpoint directory. Writing goes to a
-temporary file in the same directory, is fsynced, renamed over the final name and the
-directory fsynced: a crash leaves either the old set or the new one, never half a file.
-A newest checkpoint that still fails to load (a truncated copy, a full disk) is skipped
-with a warning for the one before it.
+A checkpoint of step N is two objects in a location (:mod:`gputrain.storage`: a directory or a
+bucket): its state, ``step-<8 digits>.pt``, then its manifest, ``step-<8 digits>.json``, written
+last, with the state's size and SHA-256. A checkpoint is complete when its manifest is there and
+its state matches it; readers see complete ones only. So a save cut short at any point (SIGKILL,
+a store answering 503 until the grace period runs out) leaves a state with no manifest, which
+nobody loads, and the last complete checkpoint in place. Pruning takes the manifest away first.
+
+A state file with no manifest in a directory is complete too: versions before manifests wrote
+only that, and a directory's rename never shows half a file. In a bucket it is what a cut save
+leaves, and is deleted once a newer checkpoint is complete.
+
+One that is complete but does not load (a bit flip, a copy truncated behind our back) is set
+aside as ``*.unreadable`` with a warning, and the one before it is loaded.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import datetime
+import hashlib
+import io
+import json
 import logging
-import os
 import re
-import tempfile
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
+from gputrain.storage import Directory, Location, open_location
+
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^step-(\d{8,})\.pt$")
+_STATE = re.compile(r"^step-(\d{8,})\.pt$")
+_MANIFEST = re.compile(r"^step-(\d{8,})\.json$")
+UNREADABLE = ".unreadable"
 
 
-def _step(path: Path) -> int:
-    match = _NAME.match(path.name)
-    return int(match.group(1)) if match else -1
+@dataclass(frozen=True)
+class Saved:
+    """One complete checkpoint."""
+
+    step: int
+    name: str  # the state object's name
+    manifest: str | None  # None: a directory's state file from before manifests
+    uri: str  # where the state is, as status and logs show it
+    time: str | None = None  # when it was saved (RFC 3339), from its manifest
+
+
+def _state_name(step: int) -> str:
+    return f"step-{step:08d}.pt"
+
+
+def _manifest_name(step: int) -> str:
+    return f"step-{step:08d}.json"
 
 
 class CheckpointManager:
-    """Saves, prunes and finds checkpoints in one directory. What one holds is the trainer's
-    to say (its components, :mod:`gputrain.state`): here a checkpoint is a dict of them."""
+    """Saves, prunes and finds checkpoints in one location. What one holds is the trainer's to
+    say (its components, :mod:`gputrain.state`): here a checkpoint is a dict of them."""
 
-    def __init__(self, directory: str | Path, keep: int) -> None:
-        self.directory = Path(directory)
+    def __init__(self, where: Location | str | Path, keep: int) -> None:
+        self.location = open_location(str(where)) if isinstance(where, str | Path) else where
         self.keep = keep
+        # A state with no manifest is complete only where writes are renames (see the docstring).
+        self._bare_states_complete = isinstance(self.location, Directory)
 
-    def checkpoints(self) -> list[Path]:
-        """Existing checkpoints, oldest first."""
-        if not self.directory.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.directory.iterdir() if (m := _NAME.match(p.name))]
-        return [p for _, p in sorted(found)]
+    def checkpoints(self) -> list[Saved]:
+        """Complete checkpoints, oldest first (one listing of the location)."""
+        return self._complete(self.location.names())
 
-    def save(self, state: dict[str, Any], step: int) -> Path:
-        """Write the checkpoint of ``step``, then prune the older ones past ``keep``. Only older
-        ones: the one just written always stays, whatever else the directory holds."""
-        final = self.directory / f"step-{step:08d}.pt"
-        write_atomically(final, lambda handle: torch.save(state, handle))
-        older = [p for p in self.checkpoints() if p != final and _step(p) < step]
-        for old in older[: max(0, len(older) - (self.keep - 1))]:
-            old.unlink(missing_ok=True)
-        return final
+    def save(self, state: dict[str, Any], step: int) -> Saved:
+        """Write the checkpoint of ``step`` (state, then manifest), then prune past ``keep``.
+        Only older ones go: the one just written always stays, whatever else is there."""
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getbuffer().tobytes()
+        name = _state_name(step)
+        self.location.write(name, data)
+        time = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+        manifest = {"step": step, "time": time, "state": name, "size": len(data),
+                    "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
+        self.location.write(_manifest_name(step), json.dumps(manifest).encode())
+        saved = Saved(step, name, _manifest_name(step), self._uri(name), time)
+        self._prune(step)
+        return saved
 
-    def load_latest(self) -> tuple[dict[str, Any], Path] | None:
-        """The newest checkpoint that loads, or None when there is none.
-
-        One that does not load is renamed ``*.unreadable`` (kept to look at, out of the set):
-        left in place, as the newest it would push every new checkpoint out under ``keep: 1``.
-        """
-        for path in reversed(self.checkpoints()):
+    def load_latest(self) -> tuple[dict[str, Any], Saved] | None:
+        """The newest complete checkpoint that loads, or None when there is none."""
+        for saved in reversed(self.checkpoints()):
             try:
-                # weights_only: a file on a shared volume must not be able to run code here.
-                state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as exc:  # a corrupt file: any unpickling or zip error
-                aside = path.with_name(path.name + ".unreadable")
-                log.warning("checkpoint %s is unreadable (%s); moved to %s, trying the previous one",
-                            path, exc, aside.name)  # fmt: skip
-                with contextlib.suppress(OSError):  # another rank may have moved it already
-                    path.rename(aside)
+                data = self.location.read(saved.name)
+                if saved.manifest is not None:
+                    manifest = json.loads(self.location.read(saved.manifest))
+                    _check(data, manifest)
+                    saved = dataclasses.replace(saved, time=manifest.get("time"))
+                # weights_only: a file on a shared volume or bucket must not be able to run code here.
+                state: dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            except FileNotFoundError:  # pruned by another writer since the listing
                 continue
-            return state, path
+            except Exception as exc:  # a corrupt checkpoint: any unpickling, zip or manifest error
+                log.warning("checkpoint %s is unreadable (%s); set aside as %s, trying the previous one",
+                            saved.uri, _one_line(exc), saved.name + UNREADABLE)  # fmt: skip
+                self._set_aside(saved)
+                continue
+            return state, saved
         return None
 
+    def _complete(self, names: dict[str, int]) -> list[Saved]:
+        found: list[Saved] = []
+        for name in names:
+            if (match := _STATE.match(name)) is None:
+                continue
+            step = int(match.group(1))
+            manifest = _manifest_name(step)
+            if manifest in names:
+                found.append(Saved(step, name, manifest, self._uri(name)))
+            elif self._bare_states_complete:
+                found.append(Saved(step, name, None, self._uri(name)))
+        return sorted(found, key=lambda s: s.step)
 
-def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """Write ``path`` so that a crash leaves the old file or the new one, never half of one.
+    def _prune(self, newest: int) -> None:
+        names = self.location.names()
+        complete = [s for s in self._complete(names) if s.step < newest]
+        for old in complete[: max(0, len(complete) - (self.keep - 1))]:
+            if old.manifest is not None:
+                self.location.delete(old.manifest)  # invisible first, then gone
+            self.location.delete(old.name)
+        if self._bare_states_complete:
+            return
+        # States a cut save left in a bucket: none can become complete now that a newer one is.
+        for name in names:
+            match = _STATE.match(name)
+            if match and int(match.group(1)) < newest and _manifest_name(int(match.group(1))) not in names:
+                self.location.delete(name)
 
-    A temporary file in the same directory is written, fsynced and renamed over ``path``,
-    then the directory is fsynced so the rename itself survives a power loss.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    def _set_aside(self, saved: Saved) -> None:
+        # Left in place, the newest unreadable one would push every new checkpoint out under
+        # keep: 1. Another rank may have moved it already.
+        for name in (saved.manifest, saved.name):
+            if name is None:
+                continue
+            try:
+                self.location.rename(name, name + UNREADABLE)
+            except (OSError, RuntimeError):
+                log.debug("could not set %s aside", name, exc_info=True)
+
+    def _uri(self, name: str) -> str:
+        return f"{self.location.uri.rstrip('/')}/{name}"
+
+
+def _check(data: bytes, manifest: dict[str, Any]) -> None:
+    if len(data) != manifest.get("size"):
+        raise ValueError(f"{len(data)} bytes where its manifest says {manifest.get('size')}")
+    if hashlib.sha256(data).hexdigest() != manifest.get("sha256"):
+        raise ValueError("its SHA-256 differs from its manifest's")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:300] or type(exc).__name__

@@ -44,6 +44,7 @@ TERMINATION_LOG: Final = "/dev/termination-log"
 EXIT_OK: Final = 0
 EXIT_BAD_CONFIG: Final = 2
 EXIT_DATA_MISSING: Final = 3
+EXIT_STORAGE: Final = 4  # the checkpoint store refused (credentials, a missing bucket) at the start
 EXIT_PREEMPTED: Final = 143  # SIGTERM: an eviction, a preemption, `kubectl delete`
 EXIT_INTERRUPTED: Final = 130  # SIGINT: Ctrl-C in a terminal
 
@@ -177,6 +178,7 @@ RESULT_KEYS: Final = tuple(_camel(f.name) for f in dataclasses.fields(Result))
 FAILURE_REASONS: Final = {
     EXIT_BAD_CONFIG: "InvalidSettings",
     EXIT_DATA_MISSING: "DatasetMissing",
+    EXIT_STORAGE: "CheckpointStorageFailed",
     EXIT_PREEMPTED: "Preempted",
     EXIT_INTERRUPTED: "Interrupted",
 }

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
 
-from gputrain.checkpoint import CheckpointManager, write_atomically
+from gputrain.checkpoint import CheckpointManager, Saved
 from gputrain.contract import MODEL_FILE, RESULT_FILE, ContractError, Precision, Result, TrainerSettings
 from gputrain.data import DataSource, build_data
 from gputrain.distributed import Cluster, sum_over_ranks
@@ -45,6 +45,7 @@ from gputrain.state import (
     checkpoint_of,
     load_checkpoint,
 )
+from gputrain.storage import StorageError, write_atomically
 
 log = logging.getLogger("gputrain")
 
@@ -196,18 +197,24 @@ class Trainer:
     def save_checkpoint(self) -> None:
         with self.reporter.pause("saving"):
             state = checkpoint_of(self.components, self.settings.model)
-            path = self.checkpoints.save(state, self.position.step)
-        log.info("checkpoint %s at step %d", path, self.position.step)
+            try:
+                saved = self.checkpoints.save(state, self.position.step)
+            except StorageError as exc:
+                # A store down past its retries (gputrain.storage) costs this checkpoint, not the
+                # run: the last complete one stays, and the next save tries again.
+                log.warning("checkpoint at step %d not saved: %s; training goes on", self.position.step, exc)
+                return
+        log.info("checkpoint %s at step %d", saved.uri, self.position.step)
 
     def resume(self) -> None:
         """Load the newest checkpoint into every component, at this world size."""
         found = self._newest_checkpoint()
         if found is None:
             return
-        state, path = found
+        state, saved = found
         if state.get(MODEL_NAME) != self.settings.model:
             raise ContractError(
-                f"GPUTRAIN_CHECKPOINT_DIR: {path} holds a {state.get(MODEL_NAME)} model, not "
+                f"GPUTRAIN_CHECKPOINT_DIR: {saved.uri} holds a {state.get(MODEL_NAME)} model, not "
                 f"{self.settings.model}; give the job a new name or empty the directory"
             )
         load_checkpoint(self.components, state)
@@ -220,16 +227,17 @@ class Trainer:
             log.info("the world size changed: an epoch is %d batches per rank, not %d; resuming at batch %d "
                      "(%.1f%% of the run done, as before)", self.batches, written.batches,
                      self.position.next_batch, 100 * self._fraction(self.position))  # fmt: skip
-        log.info("resumed from %s at epoch %d, step %d", path, self.position.epoch + 1, self.position.step)
+        log.info("resumed from %s at epoch %d, step %d", saved.uri, self.position.epoch + 1,
+                 self.position.step)  # fmt: skip
 
-    def _newest_checkpoint(self) -> tuple[dict[str, Any], Path] | None:
+    def _newest_checkpoint(self) -> tuple[dict[str, Any], Saved] | None:
         # Only rank 0 reads: with a per-pod emptyDir the other pods have none, and they must
         # all start from the same state anyway.
         found = self.checkpoints.load_latest() if self.cluster.is_main else None
         box: list[Any] = [found]
         if self.cluster.distributed:
             dist.broadcast_object_list(box, src=0)
-        newest: tuple[dict[str, Any], Path] | None = box[0]
+        newest: tuple[dict[str, Any], Saved] | None = box[0]
         return newest
 
     # ---------------------------------------------------------------------------------------

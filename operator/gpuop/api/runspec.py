@@ -5,7 +5,7 @@ defaults and rules.
 Part of the spec model (:mod:`gpuop.api.spec` assembles it).
 """
 
-from typing import ClassVar, Literal
+from typing import ClassVar, Final, Literal
 
 from gpuop._kits.schema import (
     Rule,
@@ -124,13 +124,40 @@ class Training:
     )
 
 
+# s3://bucket/prefix, gs://bucket/prefix, az://container/prefix: a scheme obstore reads, a
+# bucket or container name of the clouds' characters, and an optional key prefix.
+CHECKPOINT_URI_PATTERN: Final = r"^(s3|gs|az)://[a-z0-9][a-z0-9._-]{2,254}(/[^\s]*)?$"
+
+
 @api_object
 class Checkpoint:
-    """Checkpointing. Without a volume, checkpoints go to an emptyDir: they survive container
-    restarts within a pod, not the pod's deletion."""
+    """Checkpointing. Without a volume or a uri, checkpoints go to an emptyDir: they survive
+    container restarts within a pod, not the pod's deletion."""
 
     volume: VolumeSource | None = api_field(
         "PersistentVolumeClaim for checkpoints, mounted read-write at path.", default=None
+    )
+    uri: str | None = api_field(
+        "Object store prefix for checkpoints, in place of a volume: s3://bucket/prefix, "
+        "gs://bucket/prefix or az://container/prefix. Each training writes under <uri>/<name>, "
+        "and `gpuop run` with the same uri resumes from what a cluster run wrote, and back. "
+        "Credentials come from secretName, or from the pod's workload identity (IRSA, EKS Pod "
+        "Identity, GKE or Azure Workload Identity) when none is named.",
+        default=None,
+        max_length=1024,
+        pattern=CHECKPOINT_URI_PATTERN,
+        pattern_hint="s3://bucket/prefix, gs://bucket/prefix or az://container/prefix",
+    )
+    secret_name: str | None = api_field(
+        "Secret in the GpuTraining's namespace whose keys become the trainer's environment: name "
+        "them as the cloud's SDKs do (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION and, "
+        "for S3-compatible stores, AWS_ENDPOINT_URL; GOOGLE_SERVICE_ACCOUNT_KEY; "
+        "AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY). Only with uri.",
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=K8S_NAME_PATTERN,
+        pattern_hint=K8S_NAME_HINT,
     )
     path: str = api_field(
         "Directory for checkpoints inside the container.",
@@ -147,6 +174,21 @@ class Checkpoint:
         maximum=10**9,
     )
     keep: int = api_field("Checkpoints kept; older ones are deleted.", default=3, minimum=1, maximum=100)
+
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="!has(self.uri) || !has(self.volume)",
+            message="set volume or uri, not both: a training's checkpoints are in one place",
+            check=lambda c: None if c.uri is None or c.volume is None else {},
+            field=".uri",
+        ),
+        Rule(
+            cel="has(self.uri) || !has(self.secretName)",
+            message="is for a uri's credentials: set uri too, or leave secretName out",
+            check=lambda c: None if c.uri is not None or c.secret_name is None else {},
+            field=".secretName",
+        ),
+    )
 
 
 @api_object

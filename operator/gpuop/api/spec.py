@@ -372,8 +372,9 @@ def kubernetes_problems(spec: GpuTrainingSpec) -> list[Problem]:
     for index, secret in enumerate(spec.image_pull_secrets):
         check(f"spec.imagePullSecrets[{index}]", k8svalidation.subdomain(secret), secret)
     mounts: dict[str, str] = {"/dev/shm": "the shared-memory volume"}
-    places = [("spec.checkpoint", spec.checkpoint.path, spec.checkpoint.volume),
-              ("spec.output", spec.output.path, spec.output.volume)]  # fmt: skip
+    places = [("spec.output", spec.output.path, spec.output.volume)]
+    if spec.checkpoint.uri is None:  # else nothing is mounted at checkpoint.path
+        places.insert(0, ("spec.checkpoint", spec.checkpoint.path, spec.checkpoint.volume))
     if spec.dataset is not None:
         places.append(("spec.dataset", spec.dataset.path, spec.dataset.volume))
     for where, path, volume in places:

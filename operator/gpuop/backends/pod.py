@@ -202,7 +202,7 @@ def trainer_settings(name: str, spec: GpuTrainingSpec) -> TrainerSettings:
         compile=spec.training.compile,
         loader_workers=dataset.loader_workers if dataset is not None else 0,
         log_every_steps=spec.training.log_every_steps,
-        checkpoint_dir=f"{spec.checkpoint.path.rstrip('/')}/{name}",
+        checkpoint_dir=f"{(spec.checkpoint.uri or spec.checkpoint.path).rstrip('/')}/{name}",
         checkpoint_every_steps=spec.checkpoint.every_steps,
         checkpoint_keep=spec.checkpoint.keep,
         output_dir=f"{spec.output.path.rstrip('/')}/{name}",
@@ -306,10 +306,10 @@ def volumes(spec: GpuTrainingSpec) -> tuple[list[dict[str, Any]], list[dict[str,
     shm = format_bytes(shm_size_bytes(spec))
     pod_volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    for name, claim, path in (
-        ("checkpoints", spec.checkpoint.volume, spec.checkpoint.path),
-        ("output", spec.output.volume, spec.output.path),
-    ):
+    places = [("output", spec.output.volume, spec.output.path)]
+    if spec.checkpoint.uri is None:  # else they go to the bucket: nothing to mount
+        places.insert(0, ("checkpoints", spec.checkpoint.volume, spec.checkpoint.path))
+    for name, claim, path in places:
         pod_volumes.append({"name": name, **(_claim(claim, False) if claim else {"emptyDir": {}})})
         mounts.append(_mount(name, path, claim))
     if spec.dataset is not None and spec.dataset.volume is not None:
@@ -404,6 +404,9 @@ def trainer_container(
             "terminationMessagePolicy": "FallbackToLogsOnError",
         }
     )
+    if spec.checkpoint.secret_name is not None:
+        # The store's credentials, under the names the cloud SDKs read (spec.checkpoint).
+        container["envFrom"] = [{"secretRef": {"name": spec.checkpoint.secret_name}}]
     return container
 
 

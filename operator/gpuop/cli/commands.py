@@ -211,6 +211,12 @@ def run(filename: str, workers: int | None, output: str, fresh: bool, workdir: s
         raise _BadInputError([f"{document.where('spec.gpusPerWorker')}: {shortfall}"])
     try:
         with runner.hold_run_directory(plan):
+            if fresh and training.spec.checkpoint.uri is not None:
+                raise _BadInputError([
+                    f"{document.where('spec.checkpoint.uri')}: spec.checkpoint.uri: --fresh moves this "
+                    "machine's checkpoints aside and leaves a bucket's alone; point uri at a new prefix "
+                    "to start over"
+                ])  # fmt: skip
             if fresh:
                 moved = runner.move_aside(plan)
                 if moved is not None:

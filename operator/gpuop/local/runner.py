@@ -95,7 +95,10 @@ class LocalRun:
         for var in trainer_env(self.training.name, self.training.spec):
             if "value" in var:
                 env[var["name"]] = var["value"]
-        env[env_name("checkpoint_dir")] = str(self.checkpoint_dir)
+        if self.training.spec.checkpoint.uri is None:
+            # A volume's path means this machine's work directory; a bucket means the bucket,
+            # here as in a cluster: a run resumes from what the other wrote.
+            env[env_name("checkpoint_dir")] = str(self.checkpoint_dir)
         env[env_name("output_dir")] = str(self.output_dir)
         env[env_name("metrics_port")] = str(self.metrics_port)
         if self.training.spec.uses_gpus and "CUDA_VISIBLE_DEVICES" not in env:
@@ -269,8 +272,7 @@ def final_status(
         what = (
             stopped_rank(log_path.read_text(errors="replace")) if log_path.is_file() and code != 0 else None
         )
-        steps = [int(p.stem[5:]) for p in run.checkpoint_dir.glob("step-*.pt") if p.stem[5:].isdigit()]
-        resume = f"; `gpuop run` again resumes from its checkpoint at step {max(steps)}" if steps else ""
+        resume = _resume_note(run)
         message = f"{what}{resume}" if what else f"the trainer exited with code {code}; see its log{resume}"
         outcome = JobCondition("Failed", "True", "TrainerFailed", message)
     observation = Observation(
@@ -331,6 +333,16 @@ def finished_result(run: LocalRun) -> str | None:
     return f"Succeeded at step {record.step} of {record.total_steps}, accuracy {record.accuracy}"
 
 
+def _resume_note(run: LocalRun) -> str:
+    """Where a rerun resumes from, after "; " (or nothing, when it would start over)."""
+    uri = run.training.spec.checkpoint.uri
+    if uri is not None:
+        where = f"{uri.rstrip('/')}/{run.training.name}"
+        return f"; `gpuop run` again resumes from its newest checkpoint in {where}"
+    steps = [int(p.stem[5:]) for p in run.checkpoint_dir.glob("step-*.pt") if p.stem[5:].isdigit()]
+    return f"; `gpuop run` again resumes from its checkpoint at step {max(steps)}" if steps else ""
+
+
 def move_aside(run: LocalRun) -> Path | None:
     """The run's checkpoints and outputs moved to ``previous-<time>/`` in its directory (kept,
     not deleted: they may be the only copy of a model); None when there were none."""
@@ -384,7 +396,8 @@ def execute(
     with contextlib.ExitStack() as held:
         if lock:
             held.enter_context(hold_run_directory(run))
-        run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        if run.training.spec.checkpoint.uri is None:
+            run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         run.output_dir.mkdir(parents=True, exist_ok=True)
         run.termination_log.unlink(missing_ok=True)  # a stale record must not pass for this run's
         namespace = run.training.namespace or "default"

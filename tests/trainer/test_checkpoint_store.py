@@ -1,0 +1,218 @@
+"""Checkpoints in a bucket of a real S3-compatible store (SeaweedFS, :mod:`support.objectstore`):
+the same promises as on a volume (complete or invisible, the newest K kept, a corrupt one set
+aside, the newest complete one never pruned), the faults a store has (503s, slowness, wrong
+credentials, a missing bucket), and a real run preempted and resumed from the bucket."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from gputrain.checkpoint import CheckpointManager
+from gputrain.storage import StorageError, open_location
+from support import objectstore
+from support.training import digits_run, finish, hold_env, log_of, start, train, wait_for_step, wait_held
+
+BUCKET = "checkpoints"
+
+
+@pytest.fixture
+def uri(s3: objectstore.S3Server, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A prefix of this test's own in the session's bucket, the store's credentials in the
+    environment as a pod's Secret would put them there."""
+    for name, value in s3.env().items():
+        monkeypatch.setenv(name, value)
+    return f"s3://{BUCKET}/{re.sub(r'[^a-zA-Z0-9-]', '-', request.node.name)}"
+
+
+def _names(uri: str) -> list[str]:
+    return sorted(open_location(uri).names())
+
+
+def test_a_bucket_keeps_the_newest_k_complete_checkpoints_and_loads_the_newest(uri: str) -> None:
+    manager = CheckpointManager(uri, keep=2)
+    for step in (5, 10, 15):
+        manager.save({"step": step, "w": torch.full((3,), float(step))}, step)
+    assert [s.step for s in manager.checkpoints()] == [10, 15]
+    assert _names(uri) == ["step-00000010.json", "step-00000010.pt", "step-00000015.json", "step-00000015.pt"]
+    found = CheckpointManager(uri, keep=2).load_latest()  # a new process, as a restarted pod
+    assert found is not None
+    state, saved = found
+    assert state["step"] == 15
+    assert saved.uri == f"{uri}/step-00000015.pt"
+    manifest = json.loads(open_location(uri).read("step-00000015.json"))
+    assert manifest["size"] == len(open_location(uri).read("step-00000015.pt"))
+
+
+def test_a_save_cut_before_its_manifest_is_invisible_and_goes_once_a_newer_one_is_complete(uri: str) -> None:
+    manager = CheckpointManager(uri, keep=1)
+    manager.save({"step": 10}, 10)
+    # What a SIGKILL between the state's upload and the manifest's leaves: a whole state object
+    # (S3 publishes an object at once) that no manifest vouches for.
+    open_location(uri).write("step-00000020.pt", b"a state whose manifest never came")
+    assert [s.step for s in manager.checkpoints()] == [10]
+    found = manager.load_latest()
+    assert found is not None
+    assert found[0]["step"] == 10
+    manager.save({"step": 30}, 30)
+    assert _names(uri) == ["step-00000030.json", "step-00000030.pt"]
+
+
+def test_keep_1_never_prunes_the_checkpoint_just_written_for_a_newer_save_in_progress(uri: str) -> None:
+    manager = CheckpointManager(uri, keep=1)
+    open_location(uri).write("step-00000500.pt", b"another writer's save, not finished")
+    manager.save({"step": 30}, 30)
+    assert [s.step for s in manager.checkpoints()] == [30]
+    assert "step-00000500.pt" in _names(uri)  # newer: it may still be completed
+
+
+def test_a_corrupt_checkpoint_is_set_aside_with_a_warning_and_the_one_before_loads(
+    uri: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    manager = CheckpointManager(uri, keep=3)
+    manager.save({"step": 1}, 1)
+    newest = manager.save({"step": 2, "w": torch.randn(1000)}, 2)
+    data = bytearray(open_location(uri).read(newest.name))
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: the size still matches, the hash does not
+    open_location(uri).write(newest.name, bytes(data))
+    with caplog.at_level(logging.WARNING):
+        found = manager.load_latest()
+    assert found is not None
+    assert found[0]["step"] == 1
+    assert f"checkpoint {newest.uri} is unreadable (its SHA-256 differs from its manifest's)" in caplog.text
+    assert {"step-00000002.pt.unreadable", "step-00000002.json.unreadable"} <= set(_names(uri))
+    assert [s.step for s in manager.checkpoints()] == [1]
+
+
+def test_a_store_answering_503_for_a_while_is_retried_and_nothing_is_half_visible(
+    uri: str, s3: objectstore.S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proxy = objectstore.FaultyStore(s3.endpoint)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        manager = CheckpointManager(uri, keep=2)
+        manager.save({"step": 1}, 1)
+        proxy.failing_for(3.0)
+        saved = manager.save({"step": 2, "w": torch.randn(10_000)}, 2)  # retried until it goes through
+        assert proxy.answered_503 > 0
+        assert [s.step for s in manager.checkpoints()] == [1, 2]
+        proxy.slow_for(10.0, delay=1.0)
+        found = manager.load_latest()
+        assert found is not None
+        assert (found[0]["step"], found[1]) == (2, saved)
+    finally:
+        proxy.close()
+
+
+def test_wrong_credentials_fail_in_one_line_that_names_the_uri_and_the_fix(
+    uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with pytest.raises(StorageError) as refused:
+        CheckpointManager(uri, keep=1).load_latest()
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"{uri}: list failed: access denied")
+    assert "spec.checkpoint.secretName" in message
+
+
+def test_a_missing_bucket_fails_in_one_line_that_names_it(uri: str) -> None:
+    with pytest.raises(StorageError) as refused:
+        CheckpointManager("s3://no-such-bucket/run", keep=1).save({"step": 1}, 1)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "s3://no-such-bucket/run: write step-00000001.pt failed: the bucket does not exist"
+    )
+
+
+@pytest.fixture
+def bucket_run_env(uri: str, s3: objectstore.S3Server) -> dict[str, str]:
+    return {"GPUTRAIN_CHECKPOINT_DIR": uri, **s3.env()}
+
+
+def test_a_preempted_run_resumes_from_the_bucket_in_an_empty_work_directory(
+    tmp_path: Path, uri: str, bucket_run_env: dict[str, str]
+) -> None:
+    """SIGTERM as a preemption: the checkpoint goes to the bucket, and a run with nothing on its
+    disk (another node) resumes from it and finishes."""
+    first = digits_run(tmp_path / "first", epochs=2)
+    process = start(first, hold_at=15, extra_env=bucket_run_env)
+    wait_for_step(first, process, 15)
+    process.send_signal(signal.SIGTERM)
+    assert finish(first, process) != 0
+    record = json.loads(first.termination_log.read_text())
+    assert record["reason"] == "Preempted", record
+    stopped_at = int(re.search(r"at step (\d+)", record["message"]).group(1))  # type: ignore[union-attr]
+    assert f"step-{stopped_at:08d}.json" in _names(uri)
+
+    second = digits_run(tmp_path / "second", epochs=2)
+    assert train(second, extra_env=bucket_run_env) == 0, log_of(second)
+    assert f"resumed from {uri}/step-{stopped_at:08d}.pt" in log_of(second)
+    result = json.loads(second.termination_log.read_text())
+    assert (result["phase"], result["step"]) == ("Succeeded", result["totalSteps"])
+
+
+GPUOP = Path(sys.executable).parent / "gpuop"
+# Ctrl-C reaches `gpuop run` only with SIGINT at its default, as a terminal starts it (a pytest
+# started in the background inherits SIGINT ignored; see test_training.py).
+AS_A_TERMINAL_STARTS_IT = [sys.executable, "-c", "import os, signal, sys; "
+                           "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"]  # fmt: skip
+
+
+def _gpuop_run(
+    tmp_path: Path, workdir: Path, uri: str, *extra: str, hold_at: int | None = None
+) -> subprocess.Popen[str]:
+    """`gpuop run` of a digits spec whose checkpoints are in the bucket at ``uri``."""
+    body = {"apiVersion": "gpuop.io/v1alpha1", "kind": "GpuTraining", "metadata": {"name": "t"},
+            "spec": {"workers": 2, "gpusPerWorker": 0, "dataset": {"name": "digits", "loaderWorkers": 0},
+                     "training": {"epochs": 2, "batchSize": 32, "precision": "fp32", "logEverySteps": 5},
+                     "checkpoint": {"uri": uri, "everySteps": 1000, "keep": 1}}}  # fmt: skip
+    spec = tmp_path / "t.yaml"
+    spec.write_text(yaml.safe_dump(body))
+    env = dict(os.environ) | (hold_env(tmp_path / "hold", hold_at) if hold_at is not None else {})
+    return subprocess.Popen(
+        [*AS_A_TERMINAL_STARTS_IT, GPUOP, "run", "-f", str(spec), "-o", "json", "--workdir", str(workdir), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env,
+    )  # fmt: skip
+
+
+def test_gpuop_run_ctrl_c_then_a_run_in_an_empty_work_directory_resumes_from_the_bucket(
+    tmp_path: Path, uri: str
+) -> None:
+    first = _gpuop_run(tmp_path, tmp_path / "laptop", uri, hold_at=15)
+    wait_held(tmp_path / "hold", 2, lambda: first.poll() is None)
+    os.killpg(first.pid, signal.SIGINT)
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 130, err
+    condition = next(c for c in json.loads(out)["conditions"] if c["type"] == "Suspended")
+    stopped_at = int(re.search(r"at step (\d+)", condition["message"]).group(1))  # type: ignore[union-attr]
+    assert f"step-{stopped_at:08d}.json" in _names(f"{uri}/t")
+    assert not (tmp_path / "laptop" / "t" / "checkpoints").exists()  # nothing of it on this disk
+
+    again = _gpuop_run(tmp_path, tmp_path / "elsewhere", uri)  # another machine: an empty work directory
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err
+    assert json.loads(out)["phase"] == "Succeeded"
+    assert (
+        f"resumed from {uri}/t/step-{stopped_at:08d}.pt"
+        in (tmp_path / "elsewhere" / "t" / "trainer.log").read_text()
+    )
+
+    fresh = _gpuop_run(tmp_path, tmp_path / "elsewhere", uri, "--fresh")
+    _, err = fresh.communicate(timeout=60)
+    assert fresh.returncode == 2
+    assert (
+        "spec.checkpoint.uri: --fresh moves this machine's checkpoints aside and leaves a bucket's alone"
+        in err
+    )

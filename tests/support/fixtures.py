@@ -18,8 +18,7 @@ from support import objectstore
 from support.plane import controlplane
 from support.plane.cluster import Api, install_crds
 
-# The buckets the session's store has: the trainer's and the chain's checkpoints, and one that
-# the credentials of the store's identity can reach but a test may delete things from at will.
+# The buckets the session's store has; each test writes under a prefix of its own.
 BUCKETS = ("checkpoints",)
 
 

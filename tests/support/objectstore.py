@@ -233,7 +233,9 @@ class FaultyStore:
                 for key, value in reply.getheaders():
                     if key.lower() not in ("connection", "transfer-encoding", "content-length"):
                         self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
+                # A HEAD's reply has no body but the length of the object's.
+                length = reply.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

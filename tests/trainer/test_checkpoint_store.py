@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,14 +45,16 @@ def test_a_bucket_keeps_the_newest_k_complete_checkpoints_and_loads_the_newest(u
     for step in (5, 10, 15):
         manager.save({"step": step, "w": torch.full((3,), float(step))}, step)
     assert [s.step for s in manager.checkpoints()] == [10, 15]
-    assert _names(uri) == ["step-00000010.json", "step-00000010.pt", "step-00000015.json", "step-00000015.pt"]
+    states = [s.name for s in manager.checkpoints()]
+    assert _names(uri) == sorted(["step-00000010.json", "step-00000015.json", *states])
     found = CheckpointManager(uri, keep=2).load_latest()  # a new process, as a restarted pod
     assert found is not None
     state, saved = found
     assert state["step"] == 15
-    assert saved.uri == f"{uri}/step-00000015.pt"
+    assert saved.uri == f"{uri}/{states[-1]}"
+    assert saved.time is not None
     manifest = json.loads(open_location(uri).read("step-00000015.json"))
-    assert manifest["size"] == len(open_location(uri).read("step-00000015.pt"))
+    assert (manifest["state"], manifest["size"]) == (states[-1], len(open_location(uri).read(states[-1])))
 
 
 def test_a_save_cut_before_its_manifest_is_invisible_and_goes_once_a_newer_one_is_complete(uri: str) -> None:
@@ -59,21 +62,21 @@ def test_a_save_cut_before_its_manifest_is_invisible_and_goes_once_a_newer_one_i
     manager.save({"step": 10}, 10)
     # What a SIGKILL between the state's upload and the manifest's leaves: a whole state object
     # (S3 publishes an object at once) that no manifest vouches for.
-    open_location(uri).write("step-00000020.pt", b"a state whose manifest never came")
+    open_location(uri).write("step-00000020-0badcafe.pt", b"a state whose manifest never came")
     assert [s.step for s in manager.checkpoints()] == [10]
     found = manager.load_latest()
     assert found is not None
     assert found[0]["step"] == 10
-    manager.save({"step": 30}, 30)
-    assert _names(uri) == ["step-00000030.json", "step-00000030.pt"]
+    newest = manager.save({"step": 30}, 30)
+    assert _names(uri) == sorted(["step-00000030.json", newest.name])
 
 
 def test_keep_1_never_prunes_the_checkpoint_just_written_for_a_newer_save_in_progress(uri: str) -> None:
     manager = CheckpointManager(uri, keep=1)
-    open_location(uri).write("step-00000500.pt", b"another writer's save, not finished")
+    open_location(uri).write("step-00000500-0badcafe.pt", b"another writer's save, not finished")
     manager.save({"step": 30}, 30)
     assert [s.step for s in manager.checkpoints()] == [30]
-    assert "step-00000500.pt" in _names(uri)  # newer: it may still be completed
+    assert "step-00000500-0badcafe.pt" in _names(uri)  # newer: its manifest may still come
 
 
 def test_a_corrupt_checkpoint_is_set_aside_with_a_warning_and_the_one_before_loads(
@@ -90,11 +93,11 @@ def test_a_corrupt_checkpoint_is_set_aside_with_a_warning_and_the_one_before_loa
     assert found is not None
     assert found[0]["step"] == 1
     assert f"checkpoint {newest.uri} is unreadable (its SHA-256 differs from its manifest's)" in caplog.text
-    assert {"step-00000002.pt.unreadable", "step-00000002.json.unreadable"} <= set(_names(uri))
+    assert {newest.name + ".unreadable", "step-00000002.json.unreadable"} <= set(_names(uri))
     assert [s.step for s in manager.checkpoints()] == [1]
 
 
-def test_a_store_answering_503_for_a_while_is_retried_and_nothing_is_half_visible(
+def test_a_store_answering_503_then_slowly_is_retried_until_the_checkpoint_is_complete(
     uri: str, s3: objectstore.S3Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     proxy = objectstore.FaultyStore(s3.endpoint)
@@ -106,8 +109,10 @@ def test_a_store_answering_503_for_a_while_is_retried_and_nothing_is_half_visibl
         saved = manager.save({"step": 2, "w": torch.randn(10_000)}, 2)  # retried until it goes through
         assert proxy.answered_503 > 0
         assert [s.step for s in manager.checkpoints()] == [1, 2]
-        proxy.slow_for(10.0, delay=1.0)
+        proxy.slow_for(10.0, delay=1.0)  # each request held a second: slower, not failed
+        started = time.monotonic()
         found = manager.load_latest()
+        assert time.monotonic() - started >= 1.0
         assert found is not None
         assert (found[0]["step"], found[1]) == (2, saved)
     finally:
@@ -131,9 +136,8 @@ def test_a_missing_bucket_fails_in_one_line_that_names_it(uri: str) -> None:
         CheckpointManager("s3://no-such-bucket/run", keep=1).save({"step": 1}, 1)
     message = str(refused.value)
     assert "\n" not in message
-    assert message.startswith(
-        "s3://no-such-bucket/run: write step-00000001.pt failed: the bucket does not exist"
-    )
+    assert message.startswith("s3://no-such-bucket/run: write step-00000001-")
+    assert message.endswith(".pt failed: the bucket does not exist; create it or correct the URI")
 
 
 @pytest.fixture
@@ -158,7 +162,7 @@ def test_a_preempted_run_resumes_from_the_bucket_in_an_empty_work_directory(
 
     second = digits_run(tmp_path / "second", epochs=2)
     assert train(second, extra_env=bucket_run_env) == 0, log_of(second)
-    assert f"resumed from {uri}/step-{stopped_at:08d}.pt" in log_of(second)
+    assert f"resumed from {uri}/step-{stopped_at:08d}-" in log_of(second)
     result = json.loads(second.termination_log.read_text())
     assert (result["phase"], result["step"]) == ("Succeeded", result["totalSteps"])
 
@@ -205,7 +209,7 @@ def test_gpuop_run_ctrl_c_then_a_run_in_an_empty_work_directory_resumes_from_the
     assert again.returncode == 0, err
     assert json.loads(out)["phase"] == "Succeeded"
     assert (
-        f"resumed from {uri}/t/step-{stopped_at:08d}.pt"
+        f"resumed from {uri}/t/step-{stopped_at:08d}-"
         in (tmp_path / "elsewhere" / "t" / "trainer.log").read_text()
     )
 

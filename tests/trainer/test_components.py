@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import logging
 import pickle
+import re
 import struct
 import sys
 from pathlib import Path
@@ -41,20 +42,37 @@ from support.paths import ROOT
 
 def test_checkpoints_keep_the_newest_k_and_leave_no_temporary_files(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path / "ck", keep=2)
-    for step in (5, 10, 15):
-        manager.save({"step": step, "w": torch.full((3,), float(step))}, step)
-    assert [p.name for p in manager.checkpoints()] == ["step-00000010.pt", "step-00000015.pt"]
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
-        "step-00000010.json", "step-00000010.pt", "step-00000015.json", "step-00000015.pt"
-    ]  # fmt: skip
+    written = [manager.save({"step": step, "w": torch.full((3,), float(step))}, step) for step in (5, 10, 15)]
+    assert [s.step for s in manager.checkpoints()] == [10, 15]
+    assert re.fullmatch(r"step-00000015-[0-9a-f]{8}\.pt", written[-1].name)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == sorted(
+        ["step-00000010.json", written[1].name, "step-00000015.json", written[2].name]
+    )  # nothing of step 5, and no temporary file
     found = manager.load_latest()
     assert found is not None
     state, saved = found
-    assert (state["step"], saved.name, saved.uri) == (
-        15,
-        "step-00000015.pt",
-        f"{tmp_path}/ck/step-00000015.pt",
-    )
+    assert (state["step"], saved.uri) == (15, f"{tmp_path}/ck/{written[-1].name}")
+
+
+def test_two_writers_of_one_step_never_mix_a_state_with_the_others_manifest(tmp_path: Path) -> None:
+    """Every pod's first rank saves at a preemption, to one bucket or ReadWriteMany volume, and
+    a periodic save and an end-of-epoch save can be of one step: each write's state is an object
+    of its own, and the manifest written last says which one is the checkpoint."""
+    first, second = CheckpointManager(tmp_path, keep=1), CheckpointManager(tmp_path, keep=1)
+    first.save({"by": "first", "pad": torch.zeros(100)}, 7)
+    second.save({"by": "second", "pad": torch.ones(1000)}, 7)  # other bytes, other size
+    found = first.load_latest()
+    assert found is not None
+    assert found[0]["by"] == "second"
+    first.save({"step": 8}, 8)  # and the state the lost writer left goes with the next save
+    assert sorted(p.name for p in tmp_path.iterdir() if "00000007" in p.name) == []
+
+
+def test_a_checkpoint_from_before_manifests_still_resumes(tmp_path: Path) -> None:
+    torch.save({"step": 3}, tmp_path / "step-00000003.pt")  # as versions before manifests wrote it
+    found = CheckpointManager(tmp_path, keep=1).load_latest()
+    assert found is not None
+    assert (found[0]["step"], found[1].manifest) == (3, None)
 
 
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(
@@ -71,6 +89,10 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(
     assert found[0]["step"] == 1
     assert f"checkpoint {newest.uri} is unreadable" in caplog.text
     assert "bytes where its manifest says" in caplog.text  # the manifest caught it before torch did
+    assert {p.name for p in tmp_path.iterdir() if p.name.endswith(".unreadable")} == {
+        newest.name + ".unreadable",
+        "step-00000002.json.unreadable",
+    }
 
 
 def test_with_keep_1_a_corrupt_newest_checkpoint_never_pushes_out_the_new_ones(tmp_path: Path) -> None:
@@ -85,12 +107,12 @@ def test_with_keep_1_a_corrupt_newest_checkpoint_never_pushes_out_the_new_ones(t
     assert found is not None
     assert found[0]["step"] == 10
     manager.save({"step": 20}, 20)
-    assert [p.name for p in manager.checkpoints()] == ["step-00000020.pt"]
+    assert [s.step for s in manager.checkpoints()] == [20]
     # Even a newer-numbered file that cannot be moved aside never takes the place of the one
     # just written.
     (tmp_path / "step-00000500.pt").write_bytes(b"someone else's")
     manager.save({"step": 30}, 30)
-    assert [p.name for p in manager.checkpoints()] == ["step-00000030.pt", "step-00000500.pt"]
+    assert [s.step for s in manager.checkpoints()] == [30, 500]
 
 
 def test_no_checkpoint_means_a_fresh_start(tmp_path: Path) -> None:
@@ -192,8 +214,8 @@ def test_a_checkpoint_in_the_format_before_the_components_loads_into_them(
         trainer.save_checkpoint()
         found = manager.load_latest()
         assert found is not None
-        new, path = found
-        assert path.name == "step-00000034.pt"
+        new, saved = found
+        assert saved.step == 34
         assert new.keys() == old.keys()
         assert new["model"].keys() == weights.keys()
         assert new["optimizer"].keys() == optimizer.keys()

@@ -184,10 +184,10 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(tmp_path: P
     assert record["reason"] == "Preempted", record
     stopped_at = int(re.search(r"at step (\d+)", record["message"]).group(1))  # type: ignore[union-attr]
     assert stopped_at >= 25
-    assert (interrupted.checkpoint_dir / f"step-{stopped_at:08d}.pt").is_file()
+    assert (interrupted.checkpoint_dir / f"step-{stopped_at:08d}.json").is_file()  # complete
 
     assert train(interrupted, dump_ranks=True) == 0, log_of(interrupted)
-    assert f"resumed from {interrupted.checkpoint_dir}/step-{stopped_at:08d}.pt" in log_of(interrupted)
+    assert f"resumed from {interrupted.checkpoint_dir}/step-{stopped_at:08d}-" in log_of(interrupted)
     for expected, resumed in zip(rank_states(straight), rank_states(interrupted), strict=True):
         for key in expected:
             torch.testing.assert_close(resumed[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
@@ -319,9 +319,8 @@ def test_resumed_on_one_worker_after_two_progress_and_the_lr_carry_on(tmp_path: 
     assert finish(two, process) != 0
     record = json.loads(two.termination_log.read_text())
     stopped_at = int(re.search(r"at step (\d+)", record["message"]).group(1))  # type: ignore[union-attr]
-    checkpoint = torch.load(
-        two.checkpoint_dir / f"step-{stopped_at:08d}.pt", map_location="cpu", weights_only=False
-    )
+    (state,) = two.checkpoint_dir.glob(f"step-{stopped_at:08d}-*.pt")
+    checkpoint = torch.load(state, map_location="cpu", weights_only=False)
     lr_before = float(checkpoint["optimizer"]["param_groups"][0]["lr"])  # the last step's, at the stop
 
     one = digits_run(tmp_path, workers=1, epochs=3)  # the same directories: the same checkpoints
@@ -409,14 +408,16 @@ def test_ctrl_c_checkpoints_exits_130_and_a_second_run_resumes(tmp_path: Path) -
     condition = next(c for c in status["conditions"] if c["type"] == "Suspended")
     assert condition["reason"] == "Interrupted"
     stopped_at = int(re.search(r"stopped by SIGINT \(Ctrl-C\) at step (\d+)", condition["message"]).group(1))  # type: ignore[union-attr]
-    assert (directory / "checkpoints" / f"step-{stopped_at:08d}.pt").is_file()
+    assert (directory / "checkpoints" / f"step-{stopped_at:08d}.json").is_file()
     assert _run_processes(directory) == []  # nothing trains on unobserved
 
     again, _ = _start_gpuop_run(tmp_path, epochs=3)
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0, err
     assert json.loads(out)["phase"] == "Succeeded"
-    assert f"step-{stopped_at:08d}.pt at epoch" in (directory / "trainer.log").read_text()
+    assert re.search(
+        rf"step-{stopped_at:08d}-[0-9a-f]{{8}}\.pt at epoch", (directory / "trainer.log").read_text()
+    )
     assert len(list(directory.glob("trainer-*.log"))) == 1  # the interrupted attempt's log, kept
 
 

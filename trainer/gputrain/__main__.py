@@ -115,11 +115,14 @@ def main(argv: Sequence[str] | None = None, after: Callable[[Trainer], None] | N
     except StorageError as exc:  # reading the checkpoints at the start: nothing to train from
         log.error("%s", exc)
         return _report_failure(termination_log, EXIT_STORAGE, str(exc))
-    except PreemptedError:
+    except PreemptedError as stopped:
         step = trainer.position.step if trainer else 0
         interrupted = trainer is not None and trainer.stop_signal == signal.SIGINT
         name = "SIGINT (Ctrl-C)" if interrupted else "SIGTERM"
         message = f"stopped by {name} at step {step}; the next start resumes from its checkpoint"
+        if not stopped.saved:
+            message = (f"stopped by {name} at step {step}; its checkpoint could not be saved (see the log): "
+                       "the next start resumes from the last complete one")  # fmt: skip
         log.warning("%s", message)
         return _report_failure(termination_log, EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED, message)
     finally:

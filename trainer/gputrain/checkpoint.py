@@ -1,40 +1,45 @@
 """Checkpoints: complete or invisible, the newest K kept, the newest readable one loaded.
 
 A checkpoint of step N is two objects in a location (:mod:`gputrain.storage`: a directory or a
-bucket): its state, ``step-<8 digits>.pt``, then its manifest, ``step-<8 digits>.json``, written
-last, with the state's size and SHA-256. A checkpoint is complete when its manifest is there and
-its state matches it; readers see complete ones only. So a save cut short at any point (SIGKILL,
-a store answering 503 until the grace period runs out) leaves a state with no manifest, which
-nobody loads, and the last complete checkpoint in place. Pruning takes the manifest away first.
+bucket): its state, ``step-<8 digits>-<token>.pt``, then its manifest, ``step-<8 digits>.json``,
+written last, which names that state and gives its size and SHA-256. A checkpoint is complete
+when its manifest is there and the state it names matches it; readers see complete ones only.
+So a save cut short at any point (SIGKILL, a store answering 503 until the grace period runs
+out) leaves a state no manifest names, which nobody loads, and the last complete checkpoint in
+place. The token makes each write's state an object of its own: two writers of the same step
+(every pod's first rank at a preemption, on one bucket or ReadWriteMany volume; a periodic and
+an end-of-epoch save of one step) never mix one's state with the other's manifest. Pruning
+takes a manifest away before its state; states no manifest names go once a newer checkpoint is
+complete.
 
-A state file with no manifest in a directory is complete too: versions before manifests wrote
-only that, and a directory's rename never shows half a file. In a bucket it is what a cut save
-leaves, and is deleted once a newer checkpoint is complete.
+A state named ``step-<8 digits>.pt`` with no token is complete alone: versions before manifests
+wrote only that (renamed into place whole), and a copy of one into a bucket resumes too.
 
 One that is complete but does not load (a bit flip, a copy truncated behind our back) is set
-aside as ``*.unreadable`` with a warning, and the one before it is loaded.
+aside as ``*.unreadable`` with a warning, and the one before it is loaded. A store that fails
+(:class:`~gputrain.storage.StorageError`) is not a corrupt checkpoint: it is raised.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import hashlib
 import io
 import json
 import logging
 import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gputrain.storage import Directory, Location, open_location
+from gputrain.storage import Location, StorageError, open_location
 
 log = logging.getLogger(__name__)
 
-_STATE = re.compile(r"^step-(\d{8,})\.pt$")
+_STATE = re.compile(r"^step-(\d{8,})(-[0-9a-f]{8})?\.pt$")  # group 2: the token; none before manifests
 _MANIFEST = re.compile(r"^step-(\d{8,})\.json$")
 UNREADABLE = ".unreadable"
 
@@ -45,13 +50,11 @@ class Saved:
 
     step: int
     name: str  # the state object's name
-    manifest: str | None  # None: a directory's state file from before manifests
+    manifest: str | None  # None: a state from before manifests, complete alone
     uri: str  # where the state is, as status and logs show it
     time: str | None = None  # when it was saved (RFC 3339), from its manifest
-
-
-def _state_name(step: int) -> str:
-    return f"step-{step:08d}.pt"
+    size: int | None = None  # the state's bytes and SHA-256, from its manifest
+    sha256: str | None = None
 
 
 def _manifest_name(step: int) -> str:
@@ -65,11 +68,9 @@ class CheckpointManager:
     def __init__(self, where: Location | str | Path, keep: int) -> None:
         self.location = open_location(str(where)) if isinstance(where, str | Path) else where
         self.keep = keep
-        # A state with no manifest is complete only where writes are renames (see the docstring).
-        self._bare_states_complete = isinstance(self.location, Directory)
 
     def checkpoints(self) -> list[Saved]:
-        """Complete checkpoints, oldest first (one listing of the location)."""
+        """Complete checkpoints, oldest first: one listing, and a read of each manifest."""
         return self._complete(self.location.names())
 
     def save(self, state: dict[str, Any], step: int) -> Saved:
@@ -77,30 +78,28 @@ class CheckpointManager:
         Only older ones go: the one just written always stays, whatever else is there."""
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        data = buffer.getbuffer().tobytes()
-        name = _state_name(step)
+        data = buffer.getbuffer()
+        name = f"step-{step:08d}-{secrets.token_hex(4)}.pt"
         self.location.write(name, data)
         time = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-        manifest = {"step": step, "time": time, "state": name, "size": len(data),
-                    "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
+        sha256 = hashlib.sha256(data).hexdigest()
+        manifest = {"step": step, "time": time, "state": name, "size": len(data), "sha256": sha256}
         self.location.write(_manifest_name(step), json.dumps(manifest).encode())
-        saved = Saved(step, name, _manifest_name(step), self._uri(name), time)
         self._prune(step)
-        return saved
+        return Saved(step, name, _manifest_name(step), self._uri(name), time, len(data), sha256)
 
     def load_latest(self) -> tuple[dict[str, Any], Saved] | None:
         """The newest complete checkpoint that loads, or None when there is none."""
         for saved in reversed(self.checkpoints()):
             try:
                 data = self.location.read(saved.name)
-                if saved.manifest is not None:
-                    manifest = json.loads(self.location.read(saved.manifest))
-                    _check(data, manifest)
-                    saved = dataclasses.replace(saved, time=manifest.get("time"))
+                _check(data, saved)
                 # weights_only: a file on a shared volume or bucket must not be able to run code here.
                 state: dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except FileNotFoundError:  # pruned by another writer since the listing
                 continue
+            except StorageError:  # the store failed, not the checkpoint: nothing to judge it by
+                raise
             except Exception as exc:  # a corrupt checkpoint: any unpickling, zip or manifest error
                 log.warning("checkpoint %s is unreadable (%s); set aside as %s, trying the previous one",
                             saved.uri, _one_line(exc), saved.name + UNREADABLE)  # fmt: skip
@@ -112,29 +111,44 @@ class CheckpointManager:
     def _complete(self, names: dict[str, int]) -> list[Saved]:
         found: list[Saved] = []
         for name in names:
-            if (match := _STATE.match(name)) is None:
-                continue
-            step = int(match.group(1))
-            manifest = _manifest_name(step)
-            if manifest in names:
-                found.append(Saved(step, name, manifest, self._uri(name)))
-            elif self._bare_states_complete:
-                found.append(Saved(step, name, None, self._uri(name)))
+            if (match := _STATE.match(name)) and match.group(2) is None:
+                found.append(Saved(int(match.group(1)), name, None, self._uri(name)))
+            elif (match := _MANIFEST.match(name)) and (saved := self._vouched(name, names)) is not None:
+                found.append(saved)
         return sorted(found, key=lambda s: s.step)
+
+    def _vouched(self, manifest: str, names: dict[str, int]) -> Saved | None:
+        """The checkpoint ``manifest`` names, if its state is there; None for a manifest that is
+        not one of ours, or whose state another writer's prune took since the listing."""
+        try:
+            fields = json.loads(self.location.read(manifest))
+            step, state = int(fields["step"]), str(fields["state"])
+            size, sha256, time = int(fields["size"]), str(fields["sha256"]), fields.get("time")
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("%s is not a checkpoint manifest (%s); ignored", self._uri(manifest), _one_line(exc))
+            return None
+        if state not in names or _STATE.match(state) is None:
+            return None
+        return Saved(step, state, manifest, self._uri(state), time if isinstance(time, str) else None,
+                     size, sha256)  # fmt: skip
 
     def _prune(self, newest: int) -> None:
         names = self.location.names()
-        complete = [s for s in self._complete(names) if s.step < newest]
-        for old in complete[: max(0, len(complete) - (self.keep - 1))]:
+        complete = self._complete(names)
+        older = [s for s in complete if s.step < newest]
+        for old in older[: max(0, len(older) - (self.keep - 1))]:
             if old.manifest is not None:
                 self.location.delete(old.manifest)  # invisible first, then gone
             self.location.delete(old.name)
-        if self._bare_states_complete:
-            return
-        # States a cut save left in a bucket: none can become complete now that a newer one is.
+        # States a cut save or a lost race left (no manifest names them), and manifests whose
+        # state is gone: none of them can become complete now that a newer checkpoint is.
+        kept = {s.name for s in complete} | {s.manifest for s in complete}
         for name in names:
-            match = _STATE.match(name)
-            if match and int(match.group(1)) < newest and _manifest_name(int(match.group(1))) not in names:
+            match = _STATE.match(name) or _MANIFEST.match(name)
+            tokened_or_manifest = match is not None and (match.re is _MANIFEST or match.group(2) is not None)
+            if tokened_or_manifest and name not in kept and int(match.group(1)) < newest:  # type: ignore[union-attr]
                 self.location.delete(name)
 
     def _set_aside(self, saved: Saved) -> None:
@@ -145,17 +159,19 @@ class CheckpointManager:
                 continue
             try:
                 self.location.rename(name, name + UNREADABLE)
-            except (OSError, RuntimeError):
-                log.debug("could not set %s aside", name, exc_info=True)
+            except (OSError, StorageError) as exc:
+                log.warning("could not set %s aside: %s", self._uri(name), _one_line(exc))
 
     def _uri(self, name: str) -> str:
         return f"{self.location.uri.rstrip('/')}/{name}"
 
 
-def _check(data: bytes, manifest: dict[str, Any]) -> None:
-    if len(data) != manifest.get("size"):
-        raise ValueError(f"{len(data)} bytes where its manifest says {manifest.get('size')}")
-    if hashlib.sha256(data).hexdigest() != manifest.get("sha256"):
+def _check(data: bytes | memoryview, saved: Saved) -> None:
+    if saved.manifest is None:  # from before manifests: nothing to check it against
+        return
+    if len(data) != saved.size:
+        raise ValueError(f"{len(data)} bytes where its manifest says {saved.size}")
+    if hashlib.sha256(data).hexdigest() != saved.sha256:
         raise ValueError("its SHA-256 differs from its manifest's")
 
 

@@ -54,7 +54,7 @@ class Location(Protocol):
 
     def read(self, name: str) -> bytes: ...
 
-    def write(self, name: str, data: bytes) -> None:
+    def write(self, name: str, data: bytes | memoryview) -> None:
         """Publish ``data`` as ``name`` at once: a reader sees the old object or the new one."""
         ...
 
@@ -96,7 +96,7 @@ class Directory:
     def read(self, name: str) -> bytes:
         return (self.path / name).read_bytes()
 
-    def write(self, name: str, data: bytes) -> None:
+    def write(self, name: str, data: bytes | memoryview) -> None:
         write_atomically(self.path / name, lambda handle: handle.write(data))
 
     def delete(self, name: str) -> None:
@@ -115,7 +115,11 @@ class Bucket:
 
         self.uri = uri.rstrip("/")
         endpoint = next((os.environ[v] for v in _ENDPOINT_VARIABLES if os.environ.get(v)), "")
-        options: ClientConfig = {"allow_http": True} if endpoint.startswith("http://") else {}
+        # obstore's 30 s for a whole request would fail a large state's GET; a stalled read, and
+        # a connection not made, fail fast instead (and are retried).
+        options: ClientConfig = {"timeout": "30min", "read_timeout": "60s", "connect_timeout": "10s"}
+        if endpoint.startswith("http://"):
+            options["allow_http"] = True
         # A store that throttles (503 SlowDown) or fails over does so for seconds to minutes;
         # obstore's default (10 retries from 100 ms) gives up within about 3 s. From 0.5 s,
         # doubling to 15 s, a request is retried for up to 2 minutes. The cost: a save to a store
@@ -146,7 +150,7 @@ class Bucket:
         with self._calls(f"read {name}"):
             return bytes(obstore.get(self._store, name).bytes())
 
-    def write(self, name: str, data: bytes) -> None:
+    def write(self, name: str, data: bytes | memoryview) -> None:
         import obstore
 
         with self._calls(f"write {name}"):
@@ -155,8 +159,8 @@ class Bucket:
     def delete(self, name: str) -> None:
         import obstore
 
-        with self._calls(f"delete {name}"):
-            obstore.delete(self._store, name)
+        with contextlib.suppress(FileNotFoundError), self._calls(f"delete {name}"):
+            obstore.delete(self._store, name)  # S3 says 204 for a missing key; GCS and Azure 404
 
     def rename(self, name: str, new_name: str) -> None:
         import obstore

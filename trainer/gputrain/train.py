@@ -54,7 +54,12 @@ __all__ = ["Position", "PreemptedError", "Trainer", "resume_at", "warmup_cosine"
 
 
 class PreemptedError(Exception):
-    """SIGTERM arrived; a checkpoint was written where this rank is its pod's writer."""
+    """SIGTERM arrived; a checkpoint was written where this rank is its pod's writer, unless
+    ``saved`` says the store refused it."""
+
+    def __init__(self, saved: bool = True) -> None:
+        super().__init__()
+        self.saved = saved
 
 
 def cpu_computes_bf16_natively() -> bool:
@@ -194,7 +199,8 @@ class Trainer:
     # ---------------------------------------------------------------------------------------
     # Checkpoints
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self) -> bool:
+        """Checkpoint the current step; False when the store refused it (a warning is logged)."""
         with self.reporter.pause("saving"):
             state = checkpoint_of(self.components, self.settings.model)
             try:
@@ -203,8 +209,9 @@ class Trainer:
                 # A store down past its retries (gputrain.storage) costs this checkpoint, not the
                 # run: the last complete one stays, and the next save tries again.
                 log.warning("checkpoint at step %d not saved: %s; training goes on", self.position.step, exc)
-                return
+                return False
         log.info("checkpoint %s at step %d", saved.uri, self.position.step)
+        return True
 
     def resume(self) -> None:
         """Load the newest checkpoint into every component, at this world size."""
@@ -233,10 +240,19 @@ class Trainer:
     def _newest_checkpoint(self) -> tuple[dict[str, Any], Saved] | None:
         # Only rank 0 reads: with a per-pod emptyDir the other pods have none, and they must
         # all start from the same state anyway.
-        found = self.checkpoints.load_latest() if self.cluster.is_main else None
+        # A store that refuses rank 0 ends every rank, with its one line, not rank 0 alone while
+        # the others wait in the broadcast until the collective times out.
+        found: tuple[dict[str, Any], Saved] | StorageError | None = None
+        if self.cluster.is_main:
+            try:
+                found = self.checkpoints.load_latest()
+            except StorageError as exc:
+                found = exc
         box: list[Any] = [found]
         if self.cluster.distributed:
             dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], StorageError):
+            raise StorageError(str(box[0]))
         newest: tuple[dict[str, Any], Saved] | None = box[0]
         return newest
 
@@ -292,9 +308,8 @@ class Trainer:
     def _preempt(self) -> None:
         # The state at the last step boundary is the same on every rank, so each pod's local
         # rank 0 can write it: a pod on its own emptyDir keeps its progress too.
-        if self.cluster.is_local_main:
-            self.save_checkpoint()
-        raise PreemptedError
+        saved = self.save_checkpoint() if self.cluster.is_local_main else True
+        raise PreemptedError(saved)
 
     def _sync_buffers(self) -> None:
         """Give every rank rank 0's buffers (BatchNorm running statistics).

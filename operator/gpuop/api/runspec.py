@@ -126,7 +126,7 @@ class Training:
 
 # s3://bucket/prefix, gs://bucket/prefix, az://container/prefix: a scheme obstore reads, a
 # bucket or container name of the clouds' characters, and an optional key prefix.
-CHECKPOINT_URI_PATTERN: Final = r"^(s3|gs|az)://[a-z0-9][a-z0-9._-]{2,254}(/[^\s]*)?$"
+CHECKPOINT_URI_PATTERN: Final = r"^(s3|gs|az)://[a-z0-9][a-z0-9._-]{2,254}(/[^\s?#]*)?$"
 
 
 @api_object

@@ -339,7 +339,9 @@ def _resume_note(run: LocalRun) -> str:
     if uri is not None:
         where = f"{uri.rstrip('/')}/{run.training.name}"
         return f"; `gpuop run` again resumes from its newest checkpoint in {where}"
-    steps = [int(p.stem[5:]) for p in run.checkpoint_dir.glob("step-*.pt") if p.stem[5:].isdigit()]
+    # A complete checkpoint's manifest, or a state from before manifests (gputrain.checkpoint).
+    found = (re.fullmatch(r"step-(\d{8,})(\.json|\.pt)", p.name) for p in run.checkpoint_dir.glob("step-*"))
+    steps = [int(match.group(1)) for match in found if match]
     return f"; `gpuop run` again resumes from its checkpoint at step {max(steps)}" if steps else ""
 
 

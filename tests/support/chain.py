@@ -287,15 +287,14 @@ def resumed_steps(plane: ControlPlane, pool: Pool, pod: str) -> list[int]:
     return steps
 
 
-CHECKPOINT_FILE = re.compile(r"step-(\d+)\.pt")
+CHECKPOINT_MANIFEST = re.compile(r"step-(\d+)\.json")
 
 
 def checkpointed_steps(gate: Gate) -> list[int]:
     """The steps of the complete checkpoints on the training's claim, in the training's folder
-    there (the trainer writes each under a temporary name and renames it: one with its final
-    name is whole)."""
+    there: those whose manifest is written (the trainer writes it last, gputrain.checkpoint)."""
     return sorted(
-        int(m[1]) for p in gate.folder.glob("*/step-*.pt") if (m := CHECKPOINT_FILE.fullmatch(p.name))
+        int(m[1]) for p in gate.folder.glob("*/step-*.json") if (m := CHECKPOINT_MANIFEST.fullmatch(p.name))
     )
 
 

@@ -212,7 +212,7 @@ def test_a_killed_worker_is_restarted_and_finishes_from_the_checkpoint(tmp_path:
     release(hold_dir(run))  # the survivor, and the restarted group, train on
     assert finish(run, process) == 0, log_of(run)
     log = log_of(run)
-    resumed = re.search(r"resumed from \S+step-(\d+)\.pt", log)
+    resumed = re.search(r"resumed from \S+step-(\d+)-[0-9a-f]{8}\.pt", log)
     assert resumed is not None, log
     assert int(resumed.group(1)) >= 10
     result = json.loads(run.termination_log.read_text())

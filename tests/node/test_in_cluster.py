@@ -262,6 +262,48 @@ def test_a_worker_over_its_memory_limit_is_oomkilled_and_the_gputraining_says_wh
             api.delete("gputrainings", name, NAMESPACE)
 
 
+def test_a_training_whose_secret_is_missing_says_which_and_starts_once_it_is_made(
+    plane: ControlPlane, api: Api, node: Node, kubeflow_v1: WebhookedController, image_on_node: str,
+    operator_pod: dict[str, Any],
+) -> None:  # fmt: skip
+    """spec.checkpoint.secretName names a Secret nobody made: the real kubelet cannot start the
+    trainer (CreateContainerConfigError) and retries on its own, saying why only in the pod. The
+    GpuTraining says it, naming the Secret, and clears it once the Secret is made and the
+    trainer starts."""
+    name, secret = "missing-secret", "store-credentials"
+    body = specs.training(
+        name, NAMESPACE, image=image_on_node, command=["python", "-c", "print('started')"], workers=1,
+        gpusPerWorker=0, resources={"cpu": "100m", "memory": "96Mi"}, shmSize="16Mi",
+        checkpoint={"uri": "s3://checkpoints/runs", "secretName": secret},
+    )  # fmt: skip
+    api.create("gputrainings", body, NAMESPACE)
+    try:
+
+        def condition(status: str) -> dict[str, Any] | None:
+            said = (api.get("gputrainings", name, NAMESPACE) or {}).get("status") or {}
+            return next((c for c in said.get("conditions") or [] if c["type"] == "PodsNotStarting"
+                         and c["status"] == status), None)  # fmt: skip
+
+        try:
+            blocked = wait_for(f"{name}: PodsNotStarting", lambda: condition("True"), timeout=150, every=1)
+        except AssertionError as exc:
+            status = (api.get("gputrainings", name, NAMESPACE) or {}).get("status")
+            raise AssertionError(f"{exc}\nstatus: {json.dumps(status)}\nevents: {_events(api, NAMESPACE)}"
+                                 f"\ntraining-operator: {kubeflow_v1.tail()}") from None  # fmt: skip
+        print(f"{name}: {blocked['reason']}: {blocked['message']}")
+        assert blocked["reason"] == "CreateContainerConfigError", blocked
+        assert blocked["message"].startswith(f"pod {name}-master-0's trainer cannot start: "), blocked
+        assert f'secret "{secret}" not found' in blocked["message"], blocked  # the kubelet's words
+        assert "spec.checkpoint.secretName" in blocked["message"], blocked
+        made = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret},
+                "stringData": {"AWS_REGION": "us-east-1"}}  # fmt: skip
+        api.create("secrets", made, NAMESPACE)
+        wait_for(f"{name}: PodsNotStarting cleared", lambda: condition("False"), timeout=150, every=1)
+    finally:
+        api.delete("gputrainings", name, NAMESPACE)
+        api.delete("secrets", secret, NAMESPACE)
+
+
 # Run by both pods of a two-worker training: rank 0 listens on MASTER_PORT, rank 1 finds it by
 # MASTER_ADDR (cluster DNS: the training-operator's headless Service), from another node where
 # there are two, and sends its devices; each prints what the kubelet's device manager gave it.

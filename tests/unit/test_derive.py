@@ -778,3 +778,28 @@ def test_a_status_written_before_reasons_were_required_reads_back_whole() -> Non
     assert status is not None
     assert (status.phase, status.gpu_hours) == ("Succeeded", 3.5)
     assert [(c.reason, c.message) for c in status.conditions] == [("NotRunning", ""), ("Cleared", "")]
+
+
+def test_a_pod_whose_trainer_cannot_start_says_why_and_what_to_change_until_it_starts() -> None:
+    """A Secret the pod names is missing (spec.checkpoint.secretName): the kubelet retries on its
+    own and says why only in the pod; the training stays Created, and before it said nothing."""
+    created = (JobCondition("Created", "True"),)
+    waiting = PodObservation(
+        "demo-master-0", "Pending", cannot_start=("CreateContainerConfigError", 'secret "s3-creds" not found')
+    )
+    blocked = derive_status(None, observe(0, conditions=created, pods=(waiting,)), THRESHOLDS)
+    assert blocked.phase == "Created"
+    condition = next(c for c in blocked.conditions if c.type == "PodsNotStarting")
+    assert (condition.status, condition.reason) == ("True", "CreateContainerConfigError")
+    assert condition.message == (
+        'pod demo-master-0\'s trainer cannot start: secret "s3-creds" not found; create what it names in '
+        "the GpuTraining's namespace, or correct the name (spec.checkpoint.secretName, spec.env)"
+    )
+    assert blocked.message == condition.message
+    assert [(e.type, e.reason) for e in events(None, blocked)][-1] == (
+        "Warning",
+        "CreateContainerConfigError",
+    )
+    started = derive_status(blocked, observe(60, pods=running_pods(10)), THRESHOLDS)
+    cleared = next(c for c in started.conditions if c.type == "PodsNotStarting")
+    assert (cleared.status, cleared.reason) == ("False", "Cleared")

@@ -454,3 +454,21 @@ def test_a_trainjob_is_patched_only_in_suspend() -> None:
 )
 def test_request_metrics_name_the_verb_and_resource(method: str, path: str, target: tuple[str, str]) -> None:
     assert request_target(method, path) == target
+
+
+@pytest.mark.parametrize(
+    ("waiting", "read"),
+    [
+        ({"reason": "CreateContainerConfigError", "message": 'secret "s3-creds" not found'},
+         ("CreateContainerConfigError", 'secret "s3-creds" not found')),
+        ({"reason": "ImagePullBackOff", "message": "Back-off pulling image"}, ("ImagePullBackOff", "Back-off pulling image")),
+        ({"reason": "ContainerCreating"}, None),  # passes by itself
+        ({"reason": "ErrImagePull"}, ("ErrImagePull", "")),
+        ({}, None),
+    ],
+)  # fmt: skip
+def test_a_trainer_the_kubelet_cannot_start_is_read_with_its_reason(
+    waiting: dict[str, Any], read: tuple[str, str] | None
+) -> None:
+    pod = _pod(phase="Pending", containerStatuses=[{"name": "pytorch", "state": {"waiting": waiting}}])
+    assert observe.pod_observation(pod, None).cannot_start == read

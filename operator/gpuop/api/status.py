@@ -42,8 +42,9 @@ class Condition:
 
     type: str = api_field(
         "Condition type: Created, Queued, Running, Succeeded, Failed, Suspended, Restarting, InvalidSpec, "
-        "NameConflict, SpecNotApplied, Stalled, Underutilized, JobDeleted, BackendSelected or "
-        "BackendUnavailable.",
+        "NameConflict, SpecNotApplied, Stalled, Underutilized, JobDeleted, BackendSelected, "
+        "BackendUnavailable or PodsNotStarting (the kubelet cannot start a pod's trainer: a Secret it "
+        "names is missing, its image cannot be pulled; the kubelet's reason and what to change).",
         max_length=64,
     )
     status: ConditionStatus = api_field("Whether the condition holds.")

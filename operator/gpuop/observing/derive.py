@@ -33,6 +33,7 @@ from gpuop.observing.records import Event, Observation, PodObservation, Threshol
 
 _ALARMS: Final = (
     "BackendUnavailable",
+    "PodsNotStarting",
     "Failed",
     "InvalidSpec",
     "Stalled",
@@ -44,6 +45,7 @@ _ALARMS: Final = (
 # Conditions that turn False (reason Cleared) when they stop holding, instead of vanishing.
 _CLEARABLE: Final = frozenset(
     {
+        "PodsNotStarting",
         "Queued",
         "Suspended",
         "Restarting",
@@ -179,6 +181,21 @@ def _out_of_memory(pod: PodObservation) -> str:
         "or lower the batch size or the DataLoader workers; /dev/shm (spec.shmSize) counts toward "
         "the same limit"
     )
+
+
+def _cannot_start(obs: Observation) -> tuple[str, str] | None:
+    """Why a pod's trainer cannot start (reason, message), the first such pod by name: the
+    kubelet retries on its own, and says why only in the pod, where a training's owner does not
+    look. Each reason with what to change."""
+    pod = next((p for p in sorted(obs.pods, key=lambda p: p.name) if p.cannot_start), None)
+    if pod is None or pod.cannot_start is None:
+        return None
+    reason, said = pod.cannot_start
+    fix = "check spec.image and spec.imagePullSecrets"
+    if reason in ("CreateContainerConfigError", "CreateContainerError"):
+        fix = ("create what it names in the GpuTraining's namespace, or correct the name "
+               "(spec.checkpoint.secretName, spec.env)")  # fmt: skip
+    return reason, f"pod {pod.name}'s trainer cannot start: {said or reason}; {fix}"
 
 
 def _oom_failure(obs: Observation) -> tuple[str, str] | None:
@@ -345,6 +362,10 @@ def _job_conditions(m: _Moment, wanted: list[Condition]) -> str:
     if said is not None:
         wanted.append(said)
         message = said.message
+    blocked = _cannot_start(obs) if phase not in _TERMINAL else None
+    if blocked is not None:
+        wanted.append(m.condition("PodsNotStarting", "True", *blocked))
+        message = blocked[1]
     if phase == "Running":
         wanted += _running_alarms(m.progress, m.gpu, m.thresholds, obs.now, m.condition, _resumed_at(m))
     if obs.spec_not_applied:

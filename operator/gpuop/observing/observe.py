@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Final
 
 from gpuop.api.identity import (
     CREATED_FROM_ANNOTATION,
@@ -202,6 +202,22 @@ def _oom_killed(container: Mapping[str, Any]) -> bool:
     return any(terminated.get("reason") == "OOMKilled" for terminated in _terminations(container))
 
 
+# The kubelet's waiting reasons that no wait cures: the pod needs a change (a Secret made, an
+# image name fixed). ContainerCreating and PodInitializing pass by themselves.
+CANNOT_START: Final = frozenset({
+    "CreateContainerConfigError", "CreateContainerError", "ErrImagePull", "ImagePullBackOff",
+    "InvalidImageName", "ErrImageNeverPull",
+})  # fmt: skip
+
+
+def _cannot_start(container: Mapping[str, Any]) -> tuple[str, str] | None:
+    waiting = (container.get("state") or {}).get("waiting") or {}
+    reason = waiting.get("reason")
+    if reason not in CANNOT_START:
+        return None
+    return str(reason), str(waiting.get("message") or "")[:500]
+
+
 def _memory_limit(pod: Mapping[str, Any]) -> str | None:
     """The trainer container's memory limit, as its spec says it."""
     container = _trainer_entry((pod.get("spec") or {}).get("containers"))
@@ -232,6 +248,7 @@ def pod_observation(
         trainer_started_at=started if isinstance(started, str) else None,
         oom_killed=_oom_killed(trainer),
         memory_limit=_memory_limit(pod),
+        cannot_start=_cannot_start(trainer),
     )
 
 

@@ -62,6 +62,9 @@ class PodObservation:
     # last restart; and that limit as the pod spec says it (None: none set).
     oom_killed: bool = False
     memory_limit: str | None = None
+    # Why the kubelet cannot start the trainer container, (reason, its message), when it cannot:
+    # a Secret or ConfigMap it names is missing, its image cannot be pulled. None otherwise.
+    cannot_start: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -201,6 +201,7 @@ class Trainer:
 
     def save_checkpoint(self) -> bool:
         """Checkpoint the current step; False when the store refused it (a warning is logged)."""
+        started = time.perf_counter()
         with self.reporter.pause("saving"):
             state = checkpoint_of(self.components, self.settings.model)
             try:
@@ -210,7 +211,10 @@ class Trainer:
                 # run: the last complete one stays, and the next save tries again.
                 log.warning("checkpoint at step %d not saved: %s; training goes on", self.position.step, exc)
                 return False
-        log.info("checkpoint %s at step %d", saved.uri, self.position.step)
+        # Its time says what terminationGracePeriodSeconds a preemption's save needs here.
+        log.info(
+            "checkpoint %s at step %d (%.2f s)", saved.uri, self.position.step, time.perf_counter() - started
+        )
         return True
 
     def resume(self) -> None:

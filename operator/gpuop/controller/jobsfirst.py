@@ -25,9 +25,10 @@ from typing import Final
 Key = tuple[str, str]  # (namespace, name)
 
 # Seconds after it was first seen that a first status may wait. 30 s, about the time the
-# operator takes to make 1,000 jobs on 2 cores: a shorter bound makes the early trainings'
-# statuses come due mid-burst, where they compete with the last jobs (docs/benchmarks.md
-# compares 15 and 30 s). The cost: a status up to 30 s late in a burst.
+# operator took to make 1,000 jobs on the slower of two 2-core hosts measured: a bound shorter
+# than the burst makes the early trainings' statuses come due mid-burst, where they compete with
+# the last jobs. On the faster host (a burst in ~14 s) 15 and 30 s measured alike
+# (docs/benchmarks.md). The cost: a status up to 30 s late in a burst.
 AT_MOST: Final = 30.0
 
 

@@ -803,3 +803,32 @@ def test_a_pod_whose_trainer_cannot_start_says_why_and_what_to_change_until_it_s
     started = derive_status(blocked, observe(60, pods=running_pods(10)), THRESHOLDS)
     cleared = next(c for c in started.conditions if c.type == "PodsNotStarting")
     assert (cleared.status, cleared.reason) == ("False", "Cleared")
+
+
+def test_a_trainer_restarting_after_its_own_failure_says_that_failure() -> None:
+    """A store that refuses the trainer's credentials: the trainer ends with its reason and one
+    line, the kubelet restarts it (restartPolicy OnFailure), and the Restarting condition says
+    that line, not only that it restarted."""
+    said = "s3://ckpt/demo: list failed: access denied (SignatureDoesNotMatch); check the credentials"
+    record = Result("Failed", reason="CheckpointStorageFailed", message=said)
+    pods = (
+        PodObservation("demo-master-0", "Running", restarts=2, result=record),
+        PodObservation("demo-worker-0", "Running", True),
+    )
+    restarting = derive_status(None, observe(60, pods=pods), THRESHOLDS)
+    assert restarting.phase == "Restarting"
+    condition = next(c for c in restarting.conditions if c.type == "Restarting")
+    assert condition.reason == "CheckpointStorageFailed"
+    assert condition.message == f"pod demo-master-0's trainer restarted (2 so far) after it failed: {said}"
+
+
+def test_a_trainer_restarting_after_a_peers_stop_says_only_that_it_restarted() -> None:
+    """torchrun stops the other ranks when one dies, and they write "Preempted": that record is
+    no failure of their own, so the note stays the general one."""
+    stopped = Result(
+        "Failed", reason="Preempted", message="stopped by SIGTERM at step 40; the next start resumes"
+    )
+    pods = (PodObservation("demo-master-0", "Running", restarts=1, result=stopped),)
+    restarting = derive_status(None, observe(60, pods=pods), THRESHOLDS)
+    condition = next(c for c in restarting.conditions if c.type == "Restarting")
+    assert condition.reason == "TrainerRestarted"

@@ -182,6 +182,8 @@ FAILURE_REASONS: Final = {
     EXIT_PREEMPTED: "Preempted",
     EXIT_INTERRUPTED: "Interrupted",
 }
+# The reasons of a trainer a signal stopped after its checkpoint: paused, not failed.
+STOPPED_BY_SIGNAL: Final = (FAILURE_REASONS[EXIT_INTERRUPTED], FAILURE_REASONS[EXIT_PREEMPTED])
 
 
 class Metric:

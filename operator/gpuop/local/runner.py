@@ -38,6 +38,7 @@ from gpuop.observing.scrape import TrainerMetrics, parse_metrics
 from gputrain.contract import (
     HISTORY_FILE,
     RESULT_FILE,
+    STOPPED_BY_SIGNAL,
     TENSORBOARD_DIR,
     HistoryPoint,
     Result,
@@ -46,8 +47,6 @@ from gputrain.contract import (
 )
 
 POLL_SECONDS = 0.5
-# Failure reasons that mean a signal stopped the trainers after a checkpoint (gputrain.contract).
-STOPPED_BY_SIGNAL = ("Interrupted", "Preempted")
 LOCAL_POD = "local-0"
 
 

@@ -30,6 +30,7 @@ from gpuop.api.status import (
 )
 from gpuop.observing import figures
 from gpuop.observing.records import Event, Observation, PodObservation, Thresholds
+from gputrain.contract import STOPPED_BY_SIGNAL
 
 _ALARMS: Final = (
     "BackendUnavailable",
@@ -165,6 +166,13 @@ def _restart_note(obs: Observation, progress: ProgressStatus | None) -> tuple[st
             restarted = f"pod {pod.name}'s trainer restarted ({pod.restarts} so far)"
             if pod.oom_killed:
                 return "OOMKilled", f"{restarted} after it {_out_of_memory(pod)}"
+            record = pod.result  # the last attempt's own word, when it left one (gputrain.contract)
+            if (
+                record is not None
+                and record.phase == "Failed"
+                and record.reason not in (None, *STOPPED_BY_SIGNAL)
+            ):
+                return record.reason, f"{restarted} after it failed: {record.message or record.reason}"
             return "TrainerRestarted", f"{restarted}; waiting for training to resume"
     return None
 

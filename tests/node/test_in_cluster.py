@@ -75,6 +75,21 @@ def _log_until_exit(plane: ControlPlane, pod: str, stop: Callable[[], object]) -
         follow.kill()
 
 
+def _waited(
+    api: Api, kubeflow: WebhookedController, name: str, what: str, check: Callable[[], dict[str, Any] | None]
+) -> dict[str, Any]:
+    """What ``check`` returns for the GpuTraining ``name`` once it returns something; on a
+    timeout, the failure says what the training, the namespace's events and the
+    training-operator showed."""
+    try:
+        found: dict[str, Any] = wait_for(f"{name}: {what}", check, timeout=150, every=1)
+    except AssertionError as exc:
+        status = (api.get("gputrainings", name, NAMESPACE) or {}).get("status")
+        raise AssertionError(f"{exc}\nstatus: {json.dumps(status)}\nevents: {_events(api, NAMESPACE)}"
+                             f"\ntraining-operator: {kubeflow.tail()}") from None  # fmt: skip
+    return found
+
+
 def _events(api: Api, namespace: str) -> list[str]:
     return [f"{e['involvedObject'].get('name')}: {e['reason']}: {e.get('message', '')}"
             for e in api.list("events", namespace)]  # fmt: skip
@@ -233,12 +248,7 @@ def test_a_worker_over_its_memory_limit_is_oomkilled_and_the_gputraining_says_wh
                 ]
                 return found[0] if status.get("phase") == phase and found else None
 
-            try:
-                condition = wait_for(f"{name}: {phase} with the OOM kill", said, timeout=150, every=1)
-            except AssertionError as exc:
-                status = (api.get("gputrainings", name, NAMESPACE) or {}).get("status")
-                raise AssertionError(f"{exc}\nstatus: {json.dumps(status)}\nevents: {_events(api, NAMESPACE)}"
-                                     f"\ntraining-operator: {kubeflow_v1.tail()}") from None  # fmt: skip
+            condition = _waited(api, kubeflow_v1, name, f"{phase} with the OOM kill", said)
             print(f"{name}: {condition['reason']}: {condition['message']}")
             assert condition["reason"] == "OOMKilled", condition
             assert f"pod {name}-master-0's trainer" in condition["message"], condition
@@ -284,12 +294,7 @@ def test_a_training_whose_secret_is_missing_says_which_and_starts_once_it_is_mad
             return next((c for c in said.get("conditions") or [] if c["type"] == "PodsNotStarting"
                          and c["status"] == status), None)  # fmt: skip
 
-        try:
-            blocked = wait_for(f"{name}: PodsNotStarting", lambda: condition("True"), timeout=150, every=1)
-        except AssertionError as exc:
-            status = (api.get("gputrainings", name, NAMESPACE) or {}).get("status")
-            raise AssertionError(f"{exc}\nstatus: {json.dumps(status)}\nevents: {_events(api, NAMESPACE)}"
-                                 f"\ntraining-operator: {kubeflow_v1.tail()}") from None  # fmt: skip
+        blocked = _waited(api, kubeflow_v1, name, "PodsNotStarting", lambda: condition("True"))
         print(f"{name}: {blocked['reason']}: {blocked['message']}")
         assert blocked["reason"] == "CreateContainerConfigError", blocked
         assert blocked["message"].startswith(f"pod {name}-master-0's trainer cannot start: "), blocked

@@ -51,6 +51,7 @@ PATHS: Final = {
     "trainingruntimes": "/apis/trainer.kubeflow.org/v1alpha1",
     "pods": "/api/v1",
     "configmaps": "/api/v1",
+    "secrets": "/api/v1",
     "events": "/api/v1",
     "serviceaccounts": "/api/v1",
     "namespaces": "/api/v1",

@@ -69,6 +69,8 @@ def test_cpu_benchmark_reports_both_loops_and_the_convolution_ceiling() -> None:
     assert set(report["median"]) == {"baseline", "gputrain"}
     assert all(v > 0 for v in report["median"].values())
     ceiling = report["convolution_ceiling"]
+    # The bounds at the precision gputrain ran (bf16 where this CPU computes it, else fp32).
+    assert ceiling["precision"] == report["gputrain_settings"]["precision"]
     assert ceiling["conv_ms_per_step"] > 0
     assert ceiling["samples_per_second"] > 0
     alone = report["model_alone"]

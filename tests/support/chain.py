@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import re
 import textwrap
 import threading
 from collections.abc import Callable
@@ -20,6 +19,7 @@ import yaml
 
 from gpuop.api.spec import parse
 from gpuop.backends.registry import JobApi
+from gputrain.contract import complete_checkpoint_step
 from support.images import trainer
 from support.node.pool import Pool
 from support.paths import ROOT
@@ -287,15 +287,11 @@ def resumed_steps(plane: ControlPlane, pool: Pool, pod: str) -> list[int]:
     return steps
 
 
-CHECKPOINT_MANIFEST = re.compile(r"step-(\d+)\.json")
-
-
 def checkpointed_steps(gate: Gate) -> list[int]:
     """The steps of the complete checkpoints on the training's claim, in the training's folder
     there: those whose manifest is written (the trainer writes it last, gputrain.checkpoint)."""
-    return sorted(
-        int(m[1]) for p in gate.folder.glob("*/step-*.json") if (m := CHECKPOINT_MANIFEST.fullmatch(p.name))
-    )
+    steps = (complete_checkpoint_step(p.name) for p in gate.folder.glob("*/step-*"))
+    return sorted(step for step in steps if step is not None)
 
 
 def made_by_training_operator(plane: ControlPlane, name: str) -> list[str]:

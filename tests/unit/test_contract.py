@@ -22,6 +22,7 @@ from gputrain.contract import (
     Metric,
     Progress,
     TrainerSettings,
+    complete_checkpoint_step,
     env_name,
     read_history,
 )
@@ -167,3 +168,18 @@ def test_a_picture_that_cannot_be_written_is_one_line_naming_the_path(tmp_path: 
         plots.write_curves(points, blocker / "curves.png", "t")
     drawn = plots.write_curves(points, tmp_path / "out" / "curves.png", "t")
     assert drawn.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(
+    ("name", "step"),
+    [
+        ("step-00000020.json", 20),  # a manifest: written last, so its checkpoint is complete
+        ("step-00000020.pt", 20),  # a state from before manifests: complete alone
+        ("step-00000020-0badcafe.pt", None),  # a state: complete only if a manifest names it
+        ("step-00000020.json.unreadable", None),  # set aside
+        ("step-20.json", None),
+        ("metrics.jsonl", None),
+    ],
+)
+def test_the_names_a_listing_shows_of_complete_checkpoints(name: str, step: int | None) -> None:
+    assert complete_checkpoint_step(name) == step

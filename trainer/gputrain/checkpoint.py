@@ -27,7 +27,6 @@ import hashlib
 import io
 import json
 import logging
-import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +34,11 @@ from typing import Any
 
 import torch
 
+from gputrain.contract import CHECKPOINT_MANIFEST, CHECKPOINT_STATE, complete_checkpoint_step
 from gputrain.storage import Location, StorageError, open_location
 
 log = logging.getLogger(__name__)
 
-_STATE = re.compile(r"^step-(\d{8,})(-[0-9a-f]{8})?\.pt$")  # group 2: the token; none before manifests
-_MANIFEST = re.compile(r"^step-(\d{8,})\.json$")
 UNREADABLE = ".unreadable"
 
 
@@ -111,9 +109,9 @@ class CheckpointManager:
     def _complete(self, names: dict[str, int]) -> list[Saved]:
         found: list[Saved] = []
         for name in names:
-            if (match := _STATE.match(name)) and match.group(2) is None:
-                found.append(Saved(int(match.group(1)), name, None, self._uri(name)))
-            elif (match := _MANIFEST.match(name)) and (saved := self._vouched(name, names)) is not None:
+            if CHECKPOINT_STATE.match(name) and (step := complete_checkpoint_step(name)) is not None:
+                found.append(Saved(step, name, None, self._uri(name)))  # from before manifests
+            elif CHECKPOINT_MANIFEST.match(name) and (saved := self._vouched(name, names)) is not None:
                 found.append(saved)
         return sorted(found, key=lambda s: s.step)
 
@@ -129,7 +127,7 @@ class CheckpointManager:
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("%s is not a checkpoint manifest (%s); ignored", self._uri(manifest), _one_line(exc))
             return None
-        if state not in names or _STATE.match(state) is None:
+        if state not in names or CHECKPOINT_STATE.match(state) is None:
             return None
         return Saved(step, state, manifest, self._uri(state), time if isinstance(time, str) else None,
                      size, sha256)  # fmt: skip
@@ -143,12 +141,12 @@ class CheckpointManager:
                 self.location.delete(old.manifest)  # invisible first, then gone
             self.location.delete(old.name)
         # States a cut save or a lost race left (no manifest names them), and manifests whose
-        # state is gone: none of them can become complete now that a newer checkpoint is.
+        # state is gone: none of them can become complete now that a newer checkpoint is. (A
+        # state from before manifests is complete, so among the kept.)
         kept = {s.name for s in complete} | {s.manifest for s in complete}
-        for name in names:
-            match = _STATE.match(name) or _MANIFEST.match(name)
-            tokened_or_manifest = match is not None and (match.re is _MANIFEST or match.group(2) is not None)
-            if tokened_or_manifest and name not in kept and int(match.group(1)) < newest:  # type: ignore[union-attr]
+        for name in names.keys() - kept:
+            match = CHECKPOINT_STATE.match(name) or CHECKPOINT_MANIFEST.match(name)
+            if match and int(match.group(1)) < newest:
                 self.location.delete(name)
 
     def _set_aside(self, saved: Saved) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Final, Literal, get_args, get_type_hints
 
@@ -61,6 +62,19 @@ MODEL_FILE: Final = "model.pt"
 HISTORY_FILE: Final = "metrics.jsonl"
 # TensorBoard's event files of the same history, beside it (when tensorboard is installed).
 TENSORBOARD_DIR: Final = "tensorboard"
+# A checkpoint's objects in its directory or bucket (gputrain.checkpoint writes them): the state,
+# ``step-<8 digits>-<token>.pt`` (no token before manifests), and its manifest, written last.
+CHECKPOINT_STATE: Final = re.compile(r"^step-(\d{8,})(-[0-9a-f]{8})?\.pt$")  # group 2: the token
+CHECKPOINT_MANIFEST: Final = re.compile(r"^step-(\d{8,})\.json$")
+
+
+def complete_checkpoint_step(name: str) -> int | None:
+    """The step of a complete checkpoint that an object named ``name`` stands for, as a listing
+    shows it: a manifest, or a state from before manifests (complete alone); None otherwise."""
+    match = CHECKPOINT_MANIFEST.match(name) or CHECKPOINT_STATE.match(name)
+    if match is None or (match.re is CHECKPOINT_STATE and match.group(2) is not None):
+        return None
+    return int(match.group(1))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,7 @@ from gputrain.contract import (
     TENSORBOARD_DIR,
     HistoryPoint,
     Result,
+    complete_checkpoint_step,
     env_name,
     read_history,
 )
@@ -338,9 +339,8 @@ def _resume_note(run: LocalRun) -> str:
     if uri is not None:
         where = f"{uri.rstrip('/')}/{run.training.name}"
         return f"; `gpuop run` again resumes from its newest checkpoint in {where}"
-    # A complete checkpoint's manifest, or a state from before manifests (gputrain.checkpoint).
-    found = (re.fullmatch(r"step-(\d{8,})(\.json|\.pt)", p.name) for p in run.checkpoint_dir.glob("step-*"))
-    steps = [int(match.group(1)) for match in found if match]
+    found = (complete_checkpoint_step(p.name) for p in run.checkpoint_dir.glob("step-*"))
+    steps = [step for step in found if step is not None]
     return f"; `gpuop run` again resumes from its checkpoint at step {max(steps)}" if steps else ""
 
 

@@ -6,8 +6,9 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -179,3 +180,24 @@ def rank_states(run: LocalRun) -> list[dict[str, torch.Tensor]]:
     """Each rank's final parameters and buffers, as dumped by rank_dump.py."""
     paths = sorted((run.workdir / "ranks").glob("rank-*.pt"))
     return [torch.load(p, weights_only=True) for p in paths]
+
+
+GPUOP = Path(sys.executable).parent / "gpuop"
+# As a terminal starts it: SIGINT at its default. A pytest started in the background by a shell
+# (`make test &`) inherits SIGINT ignored, and so would `gpuop run`: Ctrl-C would then never
+# reach it. (A disposition set to default survives exec; preexec_fn is unsafe with the threads a
+# test session has.)
+AS_A_TERMINAL_STARTS_IT = [sys.executable, "-c", "import os, signal, sys; "
+                           "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"]  # fmt: skip
+
+
+def start_gpuop_run(
+    spec_file: Path, workdir: Path, *extra: str, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """`gpuop run -o json` of the GpuTraining in ``spec_file``, in a process group of its own (the
+    foreground group a terminal's Ctrl-C goes to), with ``env`` over this environment."""
+    return subprocess.Popen(
+        [*AS_A_TERMINAL_STARTS_IT, GPUOP, "run", "-f", str(spec_file), "-o", "json", "--workdir", str(workdir), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env=dict(os.environ) | dict(env or {}),
+    )  # fmt: skip

@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,17 @@ import yaml
 from gputrain.checkpoint import CheckpointManager
 from gputrain.storage import StorageError, open_location
 from support import objectstore
-from support.training import digits_run, finish, hold_env, log_of, start, train, wait_for_step, wait_held
+from support.training import (
+    digits_run,
+    finish,
+    hold_env,
+    log_of,
+    start,
+    start_gpuop_run,
+    train,
+    wait_for_step,
+    wait_held,
+)
 
 BUCKET = "checkpoints"
 
@@ -167,13 +176,6 @@ def test_a_preempted_run_resumes_from_the_bucket_in_an_empty_work_directory(
     assert (result["phase"], result["step"]) == ("Succeeded", result["totalSteps"])
 
 
-GPUOP = Path(sys.executable).parent / "gpuop"
-# Ctrl-C reaches `gpuop run` only with SIGINT at its default, as a terminal starts it (a pytest
-# started in the background inherits SIGINT ignored; see test_training.py).
-AS_A_TERMINAL_STARTS_IT = [sys.executable, "-c", "import os, signal, sys; "
-                           "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"]  # fmt: skip
-
-
 def _gpuop_run(
     tmp_path: Path, workdir: Path, uri: str, *extra: str, hold_at: int | None = None
 ) -> subprocess.Popen[str]:
@@ -184,11 +186,8 @@ def _gpuop_run(
                      "checkpoint": {"uri": uri, "everySteps": 1000, "keep": 1}}}  # fmt: skip
     spec = tmp_path / "t.yaml"
     spec.write_text(yaml.safe_dump(body))
-    env = dict(os.environ) | (hold_env(tmp_path / "hold", hold_at) if hold_at is not None else {})
-    return subprocess.Popen(
-        [*AS_A_TERMINAL_STARTS_IT, GPUOP, "run", "-f", str(spec), "-o", "json", "--workdir", str(workdir), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env,
-    )  # fmt: skip
+    hold = hold_env(tmp_path / "hold", hold_at) if hold_at is not None else {}
+    return start_gpuop_run(spec, workdir, *extra, env=hold)
 
 
 def test_gpuop_run_ctrl_c_then_a_run_in_an_empty_work_directory_resumes_from_the_bucket(

@@ -18,6 +18,7 @@ import yaml
 from gputrain.contract import EXIT_BAD_CONFIG, EXIT_DATA_MISSING, HISTORY_FILE, read_history
 from support.paths import ROOT
 from support.training import (
+    GPUOP,
     digits_run,
     elastic_launcher_args,
     finish,
@@ -27,13 +28,12 @@ from support.training import (
     rank_states,
     release,
     start,
+    start_gpuop_run,
     train,
     wait_for_step,
     wait_held,
     worker_pids,
 )
-
-GPUOP = Path(sys.executable).parent / "gpuop"
 
 
 def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -358,17 +358,8 @@ def _start_gpuop_run(
                      "checkpoint": {"everySteps": 1000, "keep": 1}}}  # fmt: skip
     path = tmp_path / "t.yaml"
     path.write_text(yaml.safe_dump(body))
-    env = dict(os.environ) | (hold_env(tmp_path / "hold", hold_at) if hold_at is not None else {})
-    # As a terminal starts it: SIGINT at its default. A pytest started in the background by a
-    # shell (`make test &`) inherits SIGINT ignored, and so would `gpuop run`: Ctrl-C would
-    # then never reach it. (A disposition set to default survives exec; preexec_fn is unsafe
-    # with the threads a test session has.)
-    as_a_terminal_starts_it = [sys.executable, "-c", "import os, signal, sys; "
-                               "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"]  # fmt: skip
-    process = subprocess.Popen(
-        [*as_a_terminal_starts_it, GPUOP, "run", "-f", str(path), "-o", "json", "--workdir", str(tmp_path / "work")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env,
-    )  # fmt: skip
+    hold = hold_env(tmp_path / "hold", hold_at) if hold_at is not None else {}
+    process = start_gpuop_run(path, tmp_path / "work", env=hold)
     return process, tmp_path / "work" / "t"
 
 

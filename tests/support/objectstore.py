@@ -158,16 +158,17 @@ class FaultyStore:
     """An HTTP proxy in front of the store that can answer 503 (SlowDown) or answer late.
 
     Requests pass through with their Host header, so the server checks the client's Signature V4
-    as signed. ``failing_for(seconds)`` answers 503 to every request for that long;
-    ``slow_for(seconds, delay)`` holds each request ``delay`` seconds before passing it on.
+    as signed. ``fail_next(n)`` answers 503 to the next ``n`` requests; ``slow_next(n, delay)``
+    holds each of the next ``n`` it passes on ``delay`` seconds first. Counted, not timed: what a
+    test sees does not depend on how fast this machine is.
     """
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.removeprefix("http://")
         self.answered_503 = 0
         self.passed = 0
-        self._fail_until = 0.0
-        self._slow_until = 0.0
+        self._to_fail = 0
+        self._to_slow = 0
         self._delay = 0.0
         self._lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -181,12 +182,13 @@ class FaultyStore:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
-    def failing_for(self, seconds: float) -> None:
-        self._fail_until = time.monotonic() + seconds
+    def fail_next(self, requests: int) -> None:
+        with self._lock:
+            self._to_fail = requests
 
-    def slow_for(self, seconds: float, delay: float) -> None:
-        self._delay = delay
-        self._slow_until = time.monotonic() + seconds
+    def slow_next(self, requests: int, delay: float) -> None:
+        with self._lock:
+            self._to_slow, self._delay = requests, delay
 
     def close(self) -> None:
         self.server.shutdown()
@@ -205,10 +207,14 @@ class FaultyStore:
             def _any(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
-                now = time.monotonic()
-                if now < proxy._fail_until:
-                    with proxy._lock:
+                with proxy._lock:
+                    fail, slow = proxy._to_fail > 0, proxy._to_fail <= 0 and proxy._to_slow > 0
+                    if fail:
+                        proxy._to_fail -= 1
                         proxy.answered_503 += 1
+                    elif slow:
+                        proxy._to_slow -= 1
+                if fail:
                     text = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
                     self.close_connection = True
                     self.send_response(503)
@@ -218,7 +224,7 @@ class FaultyStore:
                     self.end_headers()
                     self.wfile.write(text)
                     return
-                if now < proxy._slow_until:
+                if slow:
                     time.sleep(proxy._delay)
                 upstream = http.client.HTTPConnection(proxy.upstream, timeout=120)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection",)}

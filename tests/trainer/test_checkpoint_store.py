@@ -114,11 +114,11 @@ def test_a_store_answering_503_then_slowly_is_retried_until_the_checkpoint_is_co
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
         manager = CheckpointManager(uri, keep=2)
         manager.save({"step": 1}, 1)
-        proxy.failing_for(3.0)
+        proxy.fail_next(5)  # a store throttling: SlowDown, and again, ...
         saved = manager.save({"step": 2, "w": torch.randn(10_000)}, 2)  # retried until it goes through
         assert proxy.answered_503 > 0
         assert [s.step for s in manager.checkpoints()] == [1, 2]
-        proxy.slow_for(10.0, delay=1.0)  # each request held a second: slower, not failed
+        proxy.slow_next(2, delay=1.0)  # the next requests held a second each: slower, not failed
         started = time.monotonic()
         found = manager.load_latest()
         assert time.monotonic() - started >= 1.0

@@ -3,7 +3,9 @@
 
 Run by a GpuTraining (or ``gpuop run``) it fills status.progress (percent, step, epoch, loss,
 samples/s, ETA): the operator gives the pod Kubeflow's variables, and gpureport reports from
-rank 0, at most every 5 s, on a thread of its own. A linear regression on data the script
+rank 0, at most every 5 s, on a thread of its own. With ``--checkpoint-dir`` it saves every
+``--checkpoint-every`` steps and says so with ``gpureport.checkpointed``: status.checkpoint (and
+``kubectl get -o wide``'s Checkpoint age) follow. A linear regression on data the script
 makes: nothing is downloaded; gloo on CPU, nccl on GPUs, under torchrun.
 """
 
@@ -22,6 +24,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (rank 0)")
+    parser.add_argument("--checkpoint-every", type=int, default=20)
     args = parser.parse_args()
 
     distributed = "WORLD_SIZE" in os.environ
@@ -48,9 +52,22 @@ def main() -> None:
             step=step, total_steps=args.steps, loss=loss.item(),
             samples_per_second=step * args.batch_size * world / (time.monotonic() - started),
         )  # fmt: skip
+        if args.checkpoint_dir and rank == 0 and step % args.checkpoint_every == 0:
+            save(model, optimizer, step, args.checkpoint_dir)
     gpureport.finish(step=args.steps, total_steps=args.steps, loss=loss.item())
     if distributed:
         dist.destroy_process_group()
+
+
+def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, directory: str) -> None:
+    """Write the checkpoint whole (a temporary name, then a rename), then say it is complete:
+    said before the rename, a preemption in between would point status at a file not there."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"step-{step:06d}.pt")
+    state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    gpureport.checkpointed(step, path)
 
 
 if __name__ == "__main__":

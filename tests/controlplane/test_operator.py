@@ -237,9 +237,10 @@ def test_lifecycle_as_the_charts_service_account(
     assert status["workers"] == {"ready": 2, "total": 2}
     assert status["gpu"]["utilizationPercent"] == 85.0
     assert "accuracy" not in status["progress"]  # no evaluation yet: absent, not 0
-    # `kubectl get` shows figures with their units; `-o wide` adds backend, queue, GPU model, samples/s.
+    # `kubectl get` shows figures with their units; `-o wide` adds backend, queue, GPU model,
+    # samples/s and the last checkpoint's age (none reported here: tests/e2e_local/test_own_code).
     header, line = plane.kubectl("get", "gtr", "mnist", "-n", NAMESPACE, "-o", "wide").stdout.splitlines()
-    assert header.split() == [*PRINTER_COLUMNS, "BACKEND", "QUEUE", "GPU-MODEL", "SAMPLES/S"]
+    assert header.split() == [*PRINTER_COLUMNS, "BACKEND", "QUEUE", "GPU-MODEL", "SAMPLES/S", "CHECKPOINT"]
     # kubectl aligns each cell under its header (an empty one, as QUEUE's here, stays empty).
     starts = [m.start() for m in re.finditer(r"\S+", header)]
     ends = [*starts[1:], None]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import ssl
 from collections.abc import Iterator
@@ -46,8 +47,17 @@ PROGRAMS = {
         "--output-dir",
         "/tmp/hf-out",
     ],
-    # A hand-written DDP loop with one gpureport.report() call a step.
-    "loop": ["/workspace/plain-loop/train.py", "--steps", "12"],
+    # A hand-written DDP loop with one gpureport.report() call a step, saving a checkpoint every
+    # 4 steps and saying so with gpureport.checkpointed() (status.checkpoint, issue 27).
+    "loop": [
+        "/workspace/plain-loop/train.py",
+        "--steps",
+        "12",
+        "--checkpoint-dir",
+        "/tmp/loop-ckpt",
+        "--checkpoint-every",
+        "4",
+    ],
 }
 
 
@@ -100,11 +110,29 @@ def _train_own_code(
     assert any(p.get("loss") for p in running), running[-3:]
     assert any(0 < p.get("percent", 0) < 100 for p in running), running[-3:]
     assert "Stalled" not in timeline.conditions()
+    if program == "loop":
+        _said_its_checkpoints(plane, name, status, timeline)
     # The token the pods reported with was minted for this training's audience, bound to the pod.
     volume = next(v for v in pods[0]["spec"]["volumes"] if v["name"] == "gpuop-reports")
     token = volume["projected"]["sources"][0]["serviceAccountToken"]
     assert token["audience"] == f"gpuop.io/reports/{chain.NAMESPACE}/{name}"
     return name, pods
+
+
+def _said_its_checkpoints(
+    plane: ControlPlane, name: str, status: dict[str, Any], timeline: chain.Timeline
+) -> None:
+    """The loop's checkpoints (steps 4, 8, 12) reached status.checkpoint as each was written, the
+    last one stays, and `kubectl get -o wide` shows its age."""
+    assert status["checkpoint"]["step"] == 12, status
+    assert status["checkpoint"]["uri"] == "/tmp/loop-ckpt/step-000012.pt"
+    moving = sorted({s["checkpoint"]["step"] for s in timeline.seen
+                     if s.get("phase") == "Running" and s.get("checkpoint")})  # fmt: skip
+    assert len(moving) >= 2, moving
+    assert set(moving) <= {4, 8, 12}, moving
+    header, line = plane.kubectl("get", "gtr", name, "-n", chain.NAMESPACE, "-o", "wide").stdout.splitlines()
+    assert header.split()[-1] == "CHECKPOINT", header
+    assert re.fullmatch(r"\d+s|\d+m\d*s?", line.split()[-1]), line  # an age, not a timestamp
 
 
 def _delete_training(plane: ControlPlane, name: str) -> None:

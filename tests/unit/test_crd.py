@@ -110,6 +110,7 @@ def test_status_is_a_subresource_and_printer_columns_resolve(
         "Queue",
         "GPU-Model",
         "Samples/s",
+        "Checkpoint",
     ]
     for column in version["additionalPrinterColumns"]:
         node = schema
@@ -122,7 +123,9 @@ def test_status_is_a_subresource_and_printer_columns_resolve(
                 break
             node = node["properties"][part]
         else:
-            expected = {"string": "string", "integer": "integer", "number": "number"}[column["type"]]
+            expected = {"string": "string", "integer": "integer", "number": "number", "date": "string"}[
+                column["type"]
+            ]
             assert node["type"] == expected, column
 
 

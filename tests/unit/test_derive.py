@@ -832,3 +832,39 @@ def test_a_trainer_restarting_after_a_peers_stop_says_only_that_it_restarted() -
     restarting = derive_status(None, observe(60, pods=pods), THRESHOLDS)
     condition = next(c for c in restarting.conditions if c.type == "Restarting")
     assert condition.reason == "TrainerRestarted"
+
+
+# -- status.checkpoint (issue 27) ----------------------------------------------------------------
+
+
+def _checkpointed(pod: str, step: int, seconds: float, **said: str) -> ReceivedReport:
+    """A report whose code said its checkpoint of ``step`` is complete."""
+    values = {"current_step": str(step + 3), "total_steps": "100", "checkpoint_step": str(step), **said}
+    report = parse_report(json.dumps({"trainerStatus": {"metrics": [
+        {"name": n, "value": v} for n, v in values.items()]}}).encode())  # fmt: skip
+    return ReceivedReport(pod, report, at(seconds))
+
+
+def test_the_last_checkpoint_is_in_status_kept_across_a_restart_until_a_newer_one() -> None:
+    """What the newest report says; when the reports are gone (a restarted pod, a preemption, an
+    operator restart), what the status said; a report without a time is dated when it came."""
+    first = _checkpointed("demo-master-0", 20, 60, checkpoint_time="2026-11-21T12:00:55Z",
+                          checkpoint_uri="s3://ckpt/demo/step-00000020-aa.pt")  # fmt: skip
+    status = derive_status(None, observe(60, reports=(first,)), THRESHOLDS)
+    assert status.checkpoint is not None
+    assert (status.checkpoint.step, status.checkpoint.time, status.checkpoint.uri) == (
+        20, "2026-11-21T12:00:55Z", "s3://ckpt/demo/step-00000020-aa.pt")  # fmt: skip
+    assert encode(status)["checkpoint"] == {"step": 20, "time": "2026-11-21T12:00:55Z",
+                                            "uri": "s3://ckpt/demo/step-00000020-aa.pt"}  # fmt: skip
+    restarted = derive_status(_round_trip(status), observe(120, reports=_said(21, 120)), THRESHOLDS)
+    assert restarted.checkpoint == status.checkpoint
+    # Of two pods' reports (a restarted pod's old one lingers), the newest; no time: when it came.
+    newer = _checkpointed("demo-worker-0", 40, 180, checkpoint_uri="/checkpoints/step-00000040-bb.pt")
+    later = derive_status(restarted, observe(180, reports=(first, newer)), THRESHOLDS)
+    assert later.checkpoint is not None
+    assert (later.checkpoint.step, later.checkpoint.time, later.checkpoint.uri) == (
+        40, "2026-11-21T12:03:00Z", "/checkpoints/step-00000040-bb.pt")  # fmt: skip
+    # The same report again, later: the same checkpoint, not a new time (and no write).
+    again = derive_status(later, observe(240, reports=(first, newer)), THRESHOLDS)
+    assert again.checkpoint == later.checkpoint
+    assert status_patch(later, derive_status(later, observe(181, reports=(first, newer)), THRESHOLDS)) is None

@@ -346,6 +346,42 @@ def test_a_pause_never_raises_into_the_block_and_is_a_no_op_without_a_server(mak
     assert reporter.delivered == reporter.failures == 0
 
 
+def test_a_checkpoint_is_said_at_once_then_in_every_report_and_the_operator_reads_it_whole(
+    server: StatusServer, environ: dict[str, str], make_reporter: Any
+) -> None:
+    """Issue 27: checkpointed() is sent past the throttle, and every later report repeats it (a
+    report that replaces it in the queue still says it). A URI past a value's 64 characters goes
+    in pieces; a space in it survives the pieces' trimming as %20. Inside a pause, the pause's
+    end says it; a step that is no count says nothing."""
+    from gpuop.observing.reports import parse_report
+
+    clock = ManualClock()
+    reporter = make_reporter(environ, clock=clock, kind=FlushingReporter)
+    assert reporter.report(step=1, total_steps=10)
+    uri = "s3://team-checkpoints/my runs/" + "r" * 80 + "/step-00000002-0a1b2c3d.pt"
+    moment = datetime(2026, 11, 25, 18, 30, 5, tzinfo=UTC)
+    assert reporter.checkpointed(2, uri, time=moment)  # 0 s after a report: said all the same
+    clock.now += 10
+    assert reporter.report(step=3, total_steps=10)
+    with reporter.pause("saving"):
+        assert reporter.checkpointed(4, Path("/checkpoints/step-00000004-ab.pt"))
+        reporter.flush()
+    assert not reporter.checkpointed(float("nan"), "x")
+    assert not reporter.checkpointed(-1)
+    sent = _sent(reporter, server)
+    said = [parse_report(s.raw).checkpoint for s in sent]
+    assert [s.metrics.get("activity") for s in sent] == [None, "training", None, "saving", "training"]
+    assert said[0] is None
+    assert said[1] is not None
+    assert said[2] == said[1]
+    assert said[3] == said[1]
+    assert (said[1].step, said[1].time, said[1].uri) == (2, "2026-11-25T18:30:05Z", uri.replace(" ", "%20"))
+    assert said[4] is not None
+    assert (said[4].step, said[4].uri) == (4, "/checkpoints/step-00000004-ab.pt")
+    assert all(len(m["value"]) <= 64 for s in sent for m in s.status["metrics"])
+    assert gpureport.checkpointed(1) is False  # no server in this process's environment: a no-op
+
+
 def test_the_latest_report_replaces_one_still_waiting(
     server: StatusServer, environ: dict[str, str], make_reporter: Any
 ) -> None:
@@ -582,6 +618,47 @@ def test_the_lightning_callback_reports_steps_loss_and_the_end(
     assert all(s.status["progressPercentage"] < 100 for s in sent[:-1])
 
 
+@pytest.mark.filterwarnings("ignore:.*treespec, LeafSpec.*")
+def test_the_lightning_callback_says_each_checkpoint_model_checkpoint_wrote(
+    server: StatusServer, environ: dict[str, str], make_reporter: Any, tmp_path: Path
+) -> None:
+    """Lightning's default ModelCheckpoint writes one at each epoch's end: each is said, with
+    its step and file, once written; the final report carries the last (issue 27)."""
+    torch = pytest.importorskip("torch")
+    lightning = pytest.importorskip("lightning.pytorch")
+    from gpureport.lightning import GpuopProgress
+
+    from gpuop.observing.reports import parse_report
+
+    class Tiny(lightning.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    reporter = make_reporter(environ, min_interval=0, kind=FlushingReporter)
+    trainer = lightning.Trainer(
+        max_epochs=2, accelerator="cpu", devices=1, callbacks=[GpuopProgress(reporter)],
+        enable_progress_bar=False, logger=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=16))
+    said = [c for s in server.received() if (c := parse_report(s.raw).checkpoint) is not None]
+    steps = sorted({c.step for c in said})
+    assert steps == [4, 8], said
+    last = said[-1]
+    assert last.step == 8
+    assert last.uri is not None
+    assert last.uri.endswith("epoch=1-step=8.ckpt")
+    assert Path(last.uri).is_file()
+
+
 def test_the_lightning_callback_says_a_validation_within_the_fit_is_a_pause(
     server: StatusServer, environ: dict[str, str], make_reporter: Any
 ) -> None:
@@ -618,6 +695,44 @@ def test_the_lightning_callback_says_a_validation_within_the_fit_is_a_pause(
     assert said == ["evaluating", "training"] * 2  # one validation an epoch, each ended
 
 
+def test_the_hugging_face_callback_says_each_checkpoint_the_trainer_wrote(
+    server: StatusServer,
+    environ: dict[str, str],
+    make_reporter: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A real transformers.Trainer (a tiny GPT-2 from a config) saving every 2 of 4 steps: each
+    save is said once its folder is whole, with the step and the folder resume takes."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import tqdm
+
+    # A save's progress bar starts tqdm's monitor thread, which outlives the test; none needed.
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)
+    from gpureport.hf import GpuopCheckpoints
+
+    from gpuop.observing.reports import parse_report
+
+    config = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=1)
+    tokens = torch.randint(0, 32, (16, 8), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": t, "labels": t} for t in tokens]
+    arguments = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, save_strategy="steps",
+        save_steps=2, report_to="none", use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    reporter = make_reporter(environ, kind=FlushingReporter)
+    trainer = transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=arguments,
+                                   train_dataset=data, callbacks=[GpuopCheckpoints(reporter)])  # fmt: skip
+    trainer.train()
+    said = [c for s in server.received() if (c := parse_report(s.raw).checkpoint) is not None]
+    assert [(c.step, c.uri) for c in said] == [
+        (2, str(tmp_path / "checkpoint-2")),
+        (4, str(tmp_path / "checkpoint-4")),
+    ]
+    assert (tmp_path / "checkpoint-4" / "trainer_state.json").is_file()
+
+
 # -- the built-in trainer -------------------------------------------------------------------
 
 
@@ -646,11 +761,11 @@ def test_the_built_in_trainer_reports_its_intervals_and_its_end(tmp_path: Path, 
     # Its evaluation and its checkpoint saves are pauses, each one said then ended (issue 28). One
     # over before the sender took its start is not said at all (latest wins): the digits
     # model's evaluation is, here; its saves, which write files, are not.
-    paused = [s.metrics["activity"] for s in sent if s.metrics.keys() == {"activity"}]
+    paused = [s.metrics["activity"] for s in sent if "current_step" not in s.metrics]
     assert "saving" in paused, paused
     assert set(paused[0::2]) <= {"evaluating", "saving"}, paused
     assert paused[1::2] == ["training"] * (len(paused) // 2), paused
-    sent = [s for s in sent if s.metrics.keys() != {"activity"}]
+    sent = [s for s in sent if "current_step" in s.metrics]
     assert len(sent) >= 2
     first, final = sent[0], sent[-1]
     assert first.headers["authorization"] == "Bearer token-1"
@@ -662,6 +777,12 @@ def test_the_built_in_trainer_reports_its_intervals_and_its_end(tmp_path: Path, 
     assert (final.metrics["current_epoch"], final.metrics["total_epochs"]) == ("1", "1")
     assert float(final.metrics["accuracy"]) == pytest.approx(result["accuracy"])
     assert float(final.metrics["loss"]) == pytest.approx(result["loss"])
+    # Its last checkpoint, the end of the run's one epoch, is in its final report (issue 27).
+    assert final.metrics["checkpoint_step"] == str(result["totalSteps"])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", final.metrics["checkpoint_time"])
+    assert final.metrics["checkpoint_uri"].startswith(str(tmp_path)), final.metrics
+    assert re.search(rf"step-0*{result['totalSteps']}-[0-9a-f]{{8}}\.pt$", final.metrics["checkpoint_uri"]
+                     + final.metrics.get("checkpoint_uri_2", ""))  # fmt: skip
 
 
 # -- the distribution -----------------------------------------------------------------------

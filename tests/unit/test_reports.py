@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import pytest
@@ -394,6 +395,12 @@ def _within_the_status(report: TrainerReport) -> None:
         assert 0 < len(name) <= MAX_NAME_CHARS
         assert len(value) <= MAX_VALUE_CHARS
     assert report.sent_at is None or len(report.sent_at) <= 64
+    if report.checkpoint is not None:
+        assert 0 <= report.checkpoint.step <= INT64_MAX
+        assert report.checkpoint.time is None or re.fullmatch(
+            r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", report.checkpoint.time
+        )
+        assert report.checkpoint.uri is None or 0 < len(report.checkpoint.uri) <= 1024
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -401,6 +408,8 @@ def _within_the_status(report: TrainerReport) -> None:
 @example(b'{"trainerStatus": {"metrics": [{"name": "current_epoch", "value": "1e300"}]}}')
 @example(b'{"trainerStatus": {"metrics": [{"name": "epoch", "value": 1e300}]}}')
 @example(b"[" * MAX_BODY_BYTES)
+@example(body({"metrics": metrics(checkpoint_step="1e300", checkpoint_time="9999-12-31T23:59:59-01:00")}))
+@example(body({"metrics": metrics(checkpoint_step="7", checkpoint_time="2026-02-30T00:00:00Z")}))
 def test_any_bytes_are_a_report_or_a_report_error(raw: bytes) -> None:
     try:
         report: TrainerReport | ReportError = parse_report(raw)
@@ -439,3 +448,42 @@ def test_a_pause_is_read_from_the_activity_metric_and_lasts_only_while_reports_s
     merged = later.over(report)
     assert (merged.step, merged.loss, merged.activity) == (5, 0.5, None)
     assert report.over(later).activity == read
+
+
+# -- the last complete checkpoint (gpureport.checkpointed) --------------------------------------
+
+
+def test_a_checkpoint_is_read_with_its_time_in_utc_and_its_uri_from_its_pieces() -> None:
+    """A URI longer than a value's 64 characters comes in pieces, joined in order; a piece
+    after a missing one is not part of it. The time is the status's (UTC, to the second)."""
+    uri = "s3://team-checkpoints/runs/" + "x" * 90 + "/step-00000500-0f1e2d3c.pt"
+    pieces = {("checkpoint_uri" if n == 0 else f"checkpoint_uri_{n + 1}"): uri[64 * n : 64 * (n + 1)]
+              for n in range((len(uri) + 63) // 64)}  # fmt: skip
+    report = parse_report(body({"metrics": metrics(
+        current_step="510", checkpoint_step="500", checkpoint_time="2026-11-25T18:30:00.25+01:00",
+        **pieces, checkpoint_uri_9="not/part/of/it")}))  # fmt: skip
+    assert report.checkpoint is not None
+    assert (report.checkpoint.step, report.checkpoint.time, report.checkpoint.uri) == (
+        500,
+        "2026-11-25T17:30:00Z",
+        uri,
+    )
+    assert not {name for name, _ in report.other} & {"checkpoint_step", "checkpoint_time", "checkpoint_uri"}
+    # Carried over from the pod's earlier report, as the other figures are.
+    later = parse_report(body({"metrics": metrics(current_step="520")}))
+    assert later.over(report).checkpoint == report.checkpoint
+
+
+@pytest.mark.parametrize(
+    ("step", "time", "read"),
+    [("500", "2026-11-25 17:30:00", (500, "2026-11-25T17:30:00Z")),  # no zone: UTC
+     ("500", "yesterday", (500, None)), ("500", "2026-02-30T00:00:00Z", (500, None)),
+     ("500", "0001-01-01T00:00:00Z", (500, None)), ("500.5", SENT_AT, None), ("-1", SENT_AT, None),
+     ("1e300", SENT_AT, None), ("five", SENT_AT, None)],
+)  # fmt: skip
+def test_a_checkpoint_without_a_count_is_none_and_a_time_the_status_cannot_hold_is_dropped(
+    step: str, time: str, read: tuple[int, str | None] | None
+) -> None:
+    report = parse_report(body({"metrics": metrics(checkpoint_step=step, checkpoint_time=time)}))
+    got = None if report.checkpoint is None else (report.checkpoint.step, report.checkpoint.time)
+    assert got == read

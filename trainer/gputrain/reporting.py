@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import gpureport
 
+from gputrain.checkpoint import Saved
 from gputrain.contract import HistoryPoint, Progress, TrainerSettings
 from gputrain.distributed import Cluster
 from gputrain.history import History
@@ -128,6 +129,12 @@ class Reporter:
         """Tell the operator, while the block runs, that rank 0 is ``activity`` ("evaluating",
         "saving") rather than stepping: not a stall however long it takes."""
         return self.progress.pause(activity) if self.progress is not None else contextlib.nullcontext()
+
+    def checkpointed(self, saved: Saved) -> None:
+        """Say the checkpoint ``saved`` is complete (written whole, or resumed from): the
+        operator shows it as status.checkpoint."""
+        if self.progress is not None:
+            self.progress.checkpointed(saved.step, saved.uri, time=saved.time)
 
     def evaluated(self, at: Standing, figures: Figures) -> None:
         """Report an evaluation, after ``figures`` took its results."""

@@ -211,6 +211,7 @@ class Trainer:
                 # run: the last complete one stays, and the next save tries again.
                 log.warning("checkpoint at step %d not saved: %s; training goes on", self.position.step, exc)
                 return False
+            self.reporter.checkpointed(saved)
         # Its time says what terminationGracePeriodSeconds a preemption's save needs here.
         log.info(
             "checkpoint %s at step %d (%.2f s)", saved.uri, self.position.step, time.perf_counter() - started
@@ -240,6 +241,8 @@ class Trainer:
                      self.position.next_batch, 100 * self._fraction(self.position))  # fmt: skip
         log.info("resumed from %s at epoch %d, step %d", saved.uri, self.position.epoch + 1,
                  self.position.step)  # fmt: skip
+        if saved.time is not None:  # one from before manifests has no time to tell
+            self.reporter.checkpointed(saved)
 
     def _newest_checkpoint(self) -> tuple[dict[str, Any], Saved] | None:
         # Only rank 0 reads: with a per-pod emptyDir the other pods have none, and they must

@@ -81,6 +81,13 @@ _PRINTER_COLUMNS: Final = [
         "priority": 1,
         "description": "Training throughput of the whole job.",
     },
+    {
+        "name": "Checkpoint",
+        "type": "date",
+        "jsonPath": ".status.checkpoint.time",
+        "priority": 1,
+        "description": "Age of the last complete checkpoint.",
+    },
 ]
 
 

@@ -244,6 +244,11 @@ class GpuTrainingStatus:
     workers: WorkerCounts | None = api_field("Worker pods ready and asked for.", default=None)
     progress: ProgressStatus | None = api_field("Training progress.", default=None)
     gpu: GpuUsage | None = api_field("GPU utilization and memory.", default=None)
+    checkpoint: CheckpointStatus | None = api_field(
+        "The last complete checkpoint the training code reported: its step, time and location. Kept "
+        "across restarts and preemptions until a newer one is reported.",
+        default=None,
+    )
     start_time: str | None = api_field(
         "When the job started running.", default=None, date_time=True, max_length=64
     )
@@ -268,8 +273,30 @@ class GpuTrainingStatus:
     message: str | None = api_field("The latest notable event, for people.", default=None, max_length=32768)
 
 
+@api_object
+class CheckpointStatus:
+    """The training's last complete checkpoint, as its code reported it (the built-in trainer,
+    gpureport's ``checkpointed()``, the Lightning callback): where a preempted, evicted or
+    restarted training resumes from."""
+
+    step: int = api_field("The optimizer step it holds.", minimum=0)
+    time: str | None = api_field(
+        "When it was complete (kubectl get -o wide shows its age).", default=None, date_time=True,
+        max_length=64,
+    )  # fmt: skip
+    uri: str | None = api_field(
+        "Where it is: an s3://, gs:// or az:// key, or a path in the trainer's container.",
+        default=None,
+        max_length=1024,
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # How the status writes figures for people (its ``eta`` and ``*Text``, and derive's messages).
+
+
+# How the status writes a moment: RFC 3339 in UTC, to the second (as Kubernetes' own).
+TIME_FORMAT: Final = "%Y-%m-%dT%H:%M:%SZ"
 
 
 def format_eta(seconds: float | None) -> str | None:

@@ -18,6 +18,7 @@ from datetime import datetime
 from typing import Any, Final
 
 from gpuop.api.status import (
+    TIME_FORMAT,
     Condition,
     ConditionStatus,
     GpuTrainingStatus,
@@ -73,7 +74,6 @@ _HOLDING_GPUS: Final[tuple[Phase, ...]] = ("Running", "Restarting")
 # The conditions of a pause: a training that runs again after one was neither stalled nor
 # underutilized while it waited (suspended, queued or preempted by Kueue).
 _PAUSES: Final = ("Suspended", "Queued")
-TIME_FORMAT: Final = "%Y-%m-%dT%H:%M:%SZ"
 # Named in a message before any backend is chosen ("waiting for the PyTorchJob"): the one
 # a GpuTraining ran on before there were others.
 _DEFAULT_KIND: Final = "PyTorchJob"
@@ -435,6 +435,7 @@ def _status(m: _Moment, wanted: list[Condition], message: str) -> GpuTrainingSta
                              total=obs.workers_total),
         progress=m.progress,
         gpu=m.gpu,
+        checkpoint=figures.checkpoint(before.checkpoint, obs),
         start_time=start,
         completion_time=(obs.job_completion_time or before.completion_time or now) if terminal else None,
         gpu_hours=before.gpu_hours,

@@ -13,6 +13,8 @@ import dataclasses
 from collections.abc import Mapping
 
 from gpuop.api.status import (
+    TIME_FORMAT,
+    CheckpointStatus,
     GpuSource,
     GpuUsage,
     NamedMetric,
@@ -236,3 +238,20 @@ def gpu(previous: GpuUsage | None, obs: Observation, thresholds: Thresholds, now
     if low:
         since = previous.underutilized_since if previous is not None and previous.underutilized_since else now
     return dataclasses.replace(usage, underutilized_since=since)
+
+
+def checkpoint(previous: CheckpointStatus | None, obs: Observation) -> CheckpointStatus | None:
+    """The last complete checkpoint: as the newest report that names one says it, else as the
+    status said before (kept across restarts, preemptions and an operator restart, when the
+    reports are gone). A report without a time is dated when it came."""
+    received = max((r for r in obs.reports if r.report.checkpoint is not None),
+                   key=lambda r: r.received_at, default=None)  # fmt: skip
+    if received is None or received.report.checkpoint is None:
+        return previous
+    said = received.report.checkpoint
+    moment = said.time
+    if moment is None:
+        moment = received.received_at.strftime(TIME_FORMAT)
+        if previous is not None and (previous.step, previous.uri) == (said.step, said.uri):
+            moment = previous.time  # the same one, heard again
+    return CheckpointStatus(step=said.step, time=moment, uri=said.uri)

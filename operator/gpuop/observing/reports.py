@@ -17,12 +17,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Final
 
-from gpuop.api.status import Activity
+from gpuop.api.status import TIME_FORMAT, Activity
 
 # A report with 256 metrics of 64-character values is about 30 KiB of JSON; 64 KiB leaves room
 # for long names and whitespace and still bounds what one request costs the operator to read.
@@ -50,9 +52,16 @@ _SAMPLES_PER_SECOND: Final = ("samples_per_second", "train_samples_per_second")
 # callback): the stall clock does not run through these. Another value, or none, is training.
 ACTIVITY_METRIC: Final = "activity"
 PAUSES: Final = frozenset(typing.get_args(Activity))
+# The last complete checkpoint, as gpureport's checkpointed() says it: its step, when (RFC 3339)
+# and where, the URI in pieces of 64 characters (a value's bound) under checkpoint_uri,
+# checkpoint_uri_2, ... up to 16 of them.
+_CHECKPOINT_STEP: Final = "checkpoint_step"
+_CHECKPOINT_TIME: Final = "checkpoint_time"
+_CHECKPOINT_URI: Final = "checkpoint_uri"
+_CHECKPOINT_URI_PIECES: Final = (_CHECKPOINT_URI, *(f"{_CHECKPOINT_URI}_{n}" for n in range(2, 17)))
 _READ: Final = frozenset(
     _STEP + _TOTAL_STEPS + _EPOCH + _TOTAL_EPOCHS + _LOSS + _ACCURACY + _SAMPLES_PER_SECOND
-    + (ACTIVITY_METRIC,)
+    + (ACTIVITY_METRIC, _CHECKPOINT_STEP, _CHECKPOINT_TIME) + _CHECKPOINT_URI_PIECES
 )  # fmt: skip
 
 
@@ -62,6 +71,15 @@ class ReportError(ValueError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+@dataclass(frozen=True)
+class CheckpointReport:
+    """A checkpoint the training code says is complete."""
+
+    step: int
+    time: str | None  # in the status's TIME_FORMAT (UTC, to the second); None when not sent or unreadable
+    uri: str | None
 
 
 @dataclass(frozen=True)
@@ -78,6 +96,7 @@ class TrainerReport:
     accuracy: float | None = None  # 0..1
     samples_per_second: float | None = None
     activity: Activity | None = None  # while the code says so; None: training
+    checkpoint: CheckpointReport | None = None  # the last complete one, when the code says it
     # The other metrics, in the client's order, at most MAX_SHOWN_METRICS: (name, value as sent).
     other: tuple[tuple[str, str], ...] = ()
     sent_at: str | None = None  # the client's lastUpdatedTime, as sent (for people only)
@@ -137,6 +156,7 @@ def parse_report(body: bytes) -> TrainerReport:
         accuracy=_ratio(first(_ACCURACY)),
         samples_per_second=_nonnegative(first(_SAMPLES_PER_SECOND)),
         activity=_activity(metrics),
+        checkpoint=_checkpoint(dict(metrics), numbers),
         other=tuple((n, v) for n, v in metrics if n not in _READ)[:MAX_SHOWN_METRICS],
         sent_at=sent_at[:64] if isinstance(sent_at, str) else None,
     )
@@ -145,6 +165,38 @@ def parse_report(body: bytes) -> TrainerReport:
 def _activity(metrics: list[tuple[str, str]]) -> Activity | None:
     said = next((value for name, value in metrics if name == ACTIVITY_METRIC), None)
     return typing.cast(Activity, said) if said in PAUSES else None
+
+
+def _checkpoint(metrics: Mapping[str, str], numbers: Mapping[str, float]) -> CheckpointReport | None:
+    """The checkpoint a report names; None without a step. A time that is not RFC 3339 is
+    dropped (the status's schema would refuse the whole write), the URI's pieces joined."""
+    step = numbers.get(_CHECKPOINT_STEP)
+    if step is None or not step.is_integer() or _count(step) is None:
+        return None
+    pieces = []
+    for name in _CHECKPOINT_URI_PIECES:
+        if name not in metrics:
+            break
+        pieces.append(metrics[name])
+    return CheckpointReport(step=int(step), time=_utc_time(metrics.get(_CHECKPOINT_TIME)),
+                            uri="".join(pieces) or None)  # fmt: skip
+
+
+def _utc_time(text: str | None) -> str | None:
+    """An RFC 3339 time as the status writes one; None for anything else (a time with no
+    zone is taken as UTC)."""
+    if not text or not _RFC3339.fullmatch(text):
+        return None
+    try:
+        moment = datetime.fromisoformat(text.replace("z", "Z"))
+    except ValueError:
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.astimezone(UTC).strftime(TIME_FORMAT) if 1970 <= moment.year <= 9998 else None
+
+
+_RFC3339: Final = re.compile(r"\d{4}-\d\d-\d\d[Tt ]\d\d:\d\d:\d\d(\.\d{1,9})?([Zz]|[+-]\d\d:\d\d)?")
 
 
 def _refuse_constant(name: str) -> Any:

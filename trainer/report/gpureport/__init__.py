@@ -29,6 +29,10 @@ What the training loop can rely on:
   evaluation is not taken for a stall. Its start and its end are sent at once, past the
   throttle: two pauses back to back (a save, then an evaluation) are both said, while a loop
   that pauses more than once a second is paused for the operator only as often as that.
+- ``gpureport.checkpointed(step, uri)`` says a checkpoint is complete (call it once the last
+  byte is written: the operator shows it as status.checkpoint, with its age). It is sent at
+  once, as a pause is, and repeated in every later report, so a report that replaces it in the
+  queue still says it.
 
 Metric names are the ones Hugging Face's ``KubeflowCallback`` sends (``current_step``,
 ``total_steps``, ``current_epoch``, ``loss``, ...), so a reader reads every client alike.
@@ -37,6 +41,7 @@ Metric names are the ones Hugging Face's ``KubeflowCallback`` sends (``current_s
 from __future__ import annotations
 
 import contextlib
+import datetime
 import http.client
 import ipaddress
 import json
@@ -49,9 +54,25 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from gpureport._bounds import MAX_CHARS, MAX_METRICS, fraction_done, metric_list, whole_seconds
+from gpureport._bounds import (
+    MAX_CHARS,
+    MAX_METRICS,
+    checkpoint_metrics,
+    fraction_done,
+    metric_list,
+    whole_seconds,
+)
 
-__all__ = ["MAX_CHARS", "MAX_METRICS", "Reporter", "default_reporter", "finish", "pause", "report"]
+__all__ = [
+    "MAX_CHARS",
+    "MAX_METRICS",
+    "Reporter",
+    "checkpointed",
+    "default_reporter",
+    "finish",
+    "pause",
+    "report",
+]
 __version__ = "0.1.0"
 
 URL_ENV = "KUBEFLOW_TRAINER_SERVER_URL"
@@ -110,6 +131,7 @@ class Reporter:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._activity: str | None = None  # the pause under way, when its start was sent
+        self._checkpoint: list[tuple[str, str]] = []  # the last complete one's metrics, in every report
         # Pause reports spend from a bucket of PAUSE_BURST refilled at one a second, the
         # server's rate per pod less the step reports' share: a save right before an
         # evaluation is said whole, a loop that pauses every batch is not a flood.
@@ -188,18 +210,55 @@ class Reporter:
                 if activity is not None:
                     if self._activity is not None:
                         return False  # nested: the outer pause stands until it ends
-                    at = self._pause_reports_at if self._pause_reports_at is not None else now
-                    self._pause_reports = min(PAUSE_BURST, self._pause_reports + max(0.0, now - at))
-                    self._pause_reports_at = now
-                    if self._pause_reports < 2:
+                    if not self._take_pause_reports(now, 2):  # its start and its end, always said
                         return False  # not said, nor its end: the server would refuse some
-                    self._pause_reports -= 2  # its start and its end, which is always said
                 self._activity = activity
-            self._enqueue(_body({"metrics": metric_list([("activity", activity or "training")])}))
+                said = [("activity", activity or "training"), *self._checkpoint]
+            self._enqueue(_body({"metrics": metric_list(said)}))
             return True
         except Exception:  # whatever it was given, training goes on
             log.debug("gpureport: an activity report was dropped", exc_info=True)
             return False
+
+    def checkpointed(self, step: Any, uri: Any = None, *, time: Any = None) -> bool:
+        """Say that the checkpoint of ``step`` is complete, and where it is (``uri``: a path
+        or an ``s3://`` key, up to 1,024 characters); ``time`` (a datetime, or RFC 3339 text)
+        defaults to now. True when it is said at once: queued now, or, inside a ``pause()``,
+        with the pause's end (always sent); it also goes with every later report. Call it once
+        the checkpoint is whole: a scheduler may take it as the point a preempted training
+        resumes from. Never raises."""
+        if not self.enabled or self._closed:
+            return False
+        try:
+            moment = time if time is not None else datetime.datetime.now(datetime.timezone.utc)
+            metrics = checkpoint_metrics(step, uri, moment)
+            if metrics is None:
+                return False
+            now = self._clock()
+            with self._changed:
+                self._checkpoint = metrics
+                if self._activity is not None:
+                    return True  # the pause's end says it, right after
+                # From the pauses' bucket: a loop that checkpoints every step is said as often
+                # as the server takes it, and the rest rides on the next report.
+                if not self._take_pause_reports(now, 1):
+                    return False
+                said = [("activity", "training"), *metrics]
+            self._enqueue(_body({"metrics": metric_list(said)}))
+            return True
+        except Exception:  # whatever it was given, training goes on
+            log.debug("gpureport: a checkpoint report was dropped", exc_info=True)
+            return False
+
+    def _take_pause_reports(self, now: float, count: int) -> bool:
+        """Spend ``count`` from the bucket of reports sent past the throttle (with _changed held)."""
+        at = self._pause_reports_at if self._pause_reports_at is not None else now
+        self._pause_reports = min(PAUSE_BURST, self._pause_reports + max(0.0, now - at))
+        self._pause_reports_at = now
+        if self._pause_reports < count:
+            return False
+        self._pause_reports -= count
+        return True
 
     def due(self, final: bool = False) -> bool:
         """Whether a report now would be sent rather than throttled (False when disabled).
@@ -309,7 +368,9 @@ class Reporter:
             status["progressPercentage"] = min(int(fraction * 100), 99)
         if eta is not None:
             status["estimatedRemainingSeconds"] = eta
-        status["metrics"] = metric_list(list(named) + list(metrics.items()))
+        with self._changed:
+            checkpoint = self._checkpoint
+        status["metrics"] = metric_list([*named, *checkpoint, *metrics.items()])
         return _body(status)
 
     def _eta_at_pace(self, now: float, fraction: float | None) -> int | None:
@@ -514,6 +575,15 @@ def finish(step: Any = None, total_steps: Any = None, loss: Any = None, **figure
     except Exception:
         return False
     return reporter.finish(step, total_steps, loss, **figures)
+
+
+def checkpointed(step: Any, uri: Any = None, *, time: Any = None) -> bool:
+    """:meth:`Reporter.checkpointed` on the process's Reporter."""
+    try:
+        reporter = default_reporter()
+    except Exception:
+        return False
+    return reporter.checkpointed(step, uri, time=time)
 
 
 def pause(activity: str) -> contextlib.AbstractContextManager[None]:

@@ -4,7 +4,11 @@ or nothing. Pure; never raises for any value."""
 
 from __future__ import annotations
 
+import datetime
 import math
+import os
+import re
+import urllib.parse
 from collections.abc import Iterable
 from typing import Any
 
@@ -13,6 +17,12 @@ from typing import Any
 MAX_METRICS = 256
 MAX_CHARS = 64
 MAX_ETA_SECONDS = 2**31 - 1
+# A checkpoint's URI goes in pieces of 64 characters, under CHECKPOINT_URI then "_2", "_3", ...:
+# an s3:// key is often longer than one value may be. 16 pieces hold 1,024 characters.
+CHECKPOINT_STEP = "checkpoint_step"
+CHECKPOINT_TIME = "checkpoint_time"
+CHECKPOINT_URI = "checkpoint_uri"
+MAX_URI_CHARS = 16 * MAX_CHARS
 
 
 def finite(value: Any) -> float | None:
@@ -90,4 +100,28 @@ def metric_list(items: Iterable[tuple[Any, Any]]) -> list[dict[str, str]]:
         if text is not None:
             seen.add(name)
             out.append({"name": name, "value": text})
+    return out
+
+
+def checkpoint_metrics(step: Any, uri: Any, moment: Any) -> list[tuple[str, str]] | None:
+    """The metrics that say the checkpoint of ``step`` is complete: its step, when (RFC 3339,
+    UTC; a datetime, or text sent as given), and where, cut into pieces (see CHECKPOINT_URI).
+    None when ``step`` is not a count."""
+    number = finite(step)
+    if number is None or number < 0 or not number.is_integer() or number > 2**53:
+        return None
+    out = [(CHECKPOINT_STEP, str(int(number)))]
+    if isinstance(moment, datetime.datetime):
+        utc = datetime.timezone.utc  # not datetime.UTC: gpureport runs on Python 3.9
+        moment = (moment if moment.tzinfo else moment.replace(tzinfo=utc)).astimezone(utc)
+        out.append((CHECKPOINT_TIME, moment.strftime("%Y-%m-%dT%H:%M:%SZ")))
+    elif isinstance(moment, str) and moment.strip():
+        out.append((CHECKPOINT_TIME, moment.strip()[:MAX_CHARS]))
+    if isinstance(uri, os.PathLike):
+        uri = os.fspath(uri)
+    if isinstance(uri, str) and uri.strip():
+        # Whitespace as %XX: a piece is sent trimmed, and a space at a cut would be lost.
+        text = re.sub(r"\s", lambda m: urllib.parse.quote(m.group()), uri.strip())[:MAX_URI_CHARS]
+        pieces = [text[i : i + MAX_CHARS] for i in range(0, len(text), MAX_CHARS)]
+        out += [(CHECKPOINT_URI + (f"_{n}" if n > 1 else ""), piece) for n, piece in enumerate(pieces, 1)]
     return out

@@ -6,6 +6,8 @@ done (``global_step``) of ``estimated_stepping_batches``, the epoch (from 1) of
 under the names it logged them by); the final report (100 %) when the fit ends. A logged
 ``loss`` is the loss; without one, the loss ``training_step`` returned. A validation run
 inside the fit is a pause (``Reporter.pause("evaluating")``): the stall timeout does not count it.
+A checkpoint a ``ModelCheckpoint`` wrote is said (``Reporter.checkpointed``) at the next hook,
+once the write is over: status.checkpoint then names its step and file.
 
 Cost: a report is gathered only when :meth:`gpureport.Reporter.due` says it would be sent,
 once per 5 s: reading a GPU tensor's value waits for the device, and doing it every batch
@@ -40,6 +42,7 @@ class GpuopProgress(Callback):
         super().__init__()
         self._reporter = reporter
         self._pausing: contextlib.ExitStack | None = None  # a validation run under way
+        self._checkpoint_said: tuple[int, str] | None = None  # (step, file) last said
 
     @property
     def reporter(self) -> Reporter:
@@ -52,8 +55,14 @@ class GpuopProgress(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.is_global_zero and self.reporter.due():
-            self._send(trainer, outputs, final=False)
+        if trainer.is_global_zero:
+            self._say_checkpoint(trainer)
+            if self.reporter.due():
+                self._send(trainer, outputs, final=False)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.is_global_zero:
+            self._say_checkpoint(trainer)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Within a fit only: a validate() call on its own trains nothing that could stall.
@@ -65,10 +74,39 @@ class GpuopProgress(Callback):
         if self._pausing is not None:
             self._pausing.close()
             self._pausing = None
+        if trainer.is_global_zero:
+            self._say_checkpoint(trainer)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.is_global_zero and self.reporter.enabled:
+            self._say_checkpoint(trainer)  # the final report carries it
             self._send(trainer, None, final=True)
+
+    def _say_checkpoint(self, trainer: Trainer) -> None:
+        """The newest checkpoint the fit's ModelCheckpoint callbacks wrote, if not yet said.
+        Lightning runs them after every other callback, and writes synchronously (unless an
+        async CheckpointIO is configured), so a file seen here is whole. It keeps the file and
+        step of its last save on private attributes (Lightning 2.x); without them, the last
+        or best file and the step now."""
+        newest: tuple[int, str] | None = None
+        try:
+            for callback in getattr(trainer, "checkpoint_callbacks", ()):
+                path = getattr(callback, "_last_checkpoint_saved", "")
+                path = (
+                    path
+                    or getattr(callback, "last_model_path", "")
+                    or getattr(callback, "best_model_path", "")
+                )
+                step = getattr(callback, "_last_global_step_saved", None)
+                if not isinstance(step, int):
+                    step = trainer.global_step
+                if path and step > 0 and (newest is None or step > newest[0]):
+                    newest = (step, str(path))
+        except Exception:  # a report is never worth a failed fit
+            return
+        if newest is not None and newest != self._checkpoint_said:
+            self._checkpoint_said = newest
+            self.reporter.checkpointed(*newest)
 
     def _send(self, trainer: Trainer, outputs: Any, final: bool) -> None:
         try:

@@ -18,10 +18,12 @@ from pathlib import Path
 
 from gpuop.backends.pytorchjob import PYTORCHJOB
 from gpuop.backends.trainjob import TRAINJOB
-from support import chain
+from support import chain, datasets
 from support.chain import Claims, InClusterOperator
 from support.controllers.webhooked import WebhookedController
+from support.images import trainer
 from support.node.pool import Pool
+from support.objectstore import S3Server
 from support.plane.cluster import Api
 from support.plane.controlplane import ControlPlane
 from support.waiting import wait_for
@@ -96,29 +98,56 @@ def test_the_real_webhook_refuses_what_the_training_operator_refuses(
     assert 'admission webhook "validator.pytorchjob.training-operator.kubeflow.org" denied' in refused.stderr
 
 
-def test_progress_then_a_killed_trainer_resumes_from_its_checkpoint(
+def test_progress_then_a_killed_trainer_resumes_from_its_checkpoint_in_the_bucket(
     plane: ControlPlane,
     nodes: Pool,
     claims: Claims,
+    s3: S3Server,
     operator: InClusterOperator,
     timelines: list[chain.Timeline],
     tmp_path: Path,
 ) -> None:
-    """SIGKILL the master's trainer mid-run: its container restarts in place, training goes on
-    from the newest checkpoint on the claim, and the status never says Stalled."""
+    """Its data, checkpoints and model in a bucket of the real S3 store (spec.dataset.uri,
+    checkpoint.uri, output.uri; the credentials in a Secret): each pod copies the dataset first
+    (FetchingDataset meanwhile); SIGKILL the master's trainer mid-run, and its container,
+    restarted in place with no checkpoint on any disk, goes on from the newest one in the bucket;
+    status.checkpoint follows each save, the status never says Stalled, and the trained model
+    lands in the bucket."""
     name = "killed"
-    gate = chain.gate(claims, f"{name}-checkpoints")
-    timelines.append(timeline := chain.start_long_training(plane, name, tmp_path, gate))
+    gate = chain.gate(claims, f"{name}-outputs", mount=chain.OUTPUTS)
+    # Its data in the bucket too (spec.dataset.uri): MNIST's files, copied by each pod's dataset
+    # step, one object every 1.5 s (the test hook on TEST_SITE), so the operator sees it copying.
+    s3.put(chain.BUCKET, {f"{chain.DATA_PREFIX}/{n}": data for n, data in datasets.mnist_files().items()})
+    fields = chain.in_bucket(plane, s3, gate)
+    fields["dataset"] = {"name": "mnist", "uri": f"s3://{chain.BUCKET}/{chain.DATA_PREFIX}",
+                         "secretName": chain.STORE_SECRET}  # fmt: skip
+    fields["env"] = [{"name": "PYTHONPATH", "value": f"{chain.OUTPUTS}/hold-site:{trainer.TEST_SITE}"},
+                     {"name": "GPUOP_TEST_FETCH_SECONDS", "value": "1.5"}]  # fmt: skip
+    timelines.append(timeline := chain.start_long_training(plane, name, tmp_path, gate, **fields))
     pod = f"{name}-master-0"
     held = gate.wait_held(lambda: not {"Succeeded", "Failed"} & set(timeline.phases()))
+    # The dataset step ran first, copying the four files, and status said so meanwhile.
+    assert "FetchingDataset" in timeline.conditions()
+    placed = chain.get(plane, "pod", pod)
+    assert placed is not None
+    copied = nodes.of(placed).log_of(placed, "fetch-dataset")
+    assert "fetched 4 objects (4 copied" in copied, copied
     # While it waits there, the status has that step, every figure there.
     progress = wait_for("the held step in the status", lambda: next(
         (s["progress"] for s in reversed(timeline.seen) if s.get("progress", {}).get("step") == held), None),
         timeout=60)  # fmt: skip
     assert {"step", "totalSteps", "percent", "loss", "samplesPerSecond", "eta"} <= set(progress), progress
-    assert len(chain.checkpointed_steps(gate)) >= 2  # one past the first epoch: not the start
+    in_bucket = chain.bucket_steps(s3, name)
+    assert len(in_bucket) >= 2, in_bucket  # one past the first epoch: not the start
+    assert not any(gate.folder.glob("*/step-*")), "a checkpoint on a disk"
+    # status.checkpoint names the newest one in the bucket, and moved with each save.
+    said = wait_for("status.checkpoint at the newest save", lambda: next(
+        (c for s in reversed(timeline.seen) if (c := s.get("checkpoint")) and c["step"] == in_bucket[-1]), None),
+        timeout=30)  # fmt: skip
+    assert said["uri"].startswith(f"s3://{chain.BUCKET}/{chain.BUCKET_PREFIX}/{name}/step-"), said
+    assert len({s["checkpoint"]["step"] for s in timeline.seen if s.get("checkpoint")}) >= 2
     pid = wait_for("the trainer process", lambda: chain.trainer_pid(plane, nodes, pod), timeout=10)
-    before_kill = max(chain.checkpointed_steps(gate))
+    before_kill = max(chain.bucket_steps(s3, name))
     os.kill(pid, signal.SIGKILL)
     # The other rank goes on, finds its peer gone and restarts too, as it would have unheld.
     gate.release()
@@ -129,6 +158,16 @@ def test_progress_then_a_killed_trainer_resumes_from_its_checkpoint(
     resumed = chain.resumed_steps(plane, nodes, pod)
     assert resumed, "the restarted trainer did not resume"
     assert resumed[0] >= before_kill, (resumed, before_kill)
+    assert f"resumed from s3://{chain.BUCKET}/{chain.BUCKET_PREFIX}/{name}/" in chain.logs(plane, nodes, pod)
+    final = chain.get(plane, "gtr", name)
+    assert final is not None
+    assert final["status"]["checkpoint"]["step"] == max(chain.bucket_steps(s3, name)), final["status"]
+    # spec.output.uri: the model, history and result went to the store when it ended.
+    assert s3.names(chain.BUCKET, f"{chain.OUTPUT_PREFIX}/{name}") == [
+        "metrics.jsonl",
+        "model.pt",
+        "result.json",
+    ]
     assert "Stalled" not in timeline.conditions()
     phases = timeline.caught_up("Succeeded")
     assert phases[-1] == "Succeeded"

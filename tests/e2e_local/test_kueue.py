@@ -16,6 +16,7 @@ from support import chain
 from support.chain import Claims
 from support.controllers import kueue
 from support.node.pool import Pool
+from support.objectstore import S3Server
 from support.plane.controlplane import ControlPlane
 from support.waiting import wait_for
 
@@ -96,16 +97,18 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
     plane: ControlPlane,
     nodes: Pool,
     claims: Claims,
+    s3: S3Server,
     timelines: list[chain.Timeline],
     tmp_path: Path,
     backend: str,
 ) -> None:
     """The real Kueue preempting: a ClusterQueue that fits one training and preempts lower
     priorities (`withinClusterQueue: LowerPriority`, priorities from the pods' PriorityClass,
-    as Kueue reads them). A low-priority training runs and checkpoints; a high-priority one
-    arrives; Kueue evicts the low one and suspends its job. The operator shows it Queued with
-    Kueue's reason (Preempted), never resumes it, and once the high one has finished and Kueue
-    admits the low one again, it resumes from its checkpoint to Succeeded."""
+    as Kueue reads them). A low-priority training runs and checkpoints to a bucket of the real
+    S3 store; a high-priority one arrives; Kueue evicts the low one and suspends its job. The
+    operator shows it Queued with Kueue's reason (Preempted), never resumes it, and keeps its
+    last checkpoint in status; once the high one has finished and Kueue admits the low one
+    again, its new pods resume from the bucket to Succeeded."""
     queue = f"preempting-{backend}"
     for obj in kueue.queues(queue, chain.NAMESPACE, {"cpu": "2", "memory": "2Gi"},
                             preemption={"withinClusterQueue": "LowerPriority"}):  # fmt: skip
@@ -115,10 +118,9 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
             "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
             "metadata": {"name": priority_class}, "value": value}))  # fmt: skip
     low, high = f"low-{backend}", f"high-{backend}"
-    gate = chain.gate(
-        claims, f"{low}-checkpoints"
-    )  # the low one waits at chain.HOLD_AT_STEP: still running when preempted
-    low_spec = chain.variant(tmp_path, low, training={"epochs": 40}, checkpoint={"volume": {"claimName": gate.claim}},
+    # The low one waits at chain.HOLD_AT_STEP: still running when preempted.
+    gate = chain.gate(claims, f"{low}-outputs", mount=chain.OUTPUTS)
+    low_spec = chain.variant(tmp_path, low, training={"epochs": 40}, **chain.in_bucket(plane, s3, gate),
                         scheduling={"queueName": queue, "priorityClassName": "e2e-low"}, backend=backend,
                         env=gate.env)  # fmt: skip
     high_spec = chain.variant(tmp_path, high, scheduling={"queueName": queue, "priorityClassName": "e2e-high"},
@@ -128,7 +130,7 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
     plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", str(low_spec))
     rank0 = chain.rank0_pod(low, backend)
     gate.wait_held(lambda: not {"Succeeded", "Failed"} & set(low_timeline.phases()))
-    assert len(chain.checkpointed_steps(gate)) >= 2  # one past the first epoch: not the start
+    assert len(chain.bucket_steps(s3, low)) >= 2  # one past the first epoch: not the start
     plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", str(high_spec))
 
     def preempted() -> dict[str, Any] | None:
@@ -145,7 +147,12 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
         job["spec"]["runPolicy"]["suspend"] if backend == "pytorchjob" else job["spec"]["suspend"]
     ) is True
     wait_for(f"{low}'s pods gone", lambda: not chain.pods_of(plane, low), timeout=90)
-    saved = max(chain.checkpointed_steps(gate))
+    saved = max(chain.bucket_steps(s3, low))
+    # While it waits, evicted, status says how fresh its last checkpoint is: the newest one saved
+    # (the one its SIGTERM'd trainer wrote, when its save beat the grace period).
+    said = wait_for("status.checkpoint at the last save", lambda: (c := (chain.get(plane, "gtr", low) or {}).get(
+        "status", {}).get("checkpoint")) and c["step"] == saved and c, timeout=30)  # fmt: skip
+    assert said["uri"].startswith(f"s3://{chain.BUCKET}/{chain.BUCKET_PREFIX}/{low}/"), said
     gate.release()  # for its pods when Kueue admits it again (SIGTERM let the evicted ones go)
 
     chain.wait_finished(plane, high)
@@ -155,6 +162,7 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
     resumed = chain.resumed_steps(plane, nodes, rank0)
     assert resumed, "the preempted training started over"
     assert resumed[-1] >= saved, (resumed, saved)
+    assert f"resumed from s3://{chain.BUCKET}/{chain.BUCKET_PREFIX}/{low}/" in chain.logs(plane, nodes, rank0)
     # The operator never fought Kueue: Running, then Queued while evicted, then Running again.
     phases = low_timeline.caught_up("Succeeded")
     assert "Suspended" not in phases, phases

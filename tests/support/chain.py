@@ -22,6 +22,7 @@ from gpuop.backends.registry import JobApi
 from gputrain.contract import complete_checkpoint_step
 from support.images import trainer
 from support.node.pool import Pool
+from support.objectstore import S3Server
 from support.paths import ROOT
 from support.plane import controlplane
 from support.plane.controlplane import ControlPlane
@@ -83,6 +84,15 @@ KIND_CPU = ROOT / "examples" / "kind-cpu.yaml"
 KIND_CPU_ELASTIC = ROOT / "examples" / "kind-cpu-elastic.yaml"
 # Where a training's checkpoint claim is mounted (spec.checkpoint.path's default).
 CHECKPOINTS = "/checkpoints"
+# Where a training's output claim is mounted (spec.output.path's default).
+OUTPUTS = "/output"
+# The chain's checkpoints in the session's S3 store (support.objectstore): the bucket, the
+# prefix (each training writes under <prefix>/<name>), the Secret its credentials are in.
+BUCKET = "checkpoints"
+BUCKET_PREFIX = "chain"
+OUTPUT_PREFIX = "chain-models"
+DATA_PREFIX = "chain-data/mnist"
+STORE_SECRET = "store-credentials"
 # The kind example's digits on 2 workers of batch 32 are 23 steps an epoch: by step 50, in the
 # third epoch, two epoch-end checkpoints are written.
 HOLD_AT_STEP = 50
@@ -172,10 +182,11 @@ class Gate:
     slowly it got there: a free 40-epoch run is some 15 s of training here.
 
     spec.env refuses GPUTRAIN_* (the operator's names): PYTHONPATH brings in a sitecustomize
-    on the training's checkpoint claim that sets the gate's variables and runs the gate."""
+    on the claim that sets the gate's variables and runs the gate. The claim is the training's
+    checkpoint volume, or, for checkpoints in a bucket, its output volume (:data:`OUTPUTS`)."""
 
     claim: str
-    folder: Path  # the claim's folder as this host sees it: the checkpoints, the gate
+    folder: Path  # the claim's folder as this host sees it: the checkpoints (on a volume), the gate
     env: list[dict[str, str]]  # for spec.env
 
     @property
@@ -190,9 +201,10 @@ class Gate:
         release(self.directory)
 
 
-def gate(claims: Claims, claim: str) -> Gate:
-    """``claim``, made for a training's checkpoints, with a gate on it: the claim's folder is
-    shared by its pods wherever they run and seen by this host."""
+def gate(claims: Claims, claim: str, mount: str = CHECKPOINTS) -> Gate:
+    """``claim``, made for a training's checkpoints (or outputs), with a gate on it: the claim's
+    folder is shared by its pods wherever they run and seen by this host; ``mount`` is where
+    the pods have it."""
     shared = claims.make(NAMESPACE, claim)
     site = shared / "hold-site"
     site.mkdir(parents=True, exist_ok=True)
@@ -200,7 +212,7 @@ def gate(claims: Claims, claim: str) -> Gate:
     # get there makes it too (as root, closed to them otherwise).
     (shared / "hold").mkdir(parents=True, exist_ok=True)
     (shared / "hold").chmod(0o777)
-    variables = hold_env(Path(CHECKPOINTS) / "hold", HOLD_AT_STEP)
+    variables = hold_env(Path(mount) / "hold", HOLD_AT_STEP)
     del variables["PYTHONPATH"]  # this host's; the pods get theirs from spec.env
     # The gate itself is in the trainer image, where pace_env's hooks are.
     (site / "sitecustomize.py").write_text(textwrap.dedent(f"""\
@@ -214,16 +226,15 @@ def gate(claims: Claims, claim: str) -> Gate:
         sys.modules[_spec.name] = _gate
         _spec.loader.exec_module(_gate)
         """))  # fmt: skip
-    return Gate(claim, shared, [{"name": "PYTHONPATH", "value": f"{CHECKPOINTS}/hold-site"}])
+    return Gate(claim, shared, [{"name": "PYTHONPATH", "value": f"{mount}/hold-site"}])
 
 
-def start_long_training(plane: ControlPlane, name: str, tmp: Path, gate: Gate) -> Timeline:
+def start_long_training(plane: ControlPlane, name: str, tmp: Path, gate: Gate, **spec: Any) -> Timeline:
     """The kind example for 40 epochs (about 15 s of training here), its checkpoints on the
-    gate's claim so that they outlive its pods, held at HOLD_AT_STEP by ``gate``; applied, with
-    a timeline of its status."""
-    spec = variant(
-        tmp, name, training={"epochs": 40}, checkpoint={"volume": {"claimName": gate.claim}}, env=gate.env
-    )
+    gate's claim so that they outlive its pods (or as ``spec`` says: :func:`in_bucket`), held at
+    HOLD_AT_STEP by ``gate``; applied, with a timeline of its status."""
+    spec = variant(tmp, name, **{"training": {"epochs": 40}, "checkpoint": {"volume": {"claimName": gate.claim}},
+                                 "env": gate.env, **spec})  # fmt: skip
     timeline = Timeline(plane, name)
     plane.kubectl("apply", "-n", NAMESPACE, "-f", str(spec))
     return timeline
@@ -285,6 +296,22 @@ def resumed_steps(plane: ControlPlane, pool: Pool, pod: str) -> list[int]:
         if " resumed from " in line:
             steps.append(int(line.rsplit("step ", 1)[1].split()[0].rstrip(",")))
     return steps
+
+
+def in_bucket(plane: ControlPlane, store: S3Server, gate: Gate) -> dict[str, Any]:
+    """The spec fields that put a training's checkpoints and its final outputs in the session's
+    bucket (under :data:`BUCKET_PREFIX` and :data:`OUTPUT_PREFIX`), with the store's credentials
+    in a Secret (made here) and the gate on the output claim."""
+    plane.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=json.dumps(store.secret(STORE_SECRET)))
+    return {"checkpoint": {"uri": f"s3://{BUCKET}/{BUCKET_PREFIX}", "secretName": STORE_SECRET},
+            "output": {"volume": {"claimName": gate.claim}, "uri": f"s3://{BUCKET}/{OUTPUT_PREFIX}",
+                       "secretName": STORE_SECRET}}  # fmt: skip
+
+
+def bucket_steps(store: S3Server, name: str) -> list[int]:
+    """The steps of the complete checkpoints of training ``name`` in the bucket (:func:`in_bucket`)."""
+    steps = (complete_checkpoint_step(n) for n in store.names(BUCKET, f"{BUCKET_PREFIX}/{name}"))
+    return sorted(step for step in steps if step is not None)
 
 
 def checkpointed_steps(gate: Gate) -> list[int]:

@@ -60,6 +60,8 @@ def api(plane: controlplane.ControlPlane, crd_warnings: str) -> Api:
 
 @pytest.fixture(scope="session")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[objectstore.S3Server]:
-    """The session's real S3-compatible store, its buckets (:data:`BUCKETS`) made."""
-    with objectstore.running_server(tmp_path_factory.mktemp("s3"), BUCKETS) as server:
+    """The session's real S3-compatible store, its buckets (:data:`BUCKETS`) made, on this
+    machine's address: the chain's trainer pods checkpoint to it as the trainer tests do."""
+    host = controlplane.host_address()
+    with objectstore.running_server(tmp_path_factory.mktemp("s3"), BUCKETS, host) as server:
         yield server

@@ -1,6 +1,6 @@
 """A real S3-compatible object store for the tests: SeaweedFS, built from its Go module
-(``tests/objectstore/go.mod``) as the control plane is, started as ``weed mini`` on loopback with
-one identity (an access key and its secret) and the buckets a test names; and a fault proxy in
+(``tests/objectstore/go.mod``) as the control plane is, started as ``weed mini`` on this machine's
+address (the chain's pods reach it there, the tests too) with one identity (an access key and its secret) and the buckets a test names; and a fault proxy in
 front of it that answers 503 or answers slowly for a while, as a store under load does.
 
 Why SeaweedFS and not MinIO: MinIO's server is under the AGPL-3.0, which this project's package
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from support.paths import ROOT
 from support.plane import gobuild
@@ -57,7 +57,7 @@ def ensure_server() -> Path:
 class S3Server:
     """A running store: where it answers and the credentials it takes."""
 
-    endpoint: str  # http://127.0.0.1:PORT
+    endpoint: str  # http://ADDRESS:PORT: this machine's address, which pods reach too
     directory: Path
 
     def env(self, *, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY) -> dict[str, str]:
@@ -69,27 +69,58 @@ class S3Server:
             "AWS_ENDPOINT_URL": self.endpoint,
         }
 
+    def secret(self, name: str) -> dict[str, Any]:
+        """A Secret holding :meth:`env`, for ``spec.checkpoint.secretName``."""
+        return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}, "stringData": self.env()}
 
-def _free_port() -> int:
+    def put(self, bucket: str, files: dict[str, bytes]) -> None:
+        """Upload ``files`` (their names the keys) to ``bucket``, as a user's ``aws s3 cp`` would."""
+        import obstore
+
+        store = self._store(bucket)
+        for name, data in files.items():
+            obstore.put(store, name, data)
+
+    def _store(self, bucket: str) -> Any:
+        from obstore.store import S3Store
+
+        return S3Store(bucket, endpoint=self.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY,
+                       region=REGION, client_options={"allow_http": True})  # fmt: skip
+
+    def names(self, bucket: str, prefix: str) -> list[str]:
+        """The object names under ``prefix`` in ``bucket``, relative to it (as a user's
+        ``aws s3 ls`` shows them)."""
+        import obstore
+
+        store = self._store(bucket)
+        root = prefix.strip("/") + "/"
+        return sorted(
+            o["path"].removeprefix(root) for batch in obstore.list(store, prefix=root) for o in batch
+        )
+
+
+def _free_port(host: str) -> int:
     # SeaweedFS listens on each port and on port + 10000 (its gRPC): both must be free.
     for _ in range(100):
         with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
+            probe.bind((host, 0))
             port = int(probe.getsockname()[1])
         if port + 10000 > 65535:
             continue
         with socket.socket() as grpc:
             try:
-                grpc.bind(("127.0.0.1", port + 10000))
+                grpc.bind((host, port + 10000))
             except OSError:
                 continue
         return port
-    raise RuntimeError("no free pair of loopback ports (port, port + 10000) found")
+    raise RuntimeError(f"no free pair of ports (port, port + 10000) found on {host}")
 
 
 @contextlib.contextmanager
-def running_server(directory: Path, buckets: tuple[str, ...]) -> Iterator[S3Server]:
-    """``weed mini`` in ``directory`` with ``buckets`` made, until the block ends."""
+def running_server(directory: Path, buckets: tuple[str, ...], host: str = "127.0.0.1") -> Iterator[S3Server]:
+    """``weed mini`` in ``directory`` with ``buckets`` made, listening on ``host`` (give this
+    machine's own address for pods to reach it: they cannot reach its loopback), until the
+    block ends."""
     weed = ensure_server()
     directory.mkdir(parents=True, exist_ok=True)
     identities = {"identities": [{
@@ -100,9 +131,9 @@ def running_server(directory: Path, buckets: tuple[str, ...]) -> Iterator[S3Serv
     }]}  # fmt: skip
     config = directory / "s3.json"
     config.write_text(json.dumps(identities))
-    ports = {name: _free_port() for name in ("master", "volume", "filer", "s3")}
+    ports = {name: _free_port(host) for name in ("master", "volume", "filer", "s3")}
     command = [
-        str(weed), "mini", f"-dir={directory / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        str(weed), "mini", f"-dir={directory / 'data'}", f"-ip={host}", f"-ip.bind={host}",
         f"-s3.config={config}", f"-bucket={','.join(buckets)}",
         *(f"-{name}.port={port}" for name, port in ports.items()),
         # Only what S3 needs: no WebDAV, admin UI, Iceberg or Lance listeners, no telemetry.
@@ -114,7 +145,7 @@ def running_server(directory: Path, buckets: tuple[str, ...]) -> Iterator[S3Serv
     (directory / "data").mkdir(exist_ok=True)
     log = (directory / "weed.log").open("ab")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = S3Server(f"http://127.0.0.1:{ports['s3']}", directory)
+    server = S3Server(f"http://{host}:{ports['s3']}", directory)
     try:
         _wait_ready(server, buckets, process)
         yield server

@@ -1,10 +1,12 @@
 """Checkpoints in a bucket of a real S3-compatible store (SeaweedFS, :mod:`support.objectstore`):
 the same promises as on a volume (complete or invisible, the newest K kept, a corrupt one set
 aside, the newest complete one never pruned), the faults a store has (503s, slowness, wrong
-credentials, a missing bucket), and a real run preempted and resumed from the bucket."""
+credentials, a missing bucket), a real run preempted and resumed from the bucket, and a run's
+outputs uploaded to a bucket when it ends (spec.output.uri)."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -174,6 +176,51 @@ def test_a_preempted_run_resumes_from_the_bucket_in_an_empty_work_directory(
     assert f"resumed from {uri}/step-{stopped_at:08d}-" in log_of(second)
     result = json.loads(second.termination_log.read_text())
     assert (result["phase"], result["step"]) == ("Succeeded", result["totalSteps"])
+
+
+def test_the_outputs_go_to_the_bucket_when_the_run_ends(
+    tmp_path: Path, uri: str, s3: objectstore.S3Server
+) -> None:
+    """spec.output.uri: the model, the history and the result, as written to the output
+    directory, each whole in the bucket; the result last."""
+    run = digits_run(tmp_path, workers=1, epochs=1)
+    out = f"{uri}/out"
+    assert train(run, extra_env={"GPUTRAIN_OUTPUT_URI": out, **s3.env()}) == 0, log_of(run)
+    assert re.search(rf"outputs uploaded to {re.escape(out)} \(\d+\.\d\d s\)", log_of(run)), log_of(run)
+    assert _names(out) == ["metrics.jsonl", "model.pt", "result.json"]
+    store = open_location(out)
+    for name in ("metrics.jsonl", "model.pt", "result.json"):
+        assert store.read(name) == (run.output_dir / name).read_bytes(), name
+    state = torch.load(io.BytesIO(store.read("model.pt")), weights_only=True)
+    assert any(key.endswith("weight") for key in state)
+    assert json.loads(store.read("result.json"))["phase"] == "Succeeded"
+
+
+def test_outputs_that_cannot_be_uploaded_fail_the_run_in_one_line_that_says_what_to_do(
+    tmp_path: Path, uri: str, s3: objectstore.S3Server
+) -> None:
+    """A missing bucket at the end: the trainer exits 5 (torchrun, its parent, then 1), with the
+    reason OutputStorageFailed and where the trained model is meanwhile."""
+    run = digits_run(tmp_path, workers=1, epochs=1)
+    code = train(run, extra_env={"GPUTRAIN_OUTPUT_URI": "s3://no-such-bucket/out/t", **s3.env()})
+    assert code != 0, log_of(run)
+    assert "exitcode  : 5" in log_of(run)
+    record = json.loads(run.termination_log.read_text())
+    assert record["reason"] == "OutputStorageFailed", record
+    message = record["message"]
+    assert "\n" not in message
+    assert message.startswith("s3://no-such-bucket/out/t: write model.pt failed: the bucket does not exist")
+    assert message.endswith(
+        "with the store fixed, apply the training again (it resumes at its end and uploads)"
+    )
+    assert (run.output_dir / "model.pt").is_file()
+    # Applied again with the store fixed: resumed at the end, uploaded, no step trained again.
+    again = f"{uri}/out"
+    assert train(run, extra_env={"GPUTRAIN_OUTPUT_URI": again, **s3.env()}) == 0, log_of(run)
+    second = log_of(run).rsplit("resumed from ", 1)[1]
+    assert f"outputs uploaded to {again}" in second
+    assert " loss " not in second, second  # no logging interval: nothing trained
+    assert _names(again) == ["metrics.jsonl", "model.pt", "result.json"]
 
 
 def _gpuop_run(

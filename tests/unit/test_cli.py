@@ -537,5 +537,5 @@ def test_a_model_that_would_be_lost_is_warned_of(capsys: pytest.CaptureFixture[s
         assert err == (
             f"warning: {path}:5: spec.output.volume: not set: the trained model is written to an emptyDir and "
             "lost with the pod (only the result in the termination message stays); set output.volume.claimName "
-            "to keep it\n"
+            "or output.uri to keep it\n"
         )

@@ -868,3 +868,32 @@ def test_the_last_checkpoint_is_in_status_kept_across_a_restart_until_a_newer_on
     again = derive_status(later, observe(240, reports=(first, newer)), THRESHOLDS)
     assert again.checkpoint == later.checkpoint
     assert status_patch(later, derive_status(later, observe(181, reports=(first, newer)), THRESHOLDS)) is None
+
+
+def test_a_training_fetching_its_dataset_says_so_then_clears_and_a_failed_copy_says_why() -> None:
+    """spec.dataset.uri: while the pods' dataset step copies, FetchingDataset (no alarm; the
+    phase stays Created); when training runs it turns False; a copy that fails is
+    PodsNotStarting with the step's own line and where its log is."""
+    created = (JobCondition("Created", "True"),)
+    copying = (PodObservation("demo-master-0", "Pending", fetching_dataset=True),
+               PodObservation("demo-worker-0", "Pending", fetching_dataset=True))  # fmt: skip
+    fetching = derive_status(None, observe(0, conditions=created, pods=copying), THRESHOLDS)
+    assert fetching.phase == "Created"
+    condition = next(c for c in fetching.conditions if c.type == "FetchingDataset")
+    assert (condition.status, condition.reason) == ("True", "CopyingDataset")
+    assert condition.message == (
+        "demo-master-0, demo-worker-0 copy spec.dataset.uri into the dataset path before training "
+        "(kubectl logs demo-master-0 -c fetch-dataset shows its progress)"
+    )
+    assert [(e.type, e.reason) for e in events(None, fetching)][-1] == ("Normal", "CopyingDataset")
+    running = derive_status(fetching, observe(60, pods=running_pods(10)), THRESHOLDS)
+    assert types(running)["FetchingDataset"] == "False"
+    said = "s3://data/demo: list failed: access denied (InvalidAccessKeyId); check the credentials"
+    failing = PodObservation("demo-master-0", "Pending", cannot_start=("DatasetFetchFailed", said))
+    failed = derive_status(None, observe(0, conditions=created, pods=(failing,)), THRESHOLDS)
+    condition = next(c for c in failed.conditions if c.type == "PodsNotStarting")
+    assert (condition.status, condition.reason) == ("True", "DatasetFetchFailed")
+    assert condition.message == (
+        f"pod demo-master-0's dataset step cannot copy spec.dataset.uri: {said}; the kubelet retries it "
+        "(kubectl logs demo-master-0 -c fetch-dataset)"
+    )

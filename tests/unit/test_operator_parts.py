@@ -472,3 +472,33 @@ def test_a_trainer_the_kubelet_cannot_start_is_read_with_its_reason(
 ) -> None:
     pod = _pod(phase="Pending", containerStatuses=[{"name": "pytorch", "state": {"waiting": waiting}}])
     assert observe.pod_observation(pod, None).cannot_start == read
+
+
+def test_the_dataset_step_is_read_while_it_copies_and_when_it_failed() -> None:
+    """spec.dataset.uri's init container: running is copying; terminated with an error and
+    waiting to run again is a pod that cannot start, with the step's own line (its
+    termination message) or its exit code."""
+    copying = _pod(phase="Pending", initContainerStatuses=[
+        {"name": "fetch-dataset", "restartCount": 0, "state": {"running": {"startedAt": "2026-11-25T10:00:00Z"}}}])  # fmt: skip
+    seen = observe.pod_observation(copying, None)
+    assert (seen.fetching_dataset, seen.cannot_start) == (True, None)
+    record = json.dumps({"phase": "Failed", "reason": "DatasetFetchFailed",
+                         "message": "s3://data/x: list failed: the bucket does not exist; create it or correct the URI"})  # fmt: skip
+    failed = _pod(phase="Pending", initContainerStatuses=[{
+        "name": "fetch-dataset", "restartCount": 2, "ready": False,
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s"}},
+        "lastState": {"terminated": {"exitCode": 6, "reason": "Error", "message": record}}}])  # fmt: skip
+    seen = observe.pod_observation(failed, None)
+    assert seen.fetching_dataset is False
+    assert seen.cannot_start == (
+        "DatasetFetchFailed",
+        "s3://data/x: list failed: the bucket does not exist; create it or correct the URI",
+    )
+    silent = _pod(phase="Pending", initContainerStatuses=[{
+        "name": "fetch-dataset", "restartCount": 1, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}])  # fmt: skip
+    assert observe.pod_observation(silent, None).cannot_start == ("DatasetFetchFailed", "it exited with 137")
+    done = _pod(phase="Running", initContainerStatuses=[{
+        "name": "fetch-dataset", "restartCount": 1, "ready": True,
+        "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}])  # fmt: skip
+    assert observe.pod_observation(done, None).cannot_start is None

@@ -460,3 +460,58 @@ def test_checkpoints_in_a_bucket_mount_nothing_and_take_the_secret_as_the_enviro
     for pod in pods(render(minimal(checkpoint={"uri": "gs://team-ckpt"}))):
         assert "envFrom" not in pod["containers"][0]
         assert env_of(pod["containers"][0])["GPUTRAIN_CHECKPOINT_DIR"] == "gs://team-ckpt/demo"
+
+
+def test_outputs_to_a_bucket_keep_their_volume_and_name_the_upload_and_its_secret() -> None:
+    body = minimal(
+        output={"uri": "s3://team-models/runs", "secretName": "s3-creds", "volume": {"claimName": "out"}}
+    )
+    for pod in pods(render(body)):
+        container = pod["containers"][0]
+        env = env_of(container)
+        assert (env["GPUTRAIN_OUTPUT_URI"], env["GPUTRAIN_OUTPUT_DIR"]) == (
+            "s3://team-models/runs/demo",
+            "/output/demo",
+        )
+        assert container["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+        assert "output" in {m["name"] for m in container["volumeMounts"]}
+    # One Secret named twice is taken once; no uri, nothing to upload.
+    both = minimal(checkpoint={"uri": "s3://bkt/c", "secretName": "s3-creds"},
+                   output={"uri": "s3://bkt/m", "secretName": "s3-creds"})  # fmt: skip
+    assert [p["containers"][0]["envFrom"] for p in pods(render(both))] == [
+        [{"secretRef": {"name": "s3-creds"}}]
+    ]
+    assert env_of(pods(render(minimal()))[0]["containers"][0])["GPUTRAIN_OUTPUT_URI"] == ""
+
+
+def test_a_dataset_in_a_bucket_is_copied_by_an_init_step_into_a_cache_the_trainer_reads_only() -> None:
+    """spec.dataset.uri: the dataset step (gputrain.fetch) in each pod, before the trainer, with
+    the trainer's CPU and memory but no GPU, the store's Secret, and the cache read-write for it;
+    the trainer mounts the cache read-only. A claim is the cache when given, else an emptyDir."""
+    body = minimal(gpusPerWorker=8, resources={"cpu": "8", "memory": "64Gi"},
+                   dataset={"name": "imagefolder", "uri": "s3://team-data/imagenet", "secretName": "s3-creds",
+                            "volume": {"claimName": "imagenet-cache"}})  # fmt: skip
+    for pod in pods(render(body, default_image="registry.example/gpuop/trainer:1")):
+        [fetch] = pod["initContainers"]
+        assert fetch["name"] == "fetch-dataset"
+        assert fetch["command"] == ["python3", "-m", "gputrain.fetch"]
+        assert fetch["args"] == ["s3://team-data/imagenet", "/data"]
+        assert fetch["image"] == "registry.example/gpuop/trainer:1"
+        assert fetch["resources"] == {
+            "requests": {"cpu": "8", "memory": "64Gi"},
+            "limits": {"memory": "64Gi"},
+        }
+        assert fetch["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+        assert fetch["volumeMounts"] == [{"name": "data", "mountPath": "/data"}]
+        trainer = pod["containers"][0]
+        assert {"name": "data", "mountPath": "/data", "readOnly": True} in trainer["volumeMounts"]
+        assert trainer["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+        assert {"name": "data", "persistentVolumeClaim": {"claimName": "imagenet-cache"}} in pod["volumes"]
+    # No claim: an emptyDir; a custom command's step runs in the operator's trainer image.
+    custom = minimal(image="team/own:1", command=["python", "train.py"],
+                     dataset={"name": "imagefolder", "uri": "gs://team-data/x"})  # fmt: skip
+    [pod] = pods(render(custom, default_image="registry.example/gpuop/trainer:1"))[:1]
+    assert pod["initContainers"][0]["image"] == "registry.example/gpuop/trainer:1"
+    assert "envFrom" not in pod["initContainers"][0]
+    assert {"name": "data", "emptyDir": {}} in pod["volumes"]
+    assert "initContainers" not in pods(render(minimal()))[0]

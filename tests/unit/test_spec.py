@@ -302,6 +302,40 @@ BAD_SPECS: list[tuple[str, dict[str, Any], list[str]]] = [
         ["spec.checkpoint.secretName: is for a uri's credentials: set uri too, or leave secretName out"],
     ),
     (
+        "output secret without uri",
+        {"output": {"secretName": "creds"}},
+        ["spec.output.secretName: is for a uri's credentials: set uri too, or leave secretName out"],
+    ),
+    (
+        "two store secrets",
+        {
+            "checkpoint": {"uri": "s3://bkt/ckpt", "secretName": "ckpt-creds"},
+            "output": {"uri": "s3://bkt/models", "secretName": "model-creds"},
+        },
+        [
+            "spec.output.secretName: must name the Secret checkpoint.secretName names: its keys become the "
+            "trainer's environment, which holds one set of the store's variables (got 'model-creds' and "
+            "'ckpt-creds')"
+        ],
+    ),
+    (
+        "dataset secret without uri",
+        {"dataset": {"name": "imagefolder", "secretName": "creds"}},
+        ["spec.dataset.secretName: is for a uri's credentials: set uri too, or leave secretName out"],
+    ),
+    (
+        "dataset secret not the checkpoint's",
+        {
+            "checkpoint": {"uri": "s3://bkt/ckpt", "secretName": "ckpt-creds"},
+            "dataset": {"name": "imagefolder", "uri": "s3://bkt/data", "secretName": "data-creds"},
+        },
+        [
+            "spec.dataset.secretName: must name the Secret checkpoint.secretName and output.secretName name: its "
+            "keys become the pods' environment, which holds one set of the store's variables (got 'data-creds' "
+            "and 'ckpt-creds')"
+        ],
+    ),
+    (
         "checkpoint uri not a bucket",
         {"checkpoint": {"uri": "https://example.com/b"}},
         [

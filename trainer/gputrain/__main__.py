@@ -25,6 +25,7 @@ from gputrain.contract import (
     EXIT_DATA_MISSING,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_OUTPUT_STORAGE,
     EXIT_PREEMPTED,
     EXIT_STORAGE,
     FAILURE_REASONS,
@@ -93,7 +94,7 @@ def main(argv: Sequence[str] | None = None, after: Callable[[Trainer], None] | N
     from gputrain.data import DatasetMissingError
     from gputrain.distributed import join, leave
     from gputrain.storage import StorageError
-    from gputrain.train import PreemptedError, Trainer
+    from gputrain.train import OutputUploadError, PreemptedError, Trainer
 
     try:
         cluster = join(settings.backend)
@@ -112,6 +113,9 @@ def main(argv: Sequence[str] | None = None, after: Callable[[Trainer], None] | N
     except DatasetMissingError as exc:
         log.error("%s", exc)
         return _report_failure(termination_log, EXIT_DATA_MISSING, str(exc))
+    except OutputUploadError as exc:  # trained, but the model is not where the spec said
+        log.error("%s", exc)
+        return _report_failure(termination_log, EXIT_OUTPUT_STORAGE, str(exc))
     except StorageError as exc:  # reading the checkpoints at the start: nothing to train from
         log.error("%s", exc)
         return _report_failure(termination_log, EXIT_STORAGE, str(exc))

@@ -46,6 +46,8 @@ EXIT_OK: Final = 0
 EXIT_BAD_CONFIG: Final = 2
 EXIT_DATA_MISSING: Final = 3
 EXIT_STORAGE: Final = 4  # the checkpoint store refused (credentials, a missing bucket) at the start
+EXIT_OUTPUT_STORAGE: Final = 5  # trained, but the outputs could not be uploaded to GPUTRAIN_OUTPUT_URI
+EXIT_FETCH: Final = 6  # the dataset step (gputrain.fetch) could not copy spec.dataset.uri
 EXIT_PREEMPTED: Final = 143  # SIGTERM: an eviction, a preemption, `kubectl delete`
 EXIT_INTERRUPTED: Final = 130  # SIGINT: Ctrl-C in a terminal
 
@@ -193,6 +195,8 @@ FAILURE_REASONS: Final = {
     EXIT_BAD_CONFIG: "InvalidSettings",
     EXIT_DATA_MISSING: "DatasetMissing",
     EXIT_STORAGE: "CheckpointStorageFailed",
+    EXIT_OUTPUT_STORAGE: "OutputStorageFailed",
+    EXIT_FETCH: "DatasetFetchFailed",
     EXIT_PREEMPTED: "Preempted",
     EXIT_INTERRUPTED: "Interrupted",
 }
@@ -260,6 +264,7 @@ class TrainerSettings:
     checkpoint_every_steps: int
     checkpoint_keep: int
     output_dir: str
+    output_uri: str  # where the outputs are uploaded at the end ("": nowhere but output_dir)
     backend: CommBackend
     metrics_port: int
 

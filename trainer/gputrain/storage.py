@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import os
 import re
 import tempfile
@@ -106,6 +107,14 @@ class Directory:
         os.replace(self.path / name, self.path / new_name)
 
 
+@dataclass(frozen=True)
+class StoredObject:
+    """An object as a listing shows it."""
+
+    size: int
+    etag: str | None  # the store's; S3 gives the MD5 of a single-part upload, in quotes
+
+
 class Bucket:
     """A prefix in an object store bucket, reached with the credentials the process's
     environment gives (obstore reads the variables itself)."""
@@ -149,6 +158,34 @@ class Bucket:
 
         with self._calls(f"read {name}"):
             return bytes(obstore.get(self._store, name).bytes())
+
+    def tree(self) -> dict[str, StoredObject]:
+        """Every object under the prefix, at any depth, by its path below it (a dataset's
+        ``train/cat/1.jpg``), with its size and ETag."""
+        import obstore
+
+        found: dict[str, StoredObject] = {}
+        with self._calls("list"):
+            for chunk in obstore.list(self._store):
+                for meta in chunk:
+                    found[meta["path"]] = StoredObject(meta["size"], meta["e_tag"])
+        return found
+
+    def download(self, name: str, path: Path) -> str:
+        """Stream object ``name`` into ``path`` (whole or absent, as :func:`write_atomically`
+        leaves a file) without holding it in memory; the MD5 of what came, in hex."""
+        import obstore
+
+        digest = hashlib.md5(usedforsecurity=False)
+
+        def copy(handle: BinaryIO) -> None:
+            for chunk in obstore.get(self._store, name).stream(min_chunk_size=8 * 2**20):
+                digest.update(chunk)
+                handle.write(chunk)
+
+        with self._calls(f"read {name}"):
+            write_atomically(path, copy)
+        return digest.hexdigest()
 
     def write(self, name: str, data: bytes | memoryview) -> None:
         import obstore

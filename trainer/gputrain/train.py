@@ -29,7 +29,15 @@ from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
 
 from gputrain.checkpoint import CheckpointManager, Saved
-from gputrain.contract import MODEL_FILE, RESULT_FILE, ContractError, Precision, Result, TrainerSettings
+from gputrain.contract import (
+    HISTORY_FILE,
+    MODEL_FILE,
+    RESULT_FILE,
+    ContractError,
+    Precision,
+    Result,
+    TrainerSettings,
+)
 from gputrain.data import DataSource, build_data
 from gputrain.distributed import Cluster, sum_over_ranks
 from gputrain.metrics import MetricsServer
@@ -45,7 +53,7 @@ from gputrain.state import (
     checkpoint_of,
     load_checkpoint,
 )
-from gputrain.storage import StorageError, write_atomically
+from gputrain.storage import StorageError, open_location, write_atomically
 
 log = logging.getLogger("gputrain")
 
@@ -107,22 +115,48 @@ def _evaluation_sums(
     return [loss_sum, correct, float(count)]
 
 
+class OutputUploadError(StorageError):
+    """The outputs could not be uploaded to GPUTRAIN_OUTPUT_URI: the run trained, and its last
+    checkpoint holds the trained model."""
+
+
 def write_outputs(
-    result: Result, model: nn.Module, cluster: Cluster, output_dir: str, termination_log: str | None
+    result: Result, model: nn.Module, cluster: Cluster, settings: TrainerSettings, termination_log: str | None
 ) -> None:
-    """The run's result and final model (rank 0), and each pod's termination message."""
+    """The run's result and final model (rank 0), uploaded where ``output_uri`` says, and each
+    pod's termination message."""
     text = result.to_json()
     if cluster.is_main:
-        output = Path(output_dir)
+        output = Path(settings.output_dir)
         write_atomically(output / RESULT_FILE, lambda handle: handle.write((text + "\n").encode()))
         state = model.state_dict()
         write_atomically(output / MODEL_FILE, lambda handle: torch.save(state, handle))
         log.info("result %s", text)
+        if settings.output_uri:
+            upload_outputs(output, settings.output_uri)
     if cluster.is_local_main and termination_log:
         try:
             Path(termination_log).write_text(text[:4096])  # the kubelet keeps 4 KiB
         except OSError as exc:
             log.warning("cannot write the termination message to %s: %s", termination_log, exc)
+
+
+def upload_outputs(output: Path, uri: str) -> None:
+    """Copy the model, the history and the result to ``uri``, the result last: a reader that
+    finds it there finds the rest. Each object is whole or absent (gputrain.storage); the store's
+    retries hold the run for up to 2 minutes an object before it gives up."""
+    started = time.perf_counter()
+    store = open_location(uri)
+    try:
+        for name in (MODEL_FILE, HISTORY_FILE, RESULT_FILE):
+            if (output / name).is_file():
+                store.write(name, (output / name).read_bytes())
+    except StorageError as exc:
+        raise OutputUploadError(
+            f"{exc}; the trained model is in {output / MODEL_FILE} and in the last checkpoint: with the "
+            "store fixed, apply the training again (it resumes at its end and uploads)"
+        ) from None
+    log.info("outputs uploaded to %s (%.2f s)", store.uri, time.perf_counter() - started)
 
 
 class Trainer:
@@ -434,7 +468,7 @@ class Trainer:
             duration_seconds=round(time.perf_counter() - started, 3),
             world_size=self.cluster.world,
         )
-        write_outputs(result, self.model, self.cluster, self.settings.output_dir, self.termination_log)
+        write_outputs(result, self.model, self.cluster, self.settings, self.termination_log)
         self.reporter.finished(self._standing(), self.figures)
         return result
 

@@ -58,6 +58,8 @@ EFA_RESOURCE: Final = "vpc.amazonaws.com/efa"
 PYTORCHJOB_API_VERSION: Final = "kubeflow.org/v1"
 PYTORCHJOB_KIND: Final = "PyTorchJob"
 PYTORCHJOB_CONTAINER: Final = "pytorch"  # the training-operator finds its container by this name
+# The dataset step's init container (spec.dataset.uri): observe reads its state by this name.
+FETCH_CONTAINER: Final = "fetch-dataset"
 
 # Kubeflow Trainer v2.
 TRAINER_GROUP: Final = "trainer.kubeflow.org"

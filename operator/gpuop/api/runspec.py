@@ -44,6 +44,11 @@ class Model:
     )
 
 
+# s3://bucket/prefix, gs://bucket/prefix, az://container/prefix: a scheme obstore reads, a
+# bucket or container name of the clouds' characters, and an optional key prefix.
+BUCKET_URI_PATTERN: Final = r"^(s3|gs|az)://[a-z0-9][a-z0-9._-]{2,254}(/[^\s?#]*)?$"
+
+
 @api_object
 class Dataset:
     """The data the built-in trainer reads."""
@@ -62,13 +67,44 @@ class Dataset:
         pattern_hint="an absolute path",
     )
     volume: VolumeSource | None = api_field(
-        "PersistentVolumeClaim holding the dataset, mounted read-only at path.", default=None
+        "PersistentVolumeClaim holding the dataset, mounted read-only at path. With uri, the cache "
+        "the copy goes to (kept between runs: a later run copies only what changed); without one "
+        "the copy goes to an emptyDir.",
+        default=None,
+    )
+    uri: str | None = api_field(
+        "Object store prefix the dataset is copied from into path before training, by a step of "
+        "the operator's in each pod (an init container: resumable, each object checked by size and, "
+        "on S3, MD5): s3://bucket/prefix, gs://bucket/prefix or az://container/prefix. The "
+        "training shows FetchingDataset while it copies. Credentials as for checkpoint.uri.",
+        default=None,
+        max_length=1024,
+        pattern=BUCKET_URI_PATTERN,
+        pattern_hint="s3://bucket/prefix, gs://bucket/prefix or az://container/prefix",
+    )
+    secret_name: str | None = api_field(
+        "Secret whose keys become the environment of the copy and the trainer, as "
+        "checkpoint.secretName (the same Secret where both are set). Only with uri.",
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=K8S_NAME_PATTERN,
+        pattern_hint=K8S_NAME_HINT,
     )
     loader_workers: int = api_field(
         "DataLoader worker processes per training process. Also sizes /dev/shm when shmSize is not given.",
         default=4,
         minimum=0,
         maximum=64,
+    )
+
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="has(self.uri) || !has(self.secretName)",
+            message="is for a uri's credentials: set uri too, or leave secretName out",
+            check=lambda d: None if d.uri is not None or d.secret_name is None else {},
+            field=".secretName",
+        ),
     )
 
 
@@ -124,11 +160,6 @@ class Training:
     )
 
 
-# s3://bucket/prefix, gs://bucket/prefix, az://container/prefix: a scheme obstore reads, a
-# bucket or container name of the clouds' characters, and an optional key prefix.
-CHECKPOINT_URI_PATTERN: Final = r"^(s3|gs|az)://[a-z0-9][a-z0-9._-]{2,254}(/[^\s?#]*)?$"
-
-
 @api_object
 class Checkpoint:
     """Checkpointing. Without a volume or a uri, checkpoints go to an emptyDir: they survive
@@ -145,7 +176,7 @@ class Checkpoint:
         "Identity, GKE or Azure Workload Identity) when none is named.",
         default=None,
         max_length=1024,
-        pattern=CHECKPOINT_URI_PATTERN,
+        pattern=BUCKET_URI_PATTERN,
         pattern_hint="s3://bucket/prefix, gs://bucket/prefix or az://container/prefix",
     )
     secret_name: str | None = api_field(
@@ -200,6 +231,25 @@ class Output:
         "Without one they go to an emptyDir and only the termination message outlives the pod.",
         default=None,
     )
+    uri: str | None = api_field(
+        "Object store prefix the final model, result JSON and metric history are uploaded to when "
+        "training ends: s3://bucket/prefix, gs://bucket/prefix or az://container/prefix, under "
+        "<uri>/<name>. They are written to path first (volume or emptyDir) as without it. "
+        "Credentials as for checkpoint.uri: secretName, or the pod's workload identity.",
+        default=None,
+        max_length=1024,
+        pattern=BUCKET_URI_PATTERN,
+        pattern_hint="s3://bucket/prefix, gs://bucket/prefix or az://container/prefix",
+    )
+    secret_name: str | None = api_field(
+        "Secret whose keys become the trainer's environment, as checkpoint.secretName; the same "
+        "Secret when both are set (a container has one set of the SDKs' variables). Only with uri.",
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=K8S_NAME_PATTERN,
+        pattern_hint=K8S_NAME_HINT,
+    )
     path: str = api_field(
         "Directory for outputs inside the container.",
         default="/output",
@@ -207,6 +257,15 @@ class Output:
         max_length=1024,
         pattern=r"^/",
         pattern_hint="an absolute path",
+    )
+
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="has(self.uri) || !has(self.secretName)",
+            message="is for a uri's credentials: set uri too, or leave secretName out",
+            check=lambda o: None if o.uri is not None or o.secret_name is None else {},
+            field=".secretName",
+        ),
     )
 
 

@@ -144,6 +144,25 @@ def _shm_within_memory(s: GpuTrainingSpec) -> Mapping[str, str] | None:
     return {"memory": f" ({memory})", "got": f" (got {s.shm_size})"}
 
 
+def _one_store_secret(s: GpuTrainingSpec) -> Mapping[str, str] | None:
+    """output.secretName, when set, is checkpoint.secretName where that is set too."""
+    ours, other = s.output.secret_name, s.checkpoint.secret_name
+    return {"got": f" (got {ours!r} and {other!r})"} if ours and other and ours != other else _HOLDS
+
+
+def _one_dataset_secret(s: GpuTrainingSpec) -> Mapping[str, str] | None:
+    """dataset.secretName, when set, is every other secretName set."""
+    ours = s.dataset.secret_name if s.dataset is not None else None
+    others = [n for n in (s.checkpoint.secret_name, s.output.secret_name) if n and n != ours]
+    return {"got": f" (got {ours!r} and {others[0]!r})"} if ours and others else _HOLDS
+
+
+def store_secret(s: GpuTrainingSpec) -> str | None:
+    """The Secret whose keys are the store's credentials in the pods: one, by the spec's rules."""
+    dataset = s.dataset.secret_name if s.dataset is not None else None
+    return s.checkpoint.secret_name or s.output.secret_name or dataset
+
+
 def _efa_needs_profile(s: GpuTrainingSpec) -> Mapping[str, str] | None:
     if s.nccl.efa_devices > 0 and s.nccl.profile != "eks-efa":
         return {"got": f' (got "{s.nccl.profile}")'}
@@ -295,6 +314,23 @@ class GpuTrainingSpec:
             check=_shm_within_memory,
             field=".shmSize",
         ),
+        Rule(
+            cel="!has(self.output.secretName) || !has(self.checkpoint.secretName) || "
+            "self.output.secretName == self.checkpoint.secretName",
+            message="must name the Secret checkpoint.secretName names: its keys become the trainer's "
+            "environment, which holds one set of the store's variables{got}",
+            check=_one_store_secret,
+            field=".output.secretName",
+        ),
+        Rule(
+            cel="!has(self.dataset) || !has(self.dataset.secretName) || "
+            "((!has(self.checkpoint.secretName) || self.dataset.secretName == self.checkpoint.secretName) && "
+            "(!has(self.output.secretName) || self.dataset.secretName == self.output.secretName))",
+            message="must name the Secret checkpoint.secretName and output.secretName name: its keys become "
+            "the pods' environment, which holds one set of the store's variables{got}",
+            check=_one_dataset_secret,
+            field=".dataset.secretName",
+        ),
         *(gap.rule() for gap in TRAINJOB_GAPS),
     )
 
@@ -396,10 +432,10 @@ def warnings(spec: GpuTrainingSpec) -> list[Problem]:
     """What is valid but likely not what the user wants: each a line `gpuop validate` and
     `gpuop render` print (the training still runs as written)."""
     found = []
-    if spec.output.volume is None and spec.command is None:
+    if spec.output.volume is None and spec.output.uri is None and spec.command is None:
         found.append(Problem("spec.output.volume", "not set: the trained model is written to an emptyDir and "
                              "lost with the pod (only the result in the termination message stays); set "
-                             "output.volume.claimName to keep it"))  # fmt: skip
+                             "output.volume.claimName or output.uri to keep it"))  # fmt: skip
     return found
 
 

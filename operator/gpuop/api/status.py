@@ -43,8 +43,9 @@ class Condition:
     type: str = api_field(
         "Condition type: Created, Queued, Running, Succeeded, Failed, Suspended, Restarting, InvalidSpec, "
         "NameConflict, SpecNotApplied, Stalled, Underutilized, JobDeleted, BackendSelected, "
-        "BackendUnavailable or PodsNotStarting (the kubelet cannot start a pod's trainer: a Secret it "
-        "names is missing, its image cannot be pulled; the kubelet's reason and what to change).",
+        "BackendUnavailable, PodsNotStarting (the kubelet cannot start a pod's trainer: a Secret it "
+        "names is missing, its image cannot be pulled, the dataset step failed; the reason and what to "
+        "change) or FetchingDataset (the dataset step copies spec.dataset.uri before training).",
         max_length=64,
     )
     status: ConditionStatus = api_field("Whether the condition holds.")

@@ -19,6 +19,7 @@ from gpuop.api.identity import (
     API_VERSION,
     CREATED_FROM_ANNOTATION,
     EFA_RESOURCE,
+    FETCH_CONTAINER,
     GPU_RESOURCE,
     KIND,
     KUEUE_QUEUE_LABEL,
@@ -33,7 +34,7 @@ from gpuop.api.identity import (
 )
 from gpuop.api.podspec import Toleration
 from gpuop.api.runspec import VolumeSource
-from gpuop.api.spec import GpuTraining, GpuTrainingSpec
+from gpuop.api.spec import GpuTraining, GpuTrainingSpec, store_secret
 from gputrain.contract import (
     METRICS_PORT,
     TERMINATION_LOG,
@@ -101,6 +102,7 @@ class TrainingReports:
 # so a long training always has a valid one and a leaked one is worth an hour at most.
 REPORT_TOKEN_SECONDS: Final = 3600
 _REPORT_VOLUME: Final = "gpuop-reports"
+DATA_VOLUME: Final = "data"  # the dataset's volume: its claim, or the dataset step's cache
 
 
 def training_reports(training: GpuTraining, endpoint: ReportEndpoint | None) -> TrainingReports | None:
@@ -206,6 +208,7 @@ def trainer_settings(name: str, spec: GpuTrainingSpec) -> TrainerSettings:
         checkpoint_every_steps=spec.checkpoint.every_steps,
         checkpoint_keep=spec.checkpoint.keep,
         output_dir=f"{spec.output.path.rstrip('/')}/{name}",
+        output_uri=f"{spec.output.uri.rstrip('/')}/{name}" if spec.output.uri is not None else "",
         backend=spec.distributed_backend,
         metrics_port=METRICS_PORT,
     )
@@ -238,7 +241,13 @@ def trainer_env(
         # After a restart the agent's shared TCPStore still holds the previous attempt's
         # keys and the new group fails to connect (pytorch/pytorch#135712).
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    rendered: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
+    return [{"name": k, "value": v} for k, v in env.items()] + user_env(spec)
+
+
+def user_env(spec: GpuTrainingSpec) -> list[dict[str, Any]]:
+    """spec.env as a container's env: the trainer's last (they win), and the dataset step's
+    (a proxy, a region, a CA bundle the store needs)."""
+    rendered: list[dict[str, Any]] = []
     for var in spec.env:
         if var.value_from is not None:
             source = var.value_from
@@ -312,10 +321,45 @@ def volumes(spec: GpuTrainingSpec) -> tuple[list[dict[str, Any]], list[dict[str,
     for name, claim, path in places:
         pod_volumes.append({"name": name, **(_claim(claim, False) if claim else {"emptyDir": {}})})
         mounts.append(_mount(name, path, claim))
-    if spec.dataset is not None and spec.dataset.volume is not None:
-        pod_volumes.append({"name": "data", **_claim(spec.dataset.volume, True)})
-        mounts.append(_mount("data", spec.dataset.path, spec.dataset.volume, read_only=True))
+    dataset = spec.dataset
+    if dataset is not None and dataset.uri is not None:
+        # The copy's cache: the claim, read-write for the fetch step (it writes there first), or
+        # an emptyDir; the trainer reads it only.
+        cache = _claim(dataset.volume, False) if dataset.volume is not None else {"emptyDir": {}}
+        pod_volumes.append({"name": DATA_VOLUME, **cache})
+        mounts.append(_mount(DATA_VOLUME, dataset.path, dataset.volume, read_only=True))
+    elif dataset is not None and dataset.volume is not None:
+        pod_volumes.append({"name": DATA_VOLUME, **_claim(dataset.volume, True)})
+        mounts.append(_mount(DATA_VOLUME, dataset.path, dataset.volume, read_only=True))
     return pod_volumes, mounts
+
+
+def fetch_container(spec: GpuTrainingSpec, image: str) -> dict[str, Any] | None:
+    """The dataset step (gputrain.fetch): spec.dataset.uri copied into dataset.path before the
+    trainer starts, with the trainer's CPU and memory (no GPU: it would hold the GPUs idle
+    meanwhile for nothing) and the store's credentials. None without a dataset uri."""
+    dataset = spec.dataset
+    if dataset is None or dataset.uri is None:
+        return None
+    requests = resources(spec).get("requests", {})
+    limits = {k: v for k, v in resources(spec).get("limits", {}).items() if k == "memory"}
+    container: dict[str, Any] = {
+        "name": FETCH_CONTAINER,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["python3", "-m", "gputrain.fetch"],
+        "args": [dataset.uri, dataset.path],
+        "resources": {k: v for k, v in (("requests", requests), ("limits", limits)) if v},
+        "volumeMounts": [_mount(DATA_VOLUME, dataset.path, dataset.volume)],
+        "securityContext": container_security_context(spec),
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if spec.env:
+        container["env"] = user_env(spec)
+    if (secret := store_secret(spec)) is not None:
+        container["envFrom"] = [{"secretRef": {"name": secret}}]
+    return container
 
 
 def _toleration(t: Toleration) -> dict[str, Any]:
@@ -372,6 +416,12 @@ def pod_metadata(name: str, spec: GpuTrainingSpec) -> dict[str, Any]:
     return metadata
 
 
+def fetch_image(spec: GpuTrainingSpec, default_image: str) -> str:
+    """The dataset step's image: the trainer's when it is ours (spec.image is then a build of
+    it), else the operator's trainer image, which has gputrain (a user's image may not)."""
+    return spec.image or default_image if spec.command is None else default_image
+
+
 def trainer_container(
     name: str,
     spec: GpuTrainingSpec,
@@ -404,16 +454,22 @@ def trainer_container(
             "terminationMessagePolicy": "FallbackToLogsOnError",
         }
     )
-    if spec.checkpoint.secret_name is not None:
-        # The store's credentials, under the names the cloud SDKs read (spec.checkpoint).
-        container["envFrom"] = [{"secretRef": {"name": spec.checkpoint.secret_name}}]
+    if (secret := store_secret(spec)) is not None:
+        # The store's credentials, under the names the cloud SDKs read (spec.checkpoint, output, dataset).
+        container["envFrom"] = [{"secretRef": {"name": secret}}]
     return container
 
 
 def pod_template(
-    name: str, spec: GpuTrainingSpec, container: dict[str, Any], reports: TrainingReports | None = None
+    name: str,
+    spec: GpuTrainingSpec,
+    container: dict[str, Any],
+    reports: TrainingReports | None = None,
+    *,
+    fetch_image: str,
 ) -> dict[str, Any]:
-    """The pod template around the training container, either backend."""
+    """The pod template around the training container, either backend; ``fetch_image`` runs the
+    dataset step, where there is one."""
     node_selector, tolerations = placement(spec)
     pod: dict[str, Any] = {
         "securityContext": pod_security_context(spec),
@@ -435,6 +491,8 @@ def pod_template(
         pod["tolerations"] = tolerations
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
+    if (fetch := fetch_container(spec, fetch_image)) is not None:
+        pod["initContainers"] = [fetch]
     pod["containers"] = [container]
     pod["volumes"] = volumes(spec)[0] + ([report_volume(reports)[0]] if reports is not None else [])
     return {"metadata": pod_metadata(name, spec), "spec": pod}

@@ -55,7 +55,7 @@ def _launch(spec: GpuTrainingSpec) -> tuple[list[str], list[str] | None]:
 
 
 def _pytorchjob_pod_template(
-    name: str, spec: GpuTrainingSpec, image: str, reports: pod.TrainingReports | None
+    name: str, spec: GpuTrainingSpec, image: str, reports: pod.TrainingReports | None, fetch_image: str
 ) -> dict[str, Any]:
     """The pod template shared by Master and Worker."""
     ports = [
@@ -66,11 +66,11 @@ def _pytorchjob_pod_template(
         name, spec, image, container_name=PYTORCHJOB_CONTAINER, launch=_launch(spec), ports=ports,
         reports=reports,
     )  # fmt: skip
-    return pod.pod_template(name, spec, container, reports)
+    return pod.pod_template(name, spec, container, reports, fetch_image=fetch_image)
 
 
 def _replica_specs(
-    name: str, spec: GpuTrainingSpec, image: str, reports: pod.TrainingReports | None
+    name: str, spec: GpuTrainingSpec, image: str, reports: pod.TrainingReports | None, fetch_image: str
 ) -> dict[str, Any]:
     # OnFailure restarts the container inside the same pod, so a checkpoint on the default
     # emptyDir survives the restart. (ExitCode would re-create the pod and lose it; and under
@@ -83,21 +83,21 @@ def _replica_specs(
             "Worker": {
                 "replicas": spec.workers,
                 "restartPolicy": restart,
-                "template": _pytorchjob_pod_template(name, spec, image, reports),
+                "template": _pytorchjob_pod_template(name, spec, image, reports, fetch_image),
             }
         }
     replicas = {
         "Master": {
             "replicas": 1,
             "restartPolicy": restart,
-            "template": _pytorchjob_pod_template(name, spec, image, reports),
+            "template": _pytorchjob_pod_template(name, spec, image, reports, fetch_image),
         }
     }
     if spec.workers > 1:
         replicas["Worker"] = {
             "replicas": spec.workers - 1,
             "restartPolicy": restart,
-            "template": _pytorchjob_pod_template(name, spec, image, reports),
+            "template": _pytorchjob_pod_template(name, spec, image, reports, fetch_image),
         }
     return replicas
 
@@ -136,7 +136,9 @@ def render_pytorchjob(
     job_spec: dict[str, Any] = {
         # The webhook forbids elasticPolicy.nProcPerNode beside this; we only set this one.
         "nprocPerNode": str(spec.processes_per_worker),
-        "pytorchReplicaSpecs": _replica_specs(name, spec, image, pod.training_reports(training, reports)),
+        "pytorchReplicaSpecs": _replica_specs(
+            name, spec, image, pod.training_reports(training, reports), pod.fetch_image(spec, default_image)
+        ),
         "runPolicy": _run_policy(spec),
     }
     if spec.elastic is not None:

@@ -92,7 +92,8 @@ def render_runtime(
         ports=ports,
         reports=pod.training_reports(training, reports),
     )
-    template = pod.pod_template(name, spec, container, pod.training_reports(training, reports))
+    template = pod.pod_template(name, spec, container, pod.training_reports(training, reports),
+                                fetch_image=pod.fetch_image(spec, default_image))  # fmt: skip
     template["spec"] = {"restartPolicy": "OnFailure", **template["spec"]}
     job: dict[str, Any] = {"template": template}
     if spec.run_policy.backoff_limit is not None:

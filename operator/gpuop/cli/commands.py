@@ -237,7 +237,7 @@ def run(filename: str, workers: int | None, output: str, fresh: bool, workdir: s
             with log_path.open("w") as log, progress.Display(training.name) as display:
                 status = runner.execute(plan, display.show, log, lock=False)
                 display.finish(status)
-    except (runner.RunDirectoryBusyError, runner.CommandNotFoundError) as exc:
+    except (runner.RunDirectoryBusyError, runner.CommandNotFoundError, runner.DatasetFetchError) as exc:
         raise _BadInputError([str(exc)]) from None
     written = runner.status_document(status)
     if output == "json":

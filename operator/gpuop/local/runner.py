@@ -83,6 +83,12 @@ class LocalRun:
         return self.workdir / self.training.name / "termination-log"
 
     @property
+    def data_dir(self) -> Path | None:
+        """Where spec.dataset.uri is copied here (as the pod's cache is there); None without one."""
+        dataset = self.training.spec.dataset
+        return self.workdir / self.training.name / "data" if dataset is not None and dataset.uri else None
+
+    @property
     def custom(self) -> bool:
         """Whether the spec runs its own command (its own code) rather than the built-in trainer."""
         return self.training.spec.command is not None
@@ -100,6 +106,8 @@ class LocalRun:
             # here as in a cluster: a run resumes from what the other wrote.
             env[env_name("checkpoint_dir")] = str(self.checkpoint_dir)
         env[env_name("output_dir")] = str(self.output_dir)
+        if self.data_dir is not None:
+            env[env_name("data_dir")] = str(self.data_dir)
         env[env_name("metrics_port")] = str(self.metrics_port)
         if self.training.spec.uses_gpus and "CUDA_VISIBLE_DEVICES" not in env:
             # What the device plugin does in a pod: the run sees the GPUs it uses and no others,
@@ -407,6 +415,7 @@ def execute(
         )
         started = _now()
         env = run.environment(endpoint.env)
+        fetch_dataset(run, env, log)
         command = run.custom_command(env) if run.custom else run.command()
         try:
             process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -454,6 +463,27 @@ def execute(
 
 class CommandNotFoundError(Exception):
     """The spec's command cannot be started on this machine; the message says which."""
+
+
+class DatasetFetchError(Exception):
+    """spec.dataset.uri could not be copied here; the message is the step's one line."""
+
+
+def fetch_dataset(run: LocalRun, env: Mapping[str, str], log: TextIO | None) -> None:
+    """The dataset step a pod's init container runs (gputrain.fetch), here before torchrun, into
+    :attr:`LocalRun.data_dir`: a second run copies only what changed."""
+    dataset = run.training.spec.dataset
+    if dataset is None or dataset.uri is None or run.data_dir is None:
+        return
+    record = run.workdir / run.training.name / "fetch-termination-log"
+    record.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "gputrain.fetch", dataset.uri, str(run.data_dir),
+               f"--termination-log={record}"]  # fmt: skip
+    done = subprocess.run(command, env=dict(env), stdout=log, stderr=subprocess.STDOUT, check=False)
+    if done.returncode != 0:
+        said = Result.from_json(record.read_text()) if record.is_file() else None
+        why = said.message if said is not None and said.message else f"it exited with {done.returncode}"
+        raise DatasetFetchError(f"spec.dataset.uri: {why}")
 
 
 def _latest_figures(

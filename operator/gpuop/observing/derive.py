@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
+from gpuop.api.identity import FETCH_CONTAINER
 from gpuop.api.status import (
     TIME_FORMAT,
     Condition,
@@ -47,6 +48,7 @@ _ALARMS: Final = (
 # Conditions that turn False (reason Cleared) when they stop holding, instead of vanishing.
 _CLEARABLE: Final = frozenset(
     {
+        "FetchingDataset",
         "PodsNotStarting",
         "Queued",
         "Suspended",
@@ -200,6 +202,9 @@ def _cannot_start(obs: Observation) -> tuple[str, str] | None:
         return None
     reason, said = pod.cannot_start
     fix = "check spec.image and spec.imagePullSecrets"
+    if reason == "DatasetFetchFailed":
+        return reason, (f"pod {pod.name}'s dataset step cannot copy spec.dataset.uri: {said}; the kubelet "
+                        f"retries it (kubectl logs {pod.name} -c {FETCH_CONTAINER})")  # fmt: skip
     if reason in ("CreateContainerConfigError", "CreateContainerError"):
         fix = ("create what it names in the GpuTraining's namespace, or correct the name "
                "(spec.checkpoint.secretName, spec.env)")  # fmt: skip
@@ -370,6 +375,11 @@ def _job_conditions(m: _Moment, wanted: list[Condition]) -> str:
     if said is not None:
         wanted.append(said)
         message = said.message
+    fetching = [p.name for p in obs.pods if p.fetching_dataset] if phase not in _TERMINAL else []
+    if fetching:
+        wanted.append(m.condition("FetchingDataset", "True", "CopyingDataset", (
+            f"{', '.join(sorted(fetching))} copy spec.dataset.uri into the dataset path before training "
+            f"(kubectl logs {min(fetching)} -c {FETCH_CONTAINER} shows its progress)")))  # fmt: skip
     blocked = _cannot_start(obs) if phase not in _TERMINAL else None
     if blocked is not None:
         wanted.append(m.condition("PodsNotStarting", "True", *blocked))

@@ -16,6 +16,7 @@ from typing import Any, Final
 
 from gpuop.api.identity import (
     CREATED_FROM_ANNOTATION,
+    FETCH_CONTAINER,
     PYTORCHJOB_CONTAINER,
     TRAINING_LABEL,
     TRAINJOB_CONTAINER,
@@ -218,6 +219,35 @@ def _cannot_start(container: Mapping[str, Any]) -> tuple[str, str] | None:
     return str(reason), str(waiting.get("message") or "")[:500]
 
 
+def _fetch_entry(statuses: Any) -> Mapping[str, Any]:
+    """The dataset step's entry of ``status.initContainerStatuses``: {} when there is none."""
+    return next(
+        (c for c in statuses or () if isinstance(c, Mapping) and c.get("name") == FETCH_CONTAINER), {}
+    )
+
+
+def _fetching(fetch: Mapping[str, Any]) -> bool:
+    """Whether the dataset step is copying now."""
+    return isinstance((fetch.get("state") or {}).get("running"), Mapping)
+
+
+def _fetch_failed(fetch: Mapping[str, Any]) -> tuple[str, str] | None:
+    """Why the dataset step failed, while the kubelet waits to run it again (it retries it,
+    backing off): its own line from its termination message, or its exit code."""
+    if fetch.get("ready") or not fetch.get("restartCount"):
+        return None
+    terminated = next((t for t in _terminations(fetch) if t.get("exitCode")), None)
+    if terminated is None or _fetching(fetch):
+        return None
+    record = Result.from_json(str(terminated.get("message") or ""))
+    said = (
+        record.message
+        if record is not None and record.message
+        else f"it exited with {terminated.get('exitCode')}"
+    )
+    return (record.reason if record is not None and record.reason else "DatasetFetchFailed"), said[:1000]
+
+
 def _memory_limit(pod: Mapping[str, Any]) -> str | None:
     """The trainer container's memory limit, as its spec says it."""
     container = _trainer_entry((pod.get("spec") or {}).get("containers"))
@@ -235,6 +265,7 @@ def pod_observation(
         c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ()
     )
     trainer = _trainer_entry(status.get("containerStatuses"))
+    fetch = _fetch_entry(status.get("initContainerStatuses"))
     restarts = trainer.get("restartCount")
     started = ((trainer.get("state") or {}).get("running") or {}).get("startedAt")
     return PodObservation(
@@ -248,7 +279,8 @@ def pod_observation(
         trainer_started_at=started if isinstance(started, str) else None,
         oom_killed=_oom_killed(trainer),
         memory_limit=_memory_limit(pod),
-        cannot_start=_cannot_start(trainer),
+        cannot_start=_cannot_start(trainer) or _fetch_failed(fetch) or _cannot_start(fetch),
+        fetching_dataset=_fetching(fetch),
     )
 
 

@@ -63,8 +63,11 @@ class PodObservation:
     oom_killed: bool = False
     memory_limit: str | None = None
     # Why the kubelet cannot start the trainer container, (reason, its message), when it cannot:
-    # a Secret or ConfigMap it names is missing, its image cannot be pulled. None otherwise.
+    # a Secret or ConfigMap it names is missing, its image cannot be pulled, the dataset step
+    # before it failed (DatasetFetchFailed, its own line). None otherwise.
     cannot_start: tuple[str, str] | None = None
+    # The dataset step (spec.dataset.uri) is copying into the pod's dataset path now.
+    fetching_dataset: bool = False
 
 
 @dataclass(frozen=True)

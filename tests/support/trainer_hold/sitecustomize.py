@@ -8,6 +8,9 @@ SIGINT) has come. So a test can wait for the files, do what takes time (start a 
 kill a rank), and then signal or release a trainer that cannot have trained on meanwhile:
 before, a 40-epoch run trained to 100% on a loaded machine while the test waited 30 s.
 
+With ``GPUOP_TEST_FETCH_SECONDS=S``, the dataset step copies one object at a time, each in at
+least S seconds.
+
 With ``GPUOP_TEST_STEP_SECONDS=S`` instead, a Hugging Face ``Trainer`` takes at least S
 seconds a step, and so do the built-in trainer (each logging interval waits out S seconds for
 each of its steps) and a loop that calls ``gpureport.report`` once a step: a run of N
@@ -24,6 +27,7 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -100,6 +104,21 @@ def _install_report_pace(module: ModuleType) -> None:
     module.report = paced_report
 
 
+def _install_fetch_pace(module: ModuleType) -> None:
+    """The dataset step (gputrain.fetch) copies one object at a time, each taking at least
+    GPUOP_TEST_FETCH_SECONDS: long enough by construction for the operator to see it copying."""
+    seconds = float(os.environ["GPUOP_TEST_FETCH_SECONDS"])
+    download = module.Bucket.download
+    one_at_a_time = threading.Lock()
+
+    def paced_download(self: Any, name: str, path: Any) -> Any:
+        with one_at_a_time:
+            time.sleep(seconds)
+            return download(self, name, path)
+
+    module.Bucket.download = paced_download
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Finds a target module as the other finders do, then patches it once it has run."""
 
@@ -137,3 +156,6 @@ if os.environ.get("GPUOP_TEST_STEP_SECONDS"):
     sys.meta_path.insert(0, _PatchOnImport("transformers.trainer", _install_pace))
     sys.meta_path.insert(0, _PatchOnImport("gpureport", _install_report_pace))
     sys.meta_path.insert(0, _PatchOnImport("gputrain.train", _install_trainer_pace))
+if os.environ.get("GPUOP_TEST_FETCH_SECONDS"):
+    # gputrain.storage, not gputrain.fetch: `python -m gputrain.fetch` runs that as __main__.
+    sys.meta_path.insert(0, _PatchOnImport("gputrain.storage", _install_fetch_pace))

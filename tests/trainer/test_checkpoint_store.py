@@ -196,31 +196,38 @@ def test_the_outputs_go_to_the_bucket_when_the_run_ends(
     assert json.loads(store.read("result.json"))["phase"] == "Succeeded"
 
 
-def test_outputs_that_cannot_be_uploaded_fail_the_run_in_one_line_that_says_what_to_do(
-    tmp_path: Path, uri: str, s3: objectstore.S3Server
+def test_an_output_store_that_refuses_fails_the_run_before_training_in_one_line(
+    tmp_path: Path, s3: objectstore.S3Server
 ) -> None:
-    """A missing bucket at the end: the trainer exits 5 (torchrun, its parent, then 1), with the
-    reason OutputStorageFailed and where the trained model is meanwhile."""
-    run = digits_run(tmp_path, workers=1, epochs=1)
+    """A missing bucket for the outputs is found before any step, not once the run is trained:
+    every rank ends (two here), the trainer with exit 5 (torchrun, its parent, then 1) and the
+    reason OutputStorageFailed."""
+    run = digits_run(tmp_path, workers=2, epochs=1)
     code = train(run, extra_env={"GPUTRAIN_OUTPUT_URI": "s3://no-such-bucket/out/t", **s3.env()})
     assert code != 0, log_of(run)
     assert "exitcode  : 5" in log_of(run)
+    assert " loss " not in log_of(run)  # no logging interval: nothing trained
     record = json.loads(run.termination_log.read_text())
     assert record["reason"] == "OutputStorageFailed", record
-    message = record["message"]
-    assert "\n" not in message
-    assert message.startswith("s3://no-such-bucket/out/t: write model.pt failed: the bucket does not exist")
-    assert message.endswith(
-        "with the store fixed, apply the training again (it resumes at its end and uploads)"
+    assert record["message"] == (
+        "s3://no-such-bucket/out/t: list failed: the bucket does not exist; create it or correct the URI; "
+        "found before training (the outputs go there at the end)"
     )
-    assert (run.output_dir / "model.pt").is_file()
-    # Applied again with the store fixed: resumed at the end, uploaded, no step trained again.
-    again = f"{uri}/out"
-    assert train(run, extra_env={"GPUTRAIN_OUTPUT_URI": again, **s3.env()}) == 0, log_of(run)
+
+
+def test_a_finished_run_applied_again_with_an_output_uri_uploads_without_training(
+    tmp_path: Path, uri: str, s3: objectstore.S3Server
+) -> None:
+    """What a restart after a failed upload does (Kubeflow restarts the container): it resumes
+    at the end, from the last checkpoint, and uploads; no step is trained again."""
+    run = digits_run(tmp_path, workers=1, epochs=1)
+    assert train(run) == 0, log_of(run)
+    out = f"{uri}/out"
+    assert train(run, extra_env={"GPUTRAIN_OUTPUT_URI": out, **s3.env()}) == 0, log_of(run)
     second = log_of(run).rsplit("resumed from ", 1)[1]
-    assert f"outputs uploaded to {again}" in second
-    assert " loss " not in second, second  # no logging interval: nothing trained
-    assert _names(again) == ["metrics.jsonl", "model.pt", "result.json"]
+    assert f"outputs uploaded to {out}" in second
+    assert " loss " not in second, second
+    assert _names(out) == ["metrics.jsonl", "model.pt", "result.json"]
 
 
 def _gpuop_run(

@@ -11,12 +11,13 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from gputrain import fetch
-from gputrain.storage import Bucket
+from gputrain.storage import Bucket, StorageError
 from support import datasets, objectstore
 from support.training import GPUOP
 
@@ -33,7 +34,7 @@ def prefix(s3: objectstore.S3Server, request: pytest.FixtureRequest, monkeypatch
 
 def _files(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*"))
-            if p.is_file() and p.name != fetch.STATE_FILE}  # fmt: skip
+            if p.is_file() and p.name != fetch.JOURNAL}  # fmt: skip
 
 
 def test_a_prefix_is_copied_whole_then_only_what_changed(
@@ -42,6 +43,8 @@ def test_a_prefix_is_copied_whole_then_only_what_changed(
     files = {"train/cat/1.jpg": b"c1" * 1000, "train/dog/1.jpg": b"d1" * 3000, "val/cat/2.jpg": b"c2",
              "labels.txt": b"cat\ndog\n"}  # fmt: skip
     s3.put(BUCKET, {f"{prefix}/{name}": data for name, data in files.items()})
+    # Folder markers, as the S3 console's "Create folder" and Hadoop make them: not files.
+    s3.put(BUCKET, {f"{prefix}/train/": b"", f"{prefix}/train/cat/": b"", f"{prefix}/": b""})
     uri, target = f"s3://{BUCKET}/{prefix}", tmp_path / "data"
     with caplog.at_level(logging.INFO, logger="gputrain.fetch"):
         first = fetch.fetch(uri, target, concurrency=2, every=0)
@@ -71,38 +74,57 @@ def test_a_copy_cut_short_resumes_and_a_file_that_came_wrong_is_copied_again(
     real = Bucket.download
     calls: list[str] = []
 
-    def cut_after_three(self: Bucket, name: str, path: Path) -> str:
+    def cut_after_three(self: Bucket, name: str, path: Path, arrived: Any = None) -> str:
         if len(calls) == 3:
             raise KeyboardInterrupt  # what a SIGKILL's effect on the remaining copies amounts to
         calls.append(name)
-        return real(self, name, path)
+        return real(self, name, path, arrived)
 
     monkeypatch.setattr(Bucket, "download", cut_after_three)
     with pytest.raises(KeyboardInterrupt):
         fetch.fetch(uri, target, concurrency=1, every=0)
-    assert len(json.loads((target / fetch.STATE_FILE).read_text())) == 3
+    journal = (target / fetch.JOURNAL).read_text().splitlines()
+    assert sorted(json.loads(line)["name"] for line in journal) == sorted(calls)
     monkeypatch.setattr(Bucket, "download", real)
     assert fetch.fetch(uri, target, every=0).copied == 3
     assert _files(target) == files
 
-    # A copy whose bytes are not the object's (a proxy that mangled them, a disk that lied).
-    (target / "part-0.bin").write_bytes(b"x" * 1000)  # same size: only the MD5 tells
-    state = json.loads((target / fetch.STATE_FILE).read_text())
-    del state["part-0.bin"]  # as if never recorded: copied again, and checked
-    (target / fetch.STATE_FILE).write_text(json.dumps(state))
-    first: list[bool] = []
+    # Bytes that are not the object's (a proxy that mangled them, a disk that lied), once: the
+    # MD5 against S3's ETag tells, and the object is copied again.
+    (target / "part-0.bin").unlink()
+    mangled: list[str] = []
 
-    def mangled_once(self: Bucket, name: str, path: Path) -> str:
-        md5 = real(self, name, path)
-        if not first:
-            first.append(True)
+    def mangled_once(self: Bucket, name: str, path: Path, arrived: Any = None) -> str:
+        md5 = real(self, name, path, arrived)
+        if not mangled:
+            mangled.append(name)
             path.write_bytes(b"y" * path.stat().st_size)
             return "0" * 32
         return md5
 
     monkeypatch.setattr(Bucket, "download", mangled_once)
     assert fetch.fetch(uri, target, every=0).copied == 1
+    assert mangled == ["part-0.bin"]
     assert _files(target) == files
+
+    # An ETag that is no MD5 (S3 with SSE-KMS): the same bytes twice are the object's.
+    (target / "part-1.bin").unlink()
+    monkeypatch.setattr(
+        Bucket, "download", lambda self, name, path, arrived=None: (real(self, name, path), "f" * 32)[1]
+    )
+    assert fetch.fetch(uri, target, every=0).copied == 1
+    assert _files(target) == files
+    # Different bytes each time: the step fails, in one line, the file not left there.
+    (target / "part-2.bin").unlink()
+    answers = iter(["1" * 32, "2" * 32])
+    monkeypatch.setattr(
+        Bucket, "download", lambda self, name, path, arrived=None: (real(self, name, path), next(answers))[1]
+    )
+    with pytest.raises(
+        StorageError, match=r"part-2\.bin: its MD5 is 2{32}, its ETag says [0-9a-f]{32} \(twice\)"
+    ):
+        fetch.fetch(uri, target, every=0)
+    assert not (target / "part-2.bin").exists()
 
 
 def test_a_missing_bucket_is_one_line_and_exit_code_6(s3: objectstore.S3Server, tmp_path: Path) -> None:
@@ -145,9 +167,7 @@ def test_gpuop_run_trains_on_a_dataset_it_copied_from_the_bucket(
         assert done.returncode == 0, done.stderr[-3000:]
         assert json.loads(done.stdout)["phase"] == "Succeeded"
     copied = work / "fetched" / "data"
-    assert sorted(p.name for p in copied.iterdir() if p.name != fetch.STATE_FILE) == sorted(
-        datasets.MNIST_NAMES
-    )
+    assert sorted(p.name for p in copied.iterdir() if p.name != fetch.JOURNAL) == sorted(datasets.MNIST_NAMES)
     log = "".join(p.read_text() for p in sorted((work / "fetched").glob("trainer*.log")))
     assert log.count("fetched 4 objects (4 copied") == 1
     assert log.count("fetched 4 objects (0 copied") == 1

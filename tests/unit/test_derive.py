@@ -897,3 +897,14 @@ def test_a_training_fetching_its_dataset_says_so_then_clears_and_a_failed_copy_s
         f"pod demo-master-0's dataset step cannot copy spec.dataset.uri: {said}; the kubelet retries it "
         "(kubectl logs demo-master-0 -c fetch-dataset)"
     )
+
+
+def test_a_thousand_pods_fetching_are_named_three_and_a_count() -> None:
+    """The message stays within its bound however many workers copy (1,024 names would not)."""
+    copying = tuple(PodObservation(f"demo-worker-{i}", "Pending", fetching_dataset=True) for i in range(1024))
+    status = derive_status(
+        None, observe(0, conditions=(JobCondition("Created", "True"),), pods=copying), THRESHOLDS
+    )
+    condition = next(c for c in status.conditions if c.type == "FetchingDataset")
+    assert condition.message.startswith("demo-worker-0, demo-worker-1, demo-worker-10 and 1021 more copy ")
+    assert len(condition.message) < 300

@@ -475,9 +475,10 @@ def test_a_trainer_the_kubelet_cannot_start_is_read_with_its_reason(
 
 
 def test_the_dataset_step_is_read_while_it_copies_and_when_it_failed() -> None:
-    """spec.dataset.uri's init container: running is copying; terminated with an error and
-    waiting to run again is a pod that cannot start, with the step's own line (its
-    termination message) or its exit code."""
+    """spec.dataset.uri's init container: until it has succeeded the pod is fetching (copying,
+    or waiting to copy again: one state through the kubelet's retries); after a failed try it
+    is also a pod that cannot start, with the step's own line (its termination message) or its
+    exit code, until a try succeeds."""
     copying = _pod(phase="Pending", initContainerStatuses=[
         {"name": "fetch-dataset", "restartCount": 0, "state": {"running": {"startedAt": "2026-11-25T10:00:00Z"}}}])  # fmt: skip
     seen = observe.pod_observation(copying, None)
@@ -489,7 +490,7 @@ def test_the_dataset_step_is_read_while_it_copies_and_when_it_failed() -> None:
         "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s"}},
         "lastState": {"terminated": {"exitCode": 6, "reason": "Error", "message": record}}}])  # fmt: skip
     seen = observe.pod_observation(failed, None)
-    assert seen.fetching_dataset is False
+    assert seen.fetching_dataset is True
     assert seen.cannot_start == (
         "DatasetFetchFailed",
         "s3://data/x: list failed: the bucket does not exist; create it or correct the URI",
@@ -498,7 +499,15 @@ def test_the_dataset_step_is_read_while_it_copies_and_when_it_failed() -> None:
         "name": "fetch-dataset", "restartCount": 1, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
         "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}])  # fmt: skip
     assert observe.pod_observation(silent, None).cannot_start == ("DatasetFetchFailed", "it exited with 137")
+    retrying = _pod(phase="Pending", initContainerStatuses=[{
+        "name": "fetch-dataset", "restartCount": 2, "state": {"running": {"startedAt": "2026-11-25T10:01:00Z"}},
+        "lastState": {"terminated": {"exitCode": 6, "reason": "Error", "message": record}}}])  # fmt: skip
+    assert observe.pod_observation(retrying, None).cannot_start == seen.cannot_start  # no flapping
     done = _pod(phase="Running", initContainerStatuses=[{
         "name": "fetch-dataset", "restartCount": 1, "ready": True,
-        "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}])  # fmt: skip
-    assert observe.pod_observation(done, None).cannot_start is None
+        "state": {"terminated": {"exitCode": 0, "reason": "Completed"}},
+        "lastState": {"terminated": {"exitCode": 6, "reason": "Error", "message": record}}}])  # fmt: skip
+    assert (
+        observe.pod_observation(done, None).cannot_start,
+        observe.pod_observation(done, None).fetching_dataset,
+    ) == (None, False)

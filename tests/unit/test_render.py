@@ -486,10 +486,12 @@ def test_outputs_to_a_bucket_keep_their_volume_and_name_the_upload_and_its_secre
 
 def test_a_dataset_in_a_bucket_is_copied_by_an_init_step_into_a_cache_the_trainer_reads_only() -> None:
     """spec.dataset.uri: the dataset step (gputrain.fetch) in each pod, before the trainer, with
-    the trainer's CPU and memory but no GPU, the store's Secret, and the cache read-write for it;
-    the trainer mounts the cache read-only. A claim is the cache when given, else an emptyDir."""
+    the trainer's CPU and memory but no GPU, the dataset's Secret (the trainer gets none of it:
+    a read-only key of another account must not become its checkpoint credentials), and the cache
+    read-write for it; the trainer mounts the cache read-only. A claim is the cache when given,
+    else an emptyDir."""
     body = minimal(gpusPerWorker=8, resources={"cpu": "8", "memory": "64Gi"},
-                   dataset={"name": "imagefolder", "uri": "s3://team-data/imagenet", "secretName": "s3-creds",
+                   dataset={"name": "imagefolder", "uri": "s3://team-data/imagenet", "secretName": "data-creds",
                             "volume": {"claimName": "imagenet-cache"}})  # fmt: skip
     for pod in pods(render(body, default_image="registry.example/gpuop/trainer:1")):
         [fetch] = pod["initContainers"]
@@ -501,11 +503,11 @@ def test_a_dataset_in_a_bucket_is_copied_by_an_init_step_into_a_cache_the_traine
             "requests": {"cpu": "8", "memory": "64Gi"},
             "limits": {"memory": "64Gi"},
         }
-        assert fetch["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+        assert fetch["envFrom"] == [{"secretRef": {"name": "data-creds"}}]
         assert fetch["volumeMounts"] == [{"name": "data", "mountPath": "/data"}]
         trainer = pod["containers"][0]
         assert {"name": "data", "mountPath": "/data", "readOnly": True} in trainer["volumeMounts"]
-        assert trainer["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+        assert "envFrom" not in trainer
         assert {"name": "data", "persistentVolumeClaim": {"claimName": "imagenet-cache"}} in pod["volumes"]
     # No claim: an emptyDir; a custom command's step runs in the operator's trainer image.
     custom = minimal(image="team/own:1", command=["python", "train.py"],
@@ -515,3 +517,12 @@ def test_a_dataset_in_a_bucket_is_copied_by_an_init_step_into_a_cache_the_traine
     assert "envFrom" not in pod["initContainers"][0]
     assert {"name": "data", "emptyDir": {}} in pod["volumes"]
     assert "initContainers" not in pods(render(minimal()))[0]
+    # No Secret of its own: the trainer's (checkpoint's), for one store.
+    shared = minimal(checkpoint={"uri": "s3://bkt/ckpt", "secretName": "s3-creds"},
+                     dataset={"name": "imagefolder", "uri": "s3://bkt/data"})  # fmt: skip
+    [pod] = pods(render(shared))[:1]
+    assert (
+        pod["initContainers"][0]["envFrom"]
+        == pod["containers"][0]["envFrom"]
+        == [{"secretRef": {"name": "s3-creds"}}]
+    )

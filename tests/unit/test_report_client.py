@@ -351,14 +351,16 @@ def test_a_checkpoint_is_said_at_once_then_in_every_report_and_the_operator_read
 ) -> None:
     """Issue 27: checkpointed() is sent past the throttle, and every later report repeats it (a
     report that replaces it in the queue still says it). A URI past a value's 64 characters goes
-    in pieces; a space in it survives the pieces' trimming as %20. Inside a pause, the pause's
-    end says it; a step that is no count says nothing."""
+    in pieces, each sent as it is (a space at a cut stays), read back whole up to 1,024
+    characters; a longer one is not sent, as a cut one would name another object. Inside a
+    pause, the pause's end says it; a step that is no count says nothing."""
     from gpuop.observing.reports import parse_report
 
     clock = ManualClock()
     reporter = make_reporter(environ, clock=clock, kind=FlushingReporter)
     assert reporter.report(step=1, total_steps=10)
-    uri = "s3://team-checkpoints/my runs/" + "r" * 80 + "/step-00000002-0a1b2c3d.pt"
+    uri = "s3://team-checkpoints/my runs/" + "r" * 33 + " x" + "r" * 80 + "/step-00000002-0a1b2c3d.pt"
+    assert uri[63:65] == " x"  # the first cut falls on the space
     moment = datetime(2026, 11, 25, 18, 30, 5, tzinfo=UTC)
     assert reporter.checkpointed(2, uri, time=moment)  # 0 s after a report: said all the same
     clock.now += 10
@@ -375,11 +377,18 @@ def test_a_checkpoint_is_said_at_once_then_in_every_report_and_the_operator_read
     assert said[1] is not None
     assert said[2] == said[1]
     assert said[3] == said[1]
-    assert (said[1].step, said[1].time, said[1].uri) == (2, "2026-11-25T18:30:05Z", uri.replace(" ", "%20"))
+    assert (said[1].step, said[1].time, said[1].uri) == (2, "2026-11-25T18:30:05Z", uri)
     assert said[4] is not None
     assert (said[4].step, said[4].uri) == (4, "/checkpoints/step-00000004-ab.pt")
     assert all(len(m["value"]) <= 64 for s in sent for m in s.status["metrics"])
     assert gpureport.checkpointed(1) is False  # no server in this process's environment: a no-op
+    # At the bound, whole; past it, the step and time without a URI.
+    clock.now += 10
+    longest = "s3://b/" + "k" * (1024 - len("s3://b/"))
+    assert reporter.checkpointed(6, longest)
+    assert reporter.checkpointed(7, longest + "k")
+    read = [parse_report(s.raw).checkpoint for s in _sent(reporter, server)]
+    assert [(c.step, c.uri) for c in read if c is not None] == [(6, longest), (7, None)]
 
 
 def test_the_latest_report_replaces_one_still_waiting(

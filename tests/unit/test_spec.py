@@ -324,18 +324,6 @@ BAD_SPECS: list[tuple[str, dict[str, Any], list[str]]] = [
         ["spec.dataset.secretName: is for a uri's credentials: set uri too, or leave secretName out"],
     ),
     (
-        "dataset secret not the checkpoint's",
-        {
-            "checkpoint": {"uri": "s3://bkt/ckpt", "secretName": "ckpt-creds"},
-            "dataset": {"name": "imagefolder", "uri": "s3://bkt/data", "secretName": "data-creds"},
-        },
-        [
-            "spec.dataset.secretName: must name the Secret checkpoint.secretName and output.secretName name: its "
-            "keys become the pods' environment, which holds one set of the store's variables (got 'data-creds' "
-            "and 'ckpt-creds')"
-        ],
-    ),
-    (
         "checkpoint uri not a bucket",
         {"checkpoint": {"uri": "https://example.com/b"}},
         [

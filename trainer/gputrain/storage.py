@@ -142,16 +142,8 @@ class Bucket:
             raise StorageError(f"{self.uri}: {_first_line(exc)}") from None
 
     def names(self) -> dict[str, int]:
-        import obstore
-
-        found: dict[str, int] = {}
-        with self._calls("list"):
-            for chunk in obstore.list(self._store):
-                for meta in chunk:
-                    name = meta["path"]
-                    if "/" not in name:  # deeper keys belong to someone else
-                        found[name] = meta["size"]
-        return found
+        # Deeper keys belong to someone else.
+        return {name: obj.size for name, obj in self.tree().items() if "/" not in name}
 
     def read(self, name: str) -> bytes:
         import obstore
@@ -171,9 +163,10 @@ class Bucket:
                     found[meta["path"]] = StoredObject(meta["size"], meta["e_tag"])
         return found
 
-    def download(self, name: str, path: Path) -> str:
+    def download(self, name: str, path: Path, arrived: Callable[[int], None] | None = None) -> str:
         """Stream object ``name`` into ``path`` (whole or absent, as :func:`write_atomically`
-        leaves a file) without holding it in memory; the MD5 of what came, in hex."""
+        leaves a file) without holding it in memory, calling ``arrived`` with each chunk's size;
+        the MD5 of what came, in hex."""
         import obstore
 
         digest = hashlib.md5(usedforsecurity=False)
@@ -182,6 +175,8 @@ class Bucket:
             for chunk in obstore.get(self._store, name).stream(min_chunk_size=8 * 2**20):
                 digest.update(chunk)
                 handle.write(chunk)
+                if arrived is not None:
+                    arrived(len(chunk))
 
         with self._calls(f"read {name}"):
             write_atomically(path, copy)

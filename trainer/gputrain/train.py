@@ -146,8 +146,8 @@ def upload_outputs(output: Path, uri: str) -> None:
     finds it there finds the rest. Each object is whole or absent (gputrain.storage); the store's
     retries hold the run for up to 2 minutes an object before it gives up."""
     started = time.perf_counter()
-    store = open_location(uri)
     try:
+        store = open_location(uri)
         for name in (MODEL_FILE, HISTORY_FILE, RESULT_FILE):
             if (output / name).is_file():
                 store.write(name, (output / name).read_bytes())
@@ -287,15 +287,28 @@ class Trainer:
         if self.cluster.is_main:
             try:
                 found = self.checkpoints.load_latest()
+                self._check_output_store()
             except StorageError as exc:
                 found = exc
         box: list[Any] = [found]
         if self.cluster.distributed:
             dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], StorageError):
-            raise StorageError(str(box[0]))
+            raise type(box[0])(str(box[0]))
         newest: tuple[dict[str, Any], Saved] | None = box[0]
         return newest
+
+    def _check_output_store(self) -> None:
+        """A list of GPUTRAIN_OUTPUT_URI before training: wrong credentials or a missing bucket
+        found now, not once the whole run is trained."""
+        if not self.settings.output_uri:
+            return
+        try:
+            open_location(self.settings.output_uri).names()
+        except StorageError as exc:
+            raise OutputUploadError(
+                f"{exc}; found before training (the outputs go there at the end)"
+            ) from None
 
     # ---------------------------------------------------------------------------------------
     # Progress, by the data (gputrain.schedule), at the current batches per epoch

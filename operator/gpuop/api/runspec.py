@@ -49,6 +49,15 @@ class Model:
 BUCKET_URI_PATTERN: Final = r"^(s3|gs|az)://[a-z0-9][a-z0-9._-]{2,254}(/[^\s?#]*)?$"
 
 
+# A class with a uri and its Secret (dataset, checkpoint, output): the Secret only with the uri.
+SECRET_NEEDS_URI: Final = Rule(
+    cel="has(self.uri) || !has(self.secretName)",
+    message="is for a uri's credentials: set uri too, or leave secretName out",
+    check=lambda obj: None if obj.uri is not None or obj.secret_name is None else {},
+    field=".secretName",
+)
+
+
 @api_object
 class Dataset:
     """The data the built-in trainer reads."""
@@ -83,8 +92,9 @@ class Dataset:
         pattern_hint="s3://bucket/prefix, gs://bucket/prefix or az://container/prefix",
     )
     secret_name: str | None = api_field(
-        "Secret whose keys become the environment of the copy and the trainer, as "
-        "checkpoint.secretName (the same Secret where both are set). Only with uri.",
+        "Secret whose keys become the environment of the copy step alone (the SDKs' variables, as "
+        "for checkpoint.secretName): a dataset in another account, a read-only key. Without it the "
+        "copy uses the checkpoint's or output's Secret, else the pod's workload identity. Only with uri.",
         default=None,
         min_length=1,
         max_length=253,
@@ -98,14 +108,7 @@ class Dataset:
         maximum=64,
     )
 
-    RULES: ClassVar[tuple[Rule, ...]] = (
-        Rule(
-            cel="has(self.uri) || !has(self.secretName)",
-            message="is for a uri's credentials: set uri too, or leave secretName out",
-            check=lambda d: None if d.uri is not None or d.secret_name is None else {},
-            field=".secretName",
-        ),
-    )
+    RULES: ClassVar[tuple[Rule, ...]] = (SECRET_NEEDS_URI,)
 
 
 @api_object
@@ -213,12 +216,7 @@ class Checkpoint:
             check=lambda c: None if c.uri is None or c.volume is None else {},
             field=".uri",
         ),
-        Rule(
-            cel="has(self.uri) || !has(self.secretName)",
-            message="is for a uri's credentials: set uri too, or leave secretName out",
-            check=lambda c: None if c.uri is not None or c.secret_name is None else {},
-            field=".secretName",
-        ),
+        SECRET_NEEDS_URI,
     )
 
 
@@ -259,14 +257,7 @@ class Output:
         pattern_hint="an absolute path",
     )
 
-    RULES: ClassVar[tuple[Rule, ...]] = (
-        Rule(
-            cel="has(self.uri) || !has(self.secretName)",
-            message="is for a uri's credentials: set uri too, or leave secretName out",
-            check=lambda o: None if o.uri is not None or o.secret_name is None else {},
-            field=".secretName",
-        ),
-    )
+    RULES: ClassVar[tuple[Rule, ...]] = (SECRET_NEEDS_URI,)
 
 
 @api_object

@@ -150,17 +150,16 @@ def _one_store_secret(s: GpuTrainingSpec) -> Mapping[str, str] | None:
     return {"got": f" (got {ours!r} and {other!r})"} if ours and other and ours != other else _HOLDS
 
 
-def _one_dataset_secret(s: GpuTrainingSpec) -> Mapping[str, str] | None:
-    """dataset.secretName, when set, is every other secretName set."""
-    ours = s.dataset.secret_name if s.dataset is not None else None
-    others = [n for n in (s.checkpoint.secret_name, s.output.secret_name) if n and n != ours]
-    return {"got": f" (got {ours!r} and {others[0]!r})"} if ours and others else _HOLDS
-
-
 def store_secret(s: GpuTrainingSpec) -> str | None:
-    """The Secret whose keys are the store's credentials in the pods: one, by the spec's rules."""
-    dataset = s.dataset.secret_name if s.dataset is not None else None
-    return s.checkpoint.secret_name or s.output.secret_name or dataset
+    """The Secret whose keys are the trainer's store credentials: one, by the spec's rule."""
+    return s.checkpoint.secret_name or s.output.secret_name
+
+
+def dataset_secret(s: GpuTrainingSpec) -> str | None:
+    """The Secret of the dataset step: its own (another account, a read-only key), else the
+    trainer's; none means the pod's workload identity."""
+    own = s.dataset.secret_name if s.dataset is not None else None
+    return own or store_secret(s)
 
 
 def _efa_needs_profile(s: GpuTrainingSpec) -> Mapping[str, str] | None:
@@ -321,15 +320,6 @@ class GpuTrainingSpec:
             "environment, which holds one set of the store's variables{got}",
             check=_one_store_secret,
             field=".output.secretName",
-        ),
-        Rule(
-            cel="!has(self.dataset) || !has(self.dataset.secretName) || "
-            "((!has(self.checkpoint.secretName) || self.dataset.secretName == self.checkpoint.secretName) && "
-            "(!has(self.output.secretName) || self.dataset.secretName == self.output.secretName))",
-            message="must name the Secret checkpoint.secretName and output.secretName name: its keys become "
-            "the pods' environment, which holds one set of the store's variables{got}",
-            check=_one_dataset_secret,
-            field=".dataset.secretName",
         ),
         *(gap.rule() for gap in TRAINJOB_GAPS),
     )

@@ -277,8 +277,9 @@ class GpuTrainingStatus:
 @api_object
 class CheckpointStatus:
     """The training's last complete checkpoint, as its code reported it (the built-in trainer,
-    gpureport's ``checkpointed()``, the Lightning callback): where a preempted, evicted or
-    restarted training resumes from."""
+    gpureport's ``checkpointed()``, the Lightning and Hugging Face callbacks): where a restarted
+    training resumes from, and a preempted or evicted one too when its checkpoints outlive the
+    pod (spec.checkpoint.volume or uri; the default emptyDir goes with the pod)."""
 
     step: int = api_field("The optimizer step it holds.", minimum=0)
     time: str | None = api_field(

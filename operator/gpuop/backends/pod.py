@@ -34,7 +34,7 @@ from gpuop.api.identity import (
 )
 from gpuop.api.podspec import Toleration
 from gpuop.api.runspec import VolumeSource
-from gpuop.api.spec import GpuTraining, GpuTrainingSpec, store_secret
+from gpuop.api.spec import GpuTraining, GpuTrainingSpec, dataset_secret, store_secret
 from gputrain.contract import (
     METRICS_PORT,
     TERMINATION_LOG,
@@ -336,8 +336,8 @@ def volumes(spec: GpuTrainingSpec) -> tuple[list[dict[str, Any]], list[dict[str,
 
 def fetch_container(spec: GpuTrainingSpec, image: str) -> dict[str, Any] | None:
     """The dataset step (gputrain.fetch): spec.dataset.uri copied into dataset.path before the
-    trainer starts, with the trainer's CPU and memory (no GPU: it would hold the GPUs idle
-    meanwhile for nothing) and the store's credentials. None without a dataset uri."""
+    trainer starts, with the trainer's CPU and memory (no GPU limit: it uses none; the pod holds
+    its GPUs meanwhile all the same) and the dataset's credentials. None without a dataset uri."""
     dataset = spec.dataset
     if dataset is None or dataset.uri is None:
         return None
@@ -357,7 +357,7 @@ def fetch_container(spec: GpuTrainingSpec, image: str) -> dict[str, Any] | None:
     }
     if spec.env:
         container["env"] = user_env(spec)
-    if (secret := store_secret(spec)) is not None:
+    if (secret := dataset_secret(spec)) is not None:
         container["envFrom"] = [{"secretRef": {"name": secret}}]
     return container
 
@@ -455,7 +455,7 @@ def trainer_container(
         }
     )
     if (secret := store_secret(spec)) is not None:
-        # The store's credentials, under the names the cloud SDKs read (spec.checkpoint, output, dataset).
+        # The store's credentials, under the names the cloud SDKs read (spec.checkpoint, spec.output).
         container["envFrom"] = [{"secretRef": {"name": secret}}]
     return container
 

@@ -375,11 +375,13 @@ def _job_conditions(m: _Moment, wanted: list[Condition]) -> str:
     if said is not None:
         wanted.append(said)
         message = said.message
-    fetching = [p.name for p in obs.pods if p.fetching_dataset] if phase not in _TERMINAL else []
+    fetching = sorted(p.name for p in obs.pods if p.fetching_dataset) if phase not in _TERMINAL else []
     if fetching:
+        # Named up to three (1,024 pods' names would pass the message's bound and fail the write).
+        who = ", ".join(fetching[:3]) + (f" and {len(fetching) - 3} more" if len(fetching) > 3 else "")
         wanted.append(m.condition("FetchingDataset", "True", "CopyingDataset", (
-            f"{', '.join(sorted(fetching))} copy spec.dataset.uri into the dataset path before training "
-            f"(kubectl logs {min(fetching)} -c {FETCH_CONTAINER} shows its progress)")))  # fmt: skip
+            f"{who} copy spec.dataset.uri into the dataset path before training "
+            f"(kubectl logs {fetching[0]} -c {FETCH_CONTAINER} shows its progress)")))  # fmt: skip
     blocked = _cannot_start(obs) if phase not in _TERMINAL else None
     if blocked is not None:
         wanted.append(m.condition("PodsNotStarting", "True", *blocked))

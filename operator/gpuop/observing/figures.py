@@ -249,9 +249,11 @@ def checkpoint(previous: CheckpointStatus | None, obs: Observation) -> Checkpoin
     if received is None or received.report.checkpoint is None:
         return previous
     said = received.report.checkpoint
-    moment = said.time
+    heard = received.received_at.strftime(TIME_FORMAT)
+    # A time ahead of when it came is a skewed clock: its age would read negative.
+    moment = min(said.time, heard) if said.time is not None else None
     if moment is None:
-        moment = received.received_at.strftime(TIME_FORMAT)
+        moment = heard
         if previous is not None and (previous.step, previous.uri) == (said.step, said.uri):
             moment = previous.time  # the same one, heard again
     return CheckpointStatus(step=said.step, time=moment, uri=said.uri)

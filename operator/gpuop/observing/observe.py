@@ -227,17 +227,21 @@ def _fetch_entry(statuses: Any) -> Mapping[str, Any]:
 
 
 def _fetching(fetch: Mapping[str, Any]) -> bool:
-    """Whether the dataset step is copying now."""
-    return isinstance((fetch.get("state") or {}).get("running"), Mapping)
+    """Whether the dataset step has yet to finish: copying, or waiting to copy again after a
+    failure (one condition through the retries, not one a try)."""
+    if not fetch or fetch.get("ready"):
+        return False
+    terminated = (fetch.get("state") or {}).get("terminated")
+    return not (isinstance(terminated, Mapping) and terminated.get("exitCode") == 0)
 
 
 def _fetch_failed(fetch: Mapping[str, Any]) -> tuple[str, str] | None:
-    """Why the dataset step failed, while the kubelet waits to run it again (it retries it,
-    backing off): its own line from its termination message, or its exit code."""
-    if fetch.get("ready") or not fetch.get("restartCount"):
+    """Why the dataset step's last try failed, while it has yet to succeed (the kubelet runs it
+    again, backing off): its own line from its termination message, or its exit code."""
+    if not _fetching(fetch) or not fetch.get("restartCount"):
         return None
     terminated = next((t for t in _terminations(fetch) if t.get("exitCode")), None)
-    if terminated is None or _fetching(fetch):
+    if terminated is None:
         return None
     record = Result.from_json(str(terminated.get("message") or ""))
     said = (

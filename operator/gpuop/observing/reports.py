@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
 
+import gpureport
+
 from gpuop.api.status import TIME_FORMAT, Activity
 
 # A report with 256 metrics of 64-character values is about 30 KiB of JSON; 64 KiB leaves room
@@ -52,13 +54,11 @@ _SAMPLES_PER_SECOND: Final = ("samples_per_second", "train_samples_per_second")
 # callback): the stall clock does not run through these. Another value, or none, is training.
 ACTIVITY_METRIC: Final = "activity"
 PAUSES: Final = frozenset(typing.get_args(Activity))
-# The last complete checkpoint, as gpureport's checkpointed() says it: its step, when (RFC 3339)
-# and where, the URI in pieces of 64 characters (a value's bound) under checkpoint_uri,
-# checkpoint_uri_2, ... up to 16 of them.
-_CHECKPOINT_STEP: Final = "checkpoint_step"
-_CHECKPOINT_TIME: Final = "checkpoint_time"
-_CHECKPOINT_URI: Final = "checkpoint_uri"
-_CHECKPOINT_URI_PIECES: Final = (_CHECKPOINT_URI, *(f"{_CHECKPOINT_URI}_{n}" for n in range(2, 17)))
+# The last complete checkpoint, as gpureport's checkpointed() says it (the names are its): the
+# step, when (RFC 3339) and where, the URI in pieces of 64 characters (a value's bound).
+_CHECKPOINT_STEP: Final = gpureport.CHECKPOINT_STEP
+_CHECKPOINT_TIME: Final = gpureport.CHECKPOINT_TIME
+_CHECKPOINT_URI_PIECES: Final = tuple(gpureport.uri_piece_names())
 _READ: Final = frozenset(
     _STEP + _TOTAL_STEPS + _EPOCH + _TOTAL_EPOCHS + _LOSS + _ACCURACY + _SAMPLES_PER_SECOND
     + (ACTIVITY_METRIC, _CHECKPOINT_STEP, _CHECKPOINT_TIME) + _CHECKPOINT_URI_PIECES

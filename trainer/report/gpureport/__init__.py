@@ -55,15 +55,20 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gpureport._bounds import (
+    CHECKPOINT_STEP,
+    CHECKPOINT_TIME,
     MAX_CHARS,
     MAX_METRICS,
     checkpoint_metrics,
     fraction_done,
     metric_list,
+    uri_piece_names,
     whole_seconds,
 )
 
 __all__ = [
+    "CHECKPOINT_STEP",
+    "CHECKPOINT_TIME",
     "MAX_CHARS",
     "MAX_METRICS",
     "Reporter",
@@ -72,6 +77,7 @@ __all__ = [
     "finish",
     "pause",
     "report",
+    "uri_piece_names",
 ]
 __version__ = "0.1.0"
 
@@ -222,11 +228,11 @@ class Reporter:
 
     def checkpointed(self, step: Any, uri: Any = None, *, time: Any = None) -> bool:
         """Say that the checkpoint of ``step`` is complete, and where it is (``uri``: a path
-        or an ``s3://`` key, up to 1,024 characters); ``time`` (a datetime, or RFC 3339 text)
-        defaults to now. True when it is said at once: queued now, or, inside a ``pause()``,
-        with the pause's end (always sent); it also goes with every later report. Call it once
-        the checkpoint is whole: a scheduler may take it as the point a preempted training
-        resumes from. Never raises."""
+        or an ``s3://`` key, up to 1,024 characters; a longer one is not sent); ``time`` (a
+        datetime, naive meaning local, or RFC 3339 text) defaults to now. True when it is said
+        at once: queued now, or, inside a ``pause()``, with the pause's end (always sent); it
+        also goes with every later report. Call it once the checkpoint is whole: a scheduler
+        may take it as the point a preempted training resumes from. Never raises."""
         if not self.enabled or self._closed:
             return False
         try:

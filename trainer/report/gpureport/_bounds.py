@@ -7,8 +7,6 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import re
-import urllib.parse
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,11 +16,24 @@ MAX_METRICS = 256
 MAX_CHARS = 64
 MAX_ETA_SECONDS = 2**31 - 1
 # A checkpoint's URI goes in pieces of 64 characters, under CHECKPOINT_URI then "_2", "_3", ...:
-# an s3:// key is often longer than one value may be. 16 pieces hold 1,024 characters.
+# an s3:// key is often longer than one value may be. 16 pieces hold 1,024 characters; a longer
+# URI is not sent (a cut one would name another object).
 CHECKPOINT_STEP = "checkpoint_step"
 CHECKPOINT_TIME = "checkpoint_time"
 CHECKPOINT_URI = "checkpoint_uri"
-MAX_URI_CHARS = 16 * MAX_CHARS
+MAX_URI_PIECES = 16
+MAX_URI_CHARS = MAX_URI_PIECES * MAX_CHARS
+
+
+def uri_piece_names() -> list[str]:
+    """The metric names of a URI's pieces, in order."""
+    return [CHECKPOINT_URI] + [f"{CHECKPOINT_URI}_{n}" for n in range(2, MAX_URI_PIECES + 1)]
+
+
+class Verbatim(str):
+    """A metric value sent as it is, not trimmed: a piece of a URI whose cut may fall on a space."""
+
+    __slots__ = ()
 
 
 def finite(value: Any) -> float | None:
@@ -63,6 +74,8 @@ def metric_text(value: Any) -> str | None:
     """
     if value is None:
         return None
+    if isinstance(value, Verbatim):
+        return str(value)[:MAX_CHARS] or None
     if isinstance(value, str):
         return value.strip()[:MAX_CHARS] or None
     if isinstance(value, bool):
@@ -105,23 +118,21 @@ def metric_list(items: Iterable[tuple[Any, Any]]) -> list[dict[str, str]]:
 
 def checkpoint_metrics(step: Any, uri: Any, moment: Any) -> list[tuple[str, str]] | None:
     """The metrics that say the checkpoint of ``step`` is complete: its step, when (RFC 3339,
-    UTC; a datetime, or text sent as given), and where, cut into pieces (see CHECKPOINT_URI).
-    None when ``step`` is not a count."""
+    UTC; a datetime, or text sent as given), and where, in pieces (see CHECKPOINT_URI). None
+    when ``step`` is not a count."""
     number = finite(step)
     if number is None or number < 0 or not number.is_integer() or number > 2**53:
         return None
     out = [(CHECKPOINT_STEP, str(int(number)))]
     if isinstance(moment, datetime.datetime):
-        utc = datetime.timezone.utc  # not datetime.UTC: gpureport runs on Python 3.9
-        moment = (moment if moment.tzinfo else moment.replace(tzinfo=utc)).astimezone(utc)
+        # A naive time is local, as datetime.now() gives it. Not datetime.UTC: Python 3.9 has none.
+        moment = moment.astimezone(datetime.timezone.utc)
         out.append((CHECKPOINT_TIME, moment.strftime("%Y-%m-%dT%H:%M:%SZ")))
     elif isinstance(moment, str) and moment.strip():
         out.append((CHECKPOINT_TIME, moment.strip()[:MAX_CHARS]))
     if isinstance(uri, os.PathLike):
         uri = os.fspath(uri)
-    if isinstance(uri, str) and uri.strip():
-        # Whitespace as %XX: a piece is sent trimmed, and a space at a cut would be lost.
-        text = re.sub(r"\s", lambda m: urllib.parse.quote(m.group()), uri.strip())[:MAX_URI_CHARS]
-        pieces = [text[i : i + MAX_CHARS] for i in range(0, len(text), MAX_CHARS)]
-        out += [(CHECKPOINT_URI + (f"_{n}" if n > 1 else ""), piece) for n, piece in enumerate(pieces, 1)]
+    if isinstance(uri, str) and 0 < len(uri) <= MAX_URI_CHARS:
+        pieces = [Verbatim(uri[i : i + MAX_CHARS]) for i in range(0, len(uri), MAX_CHARS)]
+        out += list(zip(uri_piece_names(), pieces))  # noqa: B905 (no strict= before Python 3.10)
     return out

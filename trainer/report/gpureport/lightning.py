@@ -86,21 +86,20 @@ class GpuopProgress(Callback):
         """The newest checkpoint the fit's ModelCheckpoint callbacks wrote, if not yet said.
         Lightning runs them after every other callback, and writes synchronously (unless an
         async CheckpointIO is configured), so a file seen here is whole. It keeps the file and
-        step of its last save on private attributes (Lightning 2.x); without them, the last
-        or best file and the step now."""
+        step of its last save on private attributes (Lightning 2.x); without them, a file is
+        said once, when it first appears as the last or best one, with the step then."""
         newest: tuple[int, str] | None = None
         try:
             for callback in getattr(trainer, "checkpoint_callbacks", ()):
-                path = getattr(callback, "_last_checkpoint_saved", "")
-                path = (
-                    path
-                    or getattr(callback, "last_model_path", "")
-                    or getattr(callback, "best_model_path", "")
-                )
                 step = getattr(callback, "_last_global_step_saved", None)
-                if not isinstance(step, int):
-                    step = trainer.global_step
-                if path and step > 0 and (newest is None or step > newest[0]):
+                path = getattr(callback, "_last_checkpoint_saved", None)
+                if not isinstance(step, int) or not isinstance(path, str):
+                    path = getattr(callback, "last_model_path", "") or getattr(
+                        callback, "best_model_path", ""
+                    )
+                    said = self._checkpoint_said is not None and self._checkpoint_said[1] == path
+                    step = None if said else trainer.global_step
+                if path and step and (newest is None or step > newest[0]):
                     newest = (step, str(path))
         except Exception:  # a report is never worth a failed fit
             return

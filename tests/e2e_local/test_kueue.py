@@ -6,6 +6,7 @@ fixture), so its webhooks see no other module's jobs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from support import chain
-from support.chain import Claims
+from support.chain import Claims, InClusterOperator
 from support.controllers import kueue
 from support.node.pool import Pool
 from support.objectstore import S3Server
@@ -98,6 +99,7 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
     nodes: Pool,
     claims: Claims,
     s3: S3Server,
+    operator: InClusterOperator,
     timelines: list[chain.Timeline],
     tmp_path: Path,
     backend: str,
@@ -146,16 +148,43 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
     assert (
         job["spec"]["runPolicy"]["suspend"] if backend == "pytorchjob" else job["spec"]["suspend"]
     ) is True
-    wait_for(f"{low}'s pods gone", lambda: not chain.pods_of(plane, low), timeout=90)
+    # Its trainer's log as its pods go (it goes with them), for what a failure below says.
+    trainer_log = [""]
+
+    def gone() -> bool:
+        with contextlib.suppress(Exception):
+            trainer_log[0] = chain.logs(plane, nodes, rank0) or trainer_log[0]
+        return not chain.pods_of(plane, low)
+
+    wait_for(f"{low}'s pods gone", gone, timeout=90)
     saved = max(chain.bucket_steps(s3, low))
     # While it waits, evicted, status says how fresh its last checkpoint is: the newest one saved
     # (the one its SIGTERM'd trainer wrote, when its save beat the grace period).
-    said = wait_for("status.checkpoint at the last save", lambda: (c := (chain.get(plane, "gtr", low) or {}).get(
-        "status", {}).get("checkpoint")) and c["step"] == saved and c, timeout=30)  # fmt: skip
+    seen: list[Any] = []
+    try:
+        said = wait_for("status.checkpoint at the last save", lambda: (c := (chain.get(plane, "gtr", low) or {}).get(
+            "status", {}).get("checkpoint")) and (seen.append(c) or c["step"] == saved) and c, timeout=30)  # fmt: skip
+    except AssertionError as exc:
+        held = s3.names(chain.BUCKET, f"{chain.BUCKET_PREFIX}/{low}")
+        said_lines = [
+            line for line in trainer_log[0].splitlines() if "checkpoint" in line or "stopped" in line
+        ]
+        operator_lines = [line for line in operator.log(plane).splitlines() if low in line][-10:]
+        raise AssertionError(
+            f"{exc}: status said {seen[-1:]}, the bucket holds {held}; its trainer said "
+            f"{said_lines[-6:]}; the operator said {operator_lines}"
+        ) from None
     assert said["uri"].startswith(f"s3://{chain.BUCKET}/{chain.BUCKET_PREFIX}/{low}/"), said
     gate.release()  # for its pods when Kueue admits it again (SIGTERM let the evicted ones go)
 
-    chain.wait_finished(plane, high)
+    try:
+        chain.wait_finished(plane, high)
+    except AssertionError as exc:
+        last = high_timeline.seen[-1] if high_timeline.seen else {}
+        raise AssertionError(
+            f"{exc}: its phases {high_timeline.phases()}, its last status's message "
+            f"{last.get('message')!r}; {low}'s phases {low_timeline.phases()}"
+        ) from None
     assert chain.phase(plane, high) == "Succeeded", high_timeline.phases()
     chain.wait_finished(plane, low, timeout=300)
     assert chain.phase(plane, low) == "Succeeded", low_timeline.phases()

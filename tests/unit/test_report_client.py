@@ -391,6 +391,50 @@ def test_a_checkpoint_is_said_at_once_then_in_every_report_and_the_operator_read
     assert [(c.step, c.uri) for c in read if c is not None] == [(6, longest), (7, None)]
 
 
+def test_a_report_the_server_refuses_for_now_is_sent_again_unless_a_newer_one_came(
+    server: StatusServer, environ: dict[str, str], make_reporter: Any
+) -> None:
+    """A 429 (the server's rate per pod: a pause right after a checkpoint and a step report can
+    pass it) or a 5xx is tried again, 1 s, 2 s, ... later: a checkpoint said once is not lost.
+    A 400 is not (it would be refused again)."""
+    reporter = make_reporter(environ, min_interval=0, retry_delay=0.05)
+    server.answer = 429
+    assert reporter.checkpointed(7, "/checkpoints/step-7.pt")
+    first = server.arrived.get(timeout=5)
+    server.answer = 200
+    assert reporter.flush()
+    again = server.received()
+    assert [r.metrics["checkpoint_step"] for r in [first, *again]] == ["7", "7"]
+    assert (reporter.failures, reporter.delivered) == (1, 1)
+    server.answer = 400
+    assert reporter.report(step=1, total_steps=2)
+    assert not reporter.flush()
+    assert len(server.received()) == 1
+
+
+def test_a_checkpoint_the_bucket_had_no_room_for_is_said_once_it_has_even_if_nothing_else_comes(
+    server: StatusServer, environ: dict[str, str], make_reporter: Any
+) -> None:
+    """A loop that saves right after pausing twice (a save, an evaluation) and then reports no
+    more (held, hung, throttled): its checkpoint is said by the sender once the bucket refills,
+    not left for a report that never comes (seen on the chain: status kept the first epoch's)."""
+    clock = ManualClock()
+    reporter = make_reporter(environ, clock=clock, retry_delay=0.05, kind=FlushingReporter)
+    for activity in ("saving", "evaluating"):
+        with reporter.pause(activity):
+            pass
+    assert not reporter.checkpointed(46, "/checkpoints/step-46.pt")  # no room now
+    assert [r.metrics["activity"] for r in server.received()] == [
+        "saving",
+        "training",
+        "evaluating",
+        "training",
+    ]
+    clock.now += 1  # a second: room for one
+    said = server.arrived.get(timeout=5)
+    assert (said.metrics["checkpoint_step"], said.metrics["activity"]) == ("46", "training")
+
+
 def test_the_latest_report_replaces_one_still_waiting(
     server: StatusServer, environ: dict[str, str], make_reporter: Any
 ) -> None:

@@ -111,10 +111,10 @@ def _install_fetch_pace(module: ModuleType) -> None:
     download = module.Bucket.download
     one_at_a_time = threading.Lock()
 
-    def paced_download(self: Any, name: str, path: Any) -> Any:
+    def paced_download(self: Any, *args: Any, **kwargs: Any) -> Any:
         with one_at_a_time:
             time.sleep(seconds)
-            return download(self, name, path)
+            return download(self, *args, **kwargs)
 
     module.Bucket.download = paced_download
 

@@ -31,8 +31,10 @@ What the training loop can rely on:
   that pauses more than once a second is paused for the operator only as often as that.
 - ``gpureport.checkpointed(step, uri)`` says a checkpoint is complete (call it once the last
   byte is written: the operator shows it as status.checkpoint, with its age). It is sent at
-  once, as a pause is, and repeated in every later report, so a report that replaces it in the
-  queue still says it.
+  once, as a pause is (or, past the pauses' bucket, by the sender within about a second), and
+  repeated in every later report, so a report that replaces it in the queue still says it.
+- A report the server refuses for now (429, a 5xx, no connection) is tried again 1, 2, 4 and
+  5 s later, unless a newer one, which says all it says, replaces it.
 
 Metric names are the ones Hugging Face's ``KubeflowCallback`` sends (``current_step``,
 ``total_steps``, ``current_epoch``, ``loss``, ...), so a reader reads every client alike.
@@ -108,6 +110,8 @@ class Reporter:
         final_timeout: float = 5.0,
         token_ttl: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        retries: int = 4,
+        retry_delay: float = 1.0,
     ) -> None:
         env = os.environ if environ is None else environ
         self.url = env.get(URL_ENV, "").strip()
@@ -117,6 +121,9 @@ class Reporter:
         self.request_timeout = request_timeout
         self.final_timeout = final_timeout
         self.token_ttl = token_ttl
+        # A refused report (429, 5xx, no connection) is tried again this often, after 1 s, 2 s,
+        # 4 s, ... (at most min_interval apart), while no newer report replaces it.
+        self.retries, self.retry_delay = retries, retry_delay
         self._clock = clock
         rank = env.get("RANK", "").strip()
         self._scheme, self._host, self._port, self._path = _endpoint(self.url)
@@ -138,6 +145,7 @@ class Reporter:
         self._closed = False
         self._activity: str | None = None  # the pause under way, when its start was sent
         self._checkpoint: list[tuple[str, str]] = []  # the last complete one's metrics, in every report
+        self._unsaid = False  # whether no report has carried the last checkpoint yet
         # Pause reports spend from a bucket of PAUSE_BURST refilled at one a second, the
         # server's rate per pod less the step reports' share: a save right before an
         # evaluation is said whole, a loop that pauses every batch is not a flood.
@@ -148,6 +156,7 @@ class Reporter:
         self._ssl_context: ssl.SSLContext | None = None
         self._token_cache: tuple[float, str] | None = None  # (clock when read, token)
         self._failing = False
+        self._retryable = False  # whether the last failure may pass if tried again
         self.delivered = 0  # reports the server answered 200
         self.failures = 0  # reports it did not (or never got), and token files that could not be read
 
@@ -246,8 +255,13 @@ class Reporter:
                 if self._activity is not None:
                     return True  # the pause's end says it, right after
                 # From the pauses' bucket: a loop that checkpoints every step is said as often
-                # as the server takes it, and the rest rides on the next report.
+                # as the server takes it. One not said now is said by the sender thread once the
+                # bucket has room (a second), unless a report carries it first: a loop that stops
+                # reporting (held, hung, in a long evaluation) still has its checkpoint said.
                 if not self._take_pause_reports(now, 1):
+                    self._unsaid = True
+                    self._changed.notify_all()
+                    self._start_sender()
                     return False
                 said = [("activity", "training"), *metrics]
             self._enqueue(_body({"metrics": metric_list(said)}))
@@ -398,13 +412,25 @@ class Reporter:
         with self._changed:
             self._queued += 1
             self._pending = (self._queued, body)  # latest wins: one still waiting is replaced
+            self._unsaid = self._unsaid and b'"checkpoint_step"' not in body
             self._changed.notify_all()
-            # Started on first use; is_alive() also restarts it in a forked child, where the
-            # parent's thread does not exist.
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._send_forever, name="gpureport", daemon=True)
-                self._thread.start()
+            self._start_sender()
             return self._queued
+
+    def _start_sender(self) -> None:
+        """Start the sender thread on first use (with _changed held); is_alive() also restarts it
+        in a forked child, where the parent's thread does not exist."""
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._send_forever, name="gpureport", daemon=True)
+            self._thread.start()
+
+    def _due_unsaid(self) -> None:
+        """Queue the checkpoint no report has said yet, if the bucket has room (with _changed held)."""
+        if self._unsaid and self._pending is None and self._take_pause_reports(self._clock(), 1):
+            said = [("activity", self._activity or "training"), *self._checkpoint]
+            self._queued += 1
+            self._pending = (self._queued, _body({"metrics": metric_list(said)}))
+            self._unsaid = False
 
     def _wait_for(self, sequence: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -420,12 +446,29 @@ class Reporter:
         while True:
             with self._changed:
                 while self._pending is None and not self._closed:
-                    self._changed.wait()
+                    self._changed.wait(self.retry_delay if self._unsaid else None)
+                    self._due_unsaid()
+                if self._pending is None and self._unsaid:  # closing: said now, whatever the bucket
+                    self._pause_reports = max(self._pause_reports, 1.0)
+                    self._due_unsaid()
                 if self._pending is None:
                     return  # closed, and nothing left to send
                 sequence, body = self._pending
                 self._pending = None
             ok = self._post(body)
+            delay = self.retry_delay
+            for _ in range(self.retries):
+                if ok or not self._retryable:
+                    break
+                # A report the server refused for now (429: past its rate, as a pause right after
+                # a checkpoint and a step report can be; 5xx; no connection) is sent again unless
+                # a newer one, which says all it says, has come meanwhile.
+                with self._changed:
+                    self._changed.wait_for(lambda: self._pending is not None, timeout=delay)
+                    if self._pending is not None:
+                        break
+                ok = self._post(body)
+                delay = min(2 * delay, self.min_interval or delay)
             with self._changed:
                 self._settled, self._settled_ok = sequence, ok
                 self._changed.notify_all()
@@ -453,10 +496,13 @@ class Reporter:
             response = connection.getresponse()
             answer = response.read(512)
         except Exception as exc:  # OSError, ssl.SSLError, http.client.HTTPException, ...
+            # A server whose certificate does not verify will not next time either.
+            self._retryable = not isinstance(exc, ssl.SSLCertVerificationError)
             return self._failed(f"{type(exc).__name__}: {exc}")
         finally:
             if connection is not None:
                 connection.close()
+        self._retryable = response.status == 429 or response.status >= 500
         if response.status != 200:
             if response.status == 401:
                 self._token_cache = None  # re-read at once: the kubelet may have rotated it

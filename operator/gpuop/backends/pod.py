@@ -241,7 +241,15 @@ def trainer_env(
         # After a restart the agent's shared TCPStore still holds the previous attempt's
         # keys and the new group fails to connect (pytorch/pytorch#135712).
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    return [{"name": k, "value": v} for k, v in env.items()] + user_env(spec)
+    return [env_var(k, v) for k, v in env.items()] + user_env(spec)
+
+
+def env_var(name: str, value: str) -> dict[str, str]:
+    """One variable of a container's env. An empty value is left out, which Kubernetes reads the
+    same (the variable is set, to ""): its typed clients drop a value of "" when they send the
+    object back, and the real Kueue, unsuspending a TrainJob so, was refused by Trainer as
+    changing the TrainJob's immutable trainer."""
+    return {"name": name, "value": value} if value else {"name": name}
 
 
 def user_env(spec: GpuTrainingSpec) -> list[dict[str, Any]]:
@@ -259,7 +267,7 @@ def user_env(spec: GpuTrainingSpec) -> list[dict[str, Any]]:
                 entry["optional"] = True
             rendered.append({"name": var.name, "valueFrom": {kind: entry}})
         else:
-            rendered.append({"name": var.name, "value": var.value})
+            rendered.append(env_var(var.name, var.value or ""))
     return rendered
 
 

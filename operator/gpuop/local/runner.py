@@ -99,8 +99,8 @@ class LocalRun:
         env = dict(os.environ)
         env.update(reports or {})
         for var in trainer_env(self.training.name, self.training.spec):
-            if "value" in var:
-                env[var["name"]] = var["value"]
+            if "valueFrom" not in var:  # no "value": set, to "" (pod.env_var)
+                env[var["name"]] = var.get("value", "")
         if self.training.spec.checkpoint.uri is None:
             # A volume's path means this machine's work directory; a bucket means the bucket,
             # here as in a cluster: a run resumes from what the other wrote.

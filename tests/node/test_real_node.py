@@ -301,6 +301,36 @@ def test_sigterm_gives_the_operators_worker_its_grace_period_to_save(
     assert save <= took < grace, f"deletion took {took:.1f}s"
 
 
+def test_a_trainer_with_no_sigterm_handler_stops_at_sigterm_in_the_operators_pod_not_at_the_kill(
+    node: Node, node_api: Api, namespace: str
+) -> None:
+    """torchrun sets its SIGTERM handler only once it starts its workers; waiting in its
+    rendezvous (a peer gone, or not up yet) it has none. The kernel drops a signal that has no
+    handler when it is sent to a PID namespace's init, so as its container's PID 1 it would sit
+    out the SIGTERM of a suspend, an eviction or a preemption, and the pod would hold its GPUs
+    until the grace period's SIGKILL. In the operator's pod the pause process is PID 1
+    (shareProcessNamespace) and the SIGTERM stops it at once; the same pod without it, beside it,
+    waits the grace period out on this kubelet."""
+    grace = 12
+    took = {}
+    for name, shared in (("no-handler", True), ("no-handler-pid1", False)):
+        body = rendered_worker(node, name, "exec sleep 600", quick_delete=False)
+        assert body["spec"]["shareProcessNamespace"] is True  # as the operator renders it
+        body["spec"]["shareProcessNamespace"] = shared
+        body["spec"]["terminationGracePeriodSeconds"] = grace
+        node_api.create("pods", body, namespace)
+        wait_phase(node_api, name, {"Running"})
+        deleted = time.monotonic()
+        node_api.request("DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{name}")
+        wait_for(
+            f"{name} gone", lambda n=name: node_api.get("pods", n, NAMESPACE) is None, timeout=grace + 30
+        )
+        took[name] = time.monotonic() - deleted
+    print(f"SIGTERM to a process with no handler, pod deleted in: {took} (grace period {grace} s)")
+    assert took["no-handler"] < grace / 2, took
+    assert took["no-handler-pid1"] >= grace, took
+
+
 def test_a_projected_token_with_an_audience_passes_a_token_review_for_that_audience_only(
     node: Node, node_api: Api, plane: ControlPlane, namespace: str
 ) -> None:

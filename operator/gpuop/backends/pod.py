@@ -485,6 +485,14 @@ def pod_template(
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
+        # The pod's pause process is PID 1, not torchrun. The kernel drops a signal to a PID
+        # namespace's init that set no handler, and torchrun sets its SIGTERM handler only once
+        # it starts its workers: as PID 1, a torchrun still in its rendezvous (a peer gone or
+        # not yet up) ignored the SIGTERM of a suspend, an eviction or a preemption and held the
+        # pod, and its GPUs, the whole grace period until SIGKILL. Shared, it stops at once.
+        # (The pause process also reaps DataLoader workers' orphans.) The cost: the pod's
+        # containers see each other's processes, and ours are the trainer and the dataset step.
+        "shareProcessNamespace": True,
     }
     if spec.service_account_name is not None:
         pod["serviceAccountName"] = spec.service_account_name

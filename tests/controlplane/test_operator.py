@@ -800,6 +800,73 @@ def test_a_queue_without_kueue_is_said_at_once_and_once_kueue_is_served_suspend_
         assert stored["spec"]["runPolicy"]["suspend"] is suspend
 
 
+def _down_after(api: Api, pod: str, record: dict[str, Any]) -> None:
+    """What the kubelet shows of a trainer that ended with ``record`` and waits to restart."""
+    api.patch_status("pods", pod, {"containerStatuses": [{
+        "name": "pytorch", "image": "trainer", "imageID": "", "ready": False, "restartCount": 1,
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s restarting failed container"}},
+        "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": json.dumps(record)}},
+    }]}, NAMESPACE)  # fmt: skip
+
+
+def test_a_failure_no_restart_mends_stops_the_job_its_own_way_or_kueues(
+    plane: ControlPlane, api: Api, fresh_operator: OperatorProcess, stand_in: KubeflowStandIn
+) -> None:
+    """A trainer whose record says no restart mends its failure (Result.permanent: the store
+    refused its credentials): the operator, as the chart's ServiceAccount, suspends the job
+    (the training-operator then deletes its pods), or, under Kueue, whose suspend it is, sets its
+    Workload inactive (Kueue then evicts it); the training is Failed with the trainer's line, and
+    stays so. (Neither Kubeflow nor Kueue runs here: the test plays both; the chain runs the real
+    ones, tests/e2e_local.) Kueue's CRDs are served since the test above."""
+    fresh_operator.start()
+    refused = {"phase": "Failed", "reason": "CheckpointStorageFailed", "permanent": True,
+               "message": "s3://ckpt/x: list failed: access denied (InvalidAccessKeyId); check the credentials"}  # fmt: skip
+    plane.kubectl("create", "-f", "-", input=json.dumps(training("refused")))
+    plane.kubectl(
+        "create", "-f", "-", input=json.dumps(training("queued-refused", scheduling={"queueName": "q"}))
+    )
+    jobs = {name: wait_for(f"{name}'s PyTorchJob", lambda n=name: api.get("pytorchjobs", n, NAMESPACE), timeout=60)
+            for name in ("refused", "queued-refused")}  # fmt: skip
+    # Kueue's part: a Workload for the queued job (labelled with its uid, owned by it), admitted.
+    job = jobs["queued-refused"]
+    workloads = f"/apis/kueue.x-k8s.io/v1beta2/namespaces/{NAMESPACE}/workloads"
+    api.request("POST", workloads, {
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload",
+        "metadata": {"name": "pytorchjob-queued-refused", "namespace": NAMESPACE,
+                     "labels": {"kueue.x-k8s.io/job-uid": job["metadata"]["uid"]},
+                     "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+                                          "name": "queued-refused", "uid": job["metadata"]["uid"], "controller": True}]},
+        "spec": {"queueName": "q", "podSets": [{"name": "master", "count": 1, "template": {
+            "spec": {"containers": [{"name": "pytorch", "image": "trainer"}]}}}]},
+    })  # fmt: skip
+    api.request("PATCH", api.path("pytorchjobs", NAMESPACE, "queued-refused"),
+                {"spec": {"runPolicy": {"suspend": False}}}, "application/merge-patch+json")  # fmt: skip
+    for name, made in jobs.items():
+        stand_in.job_status(name, "Created", "Running", startTime=_stamp(time.time()))
+        master, _ = stand_in.start_pods(made, RUNNING, gpu_percent=85.0)
+        _down_after(api, master, refused)
+    for name in jobs:
+        status = wait_for(f"{name} Failed", lambda n=name: (s := _status(api, n)).get("phase") == "Failed" and s,
+                          timeout=30)  # fmt: skip
+        failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+        assert failed["reason"] == "CheckpointStorageFailed", failed
+        assert failed["message"].startswith(f"pod {name}-master-0's trainer failed: {refused['message']}; ")
+        assert any(c["type"] == "JobStopped" and c["status"] == "True" for c in status["conditions"]), status
+    assert api.get("pytorchjobs", "refused", NAMESPACE)["spec"]["runPolicy"]["suspend"] is True
+    workload = api.get_at(f"{workloads}/pytorchjob-queued-refused")
+    assert workload is not None
+    assert workload["spec"]["active"] is False
+    # The queued job's suspend is Kueue's: the operator never set it (Kueue does, on eviction).
+    assert api.get("pytorchjobs", "queued-refused", NAMESPACE)["spec"]["runPolicy"]["suspend"] is False
+    # Stopped for good: a spec edit (its event reconciles it) resumes nothing, and the status stays.
+    before = _status(api, "refused")
+    plane.kubectl("patch", "gtr", "refused", "-n", NAMESPACE, "--type=merge",
+                  "-p", '{"spec": {"runPolicy": {"activeDeadlineSeconds": 7200}}}')  # fmt: skip
+    time.sleep(3)  # three ticks
+    assert api.get("pytorchjobs", "refused", NAMESPACE)["spec"]["runPolicy"]["suspend"] is True
+    assert _status(api, "refused") == before
+
+
 def test_a_progress_report_reaches_status_through_the_charts_rules(
     plane: ControlPlane, api: Api, fresh_operator: OperatorProcess, suite_chart: Installed
 ) -> None:

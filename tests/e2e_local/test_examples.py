@@ -14,7 +14,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from gpuop.backends.pytorchjob import PYTORCHJOB
 from gpuop.backends.trainjob import TRAINJOB
@@ -185,20 +189,104 @@ def test_progress_then_a_killed_trainer_resumes_from_its_checkpoint_in_the_bucke
     assert len(steps) >= 2, steps
 
 
-def test_suspended_mid_run_its_pods_go_and_it_resumes_from_the_checkpoint(
+def _restarts(pods: list[dict[str, Any]]) -> int:
+    """The most any container of these pods (the dataset step's included) has restarted."""
+    statuses = (c for p in pods for key in ("initContainerStatuses", "containerStatuses")
+                for c in p.get("status", {}).get(key) or ())  # fmt: skip
+    return max((c.get("restartCount", 0) for c in statuses), default=0)
+
+
+def test_a_store_that_refuses_stops_the_training_at_once_with_its_line_on_either_backend(
     plane: ControlPlane,
     nodes: Pool,
-    claims: Claims,
+    s3: S3Server,
+    trainer_v2: list[WebhookedController],
     operator: InClusterOperator,
     timelines: list[chain.Timeline],
     tmp_path: Path,
 ) -> None:
+    """Wrong credentials in the Secret (a PyTorchJob's checkpoints) and a bucket that does not
+    exist (a TrainJob's dataset step), with no backoff limit, which left to Kubeflow means
+    restarting forever: each ends with its own line and says no restart mends it; the operator
+    suspends the job, the real controllers delete its pods, and the training is Failed with that
+    line within a restart, and stays so."""
+    wrong = s3.secret("wrong-credentials")
+    wrong["stringData"]["AWS_SECRET_ACCESS_KEY"] = "not-the-secret"
+    plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", "-", input=json.dumps(wrong))
+    plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", "-", input=json.dumps(s3.secret(chain.STORE_SECRET)))
+    checkpoints = f"s3://{chain.BUCKET}/{chain.BUCKET_PREFIX}"
+    cases = {
+        "refused-pytorchjob": ("pytorchjob", "CheckpointStorageFailed", f"{checkpoints}/refused-pytorchjob: list "
+                               "failed: access denied", {"checkpoint": {"uri": checkpoints, "secretName": "wrong-credentials"}}),
+        "refused-trainjob": ("trainjob", "DatasetFetchFailed", "s3://no-such-bucket/mnist: list failed: the bucket "
+                             "does not exist", {"dataset": {"name": "mnist", "uri": "s3://no-such-bucket/mnist",
+                                                            "secretName": chain.STORE_SECRET}}),
+    }  # fmt: skip
+    for name, (backend, _, _, fields) in cases.items():
+        path = chain.variant(tmp_path, name, backend=backend, **fields)
+        doc = yaml.safe_load(path.read_text())
+        del doc["spec"]["runPolicy"]["backoffLimit"]  # Kubeflow's default: no limit
+        path.write_text(yaml.safe_dump(doc))
+        timelines.append(chain.Timeline(plane, name))
+        plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", str(path))
+    restarts = dict.fromkeys(cases, 0)
+
+    def failed(name: str) -> bool:
+        restarts[name] = max(restarts[name], _restarts(chain.pods_of(plane, name)))
+        return chain.phase(plane, name) == "Failed"
+
+    for name, (backend, reason, line, _) in cases.items():
+        wait_for(f"{name} Failed", lambda n=name: failed(n), timeout=180, every=0.5)
+        status = (chain.get(plane, "gtr", name) or {})["status"]
+        condition = next(c for c in status["conditions"] if c["type"] == "Failed")
+        assert condition["reason"] == reason, status
+        assert line in condition["message"], condition
+        assert any(c["type"] == "JobStopped" and c["status"] == "True" for c in status["conditions"]), status
+        job = chain.get(plane, backend, name)
+        assert job is not None
+        assert (
+            job["spec"]["runPolicy"]["suspend"] if backend == "pytorchjob" else job["spec"]["suspend"]
+        ) is True
+        try:
+            # Bounded by the pods' grace period (120 s, the default) and the controllers' pace;
+            # tests/node's no-handler test is the one that shows a pod in its rendezvous stops
+            # at SIGTERM, not at the kill.
+            stopped_at = time.monotonic()
+            wait_for(f"{name}'s pods gone", lambda n=name: chain.pods_of(plane, n) == [], timeout=150)
+            print(f"{name}: its pods gone {time.monotonic() - stopped_at:.0f} s after it was Failed")
+        except AssertionError as exc:
+            left = [(p["metadata"]["name"], p["metadata"].get("deletionTimestamp"), p["status"].get("phase"),
+                     [(c["name"], c.get("state"), c.get("restartCount")) for c in p["status"].get("containerStatuses") or ()])
+                    for p in chain.pods_of(plane, name)]  # fmt: skip
+            raise AssertionError(f"{exc}: {left}; the job {job.get('status')}") from None
+    print(f"most restarts of a container before the stop: {restarts}")
+    assert all(count <= 2 for count in restarts.values()), restarts  # not a crash loop
+    for name in cases:
+        assert chain.phase(plane, name) == "Failed"
+        assert chain.pods_of(plane, name) == []
+        plane.kubectl("delete", "gtr", name, "-n", chain.NAMESPACE, "--wait=true")
+
+
+def test_suspended_mid_run_its_pods_go_and_it_resumes_from_the_checkpoint_in_the_bucket(
+    plane: ControlPlane,
+    nodes: Pool,
+    claims: Claims,
+    s3: S3Server,
+    operator: InClusterOperator,
+    timelines: list[chain.Timeline],
+    tmp_path: Path,
+) -> None:
+    """SIGTERM mid-run (a suspend deletes the pods, as a drain or a preemption does): each
+    trainer saves to the bucket within its grace period, and the new pods, with nothing on any
+    disk, resume from it to Succeeded."""
     name = "paused"
-    gate = chain.gate(claims, f"{name}-checkpoints")
-    timelines.append(timeline := chain.start_long_training(plane, name, tmp_path, gate))
+    gate = chain.gate(claims, f"{name}-outputs", mount=chain.OUTPUTS)
+    timelines.append(
+        timeline := chain.start_long_training(plane, name, tmp_path, gate, **chain.in_bucket(plane, s3, gate))
+    )
     pod = f"{name}-master-0"
     gate.wait_held(lambda: not {"Succeeded", "Failed"} & set(timeline.phases()))
-    assert len(chain.checkpointed_steps(gate)) >= 2  # one past the first epoch: not the start
+    assert len(chain.bucket_steps(s3, name)) >= 2  # one past the first epoch: not the start
     plane.kubectl(
         "patch",
         "gtr",
@@ -215,7 +303,7 @@ def test_suspended_mid_run_its_pods_go_and_it_resumes_from_the_checkpoint(
         lambda: not chain.names(plane, "pods", f"training.kubeflow.org/job-name={name}"),
         timeout=60,
     )
-    saved = max(chain.checkpointed_steps(gate))
+    saved = max(chain.bucket_steps(s3, name))
     gate.release()  # the resumed pods' trainers train on (SIGTERM let the deleted ones go)
     plane.kubectl(
         "patch",
@@ -232,6 +320,8 @@ def test_suspended_mid_run_its_pods_go_and_it_resumes_from_the_checkpoint(
     resumed = chain.resumed_steps(plane, nodes, pod)
     assert resumed, "the resumed training started over"
     assert resumed[-1] >= saved, (resumed, saved)
+    assert f"resumed from s3://{chain.BUCKET}/{chain.BUCKET_PREFIX}/{name}/" in chain.logs(plane, nodes, pod)
+    assert not any(gate.folder.glob("*/step-*")), "a checkpoint on a disk"
     phases = timeline.caught_up("Succeeded")
     assert phases.index("Suspended") < len(phases) - 1
     assert "Stalled" not in timeline.conditions()

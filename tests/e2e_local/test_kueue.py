@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -202,3 +203,48 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
     high_phases = high_timeline.caught_up("Succeeded")
     assert "Suspended" not in high_phases, high_phases
     assert "Failed" not in high_phases, high_phases
+
+
+@pytest.mark.usefixtures(*KUEUE_CHAIN)
+def test_under_kueue_a_store_that_refuses_deactivates_the_workload_and_kueue_lets_the_gpus_go(
+    plane: ControlPlane, s3: S3Server, timelines: list[chain.Timeline], tmp_path: Path
+) -> None:
+    """Wrong credentials for a queued training's checkpoints: its trainer says no restart mends
+    it, and suspending the job would not stop it (the real Kueue resumes an admitted job), so
+    the operator sets its Workload inactive; the real Kueue evicts it and suspends the job, its
+    pods go, its quota is free for the next, and the training is Failed with the trainer's line."""
+    queue = "refusing"
+    for obj in kueue.queues(queue, chain.NAMESPACE, {"cpu": "2", "memory": "2Gi"}):
+        plane.kubectl("apply", "-f", "-", input=json.dumps(obj))
+    wrong = s3.secret("wrong-credentials")
+    wrong["stringData"]["AWS_SECRET_ACCESS_KEY"] = "not-the-secret"
+    plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", "-", input=json.dumps(wrong))
+    name = "refused-queued"
+    uri = f"s3://{chain.BUCKET}/{chain.BUCKET_PREFIX}"
+    spec = chain.variant(tmp_path, name, scheduling={"queueName": queue},
+                         checkpoint={"uri": uri, "secretName": "wrong-credentials"})  # fmt: skip
+    timelines.append(timeline := chain.Timeline(plane, name))
+    plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", str(spec))
+    chain.wait_finished(plane, name, timeout=180)
+    status = (chain.get(plane, "gtr", name) or {})["status"]
+    assert status["phase"] == "Failed", timeline.phases()
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "CheckpointStorageFailed", failed
+    assert f"{uri}/{name}: list failed: access denied" in failed["message"], failed
+    stopped = next(c for c in status["conditions"] if c["type"] == "JobStopped")
+    assert "deactivated its Kueue Workload" in stopped["message"], stopped
+    workloads = json.loads(
+        plane.kubectl("get", "workloads.kueue.x-k8s.io", "-n", chain.NAMESPACE, "-o", "json").stdout
+    )["items"]
+    (workload,) = [w for w in workloads if w["metadata"]["ownerReferences"][0]["name"] == name]
+    assert workload["spec"]["active"] is False
+    # Kueue's own doing: evicted as deactivated, the job suspended, the pods gone.
+    wait_for(f"{name}'s job suspended by Kueue",
+             lambda: (chain.get(plane, "pytorchjob", name) or {}).get("spec", {}).get("runPolicy", {}).get("suspend"),
+             timeout=60)  # fmt: skip
+    # Within the pods' grace period (120 s, the default), as in test_examples' refusal test.
+    wait_for(f"{name}'s pods gone", lambda: chain.pods_of(plane, name) == [], timeout=150)
+    time.sleep(5)  # Kueue admits it no more: no pod comes back
+    assert chain.pods_of(plane, name) == []
+    assert chain.phase(plane, name) == "Failed"
+    plane.kubectl("delete", "gtr", name, "-n", chain.NAMESPACE, "--wait=true")

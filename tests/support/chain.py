@@ -314,13 +314,6 @@ def bucket_steps(store: S3Server, name: str) -> list[int]:
     return sorted(step for step in steps if step is not None)
 
 
-def checkpointed_steps(gate: Gate) -> list[int]:
-    """The steps of the complete checkpoints on the training's claim, in the training's folder
-    there: those whose manifest is written (the trainer writes it last, gputrain.checkpoint)."""
-    steps = (complete_checkpoint_step(p.name) for p in gate.folder.glob("*/step-*"))
-    return sorted(step for step in steps if step is not None)
-
-
 def made_by_training_operator(plane: ControlPlane, name: str) -> list[str]:
     """What the training-operator says it created for the job ``name``, from its events
     (``Created pod: kind-cpu-master-0``, ``Created service: ...``), sorted. Under cleanPodPolicy

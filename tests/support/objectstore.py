@@ -186,19 +186,23 @@ def _wait_ready(server: S3Server, buckets: tuple[str, ...], process: subprocess.
 
 
 class FaultyStore:
-    """An HTTP proxy in front of the store that can answer 503 (SlowDown) or answer late.
+    """An HTTP proxy in front of the store that can answer 503 (SlowDown), refuse, or answer late.
 
     Requests pass through with their Host header, so the server checks the client's Signature V4
-    as signed. ``fail_next(n)`` answers 503 to the next ``n`` requests; ``slow_next(n, delay)``
-    holds each of the next ``n`` it passes on ``delay`` seconds first. Counted, not timed: what a
-    test sees does not depend on how fast this machine is.
+    as signed. ``fail_next(n)`` answers 503 to the next ``n`` requests; ``refuse_puts(n, after)``
+    answers 403 (AccessDenied, which no client retries) to ``n`` writes once ``after`` more have
+    passed; ``slow_next(n, delay)`` holds each of the next ``n`` it passes on ``delay`` seconds
+    first. Counted, not timed: what a test sees does not depend on how fast this machine is.
     """
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.removeprefix("http://")
         self.answered_503 = 0
+        self.refused = 0
         self.passed = 0
         self._to_fail = 0
+        self._to_refuse = 0
+        self._puts_first = 0
         self._to_slow = 0
         self._delay = 0.0
         self._lock = threading.Lock()
@@ -216,6 +220,10 @@ class FaultyStore:
     def fail_next(self, requests: int) -> None:
         with self._lock:
             self._to_fail = requests
+
+    def refuse_puts(self, writes: int, after: int = 0) -> None:
+        with self._lock:
+            self._to_refuse, self._puts_first = writes, after
 
     def slow_next(self, requests: int, delay: float) -> None:
         with self._lock:
@@ -240,20 +248,25 @@ class FaultyStore:
                 body = self.rfile.read(length) if length else b""
                 with proxy._lock:
                     fail, slow = proxy._to_fail > 0, proxy._to_fail <= 0 and proxy._to_slow > 0
+                    refuse = False
                     if fail:
                         proxy._to_fail -= 1
                         proxy.answered_503 += 1
-                    elif slow:
+                    elif self.command == "PUT" and proxy._to_refuse > 0:
+                        if proxy._puts_first > 0:
+                            proxy._puts_first -= 1
+                        else:
+                            refuse = True
+                            proxy._to_refuse -= 1
+                            proxy.refused += 1
+                    if not fail and not refuse and slow:
                         proxy._to_slow -= 1
+                    slow = slow and not refuse
+                if refuse:
+                    self._error(403, "AccessDenied", "Access Denied")
+                    return
                 if fail:
-                    text = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-                    self.close_connection = True
-                    self.send_response(503)
-                    self.send_header("Connection", "close")
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(text)))
-                    self.end_headers()
-                    self.wfile.write(text)
+                    self._error(503, "SlowDown", "Please reduce your request rate.")
                     return
                 if slow:
                     time.sleep(proxy._delay)
@@ -277,6 +290,17 @@ class FaultyStore:
                 if self.command != "HEAD":
                     self.wfile.write(data)
                 upstream.close()
+
+            def _error(self, status: int, code: str, message: str) -> None:
+                """An S3 error reply, its XML as S3 writes it."""
+                text = f"<Error><Code>{code}</Code><Message>{message}</Message></Error>".encode()
+                self.close_connection = True
+                self.send_response(status)
+                self.send_header("Connection", "close")
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(text)))
+                self.end_headers()
+                self.wfile.write(text)
 
             def do_GET(self) -> None:
                 self._any()

@@ -77,6 +77,9 @@ class ToyJobApi:
             return None
         return {"spec": {"paused": paused}}
 
+    def suspend_patch(self) -> dict[str, Any]:
+        return {"spec": {"paused": True}}
+
     def wake_times(self, job: Mapping[str, Any] | None) -> tuple[datetime, ...]:
         """A toy controller sleeps through the time in ``status.wakeAt``."""
         wake_at = ((job or {}).get("status") or {}).get("wakeAt")

@@ -26,8 +26,10 @@ from support import objectstore
 from support.training import (
     digits_run,
     finish,
+    hold_dir,
     hold_env,
     log_of,
+    release,
     start,
     start_gpuop_run,
     train,
@@ -130,6 +132,38 @@ def test_a_store_answering_503_then_slowly_is_retried_until_the_checkpoint_is_co
         proxy.close()
 
 
+def test_a_run_trains_on_through_a_throttling_store_and_a_refused_save_leaving_only_complete_ones(
+    tmp_path: Path, uri: str, s3: objectstore.S3Server
+) -> None:
+    """A real DDP run whose store, mid-run, answers 503 to three requests (the save is retried
+    until it goes through) and then refuses a save's manifest (403: the save fails, a warning,
+    and training goes on): it reaches Succeeded, and the bucket holds complete checkpoints only,
+    the refused save's state pruned once a newer one was complete."""
+    proxy = objectstore.FaultyStore(s3.endpoint)
+    try:
+        run = digits_run(tmp_path, epochs=2)
+        env = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint, "GPUTRAIN_CHECKPOINT_DIR": uri}
+        process = start(run, hold_at=15, extra_env=env)
+        wait_for_step(run, process, 15)  # past the first save (step 10), before the next
+        proxy.fail_next(3)
+        proxy.refuse_puts(1, after=1)  # the next state goes through, its manifest is refused
+        release(hold_dir(run))
+        assert finish(run, process) == 0, log_of(run)
+        assert (proxy.answered_503, proxy.refused) == (3, 1)
+    finally:
+        proxy.close()
+    said = re.search(r"checkpoint at step (\d+) not saved: (.*); training goes on", log_of(run))
+    assert said is not None, log_of(run)
+    assert "access denied (AccessDenied)" in said.group(2), said.group(2)
+    result = json.loads(run.termination_log.read_text())
+    assert (result["phase"], result["step"]) == ("Succeeded", result["totalSteps"])
+    names = _names(uri)
+    complete = CheckpointManager(uri, keep=3).checkpoints()
+    assert names == sorted(n for s in complete for n in (s.name, str(s.manifest))), names
+    assert int(said.group(1)) not in [s.step for s in complete]
+    assert complete[-1].step == result["step"]
+
+
 def test_wrong_credentials_fail_in_one_line_that_names_the_uri_and_the_fix(
     uri: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -140,6 +174,7 @@ def test_wrong_credentials_fail_in_one_line_that_names_the_uri_and_the_fix(
     assert "\n" not in message
     assert message.startswith(f"{uri}: list failed: access denied")
     assert "spec.checkpoint.secretName" in message
+    assert refused.value.refused  # no restart mends it: the operator stops the job (Result.permanent)
 
 
 def test_a_missing_bucket_fails_in_one_line_that_names_it(uri: str) -> None:
@@ -149,6 +184,7 @@ def test_a_missing_bucket_fails_in_one_line_that_names_it(uri: str) -> None:
     assert "\n" not in message
     assert message.startswith("s3://no-such-bucket/run: write step-00000001-")
     assert message.endswith(".pt failed: the bucket does not exist; create it or correct the URI")
+    assert refused.value.refused
 
 
 @pytest.fixture
@@ -213,6 +249,7 @@ def test_an_output_store_that_refuses_fails_the_run_before_training_in_one_line(
         "s3://no-such-bucket/out/t: list failed: the bucket does not exist; create it or correct the URI; "
         "found before training (the outputs go there at the end)"
     )
+    assert record["permanent"] is True  # a restart meets the same answer: the operator stops the job
 
 
 def test_a_finished_run_applied_again_with_an_output_uri_uploads_without_training(

@@ -137,6 +137,7 @@ def test_a_missing_bucket_is_one_line_and_exit_code_6(s3: objectstore.S3Server, 
     assert done.returncode == 6, done.stdout + done.stderr
     said = json.loads(record.read_text())
     assert said["reason"] == "DatasetFetchFailed"
+    assert said["permanent"] is True  # the operator stops the job rather than let the step retry
     assert (
         said["message"]
         == "s3://no-such-bucket/data: list failed: the bucket does not exist; create it or correct the URI"

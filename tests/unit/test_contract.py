@@ -21,12 +21,14 @@ from gputrain.contract import (
     HistoryPoint,
     Metric,
     Progress,
+    Result,
     TrainerSettings,
     complete_checkpoint_step,
     env_name,
     read_history,
 )
 from gputrain.metrics import GpuReading, MetricsServer
+from gputrain.storage import _advice
 from support.cost import thread_seconds
 from support.specs import minimal
 
@@ -183,3 +185,32 @@ def test_a_picture_that_cannot_be_written_is_one_line_naming_the_path(tmp_path: 
 )
 def test_the_names_a_listing_shows_of_complete_checkpoints(name: str, step: int | None) -> None:
     assert complete_checkpoint_step(name) == step
+
+
+def test_a_record_says_whether_a_restart_would_fail_the_same_way() -> None:
+    """Result.permanent round-trips; anything but a JSON boolean (a custom image's record) is
+    dropped at the edge, never taken for True."""
+    record = Result("Failed", reason="CheckpointStorageFailed", message="access denied", permanent=True)
+    assert Result.from_json(record.to_json()) == record
+    for written in ('"yes"', "1", "null"):
+        text = f'{{"phase": "Failed", "reason": "X", "permanent": {written}}}'
+        assert Result.from_json(text) == Result("Failed", reason="X")
+
+
+@pytest.mark.parametrize(
+    ("said", "refused"),
+    [
+        ("Generic S3 error: <Code>InvalidAccessKeyId</Code>", True),
+        ("Generic S3 error: <Code>SignatureDoesNotMatch</Code>", True),
+        ("Generic S3 error: 403 Forbidden", True),
+        ("Generic S3 error: <Code>NoSuchBucket</Code>", True),
+        ("Generic S3 error: 503 Service Unavailable, after 20 retries", False),
+        ("Generic S3 error: error sending request: connection refused", False),
+    ],
+)
+def test_a_store_refuses_only_on_an_answer_that_holds_until_someone_changes_something(
+    said: str, refused: bool
+) -> None:
+    """What the operator stops a job for (StorageError.refused, then Result.permanent): access
+    denied and a missing bucket; a store down or throttling past its retries may be back."""
+    assert _advice(RuntimeError(said))[1] is refused

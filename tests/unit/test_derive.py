@@ -17,6 +17,7 @@ from gpuop.api.status import (
     status_patch,
 )
 from gpuop.backends.pytorchjob import PYTORCHJOB
+from gpuop.observing import derive
 from gpuop.observing.derive import derive_status, events
 from gpuop.observing.records import (
     JobCondition,
@@ -908,3 +909,72 @@ def test_a_thousand_pods_fetching_are_named_three_and_a_count() -> None:
     condition = next(c for c in status.conditions if c.type == "FetchingDataset")
     assert condition.message.startswith("demo-worker-0, demo-worker-1, demo-worker-10 and 1021 more copy ")
     assert len(condition.message) < 300
+
+
+# -- a failure no restart mends (Result.permanent) ---------------------------------------------------
+
+
+def test_a_pod_down_after_a_failure_no_restart_mends_fails_the_training_and_stops_its_job() -> None:
+    """Wrong credentials: Failed at once with the trainer's reason and line, JobStopped saying
+    what the operator did (the reconciler suspends the job first), one Warning; from then on the
+    status stays as written, whatever Kubeflow says of the suspended job."""
+    line = "s3://ckpt/demo: list failed: access denied (InvalidAccessKeyId); check the credentials"
+    pods = (
+        PodObservation("demo-master-0", "Running", needs_fix=("CheckpointStorageFailed", line)),
+        PodObservation("demo-worker-0", "Running", True),
+    )
+    failed = derive_status(None, observe(30, pods=pods), THRESHOLDS)
+    assert failed.phase == "Failed"
+    assert derive.stop_for(observe(30, pods=pods)) == ("demo-master-0", "CheckpointStorageFailed", line)
+    condition = next(c for c in failed.conditions if c.type == "Failed")
+    assert (condition.status, condition.reason) == ("True", "CheckpointStorageFailed")
+    assert (
+        condition.message
+        == failed.message
+        == (
+            f"pod demo-master-0's trainer failed: {line}; a restart would fail the same way, so its pods were "
+            "stopped and hold no GPUs: correct it, then delete the GpuTraining and apply it again"
+        )
+    )
+    stopped = next(c for c in failed.conditions if c.type == "JobStopped")
+    assert stopped.status == "True"
+    assert stopped.message.startswith("the operator suspended the PyTorchJob demo when pod demo-master-0's")
+    assert failed.completion_time is not None
+    assert [(e.type, e.reason) for e in events(None, failed)][-2:] == [
+        ("Warning", "CheckpointStorageFailed"),
+        ("Normal", "RestartCannotMend"),
+    ]
+    assert derive.stopped(failed)
+    suspended = (
+        JobCondition("Created", "True"),
+        JobCondition("Suspended", "True", "JobSuspended", "suspended"),
+    )
+    assert derive_status(failed, observe(60, conditions=suspended), THRESHOLDS) is failed
+    assert derive_status(failed, observe(90, conditions=RUNNING, pods=running_pods(10)), THRESHOLDS) is failed
+
+
+def test_under_kueue_the_stop_is_a_deactivated_workload_and_a_dataset_step_is_named() -> None:
+    line = "s3://data/mnist: list failed: the bucket does not exist; create it or correct the URI"
+    pods = (PodObservation("demo-master-0", "Pending", needs_fix=("DatasetFetchFailed", line)),)
+    failed = derive_status(None, observe(30, pods=pods, queue_name="team-a"), THRESHOLDS)
+    assert failed.phase == "Failed"
+    assert failed.message.startswith(f"pod demo-master-0's dataset step failed: {line}; ")
+    stopped = next(c for c in failed.conditions if c.type == "JobStopped")
+    assert "deactivated its Kueue Workload, so Kueue suspended the PyTorchJob demo" in stopped.message
+
+
+def test_a_finished_job_or_a_failure_a_restart_may_mend_is_not_stopped() -> None:
+    """A store down past its retries (no permanent flag: the pod has no needs_fix) restarts as
+    before; a job Kubeflow already finished is Kubeflow's to say."""
+    line = "s3://ckpt/demo: list failed: 503 Service Unavailable"
+    transient = (PodObservation("demo-master-0", "Running", restarts=1,
+                                result=Result("Failed", reason="CheckpointStorageFailed", message=line)),)  # fmt: skip
+    assert derive_status(None, observe(30, pods=transient), THRESHOLDS).phase == "Restarting"
+    assert derive.stop_for(observe(30, pods=transient)) is None
+    needs_fix = (PodObservation("demo-master-0", "Failed", needs_fix=("InvalidSettings", "bad")),)
+    done = (
+        JobCondition("Created", "True"),
+        JobCondition("Failed", "True", "BackoffLimitExceeded", "too many"),
+    )
+    assert derive.stop_for(observe(30, conditions=done, pods=needs_fix)) is None
+    assert not derive.stopped(derive_status(None, observe(30, conditions=done, pods=needs_fix), THRESHOLDS))

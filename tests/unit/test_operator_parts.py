@@ -511,3 +511,40 @@ def test_the_dataset_step_is_read_while_it_copies_and_when_it_failed() -> None:
         observe.pod_observation(done, None).cannot_start,
         observe.pod_observation(done, None).fetching_dataset,
     ) == (None, False)
+
+
+def test_a_container_down_after_a_failure_no_restart_mends_is_read_as_needing_a_fix() -> None:
+    """Result.permanent in the trainer's record (or the dataset step's): read while the container
+    is down (just ended, or waiting to restart), not once it runs again, and never from a record
+    that does not say so (a store down past its retries may be back)."""
+    refused = json.dumps({"phase": "Failed", "reason": "CheckpointStorageFailed", "permanent": True,
+                          "message": "s3://ckpt/x: list failed: access denied (InvalidAccessKeyId)"})  # fmt: skip
+    ended = _pod(phase="Running", containerStatuses=[{
+        "name": "pytorch", "restartCount": 0, "state": {"terminated": {"exitCode": 1, "message": refused}}}])  # fmt: skip
+    want = ("CheckpointStorageFailed", "s3://ckpt/x: list failed: access denied (InvalidAccessKeyId)")
+    assert observe.pod_observation(ended, None).needs_fix == want
+    waiting = _pod(phase="Running", containerStatuses=[{
+        "name": "pytorch", "restartCount": 1, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": {"exitCode": 1, "message": refused}}}])  # fmt: skip
+    assert observe.pod_observation(waiting, None).needs_fix == want
+    running_again = _pod(phase="Running", containerStatuses=[{
+        "name": "pytorch", "restartCount": 1, "state": {"running": {"startedAt": "2026-11-25T10:00:00Z"}},
+        "lastState": {"terminated": {"exitCode": 1, "message": refused}}}])  # fmt: skip
+    assert observe.pod_observation(running_again, None).needs_fix is None
+    for unsaid in ({"permanent": False}, {"permanent": "yes"}, {}):
+        record = json.dumps(
+            {"phase": "Failed", "reason": "CheckpointStorageFailed", "message": "503", **unsaid}
+        )
+        pod = _pod(phase="Running", containerStatuses=[{
+            "name": "pytorch", "state": {"terminated": {"exitCode": 1, "message": record}}}])  # fmt: skip
+        assert observe.pod_observation(pod, None).needs_fix is None, unsaid
+    no_bucket = json.dumps({"phase": "Failed", "reason": "DatasetFetchFailed", "permanent": True,
+                            "message": "s3://data/x: list failed: the bucket does not exist"})  # fmt: skip
+    fetch = _pod(phase="Pending", initContainerStatuses=[{
+        "name": "fetch-dataset", "restartCount": 1, "ready": False,
+        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": {"exitCode": 6, "message": no_bucket}}}])  # fmt: skip
+    assert observe.pod_observation(fetch, None).needs_fix == (
+        "DatasetFetchFailed",
+        "s3://data/x: list failed: the bucket does not exist",
+    )

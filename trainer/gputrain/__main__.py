@@ -64,10 +64,12 @@ def settings_from(argv: Sequence[str] | None, environ: dict[str, str]) -> tuple[
     return TrainerSettings.from_env(merged), args.termination_log
 
 
-def _report_failure(path: str, code: int, message: str) -> int:
-    """Leave the reason in the termination message (one writer per pod), and return ``code``."""
+def _report_failure(path: str, code: int, message: str, *, permanent: bool = False) -> int:
+    """Leave the reason in the termination message (one writer per pod), and return ``code``.
+    ``permanent``: a restart would fail the same way (Result.permanent)."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        record = Result(phase="Failed", reason=FAILURE_REASONS[code], message=message[:3000])
+        record = Result(phase="Failed", reason=FAILURE_REASONS[code], message=message[:3000],
+                        permanent=permanent)  # fmt: skip
         # Outside a pod there may be no termination log; the log line already says it all.
         with contextlib.suppress(OSError):
             Path(path).write_text(record.to_json())
@@ -88,7 +90,9 @@ def main(argv: Sequence[str] | None = None, after: Callable[[Trainer], None] | N
     except ContractError as exc:
         for line in str(exc).splitlines():
             log.error("bad setting: %s", line)
-        return _report_failure(_parser().parse_args(argv).termination_log, EXIT_BAD_CONFIG, str(exc))
+        return _report_failure(
+            _parser().parse_args(argv).termination_log, EXIT_BAD_CONFIG, str(exc), permanent=True
+        )
 
     # Heavy imports after the settings are known to be good: a typo fails in milliseconds.
     from gputrain.data import DatasetMissingError
@@ -100,7 +104,7 @@ def main(argv: Sequence[str] | None = None, after: Callable[[Trainer], None] | N
         cluster = join(settings.backend)
     except ContractError as exc:
         log.error("bad setting: %s", exc)
-        return _report_failure(termination_log, EXIT_BAD_CONFIG, str(exc))
+        return _report_failure(termination_log, EXIT_BAD_CONFIG, str(exc), permanent=True)
     trainer: Trainer | None = None
     try:
         trainer = Trainer(settings, cluster, termination_log=termination_log)
@@ -109,16 +113,16 @@ def main(argv: Sequence[str] | None = None, after: Callable[[Trainer], None] | N
             after(trainer)
     except ContractError as exc:
         log.error("bad setting: %s", exc)
-        return _report_failure(termination_log, EXIT_BAD_CONFIG, str(exc))
+        return _report_failure(termination_log, EXIT_BAD_CONFIG, str(exc), permanent=True)
     except DatasetMissingError as exc:
         log.error("%s", exc)
-        return _report_failure(termination_log, EXIT_DATA_MISSING, str(exc))
+        return _report_failure(termination_log, EXIT_DATA_MISSING, str(exc), permanent=True)
     except OutputUploadError as exc:  # trained, but the model is not where the spec said
         log.error("%s", exc)
-        return _report_failure(termination_log, EXIT_OUTPUT_STORAGE, str(exc))
+        return _report_failure(termination_log, EXIT_OUTPUT_STORAGE, str(exc), permanent=exc.refused)
     except StorageError as exc:  # reading the checkpoints at the start: nothing to train from
         log.error("%s", exc)
-        return _report_failure(termination_log, EXIT_STORAGE, str(exc))
+        return _report_failure(termination_log, EXIT_STORAGE, str(exc), permanent=exc.refused)
     except PreemptedError as stopped:
         step = trainer.position.step if trainer else 0
         interrupted = trainer is not None and trainer.stop_signal == signal.SIGINT

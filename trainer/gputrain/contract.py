@@ -113,6 +113,10 @@ class Result:
     world_size: int | None = None
     reason: str | None = None  # Failed only: InvalidSettings, DatasetMissing or Preempted
     message: str | None = None
+    # Failed only: True when a restart would fail the same way, until a person changes something
+    # (bad settings, no data, a store that refuses the credentials or has no such bucket). The
+    # operator then stops the job rather than let its pods restart into it on their GPUs.
+    permanent: bool | None = None
 
     def to_json(self) -> str:
         return json.dumps({_camel(f.name): getattr(self, f.name) for f in dataclasses.fields(self)},
@@ -135,6 +139,8 @@ class Result:
             value = data.get(_camel(field.name))
             if field.name in ("reason", "message"):
                 values[field.name] = value[:1024] if isinstance(value, str) else None
+            elif field.name == "permanent":
+                values[field.name] = value if isinstance(value, bool) else None
             elif isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
                 values[field.name] = int(value) if field.name in _INTEGERS else value
         return cls(phase=data["phase"], **values)  # type: ignore[arg-type]

@@ -245,14 +245,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         stream=sys.stdout)  # fmt: skip
     try:
         if not is_bucket_uri(args.uri):
-            raise StorageError(f"{args.uri}: not an s3://, gs:// or az:// URI")
+            raise StorageError(f"{args.uri}: not an s3://, gs:// or az:// URI", refused=True)
         done = fetch(args.uri, args.directory, max(1, args.concurrency), args.every)
     except (StorageError, OSError) as exc:  # OSError: the cache's disk (full, read-only)
         message = str(exc)
         if not isinstance(exc, StorageError):
             message = f"{exc.filename or args.directory}: {exc.strerror or exc}; check the dataset volume"
         log.error("%s", message)
-        record = Result(phase="Failed", reason=FAILURE_REASONS[EXIT_FETCH], message=message[:3000])
+        refused = isinstance(exc, StorageError) and exc.refused
+        record = Result(phase="Failed", reason=FAILURE_REASONS[EXIT_FETCH], message=message[:3000],
+                        permanent=refused)  # fmt: skip
         with contextlib.suppress(OSError):  # outside a pod there may be none; the log line says it all
             Path(args.termination_log).write_text(record.to_json())
         return EXIT_FETCH

@@ -38,7 +38,16 @@ _ENDPOINT_VARIABLES: Final = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_EN
 
 
 class StorageError(RuntimeError):
-    """A store refused or could not be reached: one line that names the location and the fix."""
+    """A store refused or could not be reached: one line that names the location and the fix.
+
+    ``refused``: the store answered, and its answer holds until a person changes something
+    (access denied, no such bucket, a URI it cannot take), so trying again later meets the same
+    answer. A store that was down or slow past its retries is not refused: it may be back.
+    """
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class Location(Protocol):
@@ -139,7 +148,7 @@ class Bucket:
         try:
             self._store: ObjectStore = from_url(self.uri, client_options=options, retry_config=retry)
         except Exception as exc:  # obstore says what is wrong with the URI or the configuration
-            raise StorageError(f"{self.uri}: {_first_line(exc)}") from None
+            raise StorageError(f"{self.uri}: {_first_line(exc)}", refused=True) from None
 
     def names(self) -> dict[str, int]:
         # Deeper keys belong to someone else.
@@ -208,12 +217,15 @@ class Bucket:
         except FileNotFoundError as exc:
             if "NoSuchBucket" not in str(exc):
                 raise  # a missing object is the caller's to judge, as with files
-            raise StorageError(f"{self.uri}: {what} failed: {_advice(exc)}") from None
+            raise StorageError(f"{self.uri}: {what} failed: {_advice(exc)[0]}", refused=True) from None
         except Exception as exc:
-            raise StorageError(f"{self.uri}: {what} failed: {_advice(exc)}") from None
+            advice, refused = _advice(exc)
+            raise StorageError(f"{self.uri}: {what} failed: {advice}", refused=refused) from None
 
 
-def _advice(exc: Exception) -> str:
+def _advice(exc: Exception) -> tuple[str, bool]:
+    """What the store said, in one line with what to check, and whether it refused (an answer
+    that holds until someone changes the credentials, the bucket or the URI)."""
     from obstore import exceptions
 
     whole = str(exc)
@@ -226,10 +238,10 @@ def _advice(exc: Exception) -> str:
     ):
         return (f"access denied ({text}); check the credentials (the Secret in spec.checkpoint.secretName, "
                 "or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY) and that they may read and write "
-                "here")  # fmt: skip
+                "here"), True  # fmt: skip
     if "NoSuchBucket" in whole or "ContainerNotFound" in whole:
-        return "the bucket does not exist; create it or correct the URI"
-    return text
+        return "the bucket does not exist; create it or correct the URI", True
+    return text, False
 
 
 def _first_line(exc: BaseException) -> str:

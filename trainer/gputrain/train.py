@@ -154,7 +154,8 @@ def upload_outputs(output: Path, uri: str) -> None:
     except StorageError as exc:
         raise OutputUploadError(
             f"{exc}; the trained model is in {output / MODEL_FILE} and in the last checkpoint: with the "
-            "store fixed, apply the training again (it resumes at its end and uploads)"
+            "store fixed, apply the training again (it resumes at its end and uploads)",
+            refused=exc.refused,
         ) from None
     log.info("outputs uploaded to %s (%.2f s)", store.uri, time.perf_counter() - started)
 
@@ -294,7 +295,7 @@ class Trainer:
         if self.cluster.distributed:
             dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], StorageError):
-            raise type(box[0])(str(box[0]))
+            raise type(box[0])(str(box[0]), refused=box[0].refused)
         newest: tuple[dict[str, Any], Saved] | None = box[0]
         return newest
 
@@ -307,7 +308,7 @@ class Trainer:
             open_location(self.settings.output_uri).names()
         except StorageError as exc:
             raise OutputUploadError(
-                f"{exc}; found before training (the outputs go there at the end)"
+                f"{exc}; found before training (the outputs go there at the end)", refused=exc.refused
             ) from None
 
     # ---------------------------------------------------------------------------------------

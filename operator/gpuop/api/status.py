@@ -42,7 +42,9 @@ class Condition:
 
     type: str = api_field(
         "Condition type: Created, Queued, Running, Succeeded, Failed, Suspended, Restarting, InvalidSpec, "
-        "NameConflict, SpecNotApplied, Stalled, Underutilized, JobDeleted, BackendSelected, "
+        "NameConflict, SpecNotApplied, Stalled, Underutilized, JobDeleted, JobStopped (a pod failed in a "
+        "way no restart mends, and the operator stopped its job so that no GPU is held restarting "
+        "into it), BackendSelected, "
         "BackendUnavailable, PodsNotStarting (the kubelet cannot start a pod's trainer: a Secret it "
         "names is missing, its image cannot be pulled, the dataset step failed; the reason and what to "
         "change) or FetchingDataset (the dataset step copies spec.dataset.uri before training).",

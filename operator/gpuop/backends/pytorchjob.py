@@ -199,6 +199,9 @@ class PyTorchJobApi:
         changes = observe.changed(want, have, MUTABLE_RUN_POLICY, skip)
         return {"spec": {"runPolicy": changes}} if changes else None
 
+    def suspend_patch(self) -> dict[str, Any]:
+        return {"spec": {"runPolicy": {"suspend": True}}}
+
     def wake_times(self, job: Mapping[str, Any] | None) -> tuple[datetime, ...]:
         """Its deadline while it runs, its TTL's end once finished.
 

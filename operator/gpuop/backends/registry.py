@@ -87,6 +87,10 @@ class JobApi(Protocol):
         """The merge patch bringing a made job's mutable fields to ``desired``'s, but ``skip``."""
         ...
 
+    def suspend_patch(self) -> dict[str, Any]:
+        """The merge patch that suspends a made job: its controller deletes the job's pods."""
+        ...
+
     def wake_times(self, job: Mapping[str, Any] | None) -> tuple[datetime, ...]:
         """When its controller must act on the job by the clock alone (a deadline, a TTL) and is
         known to sleep through it unless the job changes: the operator touches the job then.

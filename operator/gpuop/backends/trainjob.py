@@ -239,6 +239,9 @@ class TrainJobApi:
         changes = observe.changed(desired["spec"], child.get("spec") or {}, ("suspend",), skip)
         return {"spec": changes} if changes else None
 
+    def suspend_patch(self) -> dict[str, Any]:
+        return {"spec": {"suspend": True}}
+
     def wake_times(self, job: Mapping[str, Any] | None) -> tuple[datetime, ...]:
         # The deadline is the Job controller's (through JobSet), which requeues itself for it; a
         # TrainJob has no TTL (the spec refuses one on this backend).

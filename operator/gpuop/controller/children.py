@@ -91,6 +91,41 @@ class Children:
                 outcome = "updated" if outcome == "unchanged" else outcome
         return outcome, None
 
+    def stop(self, tracked: Tracked, training: GpuTraining, api: JobApi) -> bool:
+        """Stop the job for good, so that its pods go and free their GPUs (derive.stop_for says
+        when): suspended; under Kueue, whose suspend it is (it would resume an admitted job), its
+        Workload deactivated (spec.active false: Kueue evicts it, suspends the job and admits it no
+        more). Returns whether it changed anything; a stopped job is left as it is."""
+        child = tracked.child
+        if child is None or observe.finished(api.conditions(child)):
+            return False
+        meta = child.get("metadata") or {}
+        namespace, name = str(meta.get("namespace") or "default"), str(meta.get("name"))
+        if training.spec.scheduling.queue_name is not None:
+            workloads = self.kube.list_workloads(namespace, str(meta.get("uid")))
+            if workloads is None:
+                log.warning("gputraining %s/%s: cannot read its Kueue Workload to stop it", namespace, name)
+                return False
+            changed = False
+            for workload in workloads:
+                if (workload.get("spec") or {}).get("active") is False:
+                    continue
+                self.kube.patch_object(
+                    str(workload["apiVersion"]), "workloads", namespace,
+                    str((workload.get("metadata") or {}).get("name")), {"spec": {"active": False}},
+                )  # fmt: skip
+                log.info("gputraining %s/%s: deactivated its Kueue Workload", namespace, name)
+                changed = True
+            return changed
+        if api.suspended(child):
+            return False
+        tracked.child = observe.slim_job(
+            self.kube.patch_object(api.api_version, api.plural, namespace, name, api.suspend_patch())
+        )
+        log.info("gputraining %s/%s: suspended the %s: its pods fail in a way no restart mends", namespace,
+                 name, api.kind)  # fmt: skip
+        return True
+
     def wake(self, tracked: Tracked, api: JobApi, now: datetime) -> bool:
         """Touch the job when :func:`wake_due`: a changed annotation is an update event to its
         controller, which then fails it past its deadline or deletes it past its TTL, by its own

@@ -271,6 +271,8 @@ class Kube:
                     return None
                 raise
             items: list[dict[str, Any]] = reply.get("items") or []
+            for item in items:
+                item.setdefault("apiVersion", version)  # the version to patch it by
             return items
         return None
 

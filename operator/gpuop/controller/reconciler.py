@@ -41,7 +41,7 @@ from gpuop.controller.settings import OperatorSettings
 from gpuop.controller.statuswriter import StatusWriter
 from gpuop.controller.table import Key, SpecView, Table, Tracked, key_of, newer
 from gpuop.controller.telemetry import OperatorMetrics
-from gpuop.observing import observe
+from gpuop.observing import derive, observe
 from gpuop.observing.endpoint import ReportBook
 from gpuop.observing.records import Event, Observation, Thresholds
 
@@ -235,6 +235,10 @@ class Reconciler:
             )  # fmt: skip
             return "status" if self._status.write(tracked, previous, observation, _NO_ALARMS) else "finished"
 
+        if derive.stopped(previous):
+            # Failed for good, its job stopped: never resumed (ensure would undo the suspend).
+            return "stopped" if self._children.stop(tracked, view.training, api) else "finished"
+
         objects = view.objects(api, self.settings.trainer_image, self.report_endpoint)
         outcome, conflict = self._children.ensure(tracked, view.training, api, objects)
         if previous is None and conflict is None:
@@ -246,6 +250,11 @@ class Reconciler:
         if conflict is None and self._children.wake(tracked, api, now) and outcome == "unchanged":
             outcome = "woken"
         observation = self._observe(tracked, previous, view, api, choice, conflict, now, generation)
+        if derive.stop_for(observation) is not None:
+            # Stopped before Failed is written: a stop that fails leaves the training active, and
+            # the next tick tries again (once Failed, no tick looks at it).
+            self._children.stop(tracked, view.training, api)
+            outcome = "stopped"
         thresholds = Thresholds(
             stall_timeout_seconds=spec.stall_timeout_seconds,
             underutilized_percent=self.settings.underutilized_percent,

@@ -211,6 +211,44 @@ def _cannot_start(obs: Observation) -> tuple[str, str] | None:
     return reason, f"pod {pod.name}'s trainer cannot start: {said or reason}; {fix}"
 
 
+def stop_for(obs: Observation) -> tuple[str, str, str] | None:
+    """Why the training must stop for good, if it must (pod, reason, line): a pod's trainer, or
+    its dataset step, is down after a failure its own record says no restart mends (wrong
+    credentials, a missing bucket, bad settings; Result.permanent). Left to Kubeflow, its pods
+    would restart into it, on their GPUs, until the backoff limit (or forever, with none); a
+    Kubernetes Job's podFailurePolicy FailJob does the same for an exit code. The first such pod
+    by name. The reconciler stops the job (:func:`stopped` then holds) before this is written."""
+    if obs.job_name is None or any(c.type in _TERMINAL and c.status == "True" for c in obs.job_conditions):
+        return None
+    pod = next((p for p in sorted(obs.pods, key=lambda p: p.name) if p.needs_fix), None)
+    if pod is None or pod.needs_fix is None:
+        return None
+    return pod.name, *pod.needs_fix
+
+
+def stopped(status: GpuTrainingStatus | None) -> bool:
+    """Whether the operator stopped this training's job for good (:func:`stop_for`): its status
+    stays as written then, and the job stays stopped."""
+    return status is not None and any(
+        c.type == "JobStopped" and c.status == "True" for c in status.conditions
+    )
+
+
+def _stop_conditions(m: _Moment, stop: tuple[str, str, str]) -> tuple[list[Condition], str]:
+    """Failed with the pod's own reason and line, and JobStopped saying what the operator did."""
+    pod, reason, line = stop
+    step = "dataset step" if reason == "DatasetFetchFailed" else "trainer"
+    how = (f"deactivated its Kueue Workload, so Kueue suspended the {m.kind}" if m.obs.queue_name is not None
+           else f"suspended the {m.kind}")  # fmt: skip
+    message = (f"pod {pod}'s {step} failed: {line}; a restart would fail the same way, so its pods were "
+               "stopped and hold no GPUs: correct it, then delete the GpuTraining and apply it "
+               "again")  # fmt: skip
+    said = (f"the operator {how} {m.obs.job_name} when pod {pod}'s {step} failed in a way no restart mends "
+            "(Failed says how); it is not resumed")  # fmt: skip
+    failed = m.condition("Failed", "True", reason, message)
+    return [failed, m.condition("JobStopped", "True", "RestartCannotMend", said)], message
+
+
 def _oom_failure(obs: Observation) -> tuple[str, str] | None:
     """A failed training's OOM kill, if a pod's trainer had one (the first pod by name)."""
     pod = next((p for p in sorted(obs.pods, key=lambda p: p.name) if p.oom_killed), None)
@@ -291,6 +329,7 @@ class _Moment:
     gpu: GpuUsage | None
     restart_note: tuple[str, str] | None  # (reason, message): why the job is Restarting
     selected: tuple[str, str] | None
+    stop: tuple[str, str, str] | None = None  # (pod, reason, line): why the job is stopped for good
 
     def condition(
         self, kind: str, status: ConditionStatus, reason: str | None, message: str | None
@@ -312,7 +351,13 @@ def derive_status(
     now = _stamp(obs.now)
     if obs.job_deleted and previous is not None and previous.phase in _TERMINAL:
         return _job_deleted_after_finishing(previous, obs, now)
+    if stopped(previous):
+        assert previous is not None
+        return previous  # failed for good, its job stopped: what Kubeflow says of it since is ours
     phase = _kueue_phase(obs, _phase(obs))
+    stop = stop_for(obs)
+    if stop is not None:
+        phase = "Failed"
     before = previous or GpuTrainingStatus()
     progress = figures.progress(before.progress, obs, phase, now)
     restart_note = _restart_note(obs, progress) if phase == "Running" else None
@@ -320,7 +365,7 @@ def derive_status(
         obs=obs, before=before, thresholds=thresholds, now=now,
         phase="Restarting" if restart_note is not None else phase, kind=_kind(obs), progress=progress,
         gpu=figures.gpu(before.gpu, obs, thresholds, now), restart_note=restart_note,
-        selected=_backend_selected(before, obs),
+        selected=_backend_selected(before, obs), stop=stop,
     )  # fmt: skip
     wanted, message = _conditions(moment)
     candidate = _status(moment, wanted, message)
@@ -371,6 +416,10 @@ def _job_conditions(m: _Moment, wanted: list[Condition]) -> str:
         m.condition("Running", "True" if phase == "Running" else "False", *_job_reason(obs, "Running"))
     )
     message = f"{kind} {obs.job_name} is {phase.lower()}"
+    if m.stop is not None:
+        stopping, message = _stop_conditions(m, m.stop)
+        wanted += stopping
+        return message
     said = _phase_condition(m, message)
     if said is not None:
         wanted.append(said)

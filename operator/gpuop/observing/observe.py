@@ -252,6 +252,19 @@ def _fetch_failed(fetch: Mapping[str, Any]) -> tuple[str, str] | None:
     return (record.reason if record is not None and record.reason else "DatasetFetchFailed"), said[:1000]
 
 
+def _needs_fix(container: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The (reason, message) of a container that is down after a failure its record says a
+    restart cannot mend (:attr:`Result.permanent`). Only while it is down: one running again
+    (after a fix, say, while the operator was away) keeps the old record in lastState."""
+    if not container or (container.get("state") or {}).get("running"):
+        return None
+    records = (Result.from_json(str(t.get("message") or "")) for t in _terminations(container))
+    record = next((r for r in records if r is not None), None)
+    if record is None or record.phase != "Failed" or not record.permanent:
+        return None
+    return record.reason or "TrainerFailed", (record.message or record.reason or "it failed")[:1000]
+
+
 def _memory_limit(pod: Mapping[str, Any]) -> str | None:
     """The trainer container's memory limit, as its spec says it."""
     container = _trainer_entry((pod.get("spec") or {}).get("containers"))
@@ -285,6 +298,7 @@ def pod_observation(
         memory_limit=_memory_limit(pod),
         cannot_start=_cannot_start(trainer) or _fetch_failed(fetch) or _cannot_start(fetch),
         fetching_dataset=_fetching(fetch),
+        needs_fix=_needs_fix(trainer) or (_needs_fix(fetch) if _fetching(fetch) else None),
     )
 
 

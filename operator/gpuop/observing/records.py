@@ -68,6 +68,10 @@ class PodObservation:
     cannot_start: tuple[str, str] | None = None
     # The dataset step (spec.dataset.uri) is copying into the pod's dataset path now.
     fetching_dataset: bool = False
+    # (reason, message) while the trainer, or the dataset step before it, is down after a failure
+    # its own record says no restart mends (Result.permanent: wrong credentials, a missing bucket,
+    # bad settings): the operator stops the job rather than let it restart into the same failure.
+    needs_fix: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -815,18 +815,19 @@ def test_a_failure_no_restart_mends_stops_the_job_its_own_way_or_kueues(
     """A trainer whose record says no restart mends its failure (Result.permanent: the store
     refused its credentials): the operator, as the chart's ServiceAccount, suspends the job
     (the training-operator then deletes its pods), or, under Kueue, whose suspend it is, sets its
-    Workload inactive (Kueue then evicts it); the training is Failed with the trainer's line, and
-    stays so. (Neither Kubeflow nor Kueue runs here: the test plays both; the chain runs the real
-    ones, tests/e2e_local.) Kueue's CRDs are served since the test above."""
+    Workload inactive (Kueue then evicts it); each job is annotated with why; the training is
+    Failed with the trainer's line, and stays so. A queued job whose Workload cannot be found
+    cannot be stopped: it says Restarting with the line, as before. (Neither Kubeflow nor Kueue
+    runs here: the test plays both; the chain runs the real ones, tests/e2e_local.) Kueue's CRDs
+    are served since the test above."""
     fresh_operator.start()
     refused = {"phase": "Failed", "reason": "CheckpointStorageFailed", "permanent": True,
                "message": "s3://ckpt/x: list failed: access denied (InvalidAccessKeyId); check the credentials"}  # fmt: skip
     plane.kubectl("create", "-f", "-", input=json.dumps(training("refused")))
-    plane.kubectl(
-        "create", "-f", "-", input=json.dumps(training("queued-refused", scheduling={"queueName": "q"}))
-    )
+    for name in ("queued-refused", "no-workload"):
+        plane.kubectl("create", "-f", "-", input=json.dumps(training(name, scheduling={"queueName": "q"})))
     jobs = {name: wait_for(f"{name}'s PyTorchJob", lambda n=name: api.get("pytorchjobs", n, NAMESPACE), timeout=60)
-            for name in ("refused", "queued-refused")}  # fmt: skip
+            for name in ("refused", "queued-refused", "no-workload")}  # fmt: skip
     # Kueue's part: a Workload for the queued job (labelled with its uid, owned by it), admitted.
     job = jobs["queued-refused"]
     workloads = f"/apis/kueue.x-k8s.io/v1beta2/namespaces/{NAMESPACE}/workloads"
@@ -839,32 +840,54 @@ def test_a_failure_no_restart_mends_stops_the_job_its_own_way_or_kueues(
         "spec": {"queueName": "q", "podSets": [{"name": "master", "count": 1, "template": {
             "spec": {"containers": [{"name": "pytorch", "image": "trainer"}]}}}]},
     })  # fmt: skip
-    api.request("PATCH", api.path("pytorchjobs", NAMESPACE, "queued-refused"),
-                {"spec": {"runPolicy": {"suspend": False}}}, "application/merge-patch+json")  # fmt: skip
+    for name in ("queued-refused", "no-workload"):
+        api.request("PATCH", api.path("pytorchjobs", NAMESPACE, name),
+                    {"spec": {"runPolicy": {"suspend": False}}}, "application/merge-patch+json")  # fmt: skip
     for name, made in jobs.items():
         stand_in.job_status(name, "Created", "Running", startTime=_stamp(time.time()))
         master, _ = stand_in.start_pods(made, RUNNING, gpu_percent=85.0)
         _down_after(api, master, refused)
-    for name in jobs:
+    status = wait_for("no-workload Restarting", lambda: (s := _status(api, "no-workload")).get("phase") == "Restarting"
+                      and s, timeout=30)  # fmt: skip
+    restarting = next(c for c in status["conditions"] if c["type"] == "Restarting")
+    assert (restarting["reason"], refused["message"] in restarting["message"]) == (
+        "CheckpointStorageFailed",
+        True,
+    )
+    for name in ("refused", "queued-refused"):
         status = wait_for(f"{name} Failed", lambda n=name: (s := _status(api, n)).get("phase") == "Failed" and s,
                           timeout=30)  # fmt: skip
         failed = next(c for c in status["conditions"] if c["type"] == "Failed")
         assert failed["reason"] == "CheckpointStorageFailed", failed
         assert failed["message"].startswith(f"pod {name}-master-0's trainer failed: {refused['message']}; ")
         assert any(c["type"] == "JobStopped" and c["status"] == "True" for c in status["conditions"]), status
-    assert api.get("pytorchjobs", "refused", NAMESPACE)["spec"]["runPolicy"]["suspend"] is True
+    stopped = api.get("pytorchjobs", "refused", NAMESPACE)
+    assert stopped["spec"]["runPolicy"]["suspend"] is True
+    assert json.loads(stopped["metadata"]["annotations"]["gpuop.io/stopped"]) == {
+        "pod": "refused-master-0", "reason": "CheckpointStorageFailed", "line": refused["message"]}  # fmt: skip
     workload = api.get_at(f"{workloads}/pytorchjob-queued-refused")
     assert workload is not None
     assert workload["spec"]["active"] is False
     # The queued job's suspend is Kueue's: the operator never set it (Kueue does, on eviction).
     assert api.get("pytorchjobs", "queued-refused", NAMESPACE)["spec"]["runPolicy"]["suspend"] is False
-    # Stopped for good: a spec edit (its event reconciles it) resumes nothing, and the status stays.
+    assert _status(api, "no-workload")["phase"] == "Restarting"
+    assert "gpuop.io/stopped" not in (
+        api.get("pytorchjobs", "no-workload", NAMESPACE)["metadata"].get("annotations") or {}
+    )
+    # Stopped for good: a spec edit is reconciled (observedGeneration follows) and resumes nothing.
     before = _status(api, "refused")
+    deadline = api.get("pytorchjobs", "refused", NAMESPACE)["spec"]["runPolicy"].get("activeDeadlineSeconds")
+    assert deadline != 7200
     plane.kubectl("patch", "gtr", "refused", "-n", NAMESPACE, "--type=merge",
                   "-p", '{"spec": {"runPolicy": {"activeDeadlineSeconds": 7200}}}')  # fmt: skip
-    time.sleep(3)  # three ticks
-    assert api.get("pytorchjobs", "refused", NAMESPACE)["spec"]["runPolicy"]["suspend"] is True
-    assert _status(api, "refused") == before
+    generation = api.get("gputrainings", "refused", NAMESPACE)["metadata"]["generation"]
+    after = wait_for(
+        "the edit seen", lambda: (s := _status(api, "refused"))["observedGeneration"] == generation and s
+    )
+    assert after == {**before, "observedGeneration": generation}
+    job = api.get("pytorchjobs", "refused", NAMESPACE)
+    run_policy = job["spec"]["runPolicy"]
+    assert (run_policy["suspend"], run_policy.get("activeDeadlineSeconds")) == (True, deadline)
 
 
 def test_a_progress_report_reaches_status_through_the_charts_rules(

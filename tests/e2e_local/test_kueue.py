@@ -242,8 +242,8 @@ def test_under_kueue_a_store_that_refuses_deactivates_the_workload_and_kueue_let
     wait_for(f"{name}'s job suspended by Kueue",
              lambda: (chain.get(plane, "pytorchjob", name) or {}).get("spec", {}).get("runPolicy", {}).get("suspend"),
              timeout=60)  # fmt: skip
-    # Within the pods' grace period (120 s, the default), as in test_examples' refusal test.
-    wait_for(f"{name}'s pods gone", lambda: chain.pods_of(plane, name) == [], timeout=150)
+    # Well within the pods' grace period (120 s), as in test_examples' refusal test.
+    wait_for(f"{name}'s pods gone", lambda: chain.pods_of(plane, name) == [], timeout=60)
     time.sleep(5)  # Kueue admits it no more: no pod comes back
     assert chain.pods_of(plane, name) == []
     assert chain.phase(plane, name) == "Failed"

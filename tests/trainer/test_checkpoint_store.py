@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from gputrain.checkpoint import CheckpointManager
-from gputrain.storage import StorageError, open_location
+from gputrain.storage import StorageError, _advice, open_location
 from support import objectstore
 from support.training import (
     digits_run,
@@ -310,3 +310,22 @@ def test_gpuop_run_ctrl_c_then_a_run_in_an_empty_work_directory_resumes_from_the
         "spec.checkpoint.uri: --fresh moves this machine's checkpoints aside and leaves a bucket's alone"
         in err
     )
+
+
+@pytest.mark.parametrize(
+    ("said", "refused"),
+    [
+        ("Generic S3 error: <Code>InvalidAccessKeyId</Code>", True),
+        ("Generic S3 error: <Code>SignatureDoesNotMatch</Code>", True),
+        ("Generic S3 error: 403 Forbidden", True),
+        ("Generic S3 error: <Code>NoSuchBucket</Code>", True),
+        ("Generic S3 error: 503 Service Unavailable, after 20 retries", False),
+        ("Generic S3 error: error sending request: connection refused", False),
+    ],
+)
+def test_a_store_refuses_only_on_an_answer_that_holds_until_someone_changes_something(
+    said: str, refused: bool
+) -> None:
+    """What the operator stops a job for (StorageError.refused, then Result.permanent): access
+    denied and a missing bucket; a store down or throttling past its retries may be back."""
+    assert _advice(RuntimeError(said))[1] is refused

@@ -28,7 +28,6 @@ from gputrain.contract import (
     read_history,
 )
 from gputrain.metrics import GpuReading, MetricsServer
-from gputrain.storage import _advice
 from support.cost import thread_seconds
 from support.specs import minimal
 
@@ -195,22 +194,3 @@ def test_a_record_says_whether_a_restart_would_fail_the_same_way() -> None:
     for written in ('"yes"', "1", "null"):
         text = f'{{"phase": "Failed", "reason": "X", "permanent": {written}}}'
         assert Result.from_json(text) == Result("Failed", reason="X")
-
-
-@pytest.mark.parametrize(
-    ("said", "refused"),
-    [
-        ("Generic S3 error: <Code>InvalidAccessKeyId</Code>", True),
-        ("Generic S3 error: <Code>SignatureDoesNotMatch</Code>", True),
-        ("Generic S3 error: 403 Forbidden", True),
-        ("Generic S3 error: <Code>NoSuchBucket</Code>", True),
-        ("Generic S3 error: 503 Service Unavailable, after 20 retries", False),
-        ("Generic S3 error: error sending request: connection refused", False),
-    ],
-)
-def test_a_store_refuses_only_on_an_answer_that_holds_until_someone_changes_something(
-    said: str, refused: bool
-) -> None:
-    """What the operator stops a job for (StorageError.refused, then Result.permanent): access
-    denied and a missing bucket; a store down or throttling past its retries may be back."""
-    assert _advice(RuntimeError(said))[1] is refused

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from datetime import UTC, datetime, timedelta
@@ -932,8 +933,8 @@ def test_a_pod_down_after_a_failure_no_restart_mends_fails_the_training_and_stop
         condition.message
         == failed.message
         == (
-            f"pod demo-master-0's trainer failed: {line}; a restart would fail the same way, so its pods were "
-            "stopped and hold no GPUs: correct it, then delete the GpuTraining and apply it again"
+            f"pod demo-master-0's trainer failed: {line}; a restart would fail the same way, so the job is "
+            "stopped and its pods go, holding no GPUs: correct it, then delete the GpuTraining and apply it again"
         )
     )
     stopped = next(c for c in failed.conditions if c.type == "JobStopped")
@@ -960,7 +961,7 @@ def test_under_kueue_the_stop_is_a_deactivated_workload_and_a_dataset_step_is_na
     assert failed.phase == "Failed"
     assert failed.message.startswith(f"pod demo-master-0's dataset step failed: {line}; ")
     stopped = next(c for c in failed.conditions if c.type == "JobStopped")
-    assert "deactivated its Kueue Workload, so Kueue suspended the PyTorchJob demo" in stopped.message
+    assert "deactivated its Kueue Workload, so that Kueue suspends the PyTorchJob demo" in stopped.message
 
 
 def test_a_finished_job_or_a_failure_a_restart_may_mend_is_not_stopped() -> None:
@@ -978,3 +979,28 @@ def test_a_finished_job_or_a_failure_a_restart_may_mend_is_not_stopped() -> None
     )
     assert derive.stop_for(observe(30, conditions=done, pods=needs_fix)) is None
     assert not derive.stopped(derive_status(None, observe(30, conditions=done, pods=needs_fix), THRESHOLDS))
+
+
+def test_a_job_that_says_it_was_stopped_fails_the_training_whatever_its_pods_say_now() -> None:
+    """The stop is on the job (its annotation): a status write lost after the suspend is made
+    good on the next look, when the pods are gone; a pod older than the job (of a training of
+    the same name, deleted and applied again) stops nothing; a spec edit of a stopped training
+    is acknowledged and nothing else."""
+    why = ("demo-master-0", "CheckpointStorageFailed", "s3://ckpt/demo: list failed: access denied")
+    suspended = (
+        JobCondition("Created", "True"),
+        JobCondition("Suspended", "True", "JobSuspended", "suspended"),
+    )
+    failed = derive_status(None, observe(30, conditions=suspended, job_stopped=why), THRESHOLDS)
+    assert (failed.phase, derive.stopped(failed)) == ("Failed", True)
+    assert next(c for c in failed.conditions if c.type == "Failed").message.startswith(
+        f"pod demo-master-0's trainer failed: {why[2]}; "
+    )
+    old = (PodObservation("demo-master-0", "Running", needs_fix=("InvalidSettings", "bad"),
+                          created_at="2026-11-21T11:59:00Z"),)  # fmt: skip
+    fresh = observe(30, pods=old, job_created_at="2026-11-21T12:00:00Z")
+    assert derive.stop_for(fresh) is None
+    assert derive_status(None, fresh, THRESHOLDS).phase == "Running"
+    edited = derive_status(failed, observe(60, generation=2), THRESHOLDS)
+    assert edited.observed_generation == 2
+    assert dataclasses.replace(edited, observed_generation=failed.observed_generation) == failed

@@ -548,3 +548,27 @@ def test_a_container_down_after_a_failure_no_restart_mends_is_read_as_needing_a_
         "DatasetFetchFailed",
         "s3://data/x: list failed: the bucket does not exist",
     )
+
+
+def test_only_the_newest_attempt_says_whether_a_restart_mends_it_and_a_job_says_it_was_stopped() -> None:
+    """A trainer that just ended with no record (a crash's log lines, an OOM kill) after an
+    attempt that said no restart mends it: the newest attempt decides, and it said nothing (the
+    older record may predate a fix). A job's stop annotation reads back as written."""
+    refused = json.dumps(
+        {"phase": "Failed", "reason": "CheckpointStorageFailed", "permanent": True, "message": "x"}
+    )
+    pod = _pod(phase="Running", containerStatuses=[{
+        "name": "pytorch", "restartCount": 1, "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}},
+        "lastState": {"terminated": {"exitCode": 1, "message": refused}}}])  # fmt: skip
+    pod["metadata"]["creationTimestamp"] = "2026-11-25T10:00:00Z"
+    seen = observe.pod_observation(pod, None)
+    assert (seen.needs_fix, seen.created_at) == (None, "2026-11-25T10:00:00Z")
+    why = ("t-master-0", "CheckpointStorageFailed", 's3://b/t: list failed: access denied ("x")')
+    job = {
+        "metadata": {"annotations": observe.stop_annotation(why), "creationTimestamp": "2026-11-25T09:00:00Z"}
+    }
+    assert observe.job_stop(job) == why
+    assert observe.job_stop(observe.slim_job(job)) == why  # kept between reconciles
+    assert observe.created_at(observe.slim_job(job)) == "2026-11-25T09:00:00Z"
+    for broken in ("{", "[]", '{"pod": "p"}'):
+        assert observe.job_stop({"metadata": {"annotations": {"gpuop.io/stopped": broken}}}) is None

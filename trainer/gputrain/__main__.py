@@ -102,9 +102,9 @@ def main(argv: Sequence[str] | None = None, after: Callable[[Trainer], None] | N
 
     try:
         cluster = join(settings.backend)
-    except ContractError as exc:
+    except ContractError as exc:  # the node's devices (nccl with no GPU visible): another may have them
         log.error("bad setting: %s", exc)
-        return _report_failure(termination_log, EXIT_BAD_CONFIG, str(exc), permanent=True)
+        return _report_failure(termination_log, EXIT_BAD_CONFIG, str(exc))
     trainer: Trainer | None = None
     try:
         trainer = Trainer(settings, cluster, termination_log=termination_log)

@@ -155,7 +155,9 @@ def upload_outputs(output: Path, uri: str) -> None:
         raise OutputUploadError(
             f"{exc}; the trained model is in {output / MODEL_FILE} and in the last checkpoint: with the "
             "store fixed, apply the training again (it resumes at its end and uploads)",
-            refused=exc.refused,
+            # Never a stop, even refused (a key that may list but not write): the pods and their
+            # emptyDir, which may hold the only trained model, stay; a restart uploads again.
+            refused=False,
         ) from None
     log.info("outputs uploaded to %s (%.2f s)", store.uri, time.perf_counter() - started)
 

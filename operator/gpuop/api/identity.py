@@ -23,6 +23,10 @@ CREATED_FROM_ANNOTATION: Final = "gpuop.io/created-from"
 # On a PyTorchJob, when the operator last woke its controller for a deadline or a TTL that
 # came due (gpuop.backends.pytorchjob: the v1 training-operator sleeps through both).
 WOKEN_AT_ANNOTATION: Final = "gpuop.io/woken-at"
+# On a job the operator stopped for good (a pod failed in a way no restart mends), why: JSON
+# {pod, reason, line} (gpuop.observing.observe reads and writes it). Set in the same patch as
+# the suspend, so the job itself says it, whatever becomes of the status write after it.
+STOPPED_ANNOTATION: Final = "gpuop.io/stopped"
 # The version has one home, pyproject.toml; the installed distribution's metadata carries it
 # here (and the chart's appVersion is checked against it), so a release is one edit.
 PACKAGE_VERSION: Final = importlib.metadata.version("gpu-training-operator")

@@ -78,9 +78,9 @@ class Children:
             # each tick asks again (409 + GET) until the name is free.
             tracked.child = None
             return "conflict", conflict(api.kind, name)
-        if not observe.finished(api.conditions(child)):
+        if not observe.finished(api.conditions(child)) and observe.job_stop(child) is None:
             # With a queue, suspend is Kueue's: undoing its suspension would release queued and
-            # preempted jobs.
+            # preempted jobs. A job the operator stopped for good stays as it is.
             owned_by_kueue = training.spec.scheduling.queue_name is not None
             patch = api.mutable_patch(desired, child, skip=("suspend",) if owned_by_kueue else ())
             if patch is not None:
@@ -91,22 +91,28 @@ class Children:
                 outcome = "updated" if outcome == "unchanged" else outcome
         return outcome, None
 
-    def stop(self, tracked: Tracked, training: GpuTraining, api: JobApi) -> bool:
-        """Stop the job for good, so that its pods go and free their GPUs (derive.stop_for says
-        when): suspended; under Kueue, whose suspend it is (it would resume an admitted job), its
-        Workload deactivated (spec.active false: Kueue evicts it, suspends the job and admits it no
-        more). Returns whether it changed anything; a stopped job is left as it is."""
+    def stop(self, tracked: Tracked, training: GpuTraining, api: JobApi, why: tuple[str, str, str]) -> bool:
+        """Stop the job for good, so that its pods go and free their GPUs (``why``: derive.stop_for):
+        suspended; under Kueue, whose suspend it is (it resumes an admitted job anyone else
+        suspends), its Workload deactivated (spec.active false: Kueue evicts it, suspends the job
+        and admits it no more). The job is annotated with ``why`` in the same patch as its suspend
+        (after the Workload, under Kueue): it says itself that it is stopped, so a status write
+        that fails after it loses nothing, and :meth:`ensure` never resumes it. Returns False when
+        it cannot be stopped (Kueue's Workload not to be read or found): its pods then restart as
+        Kubeflow restarts them."""
         child = tracked.child
-        if child is None or observe.finished(api.conditions(child)):
+        if child is None:
             return False
         meta = child.get("metadata") or {}
         namespace, name = str(meta.get("namespace") or "default"), str(meta.get("name"))
+        patch: dict[str, Any] = {"metadata": {"annotations": observe.stop_annotation(why)}}
         if training.spec.scheduling.queue_name is not None:
             workloads = self.kube.list_workloads(namespace, str(meta.get("uid")))
-            if workloads is None:
-                log.warning("gputraining %s/%s: cannot read its Kueue Workload to stop it", namespace, name)
+            if not workloads:
+                log.warning("gputraining %s/%s: its pods fail in a way no restart mends, and its Kueue "
+                            "Workload cannot be read to stop it (may the operator list workloads?)",
+                            namespace, name)  # fmt: skip
                 return False
-            changed = False
             for workload in workloads:
                 if (workload.get("spec") or {}).get("active") is False:
                     continue
@@ -115,15 +121,13 @@ class Children:
                     str((workload.get("metadata") or {}).get("name")), {"spec": {"active": False}},
                 )  # fmt: skip
                 log.info("gputraining %s/%s: deactivated its Kueue Workload", namespace, name)
-                changed = True
-            return changed
-        if api.suspended(child):
-            return False
+        else:
+            patch = {**api.suspend_patch(), **patch}
         tracked.child = observe.slim_job(
-            self.kube.patch_object(api.api_version, api.plural, namespace, name, api.suspend_patch())
+            self.kube.patch_object(api.api_version, api.plural, namespace, name, patch)
         )
-        log.info("gputraining %s/%s: suspended the %s: its pods fail in a way no restart mends", namespace,
-                 name, api.kind)  # fmt: skip
+        log.info("gputraining %s/%s: stopped the %s: pod %s's %s, which no restart mends", namespace, name,
+                 api.kind, why[0], why[1])  # fmt: skip
         return True
 
     def wake(self, tracked: Tracked, api: JobApi, now: datetime) -> bool:

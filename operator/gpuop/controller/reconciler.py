@@ -20,6 +20,7 @@ that talks to the API.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -236,8 +237,11 @@ class Reconciler:
             return "status" if self._status.write(tracked, previous, observation, _NO_ALARMS) else "finished"
 
         if derive.stopped(previous):
-            # Failed for good, its job stopped: never resumed (ensure would undo the suspend).
-            return "stopped" if self._children.stop(tracked, view.training, api) else "finished"
+            # Failed for good, its job stopped: nothing is made or patched again; a spec edit is
+            # only acknowledged (observedGeneration).
+            observation = Observation(now=now, generation=generation, workers_total=spec.workers,
+                                      gpus=spec.total_gpus, job_api=api.facts)  # fmt: skip
+            return "status" if self._status.write(tracked, previous, observation, _NO_ALARMS) else "finished"
 
         objects = view.objects(api, self.settings.trainer_image, self.report_endpoint)
         outcome, conflict = self._children.ensure(tracked, view.training, api, objects)
@@ -250,11 +254,18 @@ class Reconciler:
         if conflict is None and self._children.wake(tracked, api, now) and outcome == "unchanged":
             outcome = "woken"
         observation = self._observe(tracked, previous, view, api, choice, conflict, now, generation)
-        if derive.stop_for(observation) is not None:
-            # Stopped before Failed is written: a stop that fails leaves the training active, and
-            # the next tick tries again (once Failed, no tick looks at it).
-            self._children.stop(tracked, view.training, api)
-            outcome = "stopped"
+        stop = derive.stop_for(observation)
+        if stop is not None and observation.job_stopped is None:
+            # Stopped before Failed is written, and the job annotated with why: a stop that fails
+            # (raises) leaves the training active for the next tick; a status write that fails
+            # after it finds the annotation next time.
+            if self._children.stop(tracked, view.training, api, stop):
+                observation = dataclasses.replace(observation, job_stopped=stop)
+                outcome = "stopped"
+            else:  # it cannot be stopped: said as a restart, as before (Restarting, the pod's line)
+                observation = dataclasses.replace(
+                    observation, pods=tuple(dataclasses.replace(p, needs_fix=None) for p in observation.pods)
+                )
         thresholds = Thresholds(
             stall_timeout_seconds=spec.stall_timeout_seconds,
             underutilized_percent=self.settings.underutilized_percent,
@@ -309,6 +320,8 @@ class Reconciler:
             job_conditions=api.conditions(child),
             job_start_time=start,
             job_completion_time=completion,
+            job_created_at=observe.created_at(child),
+            job_stopped=observe.job_stop(child),
             pods=tracked.pods if child is not None else (),
             reports_progress=spec.command is None or bool(reports),
             reports=reports,

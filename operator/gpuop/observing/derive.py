@@ -218,9 +218,16 @@ def stop_for(obs: Observation) -> tuple[str, str, str] | None:
     would restart into it, on their GPUs, until the backoff limit (or forever, with none); a
     Kubernetes Job's podFailurePolicy FailJob does the same for an exit code. The first such pod
     by name. The reconciler stops the job (:func:`stopped` then holds) before this is written."""
+    if obs.job_stopped is not None:
+        return obs.job_stopped  # stopped already (its annotation), whatever its pods say now
     if obs.job_name is None or any(c.type in _TERMINAL and c.status == "True" for c in obs.job_conditions):
         return None
-    pod = next((p for p in sorted(obs.pods, key=lambda p: p.name) if p.needs_fix), None)
+    # Only this job's pods: one of an older job of the name (deleted and applied again, its pods
+    # still going) is older than the job.
+    ours = (
+        p for p in obs.pods if not (p.created_at and obs.job_created_at and p.created_at < obs.job_created_at)
+    )
+    pod = next((p for p in sorted(ours, key=lambda p: p.name) if p.needs_fix), None)
     if pod is None or pod.needs_fix is None:
         return None
     return pod.name, *pod.needs_fix
@@ -238,10 +245,11 @@ def _stop_conditions(m: _Moment, stop: tuple[str, str, str]) -> tuple[list[Condi
     """Failed with the pod's own reason and line, and JobStopped saying what the operator did."""
     pod, reason, line = stop
     step = "dataset step" if reason == "DatasetFetchFailed" else "trainer"
-    how = (f"deactivated its Kueue Workload, so Kueue suspended the {m.kind}" if m.obs.queue_name is not None
-           else f"suspended the {m.kind}")  # fmt: skip
-    message = (f"pod {pod}'s {step} failed: {line}; a restart would fail the same way, so its pods were "
-               "stopped and hold no GPUs: correct it, then delete the GpuTraining and apply it "
+    how = f"suspended the {m.kind}"
+    if m.obs.queue_name is not None:
+        how = f"deactivated its Kueue Workload, so that Kueue suspends the {m.kind}"
+    message = (f"pod {pod}'s {step} failed: {line}; a restart would fail the same way, so the job is stopped "
+               "and its pods go, holding no GPUs: correct it, then delete the GpuTraining and apply it "
                "again")  # fmt: skip
     said = (f"the operator {how} {m.obs.job_name} when pod {pod}'s {step} failed in a way no restart mends "
             "(Failed says how); it is not resumed")  # fmt: skip
@@ -353,7 +361,11 @@ def derive_status(
         return _job_deleted_after_finishing(previous, obs, now)
     if stopped(previous):
         assert previous is not None
-        return previous  # failed for good, its job stopped: what Kubeflow says of it since is ours
+        # Failed for good, its job stopped: what Kubeflow says of the job since is our doing, and
+        # a spec edit changes nothing (it is seen: observedGeneration follows).
+        if obs.generation is None or obs.generation == previous.observed_generation:
+            return previous
+        return dataclasses.replace(previous, observed_generation=obs.generation)
     phase = _kueue_phase(obs, _phase(obs))
     stop = stop_for(obs)
     if stop is not None:

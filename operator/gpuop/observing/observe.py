@@ -10,6 +10,7 @@ are unit-tested on plain dicts. What differs between job kinds is read by each b
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
@@ -18,6 +19,7 @@ from gpuop.api.identity import (
     CREATED_FROM_ANNOTATION,
     FETCH_CONTAINER,
     PYTORCHJOB_CONTAINER,
+    STOPPED_ANNOTATION,
     TRAINING_LABEL,
     TRAINJOB_CONTAINER,
 )
@@ -112,6 +114,26 @@ def created_from(job: Mapping[str, Any] | None) -> str | None:
     return record if isinstance(record, str) else None
 
 
+def job_stop(job: Mapping[str, Any] | None) -> tuple[str, str, str] | None:
+    """Why the operator stopped the job for good, if it did (:data:`STOPPED_ANNOTATION`):
+    (pod, reason, line)."""
+    text = (((job or {}).get("metadata") or {}).get("annotations") or {}).get(STOPPED_ANNOTATION)
+    try:
+        said = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        said = None
+    if not isinstance(said, dict):
+        return None
+    fields = tuple(str(said.get(key) or "")[:1000] for key in ("pod", "reason", "line"))
+    return fields if fields[1] else None  # type: ignore[return-value]
+
+
+def stop_annotation(stop: tuple[str, str, str]) -> dict[str, str]:
+    """The job's annotation that says why the operator stopped it (read by :func:`job_stop`)."""
+    pod, reason, line = stop
+    return {STOPPED_ANNOTATION: json.dumps({"pod": pod, "reason": reason, "line": line}, sort_keys=True)}
+
+
 def slim_job(job: Mapping[str, Any]) -> dict[str, Any]:
     """What the operator keeps of a PyTorchJob between reconciles: the fields the functions
     here and the runPolicy patch read. A stored job is ~25 KB of JSON with its pod template
@@ -120,9 +142,11 @@ def slim_job(job: Mapping[str, Any]) -> dict[str, Any]:
     docs/benchmarks.md)."""
     meta = job.get("metadata") or {}
     kept = {key: meta[key] for key in _KEPT_METADATA if key in meta}
-    record = created_from(job)
-    if record is not None:
-        kept["annotations"] = {CREATED_FROM_ANNOTATION: record}
+    annotations = meta.get("annotations") or {}
+    kept_annotations = {key: annotations[key] for key in (CREATED_FROM_ANNOTATION, STOPPED_ANNOTATION)
+                        if isinstance(annotations.get(key), str)}  # fmt: skip
+    if kept_annotations:
+        kept["annotations"] = kept_annotations
     spec = job.get("spec") or {}
     return {
         "apiVersion": job.get("apiVersion"),
@@ -133,7 +157,15 @@ def slim_job(job: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-_KEPT_METADATA = ("name", "namespace", "uid", "resourceVersion", "labels", "ownerReferences")
+_KEPT_METADATA = (
+    "name",
+    "namespace",
+    "uid",
+    "resourceVersion",
+    "labels",
+    "ownerReferences",
+    "creationTimestamp",
+)
 # What the operator may patch: a PyTorchJob's runPolicy, a TrainJob's suspend (and its
 # activeDeadlineSeconds, immutable there, to say when a change was not applied).
 _KEPT_SPEC = ("runPolicy", "suspend", "activeDeadlineSeconds")
@@ -258,11 +290,17 @@ def _needs_fix(container: Mapping[str, Any]) -> tuple[str, str] | None:
     (after a fix, say, while the operator was away) keeps the old record in lastState."""
     if not container or (container.get("state") or {}).get("running"):
         return None
-    records = (Result.from_json(str(t.get("message") or "")) for t in _terminations(container))
-    record = next((r for r in records if r is not None), None)
+    records = (Result.from_json(str(t.get("message") or "")) for t in _terminations(container)[:1])
+    record = next(records, None)  # the newest attempt's only: an older one's may predate a fix
     if record is None or record.phase != "Failed" or not record.permanent:
         return None
     return record.reason or "TrainerFailed", (record.message or record.reason or "it failed")[:1000]
+
+
+def created_at(obj: Mapping[str, Any] | None) -> str | None:
+    """An object's creationTimestamp, as the API server wrote it (RFC 3339, UTC, seconds)."""
+    stamp = ((obj or {}).get("metadata") or {}).get("creationTimestamp")
+    return stamp if isinstance(stamp, str) else None
 
 
 def _memory_limit(pod: Mapping[str, Any]) -> str | None:
@@ -299,6 +337,7 @@ def pod_observation(
         cannot_start=_cannot_start(trainer) or _fetch_failed(fetch) or _cannot_start(fetch),
         fetching_dataset=_fetching(fetch),
         needs_fix=_needs_fix(trainer) or (_needs_fix(fetch) if _fetching(fetch) else None),
+        created_at=created_at(pod),
     )
 
 

@@ -72,6 +72,7 @@ class PodObservation:
     # its own record says no restart mends (Result.permanent: wrong credentials, a missing bucket,
     # bad settings): the operator stops the job rather than let it restart into the same failure.
     needs_fix: tuple[str, str] | None = None
+    created_at: str | None = None  # metadata.creationTimestamp: a pod of an older job is older
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,9 @@ class Observation:
     job_conditions: tuple[JobCondition, ...] = ()
     job_start_time: str | None = None
     job_completion_time: str | None = None
+    job_created_at: str | None = None  # the job's creationTimestamp
+    # (pod, reason, line): the operator stopped the job for good, as its annotation says.
+    job_stopped: tuple[str, str, str] | None = None
     pods: tuple[PodObservation, ...] = ()
     # The training finished and its job is gone since (Kubeflow's TTL, or by hand).
     job_deleted: bool = False

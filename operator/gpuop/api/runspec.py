@@ -49,6 +49,24 @@ class Model:
 BUCKET_URI_PATTERN: Final = r"^(s3|gs|az)://[a-z0-9][a-z0-9._-]{2,254}(/[^\s?#]*)?$"
 
 
+def _bucket_uri(description: str) -> str | None:
+    """An optional object-store prefix field (dataset, checkpoint and output alike)."""
+    hint = "s3://bucket/prefix, gs://bucket/prefix or az://container/prefix"
+    field: str | None = api_field(
+        description, default=None, max_length=1024, pattern=BUCKET_URI_PATTERN, pattern_hint=hint
+    )
+    return field
+
+
+def _uri_secret(description: str) -> str | None:
+    """An optional Secret name for a uri's credentials (see :data:`SECRET_NEEDS_URI`)."""
+    field: str | None = api_field(
+        description, default=None, min_length=1, max_length=253, pattern=K8S_NAME_PATTERN,
+        pattern_hint=K8S_NAME_HINT,
+    )  # fmt: skip
+    return field
+
+
 # A class with a uri and its Secret (dataset, checkpoint, output): the Secret only with the uri.
 SECRET_NEEDS_URI: Final = Rule(
     cel="has(self.uri) || !has(self.secretName)",
@@ -81,25 +99,16 @@ class Dataset:
         "the copy goes to an emptyDir.",
         default=None,
     )
-    uri: str | None = api_field(
+    uri: str | None = _bucket_uri(
         "Object store prefix the dataset is copied from into path before training, by a step of "
         "the operator's in each pod (an init container: resumable, each object checked by size and, "
         "on S3, MD5): s3://bucket/prefix, gs://bucket/prefix or az://container/prefix. The "
-        "training shows FetchingDataset while it copies. Credentials as for checkpoint.uri.",
-        default=None,
-        max_length=1024,
-        pattern=BUCKET_URI_PATTERN,
-        pattern_hint="s3://bucket/prefix, gs://bucket/prefix or az://container/prefix",
+        "training shows FetchingDataset while it copies. Credentials as for checkpoint.uri."
     )
-    secret_name: str | None = api_field(
+    secret_name: str | None = _uri_secret(
         "Secret whose keys become the environment of the copy step alone (the SDKs' variables, as "
         "for checkpoint.secretName): a dataset in another account, a read-only key. Without it the "
-        "copy uses the checkpoint's or output's Secret, else the pod's workload identity. Only with uri.",
-        default=None,
-        min_length=1,
-        max_length=253,
-        pattern=K8S_NAME_PATTERN,
-        pattern_hint=K8S_NAME_HINT,
+        "copy uses the checkpoint's or output's Secret, else the pod's workload identity. Only with uri."
     )
     loader_workers: int = api_field(
         "DataLoader worker processes per training process. Also sizes /dev/shm when shmSize is not given.",
@@ -171,27 +180,18 @@ class Checkpoint:
     volume: VolumeSource | None = api_field(
         "PersistentVolumeClaim for checkpoints, mounted read-write at path.", default=None
     )
-    uri: str | None = api_field(
+    uri: str | None = _bucket_uri(
         "Object store prefix for checkpoints, in place of a volume: s3://bucket/prefix, "
         "gs://bucket/prefix or az://container/prefix. Each training writes under <uri>/<name>, "
         "and `gpuop run` with the same uri resumes from what a cluster run wrote, and back. "
         "Credentials come from secretName, or from the pod's workload identity (IRSA, EKS Pod "
-        "Identity, GKE or Azure Workload Identity) when none is named.",
-        default=None,
-        max_length=1024,
-        pattern=BUCKET_URI_PATTERN,
-        pattern_hint="s3://bucket/prefix, gs://bucket/prefix or az://container/prefix",
+        "Identity, GKE or Azure Workload Identity) when none is named."
     )
-    secret_name: str | None = api_field(
+    secret_name: str | None = _uri_secret(
         "Secret in the GpuTraining's namespace whose keys become the trainer's environment: name "
         "them as the cloud's SDKs do (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION and, "
         "for S3-compatible stores, AWS_ENDPOINT_URL; GOOGLE_SERVICE_ACCOUNT_KEY; "
-        "AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY). Only with uri.",
-        default=None,
-        min_length=1,
-        max_length=253,
-        pattern=K8S_NAME_PATTERN,
-        pattern_hint=K8S_NAME_HINT,
+        "AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY). Only with uri."
     )
     path: str = api_field(
         "Directory for checkpoints inside the container.",
@@ -229,24 +229,15 @@ class Output:
         "Without one they go to an emptyDir and only the termination message outlives the pod.",
         default=None,
     )
-    uri: str | None = api_field(
+    uri: str | None = _bucket_uri(
         "Object store prefix the final model, result JSON and metric history are uploaded to when "
         "training ends: s3://bucket/prefix, gs://bucket/prefix or az://container/prefix, under "
         "<uri>/<name>. They are written to path first (volume or emptyDir) as without it. "
-        "Credentials as for checkpoint.uri: secretName, or the pod's workload identity.",
-        default=None,
-        max_length=1024,
-        pattern=BUCKET_URI_PATTERN,
-        pattern_hint="s3://bucket/prefix, gs://bucket/prefix or az://container/prefix",
+        "Credentials as for checkpoint.uri: secretName, or the pod's workload identity."
     )
-    secret_name: str | None = api_field(
+    secret_name: str | None = _uri_secret(
         "Secret whose keys become the trainer's environment, as checkpoint.secretName; the same "
-        "Secret when both are set (a container has one set of the SDKs' variables). Only with uri.",
-        default=None,
-        min_length=1,
-        max_length=253,
-        pattern=K8S_NAME_PATTERN,
-        pattern_hint=K8S_NAME_HINT,
+        "Secret when both are set (a container has one set of the SDKs' variables). Only with uri."
     )
     path: str = api_field(
         "Directory for outputs inside the container.",

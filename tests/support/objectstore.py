@@ -229,6 +229,25 @@ class FaultyStore:
         with self._lock:
             self._to_slow, self._delay = requests, delay
 
+    def _next_fault(self, method: str) -> str | None:
+        """What the next request gets, counted off: "fail" (503), "refuse" (403, writes only),
+        "slow", or None (passed on as it is)."""
+        with self._lock:
+            if self._to_fail > 0:
+                self._to_fail -= 1
+                self.answered_503 += 1
+                return "fail"
+            if method == "PUT" and self._to_refuse > 0:
+                if self._puts_first == 0:
+                    self._to_refuse -= 1
+                    self.refused += 1
+                    return "refuse"
+                self._puts_first -= 1
+            if self._to_slow > 0:
+                self._to_slow -= 1
+                return "slow"
+            return None
+
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()  # joins the handlers
@@ -246,29 +265,14 @@ class FaultyStore:
             def _any(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
-                with proxy._lock:
-                    fail, slow = proxy._to_fail > 0, proxy._to_fail <= 0 and proxy._to_slow > 0
-                    refuse = False
-                    if fail:
-                        proxy._to_fail -= 1
-                        proxy.answered_503 += 1
-                    elif self.command == "PUT" and proxy._to_refuse > 0:
-                        if proxy._puts_first > 0:
-                            proxy._puts_first -= 1
-                        else:
-                            refuse = True
-                            proxy._to_refuse -= 1
-                            proxy.refused += 1
-                    if not fail and not refuse and slow:
-                        proxy._to_slow -= 1
-                    slow = slow and not refuse
-                if refuse:
+                fault = proxy._next_fault(self.command)
+                if fault == "refuse":
                     self._error(403, "AccessDenied", "Access Denied")
                     return
-                if fail:
+                if fault == "fail":
                     self._error(503, "SlowDown", "Please reduce your request rate.")
                     return
-                if slow:
+                if fault == "slow":
                     time.sleep(proxy._delay)
                 upstream = http.client.HTTPConnection(proxy.upstream, timeout=120)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection",)}

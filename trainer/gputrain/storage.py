@@ -214,11 +214,9 @@ class Bucket:
         """Turns obstore's errors into a StorageError of one line that says what to check."""
         try:
             yield
-        except FileNotFoundError as exc:
-            if "NoSuchBucket" not in str(exc):
-                raise  # a missing object is the caller's to judge, as with files
-            raise StorageError(f"{self.uri}: {what} failed: {_advice(exc)[0]}", refused=True) from None
         except Exception as exc:
+            if isinstance(exc, FileNotFoundError) and "NoSuchBucket" not in str(exc):
+                raise  # a missing object is the caller's to judge, as with files
             advice, refused = _advice(exc)
             raise StorageError(f"{self.uri}: {what} failed: {advice}", refused=refused) from None
 

@@ -290,8 +290,8 @@ def _needs_fix(container: Mapping[str, Any]) -> tuple[str, str] | None:
     (after a fix, say, while the operator was away) keeps the old record in lastState."""
     if not container or (container.get("state") or {}).get("running"):
         return None
-    records = (Result.from_json(str(t.get("message") or "")) for t in _terminations(container)[:1])
-    record = next(records, None)  # the newest attempt's only: an older one's may predate a fix
+    newest = _terminations(container)[:1]  # the newest attempt's only: an older one's may predate a fix
+    record = Result.from_json(str(newest[0].get("message") or "")) if newest else None
     if record is None or record.phase != "Failed" or not record.permanent:
         return None
     return record.reason or "TrainerFailed", (record.message or record.reason or "it failed")[:1000]

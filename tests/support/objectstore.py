@@ -116,6 +116,22 @@ def _free_port(host: str) -> int:
     raise RuntimeError(f"no free pair of ports (port, port + 10000) found on {host}")
 
 
+def _free_ports(host: str, names: tuple[str, ...]) -> dict[str, int]:
+    """A free pair for each name, none of them another's: weed mini refuses a port that is
+    another service's port + 10000 ("reserved for gRPC calculation"; seen once at random)."""
+    taken: set[int] = set()
+    ports: dict[str, int] = {}
+    for _ in range(200):
+        port = _free_port(host)
+        if {port, port + 10000} & taken:
+            continue
+        ports[names[len(ports)]] = port
+        taken |= {port, port + 10000}
+        if len(ports) == len(names):
+            return ports
+    raise RuntimeError(f"no {len(names)} distinct free pairs of ports found on {host}")
+
+
 @contextlib.contextmanager
 def running_server(directory: Path, buckets: tuple[str, ...], host: str = "127.0.0.1") -> Iterator[S3Server]:
     """``weed mini`` in ``directory`` with ``buckets`` made, listening on ``host`` (give this
@@ -131,7 +147,7 @@ def running_server(directory: Path, buckets: tuple[str, ...], host: str = "127.0
     }]}  # fmt: skip
     config = directory / "s3.json"
     config.write_text(json.dumps(identities))
-    ports = {name: _free_port(host) for name in ("master", "volume", "filer", "s3")}
+    ports = _free_ports(host, ("master", "volume", "filer", "s3"))
     command = [
         str(weed), "mini", f"-dir={directory / 'data'}", f"-ip={host}", f"-ip.bind={host}",
         f"-s3.config={config}", f"-bucket={','.join(buckets)}",

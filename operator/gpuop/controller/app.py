@@ -365,9 +365,10 @@ def run_operator(settings: OperatorSettings) -> int:
         # Kopf logs every handler call at INFO: a line per watch event is noise at scale.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     # Connections for Kopf's handler threads, the first-status pool (jobsfirst) and the scrape
-    # tick's pod reads, each up to max_workers at once, and the Event posters and the tick: a
-    # pool smaller than that opens and drops a TLS connection per request beyond it in a burst.
-    kube = Kube.login(pool_size=settings.max_workers * 3 + 4)
+    # tick's pod reads, each up to max_workers at once, and the 8 Event posters (statuswriter)
+    # and the tick: a pool smaller than that opens and drops a TLS connection per request
+    # beyond it in a burst.
+    kube = Kube.login(pool_size=settings.max_workers * 3 + 10)
     log.info(
         "gpu-training-operator: watching %s, trainer image %s, scraping every %gs via %s",
         ", ".join(settings.namespaces) or "all namespaces",

@@ -10,6 +10,7 @@ are unit-tested on plain dicts. What differs between job kinds is read by each b
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
@@ -152,7 +153,8 @@ def slim_job(job: Mapping[str, Any]) -> dict[str, Any]:
         "apiVersion": job.get("apiVersion"),
         "kind": job.get("kind"),
         "metadata": kept,
-        "spec": {key: spec[key] for key in _KEPT_SPEC if key in spec},
+        # Copies (a runPolicy is a few fields): a job just made is the operator's cached render.
+        "spec": {key: copy.deepcopy(spec[key]) for key in _KEPT_SPEC if key in spec},
         "status": job.get("status") or {},
     }
 

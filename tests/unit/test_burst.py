@@ -224,3 +224,33 @@ def test_a_late_deleted_event_of_an_older_object_of_that_name_leaves_the_new_one
         assert reconciler.tracked() == 0
     finally:
         reconciler.close()
+
+
+def test_statuses_left_for_later_are_handed_over_as_each_comes_due_and_all_once_none_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """JobsFirst alone: the soonest first while some still wait, none that was forgotten, and every
+    one left at once when the last waiting training gets its job."""
+    monkeypatch.setattr(jobsfirst, "AT_MOST", 10.0)
+    handed: list[tuple[str, str]] = []
+    gate = jobsfirst.JobsFirst(handed.append, workers=1)
+    try:
+        gate.waits(("ns", "waiting"))
+        now = time.monotonic()
+        assert gate.leave_for_later(("ns", "late"), now - 5.0)  # due in 5 s
+        assert gate.leave_for_later(("ns", "soon"), now - 9.8)  # due in 0.2 s
+        assert gate.leave_for_later(("ns", "gone"), now - 9.9)  # due in 0.1 s, but forgotten first
+        gate.forget(("ns", "gone"))
+        deadline = time.monotonic() + 3.0
+        while not handed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert handed == [("ns", "soon")]
+        gate.done(("ns", "waiting"))  # nobody waits now: the rest at once, not in 5 s
+        deadline = time.monotonic() + 2.0
+        while len(handed) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert handed == [("ns", "soon"), ("ns", "late")]
+        assert not gate.leave_for_later(("ns", "alone"), time.monotonic())  # none waits: written now
+    finally:
+        gate.close()

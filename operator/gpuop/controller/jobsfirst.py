@@ -16,6 +16,7 @@ writes the statuses whose time is up.
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +41,10 @@ class JobsFirst:
         self._lock = threading.Condition()
         self._waiting: set[Key] = set()  # seen with no job, their reconcile not over yet
         self._later: dict[Key, float] = {}  # first statuses left for later: by when (monotonic)
+        # The same, soonest first, for the thread that hands them over. Entries no longer in
+        # _later (handed over, forgotten) are dropped when met. Without it each wake scanned
+        # every status left: quadratic in a burst's size.
+        self._deadlines: list[tuple[float, Key]] = []
         self._stopping = False
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="statuses")
         self._due = threading.Thread(target=self._hand_over_when_due, name="statuses-due", daemon=True)
@@ -66,15 +71,33 @@ class JobsFirst:
         with self._lock:
             if self._stopping or len(self._waiting) - (key in self._waiting) <= 0:
                 return False
+            soonest = self._deadlines[0][0] if self._deadlines else None
             self._later[key] = by
-            self._lock.notify()  # it may be due before the others
+            heapq.heappush(self._deadlines, (by, key))
+            if soonest is None or by < soonest:
+                self._lock.notify()  # due before the one the thread waits for
             return True
 
     def forget(self, key: Key) -> None:
         with self._lock:
+            was_waiting = key in self._waiting
             self._waiting.discard(key)
             self._later.pop(key, None)
-            self._lock.notify()  # it may have been the last one waiting
+            if was_waiting and not self._waiting and self._later:
+                self._lock.notify()  # it was the last one waiting
+
+    def _due_now(self, now: float) -> list[Key]:
+        """The statuses to hand over now: all once none waits, else those whose time is up."""
+        if not self._waiting:
+            due = list(self._later)
+            self._deadlines.clear()
+            return due
+        due = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            by, key = heapq.heappop(self._deadlines)
+            if self._later.get(key) == by:
+                due.append(key)
+        return due
 
     def _hand_over_when_due(self) -> None:
         """Give the pool every status left for later once none waits for its job, and each one
@@ -82,9 +105,11 @@ class JobsFirst:
         with self._lock:
             while not self._stopping:
                 now = time.monotonic()
-                due = [key for key, by in self._later.items() if not self._waiting or by <= now]
+                due = self._due_now(now)
                 if not due:
-                    self._lock.wait(min(self._later.values()) - now if self._later else None)
+                    while self._deadlines and self._later.get(self._deadlines[0][1]) != self._deadlines[0][0]:
+                        heapq.heappop(self._deadlines)  # handed over or forgotten
+                    self._lock.wait(self._deadlines[0][0] - now if self._deadlines else None)
                     continue
                 for key in due:
                     del self._later[key]

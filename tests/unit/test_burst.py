@@ -254,3 +254,32 @@ def test_statuses_left_for_later_are_handed_over_as_each_comes_due_and_all_once_
         assert not gate.leave_for_later(("ns", "alone"), time.monotonic())  # none waits: written now
     finally:
         gate.close()
+
+
+def test_a_status_left_for_later_twice_is_handed_over_once_and_the_hand_over_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its job's own event reconciles a training again, which leaves its status for later a second
+    time with the same deadline: handed over twice, the thread handing them over once died."""
+    monkeypatch.setattr(jobsfirst, "AT_MOST", 10.0)
+    handed: list[tuple[str, str]] = []
+    gate = jobsfirst.JobsFirst(handed.append, workers=1)
+
+    def handed_over(count: int) -> None:
+        deadline = time.monotonic() + 3.0
+        while len(handed) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # and nothing more after it
+
+    try:
+        gate.waits(("ns", "waiting"))
+        first_seen = time.monotonic() - 9.8  # due in 0.2 s
+        assert gate.leave_for_later(("ns", "twice"), first_seen)
+        assert gate.leave_for_later(("ns", "twice"), first_seen)
+        handed_over(1)
+        assert handed == [("ns", "twice")]
+        assert gate.leave_for_later(("ns", "next"), time.monotonic() - 9.8)
+        handed_over(2)
+        assert handed == [("ns", "twice"), ("ns", "next")]
+    finally:
+        gate.close()

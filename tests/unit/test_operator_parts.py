@@ -3,6 +3,7 @@ settings, the runPolicy patch, and the client's retries against the emulator's f
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from kubernetes import client as k8s_client
 from gpuop.api.spec import parse
 from gpuop.backends.pytorchjob import PYTORCHJOB, render_pytorchjob
 from gpuop.backends.trainjob import TRAINJOB, render_trainjob
+from gpuop.controller import table
 from gpuop.controller.app import check_peering, leadership
 from gpuop.controller.kube import ApiError, Backoff, Kube, request_target
 from gpuop.controller.settings import OperatorSettings, SettingsError
@@ -162,9 +164,35 @@ def test_a_slim_job_reads_the_same_as_the_whole_one() -> None:
         assert reading(slim) == reading(whole), reading.__name__
     assert observe.created_from(slim) is not None
     assert slim["spec"]["runPolicy"] == whole["spec"]["runPolicy"]
+    # A copy: a job just made is the operator's cached render, which the table must not share.
+    assert slim["spec"]["runPolicy"] is not whole["spec"]["runPolicy"]
     assert slim["metadata"]["resourceVersion"] == "42"
     # Most of what stays is the created-from annotation (the spec, compact): 1.4 of 4.2 KB here.
     assert len(json.dumps(slim)) < len(json.dumps(whole)) / 2.5
+
+
+def test_a_job_rendered_from_the_spec_now_has_nothing_unapplied_and_an_older_one_its_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The view that rendered a job knows its record says nothing changed, without decoding it; a
+    job made from an earlier generation is compared field by field, as before."""
+    decoded: list[str] = []
+    compare = table.fixed_spec_changes
+    monkeypatch.setattr(
+        table, "fixed_spec_changes", lambda record, spec: decoded.append(record) or compare(record, spec)
+    )
+    body = minimal(workers=2)
+    body["metadata"] |= {"uid": "u-1", "generation": 1}
+    tracked = table.Tracked(body)
+    job = tracked.spec_view().objects(PYTORCHJOB, "trainer:1")[-1]
+    assert tracked.spec_view().not_applied_to(job) == ()
+    assert decoded == []
+    edited = copy.deepcopy(body)
+    edited["metadata"]["generation"] = 2
+    edited["spec"]["workers"] = 3
+    tracked.body = edited
+    assert tracked.spec_view().not_applied_to(job) == ("spec.workers (2 -> 3)",)
+    assert decoded == [observe.created_from(job)]
 
 
 def _peer(priority: int, seconds_ago: float, lifetime: int = 60) -> dict[str, Any]:

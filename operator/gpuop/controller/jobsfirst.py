@@ -71,6 +71,8 @@ class JobsFirst:
         with self._lock:
             if self._stopping or len(self._waiting) - (key in self._waiting) <= 0:
                 return False
+            if self._later.get(key) == by:
+                return True  # left already (its job's own event reconciles it again)
             soonest = self._deadlines[0][0] if self._deadlines else None
             self._later[key] = by
             heapq.heappush(self._deadlines, (by, key))
@@ -86,16 +88,18 @@ class JobsFirst:
             if was_waiting and not self._waiting and self._later:
                 self._lock.notify()  # it was the last one waiting
 
-    def _due_now(self, now: float) -> list[Key]:
-        """The statuses to hand over now: all once none waits, else those whose time is up."""
+    def _take_due(self, now: float) -> list[Key]:
+        """Take the statuses to hand over now: all once none waits, else those whose time is up."""
         if not self._waiting:
             due = list(self._later)
+            self._later.clear()
             self._deadlines.clear()
             return due
         due = []
         while self._deadlines and self._deadlines[0][0] <= now:
             by, key = heapq.heappop(self._deadlines)
             if self._later.get(key) == by:
+                del self._later[key]
                 due.append(key)
         return due
 
@@ -105,14 +109,13 @@ class JobsFirst:
         with self._lock:
             while not self._stopping:
                 now = time.monotonic()
-                due = self._due_now(now)
+                due = self._take_due(now)
                 if not due:
                     while self._deadlines and self._later.get(self._deadlines[0][1]) != self._deadlines[0][0]:
                         heapq.heappop(self._deadlines)  # handed over or forgotten
                     self._lock.wait(self._deadlines[0][0] - now if self._deadlines else None)
                     continue
                 for key in due:
-                    del self._later[key]
                     try:
                         self._pool.submit(self._reconcile, key)
                     except RuntimeError:  # shut down: the operator is stopping

@@ -279,6 +279,39 @@ def _create_all(create: Any, bodies: list[dict[str, Any]]) -> float:
     return time.monotonic() - started
 
 
+def _create_trainings(api: client.CustomObjectsApi, namespace: str, names: list[str]) -> float:
+    """The loop that creates the GpuTrainings for the reactive floor and the operator alike."""
+    return _create_all(
+        lambda name: api.create_namespaced_custom_object(
+            "gpuop.io", "v1alpha1", namespace, "gputrainings", _training(name, namespace)
+        ),
+        names,
+    )
+
+
+def _watches(api: client.CustomObjectsApi, namespace: str) -> tuple[FirstSeen, FirstSeen]:
+    """A namespace's GpuTrainings and PyTorchJobs, each watched (started, and listed once)."""
+    trainings = FirstSeen(api, "gpuop.io", "v1alpha1", "gputrainings", namespace)
+    children = FirstSeen(api, "kubeflow.org", "v1", "pytorchjobs", namespace)
+    for watcher in (trainings, children):
+        watcher.start()
+        watcher.ready.wait(30)
+    return trainings, children
+
+
+def _latencies(trainings: FirstSeen, children: FirstSeen, names: list[str]) -> list[float]:
+    """create->child of each name both watches saw: first sight of its job less its training's."""
+    return [children.seen[n] - trainings.seen[n] for n in names if n in children.seen and n in trainings.seen]
+
+
+def _cpu_seconds_of(pids: dict[str, int]) -> dict[str, float]:
+    return {name: _cpu_seconds(pid) for name, pid in pids.items()}
+
+
+def _cpu_seconds_since(before: dict[str, float], pids: dict[str, int]) -> dict[str, float]:
+    return {name: round(_cpu_seconds(pid) - before[name], 1) for name, pid in pids.items()}
+
+
 def _operator_counters(port: int) -> dict[str, int]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
         return request_counts(reply.read().decode())
@@ -408,11 +441,7 @@ def reactive_floor(
     watches here. Returns (seconds until every training's Created status was seen and every
     write made, seconds the loop took to create the trainings, create->child latencies, the
     CPU seconds of each process meanwhile)."""
-    trainings = FirstSeen(api, "gpuop.io", "v1alpha1", "gputrainings", namespace)
-    children = FirstSeen(api, "kubeflow.org", "v1", "pytorchjobs", namespace)
-    for watcher in (trainings, children):
-        watcher.start()
-        watcher.ready.wait(30)
+    trainings, children = _watches(api, namespace)
     controller = subprocess.Popen(
         [sys.executable, __file__, "--kubeconfig", kubeconfig, "--reactive-controller", namespace,
          str(len(names))],
@@ -422,16 +451,10 @@ def reactive_floor(
         assert controller.stdout is not None
         if controller.stdout.readline().strip() != "ready":
             raise RuntimeError("the reactive floor's controller did not start")
-        cpu_before = {name: _cpu_seconds(pid) for name, pid in servers.items()}
-        cpu_before["controller"] = _cpu_seconds(controller.pid)
-        cpu_before["bench"] = _cpu_seconds(os.getpid())
+        measured = servers | {"controller": controller.pid, "bench": os.getpid()}
+        cpu_before = _cpu_seconds_of(measured)
         started = time.monotonic()
-        submitted = _create_all(
-            lambda name: api.create_namespaced_custom_object(
-                "gpuop.io", "v1alpha1", namespace, "gputrainings", _training(name, namespace)
-            ),
-            names,
-        )
+        submitted = _create_trainings(api, namespace, names)
         said = controller.stdout.readline().strip()  # "done", or "" when it died
         finished = time.monotonic()
         deadline = finished + 60
@@ -439,9 +462,7 @@ def reactive_floor(
             time.sleep(0.05)
         last_created = max(trainings.created.values()) if trainings.created else finished
         converged = max(finished, last_created) - started
-        cpu = {name: round(_cpu_seconds(pid) - cpu_before[name], 1) for name, pid in servers.items()}
-        cpu["controller"] = round(_cpu_seconds(controller.pid) - cpu_before["controller"], 1)
-        cpu["bench"] = round(_cpu_seconds(os.getpid()) - cpu_before["bench"], 1)
+        cpu = _cpu_seconds_since(cpu_before, measured)
         if said != "done":
             print(f"         the reactive floor's controller: {said or 'died'}; its figures are not a floor",
                   flush=True)  # fmt: skip
@@ -450,10 +471,7 @@ def reactive_floor(
         controller.wait(30)
         for watcher in (trainings, children):
             watcher.stop()
-    latencies = [
-        children.seen[n] - trainings.seen[n] for n in names if n in children.seen and n in trainings.seen
-    ]
-    return converged, submitted, latencies, cpu
+    return converged, submitted, _latencies(trainings, children, names), cpu
 
 
 OPERATOR_SOURCE: Path | None = None  # --operator-source: another checkout's operator, to compare
@@ -522,15 +540,12 @@ def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any
     watchers = [FirstSeen(api, "gpuop.io", "v1alpha1", "gputrainings", floor_ns),
                 FirstSeen(api, "kubeflow.org", "v1", "pytorchjobs", floor_ns)]  # fmt: skip
     servers = _control_plane_pids()
-    floor_cpu = {name: _cpu_seconds(pid) for name, pid in servers.items()}
-    floor_cpu["bench"] = _cpu_seconds(os.getpid())  # the loop and its watches
+    floor_measured = servers | {"bench": os.getpid()}  # the bench: the loop and its watches
+    floor_cpu = _cpu_seconds_of(floor_measured)
     floor = _watched(watchers, lambda: _create_all(four_writes, names))
-    floor_cpu = {name: round(_cpu_seconds(pid) - floor_cpu[name], 1) for name, pid in servers.items()} | {
-        "bench": round(_cpu_seconds(os.getpid()) - floor_cpu["bench"], 1)
-    }
+    floor_cpu = _cpu_seconds_since(floor_cpu, floor_measured)
     # The floor's own create->child: the goal for the operator's is within 1.5x of it.
-    floor_latencies = [watchers[1].seen[n] - watchers[0].seen[n] for n in names
-                       if n in watchers[0].seen and n in watchers[1].seen]  # fmt: skip
+    floor_latencies = _latencies(watchers[0], watchers[1], names)
 
     # 2b. The reactive floor: the same writes by a plain controller, the trainings arriving as
     #     they do for the operator (the serial floor's job is made by the thread that made its
@@ -540,11 +555,7 @@ def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any
     )
 
     # 3. The operator.
-    trainings = FirstSeen(api, "gpuop.io", "v1alpha1", "gputrainings", operator_ns)
-    children = FirstSeen(api, "kubeflow.org", "v1", "pytorchjobs", operator_ns)
-    for watcher in (trainings, children):
-        watcher.start()
-        watcher.ready.wait(30)
+    trainings, children = _watches(api, operator_ns)
     metrics_port = _free_port()
     with tempfile.TemporaryFile() as log:
         operator = subprocess.Popen(
@@ -562,16 +573,10 @@ def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any
                 except OSError:
                     time.sleep(0.2)
             time.sleep(2.0)
-            cpu_before = {name: _cpu_seconds(pid) for name, pid in servers.items()}
-            cpu_before["operator"] = _cpu_seconds(operator.pid)
-            cpu_before["bench"] = _cpu_seconds(os.getpid())
+            measured = servers | {"operator": operator.pid, "bench": os.getpid()}
+            cpu_before = _cpu_seconds_of(measured)
             started = time.monotonic()
-            submitted = _create_all(
-                lambda name: api.create_namespaced_custom_object(
-                    "gpuop.io", "v1alpha1", operator_ns, "gputrainings", _training(name, operator_ns)
-                ),
-                names,
-            )
+            submitted = _create_trainings(api, operator_ns, names)
             deadline = time.monotonic() + 900
             listed: set[str] = set()
             next_list = time.monotonic() + 5
@@ -594,9 +599,7 @@ def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any
             # CPU seconds each used from the first create until all were Created: on a machine
             # whose cores the API server and the operator share, the operator's are the API
             # server's loss.
-            cpu = {name: _cpu_seconds(pid) - cpu_before[name] for name, pid in servers.items()}
-            cpu["operator"] = _cpu_seconds(operator.pid) - cpu_before["operator"]
-            cpu["bench"] = _cpu_seconds(os.getpid()) - cpu_before["bench"]
+            cpu = _cpu_seconds_since(cpu_before, measured)
             time.sleep(quiet_seconds)
             after_quiet = _operator_counters(metrics_port)
             rss = _peak_rss_mb(operator.pid)
@@ -608,9 +611,7 @@ def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any
             if operator.returncode not in (0, -15):
                 log.seek(0)
                 print(log.read().decode(errors="replace")[-3000:], file=sys.stderr)
-    latencies = [
-        children.seen[n] - trainings.seen[n] for n in names if n in children.seen and n in trainings.seen
-    ]
+    latencies = _latencies(trainings, children, names)
     _delete_namespaces(core, [limit_ns, floor_ns, reactive_ns, operator_ns])
     floor_figures = latency_figures(floor_latencies)
     reactive_figures = latency_figures(reactive_latencies)
@@ -635,7 +636,7 @@ def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any
         "writes": {k: round(v / count, 2) for k, v in sorted(at_created.items())},
         "idle_writes": writes(after_quiet) - writes(at_created),
         "peak_rss_mb": rss,
-        "cpu_seconds": {name: round(seconds, 1) for name, seconds in cpu.items()},
+        "cpu_seconds": cpu,
         "floor_cpu_seconds": floor_cpu,
         "reactive_cpu_seconds": reactive_cpu,
     }

@@ -89,16 +89,23 @@ class JobsFirst:
                 self._lock.notify()  # it was the last one waiting
 
     def _take_due(self, now: float) -> list[Key]:
-        """Take the statuses to hand over now: all once none waits, else those whose time is up."""
+        """Take the statuses to hand over now: all once none waits, else those whose time is up.
+        Leaves the next live deadline on top of the heap."""
         if not self._waiting:
             due = list(self._later)
             self._later.clear()
             self._deadlines.clear()
             return due
         due = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            by, key = heapq.heappop(self._deadlines)
-            if self._later.get(key) == by:
+        # Past deadlines are taken, and stale ones (handed over, forgotten) dropped wherever they
+        # are due: what stays on top is the next live deadline, the one to wait for.
+        while self._deadlines:
+            by, key = self._deadlines[0]
+            live = self._later.get(key) == by
+            if live and by > now:
+                break
+            heapq.heappop(self._deadlines)
+            if live:
                 del self._later[key]
                 due.append(key)
         return due
@@ -111,8 +118,6 @@ class JobsFirst:
                 now = time.monotonic()
                 due = self._take_due(now)
                 if not due:
-                    while self._deadlines and self._later.get(self._deadlines[0][1]) != self._deadlines[0][0]:
-                        heapq.heappop(self._deadlines)  # handed over or forgotten
                     self._lock.wait(self._deadlines[0][0] - now if self._deadlines else None)
                     continue
                 for key in due:

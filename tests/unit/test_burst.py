@@ -237,10 +237,11 @@ def test_statuses_left_for_later_are_handed_over_as_each_comes_due_and_all_once_
     try:
         gate.waits(("ns", "waiting"))
         now = time.monotonic()
-        assert gate.leave_for_later(("ns", "late"), now - 5.0)  # due in 5 s
-        assert gate.leave_for_later(("ns", "soon"), now - 9.8)  # due in 0.2 s
-        assert gate.leave_for_later(("ns", "gone"), now - 9.9)  # due in 0.1 s, but forgotten first
-        gate.forget(("ns", "gone"))
+        with gate._lock:  # the hand-over thread sees all four calls at once, however slow the machine
+            assert gate.leave_for_later(("ns", "late"), now - 5.0)  # due in 5 s
+            assert gate.leave_for_later(("ns", "soon"), now - 9.5)  # due in 0.5 s
+            assert gate.leave_for_later(("ns", "gone"), now - 9.6)  # due in 0.4 s, but forgotten first
+            gate.forget(("ns", "gone"))
         deadline = time.monotonic() + 3.0
         while not handed and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -273,12 +274,13 @@ def test_a_status_left_for_later_twice_is_handed_over_once_and_the_hand_over_goe
 
     try:
         gate.waits(("ns", "waiting"))
-        first_seen = time.monotonic() - 9.8  # due in 0.2 s
-        assert gate.leave_for_later(("ns", "twice"), first_seen)
-        assert gate.leave_for_later(("ns", "twice"), first_seen)
+        first_seen = time.monotonic() - 9.5  # due in 0.5 s
+        with gate._lock:  # both before the hand-over thread looks, however slow the machine
+            assert gate.leave_for_later(("ns", "twice"), first_seen)
+            assert gate.leave_for_later(("ns", "twice"), first_seen)
         handed_over(1)
         assert handed == [("ns", "twice")]
-        assert gate.leave_for_later(("ns", "next"), time.monotonic() - 9.8)
+        assert gate.leave_for_later(("ns", "next"), time.monotonic() - 9.5)
         handed_over(2)
         assert handed == [("ns", "twice"), ("ns", "next")]
     finally:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import copy
 import importlib.util
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -57,6 +57,86 @@ def test_no_latency_seen_is_reported_as_such_not_a_crash(bench: ModuleType) -> N
     assert figures["p50_ms"] == pytest.approx(200)
     assert figures["p99_ms"] == pytest.approx(300)
     assert bench._ms(None) == "n/a"
+
+
+class _Clock:
+    """The bench's ``time`` on a clock of the test's: each sleep moves it on and lets the test's
+    watches deliver what they would have meanwhile."""
+
+    def __init__(self, deliver: Callable[[float], None]) -> None:
+        self.now, self.deliver = 0.0, deliver
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.deliver(self.now)
+
+
+def _wait(bench: ModuleType, deliver: Callable[[SimpleNamespace, float], None], count: int,
+          listed: set[str]) -> tuple[set[str], SimpleNamespace, list[float]]:  # fmt: skip
+    """``_until_all_created`` on the test's clock: what it returned, the trainings' watch, the
+    times it listed."""
+    trainings = SimpleNamespace(created={}, last_event=0.0)
+    children = SimpleNamespace(created={}, last_event=0.0)
+    lists: list[float] = []
+    clock = _Clock(lambda now: deliver(trainings, now))
+    real_time = bench.time
+    bench.time = clock
+    try:
+
+        def listing() -> set[str]:
+            lists.append(clock.now)
+            return listed
+
+        unseen = bench._until_all_created((trainings, children), count, 120.0, listing)
+    finally:
+        bench.time = real_time
+    return unseen, trainings, lists
+
+
+def test_a_watch_that_delivers_is_counted_alone_with_no_list_loading_the_api_server(
+    bench: ModuleType,
+) -> None:
+    """A burst whose trainings are Created one every 0.5 s for 30 s: the watch's silences are
+    short, so no list is made (the bench once listed every 5 s during the operator's run alone,
+    API-server CPU that no floor paid)."""
+
+    def deliver(trainings: SimpleNamespace, now: float) -> None:
+        step = int(now / 0.5)
+        if step < 60 and f"t{step}" not in trainings.created:
+            trainings.created[f"t{step}"], trainings.last_event = now, now
+
+    unseen, trainings, lists = _wait(bench, deliver, 60, {f"t{i}" for i in range(60)})
+    assert (unseen, lists, len(trainings.created)) == (set(), [], 60)
+
+
+def test_a_silent_watch_is_checked_by_a_list_and_what_it_finds_is_counted_from_then(
+    bench: ModuleType,
+) -> None:
+    """A watch that delivers two and then nothing (a broken watch): once both watches have said
+    nothing for WATCHES_SILENT_S a list finds the rest, counted from when it found them, and the
+    wait ends there instead of at its deadline."""
+
+    def deliver(trainings: SimpleNamespace, now: float) -> None:
+        for name, at in (("a", 1.0), ("b", 2.0)):
+            if now >= at and name not in trainings.created:
+                trainings.created[name], trainings.last_event = now, now
+
+    unseen, trainings, lists = _wait(bench, deliver, 4, {"a", "b", "c", "d"})
+    assert unseen == {"c", "d"}
+    assert len(lists) == 1
+    assert lists[0] == pytest.approx(2.0 + bench.WATCHES_SILENT_S, abs=0.1)
+    assert trainings.created["c"] == trainings.created["d"] == lists[0]
+
+
+def test_a_wait_that_never_sees_them_all_ends_at_its_deadline(bench: ModuleType) -> None:
+    unseen, _, lists = _wait(bench, lambda trainings, now: None, 3, {"x"})
+    assert unseen == {"x"}
+    gaps = [later - earlier for earlier, later in zip([0.0, *lists], lists, strict=False)]
+    assert len(lists) >= 10  # a list each time the watches are silent that long, never one per sleep
+    assert min(gaps) >= bench.WATCHES_SILENT_S
 
 
 class _KubeflowStore(Store):

@@ -324,6 +324,19 @@ def _operator_counters(port: int) -> dict[str, int]:
         return request_counts(reply.read().decode())
 
 
+def _operator_reconciles(port: int) -> dict[str, int]:
+    """The operator's reconciles by outcome: more than one a training in a burst is work that
+    made no write (an echo of its own write it did not recognise, say)."""
+    url = f"http://127.0.0.1:{port}/metrics?name[]=gpuop_reconciles_total"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        return {
+            sample.labels["outcome"]: int(sample.value)
+            for family in text_string_to_metric_families(reply.read().decode())
+            for sample in family.samples
+            if sample.name.endswith("_total")
+        }
+
+
 def request_counts(metrics: str) -> dict[str, int]:
     """The operator's API requests from its /metrics text, by "<verb> <code>" (its
     ``gpuop_api_requests_total`` labels Kubernetes verbs: create, patch, list, ...)."""
@@ -627,6 +640,7 @@ def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any
             cpu = _cpu_seconds_since(cpu_before, measured)
             time.sleep(quiet_seconds)
             after_quiet = _operator_counters(metrics_port)
+            reconciles = _operator_reconciles(metrics_port)
             rss = _peak_rss_mb(operator.pid)
         finally:
             operator.terminate()
@@ -660,6 +674,7 @@ def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any
         "writes_per_job": writes(at_created) / count,
         "writes": {k: round(v / count, 2) for k, v in sorted(at_created.items())},
         "idle_writes": writes(after_quiet) - writes(at_created),
+        "reconciles": {k: round(v / count, 2) for k, v in sorted(reconciles.items())},
         "peak_rss_mb": rss,
         "cpu_seconds": cpu,
         "floor_cpu_seconds": floor_cpu,
@@ -706,7 +721,8 @@ def _print_real(r: dict[str, Any]) -> None:
     )
     if r["created"] < r["count"]:
         print(f"         only {r['created']} of {r['count']} reached Created within the deadline", flush=True)
-    print(f"         requests/job by verb and code: {r['writes']}", flush=True)
+    print(f"         requests/job by verb and code: {r['writes']}; reconciles/job by outcome, "
+          f"the quiet included: {r['reconciles']}", flush=True)  # fmt: skip
     print(
         f"         CPU seconds until every write was made: {r['cpu_seconds']}; in the floor's run: "
         f"{r['floor_cpu_seconds']}; in the reactive floor's: {r['reactive_cpu_seconds']}",

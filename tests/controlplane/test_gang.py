@@ -20,7 +20,10 @@ this suite does).
 from __future__ import annotations
 
 import contextlib
+import time
+import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
@@ -111,8 +114,7 @@ def test_volcano_podgroup_is_accepted_by_volcanos_crd_and_holds_the_pods_until_v
         assert refused.value.status == 422, refused.value
         # Until Volcano's scheduler admits the group, the training-operator makes no pod.
         assert api.list("pods", namespace) == []
-        _merge(api, VOLCANO, namespace, "vc-gang", {"status": {"phase": "Inqueue"}})
-        made = wait_for("the three pods", lambda: _pods(api, namespace, "vc-gang", 3), 30)
+        made = _admit_as_volcano(api, namespace, "vc-gang", 3)
         for pod in made:
             assert pod["spec"]["schedulerName"] == "volcano"
             assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "vc-gang"
@@ -127,8 +129,7 @@ def test_volcano_podgroup_is_accepted_by_volcanos_crd_and_holds_the_pods_until_v
         api.create("pytorchjobs", job, namespace)
         queued = wait_for("the queued PodGroup", lambda: _podgroup(api, VOLCANO, namespace, "vc-queued"), 30)
         assert (queued["spec"]["queue"], queued["spec"]["minMember"]) == ("team-a", 2)
-        _merge(api, VOLCANO, namespace, "vc-queued", {"status": {"phase": "Inqueue"}})
-        made = wait_for("the queued training's pods", lambda: _pods(api, namespace, "vc-queued", 2), 30)
+        made = _admit_as_volcano(api, namespace, "vc-queued", 2)
         assert {pod["spec"]["schedulerName"] for pod in made} == {"volcano-gpu"}
         wait_for("the training-operator's warning", lambda: any(
             e["reason"] == "SetPodTemplateSchedulerName" and e["involvedObject"]["name"] == "vc-queued"
@@ -173,6 +174,31 @@ def _merge(api: Api, group: str, namespace: str, name: str, patch: dict[str, Any
     api.request(
         "PATCH", f"{group}/namespaces/{namespace}/podgroups/{name}", patch, "application/merge-patch+json"
     )
+
+
+def _admit_as_volcano(api: Api, namespace: str, name: str, count: int) -> list[dict[str, Any]]:
+    """Volcano's scheduler admitting a PodGroup, as it does: the phase Inqueue, then once a
+    scheduling cycle (1 s), while the gang's pods are not all ready, its gang plugin's
+    Unschedulable condition with that cycle's transitionID and time; until the training-operator
+    has made the ``count`` pods, which are returned.
+
+    Once is not enough, and a real Volcano never writes it once: the training-operator drops a
+    PodGroup's create event (it has no replica-type label), so when its PodGroup informer, which
+    starts after its workers, first lists the group already admitted, nothing wakes its job. A
+    single write can lose that race: in one CI run (2026-11-26) the training-operator's log had
+    no reconcile after the admission, and no pod came in 30 s."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        cycle = {
+            "type": "Unschedulable", "status": "True", "transitionID": str(uuid.uuid4()),
+            "lastTransitionTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "reason": "NotEnoughResources",
+            "message": f"{count}/0 tasks in gang unschedulable: pod group is not ready, {count} minAvailable",
+        }  # fmt: skip
+        _merge(api, VOLCANO, namespace, name, {"status": {"phase": "Inqueue", "conditions": [cycle]}})
+        with contextlib.suppress(AssertionError):
+            return wait_for(f"the {count} pods of {name}", lambda: _pods(api, namespace, name, count), 1.0)
+    raise AssertionError(f"timed out after 30s waiting for the {count} pods of {name}, admitted by Volcano")
 
 
 def _pods(api: Api, namespace: str, job: str, count: int) -> list[dict[str, Any]] | None:

@@ -9,7 +9,8 @@ PyTorchJob -> the training-operator -> a PodGroup that the API server accepts ag
 CRD (generated from volcano.sh/apis by controller-gen) or the coscheduler's (from the
 scheduler-plugins module), at the versions the training-operator is linked with
 (:mod:`support.controllers.podgroups`). No scheduler runs: the test plays Volcano's, which
-admits a PodGroup by setting its phase, and the pods stay unscheduled.
+admits a PodGroup by setting its phase and then writes its conditions once a scheduling cycle
+(:func:`_admit_as_volcano`), and the pods stay unscheduled.
 
 A training-operator with a gang scheduler gangs every job it sees, so each test's instance
 watches only a namespace of its own (``--namespace``); its webhook is the cluster-wide one every

@@ -195,6 +195,39 @@ def test_a_job_rendered_from_the_spec_now_has_nothing_unapplied_and_an_older_one
     assert decoded == [observe.created_from(job)]
 
 
+def test_a_status_document_is_decoded_once_and_a_new_one_anew(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tick reconciles every unfinished training, most of them unchanged: their status is
+    decoded once per document, not once per reconcile. Each event brings a new document, which
+    is decoded again, even when it holds the same figures."""
+    decoded: list[Any] = []
+    decode = table.status_from_json
+    monkeypatch.setattr(
+        table, "status_from_json", lambda document: decoded.append(document) or decode(document)
+    )
+    body = minimal()
+    body["status"] = {"phase": "Created", "observedGeneration": 1}
+    tracked = table.Tracked(body)
+    first = tracked.status()
+    assert first is not None
+    assert first.phase == "Created"
+    assert tracked.status() is first
+    assert len(decoded) == 1
+    echoed = copy.deepcopy(body)
+    tracked.body = echoed
+    assert tracked.status() == first
+    later = copy.deepcopy(body)
+    later["status"]["phase"] = "Running"
+    tracked.body = later
+    running = tracked.status()
+    assert running is not None
+    assert running.phase == "Running"
+    assert len(decoded) == 3
+    tracked.body = minimal()  # no status yet
+    assert tracked.status() is None
+    assert tracked.status() is None
+    assert len(decoded) == 4
+
+
 def _peer(priority: int, seconds_ago: float, lifetime: int = 60) -> dict[str, Any]:
     return {
         "priority": priority,

@@ -29,7 +29,7 @@ from typing import Any, Final
 
 from gpuop.api.spec import GpuTraining
 from gpuop.api.spec import warnings as spec_warnings
-from gpuop.api.status import GpuTrainingStatus, status_from_json
+from gpuop.api.status import GpuTrainingStatus
 from gpuop.backends import registry
 from gpuop.backends.pod import ReportEndpoint
 from gpuop.backends.registry import Choice, JobApi
@@ -207,7 +207,7 @@ class Reconciler:
         meta = tracked.body.get("metadata") or {}
         if meta.get("deletionTimestamp"):
             return "deleting"  # the garbage collector removes the job; nothing to write
-        previous = status_from_json(tracked.body.get("status"))
+        previous = tracked.status()
         now = self.clock()
         generation = meta.get("generation") if isinstance(meta.get("generation"), int) else None
         view = tracked.spec_view()

@@ -18,6 +18,7 @@ from typing import Any
 from gpuop._kits.schema import SpecError
 from gpuop.api.fixed import fixed_spec_changes
 from gpuop.api.spec import GpuTraining, parse
+from gpuop.api.status import GpuTrainingStatus, status_from_json
 from gpuop.backends import registry
 from gpuop.backends.pod import ReportEndpoint
 from gpuop.backends.registry import JobApi
@@ -108,6 +109,10 @@ class Tracked:
     # when it was first seen (how long that may be).
     status_later: bool = False
     first_seen: float = field(default_factory=time.monotonic)
+    # The status last decoded and the very document it came from. Every event and write brings
+    # a new document; the tick's reconcile of an unchanged training does not, and decoding it
+    # was half of that reconcile's CPU (0.36 of 0.64 s for 1,000 trainings, cProfile).
+    decoded_status: tuple[object, GpuTrainingStatus | None] = (object(), None)
 
     def versions(self) -> tuple[str, str]:
         """The resourceVersions of the GpuTraining and its job as last seen ("" for no job)."""
@@ -120,6 +125,14 @@ class Tracked:
     def phase(self) -> str | None:
         phase = (self.body.get("status") or {}).get("phase")
         return phase if isinstance(phase, str) else None
+
+    def status(self) -> GpuTrainingStatus | None:
+        """The GpuTraining's status, decoded, or what the same document gave already (nothing
+        changes a document in place: each event or reply is a new one)."""
+        document = self.body.get("status")
+        if self.decoded_status[0] is not document:
+            self.decoded_status = (document, status_from_json(document))
+        return self.decoded_status[1]
 
     def spec_view(self) -> SpecView:
         """The GpuTraining parsed, or what its current generation gave already."""

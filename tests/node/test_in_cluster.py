@@ -348,8 +348,12 @@ def test_a_two_worker_gpu_training_spans_both_nodes_each_worker_with_the_gpus_it
         f"operator image imported on the second node in {second_node.containerd.import_images([image]):.1f}s"
     )
     name = "two-nodes"
+    # Both pods kept after the job ends (cleanPodPolicy None): the master's success ends it, and
+    # with the default (Running) the training-operator deletes the worker if its kubelet has not
+    # yet said it finished; a CI run (2026-11-26) lost the worker's pod and log so.
     body = specs.training(name, NAMESPACE, image=image_on_node, command=["python", "-c", RENDEZVOUS],
-                          workers=2, gpusPerWorker=2, resources={"cpu": "200m", "memory": "256Mi"})  # fmt: skip
+                          workers=2, gpusPerWorker=2, resources={"cpu": "200m", "memory": "256Mi"},
+                          runPolicy={"cleanPodPolicy": "None"})  # fmt: skip
     api.create("gputrainings", body, NAMESPACE)
     try:
 

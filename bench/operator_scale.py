@@ -314,27 +314,28 @@ def _cpu_seconds_since(before: dict[str, float], pids: dict[str, int]) -> dict[s
     return {name: round(_cpu_seconds(pid) - before[name], 1) for name, pid in pids.items()}
 
 
+def _operator_metric(port: int, name: str) -> str:
+    """One metric's series from the operator's /metrics (prometheus-client's ``name[]`` filter):
+    the bench asks 10 times a second until every write is made, and the whole /metrics, with
+    its series for each training, is 0.26 MB at 1,000 trainings of three series each, made by
+    the operator's CPU (27 ms a request here) while it is being measured."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics?name[]={name}", timeout=5) as reply:
+        return reply.read().decode()
+
+
 def _operator_counters(port: int) -> dict[str, int]:
-    """The operator's request counters alone (prometheus-client's ``name[]`` filter): the bench
-    asks 10 times a second until every write is made, and the whole /metrics, with its series
-    for each training, is 0.26 MB at 1,000 trainings of three series each, made by the
-    operator's CPU (27 ms a request here) while it is being measured."""
-    url = f"http://127.0.0.1:{port}/metrics?name[]=gpuop_api_requests_total"
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        return request_counts(reply.read().decode())
+    return request_counts(_operator_metric(port, "gpuop_api_requests_total"))
 
 
 def _operator_reconciles(port: int) -> dict[str, int]:
     """The operator's reconciles by outcome: more than one a training in a burst is work that
     made no write (an echo of its own write it did not recognise, say)."""
-    url = f"http://127.0.0.1:{port}/metrics?name[]=gpuop_reconciles_total"
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        return {
-            sample.labels["outcome"]: int(sample.value)
-            for family in text_string_to_metric_families(reply.read().decode())
-            for sample in family.samples
-            if sample.name.endswith("_total")
-        }
+    return {
+        sample.labels["outcome"]: int(sample.value)
+        for family in text_string_to_metric_families(_operator_metric(port, "gpuop_reconciles_total"))
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
 
 
 def request_counts(metrics: str) -> dict[str, int]:

@@ -115,12 +115,24 @@ e2e-local: $(STAMP) $(HELM) controlplane-binaries node-binaries operator-image
 e2e: $(STAMP) $(HELM)
 	HELM=$(abspath $(HELM)) $(BIN)/pytest -m e2e tests/e2e
 
-## gpu: on a machine with an NVIDIA GPU (torch from PyPI is its CUDA build there): the GPU tests,
-## then the GPU benchmarks of docs/benchmarks.md
-gpu: $(STAMP)
-	$(BIN)/pytest -m gpu tests/trainer
-	$(BIN)/python bench/gpu_throughput.py
-	$(BIN)/python bench/trainer_throughput.py --device cuda
+## gpu: on a machine with an NVIDIA GPU (torch from PyPI is its CUDA build there): the GPU
+## benchmarks of docs/benchmarks.md, then the GPU tests (figures first: a failing test stops make).
+## On a GPU host whose own python already has torch and that cannot reach PyPI, `make gpu
+## GPU_PYTHON=python3` runs the same with that python and the sources on its path, no .venv.
+GPU_PYTHON ?=
+# The distribution's metadata, as pip would install it: gpuop.api.identity reads the version
+# from it (the trainer image's tag), and a source tree on PYTHONPATH has none.
+GPU_SOURCE_META := $(CURDIR)/.gpu-source/gpu_training_operator-source.dist-info/METADATA
+GPU_RUN := $(if $(GPU_PYTHON),PYTHONPATH=$(CURDIR)/.gpu-source:$(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)/trainer/report $(GPU_PYTHON),$(BIN)/python)
+$(GPU_SOURCE_META): pyproject.toml
+	mkdir -p $(@D)
+	printf 'Metadata-Version: 2.1\nName: gpu-training-operator\nVersion: %s\n' \
+		"$$(sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)" > $@
+gpu: $(if $(GPU_PYTHON),$(GPU_SOURCE_META),$(STAMP))
+	$(GPU_RUN) bench/gpu_throughput.py
+	$(GPU_RUN) bench/first_step.py
+	$(GPU_RUN) bench/trainer_throughput.py --device cuda
+	$(GPU_RUN) -m pytest -m gpu tests/trainer
 
 ## min-versions: the operator's unit tests with the lowest versions pyproject.toml declares
 ## (dependencies and the operator extra, each >=X pinned ==X) in a venv of its own under
@@ -143,4 +155,4 @@ crds: $(STAMP)
 	$(BIN)/gpuop crd -o markdown > docs/api.md
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .gpu-source

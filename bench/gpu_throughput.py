@@ -1,4 +1,5 @@
-"""One GPU through gputrain's own loop: images/s and steady-state utilization from NVML.
+"""One GPU: images/s of gputrain's own loop against the loop as it is commonly written, side by
+side, and GPU utilization as the GpuTraining's status shows it against nvidia-smi's.
 
 The model (ResNet-50 by default) trains on gputrain's ``synthetic`` dataset, ImageNet-shaped
 and already resident on the GPU, with the settings the operator would render for the
@@ -7,35 +8,59 @@ hot path and its logging interval). So this measures the training step as the tr
 it, not a storage system or a decoder: the input pipeline is ``bench/trainer_throughput.py``'s
 subject.
 
-Utilization is NVML's (the figure the trainer publishes and the operator's status shows),
-sampled every 100 ms during the timed steps only; warm-up, cuDNN autotuning and compilation
-fall outside. Each repeat is timed separately and the report gives every repeat and the
+The common loop trains the same model on the same batches with the same autocast and memory
+layout, written as PyTorch's AMP recipe and most training scripts write it: AdamW with its
+defaults, ``zero_grad`` each step, and the loss read back to the host every step for the
+running figure a progress bar prints. Runs alternate (common, gputrain, common, ...), so
+machine noise hits both; each is timed on its own and the report gives every run and the
 medians.
 
+Utilization, during the timed steps only (warm-up, cuDNN autotuning and compilation fall
+outside), two ways:
+
+* as the status shows it: the trainer's metrics endpoint, scraped every second and read by the
+  operator's own code (``gpuop.observing.scrape`` and ``figures.gpu_usage``, which make
+  ``status.gpu.utilizationPercent``);
+* as ``nvidia-smi --query-gpu=utilization.gpu --loop-ms=100`` prints it, for both loops.
+
     python bench/gpu_throughput.py [--model resnet50] [--batch-size 256] [--precision bf16]
-        [--steps 200] [--warmup 30] [--repeats 3] [--no-channels-last] [--compile] [--json]
+        [--steps 200] [--warmup 30] [--repeats 3] [--no-channels-last] [--compile]
+        [--no-common-loop] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import shutil
 import statistics
+import subprocess
 import tempfile
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn import functional
 
-from benchlib import rendered_settings, single_process_trainer, time_steps
+from benchlib import rendered_settings, single_process_trainer, synchronize, time_steps
+from gpuop.local.runner import scrape
+from gpuop.observing.figures import gpu_usage
 from gputrain.contract import TrainerSettings
 from gputrain.data import SyntheticData
-from gputrain.metrics import GpuMonitor
+from gputrain.models import build_model
 from gputrain.train import Trainer
 
-SAMPLE_SECONDS = 0.1
+# nvidia-smi's fastest loop; NVML's own utilization figure is a share of a sample period of
+# 1/6 s to 1 s (driver-dependent), so sampling faster would only repeat it.
+SMI_MILLISECONDS = 100
+# What a Prometheus scrape or the operator would do at most; the endpoint changes only at the
+# trainer's logging intervals anyway.
+SCRAPE_SECONDS = 1.0
 
 
 def settings_for(args: argparse.Namespace, root: Path) -> TrainerSettings:
@@ -54,22 +79,60 @@ def settings_for(args: argparse.Namespace, root: Path) -> TrainerSettings:
     )
 
 
-class UtilizationSampler:
-    """NVML utilization of the first visible GPU (cuda:0), sampled on a thread while it runs."""
+class CommonLoop:
+    """The same model, batches, precision and memory layout as ``trainer``, in the loop most
+    training scripts run. cuDNN's autotuning is on for both: the Trainer turned it on for the
+    process, as NVIDIA's and timm's scripts do."""
 
-    def __init__(self, monitor: GpuMonitor) -> None:
-        self.monitor = monitor
+    def __init__(self, trainer: Trainer) -> None:
+        settings, data = trainer.settings, trainer.data
+        assert isinstance(data, SyntheticData)
+        self.device = trainer.device
+        torch.manual_seed(settings.seed)
+        self.model = build_model(settings.model, data.in_channels, data.num_classes, data.image_size)
+        self.model.to(self.device)
+        if settings.channels_last:
+            self.model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.learning_rate)
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(settings.precision)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=settings.precision == "fp16")
+        # The trainer's own pool of synthetic batches: the same tensors, so only the loop differs.
+        self.batches = list(data.train_batches(0))[: min(4, data.batches_per_epoch())]
+        self.model.train()
+
+    def run(self, steps: int) -> float:
+        """Seconds for ``steps`` steps, the device's queue drained before and after."""
+        synchronize(self.device)
+        started = time.perf_counter()
+        running = 0.0
+        for step in range(steps):
+            x, y = self.batches[step % len(self.batches)]
+            self.optimizer.zero_grad()
+            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
+                loss = functional.cross_entropy(self.model(x), y)
+            self.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            running += loss.item()  # the per-step host sync of the common loop
+        synchronize(self.device)
+        return time.perf_counter() - started
+
+
+class Sampler:
+    """Calls ``read`` every ``period`` seconds on a thread while it runs; keeps what is not None."""
+
+    def __init__(self, read: Callable[[], float | None], period: float) -> None:
+        self.read, self.period = read, period
         self.samples: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(SAMPLE_SECONDS):
-            readings = self.monitor.read()  # in CUDA_VISIBLE_DEVICES order: cuda:0 first
-            if readings:
-                self.samples.append(readings[0].utilization_percent)
+        while not self._stop.wait(self.period):
+            if (value := self.read()) is not None:
+                self.samples.append(value)
 
-    def __enter__(self) -> UtilizationSampler:
+    def __enter__(self) -> Sampler:
         self._thread.start()
         return self
 
@@ -78,19 +141,86 @@ class UtilizationSampler:
         self._thread.join()
 
 
-def timed_steps(trainer: Trainer, steps: int) -> tuple[float, list[float]]:
-    """Images/s over ``steps`` optimizer steps of the trainer's epoch loop, and NVML's samples."""
-    assert trainer.metrics is not None  # rank 0 of a one-process job serves (and reads NVML)
-    with UtilizationSampler(trainer.metrics.gpus) as sampler:
+def status_utilization(port: int) -> float | None:
+    """``status.gpu.utilizationPercent`` as the operator would make it from one scrape of the
+    trainer's endpoint (None when the endpoint has no GPU figures: no NVML here)."""
+    metrics = scrape(port)
+    if metrics is None:
+        return None
+    return gpu_usage({"bench-worker-0": metrics.gpus}, count=1).utilization_percent
+
+
+class NvidiaSmi:
+    """``nvidia-smi``'s utilization of the first visible GPU, every SMI_MILLISECONDS, while it
+    runs; no samples where there is no nvidia-smi."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._process: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+
+    def __enter__(self) -> NvidiaSmi:
+        smi = shutil.which("nvidia-smi")
+        if smi is None:
+            return self
+        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+        self._process = subprocess.Popen(
+            [smi, f"--id={first}", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+             f"--loop-ms={SMI_MILLISECONDS}"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        assert self._process is not None
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            try:
+                self.samples.append(float(line.strip()))
+            except ValueError:  # "[N/A]" on a GPU that does not report it
+                continue
+
+    def __exit__(self, *exc: object) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait()
+        if self._reader is not None:
+            self._reader.join()
+
+
+def gputrain_run(trainer: Trainer, steps: int) -> dict[str, Any]:
+    """Images/s over ``steps`` optimizer steps of the trainer's epoch loop, with the status's and
+    nvidia-smi's utilization meanwhile."""
+    assert trainer.metrics is not None  # rank 0 of a world of one serves the endpoint
+    port = trainer.metrics.port
+    assert port is not None
+    with Sampler(lambda: status_utilization(port), SCRAPE_SECONDS) as status, NvidiaSmi() as smi:
         seconds = time_steps(trainer, steps)
-    return steps * trainer.settings.batch_size / seconds, sampler.samples
+    rate = steps * trainer.settings.batch_size / seconds
+    return {"rate": rate, "status": status.samples, "smi": smi.samples}
+
+
+def common_run(loop: CommonLoop, steps: int, batch_size: int) -> dict[str, Any]:
+    with NvidiaSmi() as smi:
+        seconds = loop.run(steps)
+    return {"rate": steps * batch_size / seconds, "smi": smi.samples}
+
+
+def _medians(runs: list[dict[str, Any]], key: str) -> list[float]:
+    return [statistics.median(run[key]) for run in runs if run[key]]
+
+
+def _lowest(runs: list[dict[str, Any]], key: str) -> float | None:
+    return min((min(run[key]) for run in runs if run[key]), default=None)
 
 
 def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """The report: warm-up, then ``args.repeats`` timed runs of ``args.steps`` steps each.
+    """The report: warm-up, then ``args.repeats`` timed runs of ``args.steps`` steps of each loop.
 
-    The GPU is what this is for; on a CPU the same flow runs (without NVML figures), which is
-    how the test suite keeps this script working on machines without one.
+    The GPU is what this is for; on a CPU the same flow runs (without utilization figures),
+    which is how the test suite keeps this script working on machines without one.
     """
     with tempfile.TemporaryDirectory() as tmp:
         trainer = single_process_trainer(settings_for(args, Path(tmp)), device)
@@ -98,21 +228,29 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             data = trainer.data
             assert isinstance(data, SyntheticData)
             data.samples = max(args.steps, args.warmup) * args.batch_size  # one epoch covers a run
-            timed_steps(trainer, args.warmup)
+            common = CommonLoop(trainer) if args.common_loop else None
+            time_steps(trainer, args.warmup)
+            if common is not None:
+                common.run(args.warmup)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            runs = [timed_steps(trainer, args.steps) for _ in range(args.repeats)]
+            ours: list[dict[str, Any]] = []
+            theirs: list[dict[str, Any]] = []
+            for _ in range(args.repeats):
+                if common is not None:
+                    theirs.append(common_run(common, args.steps, args.batch_size))
+                ours.append(gputrain_run(trainer, args.steps))
             steps_done = trainer.position.step
         finally:
             trainer.close()
 
-    rates = [rate for rate, _ in runs]
-    sampled = [samples for _, samples in runs if samples]
     if device.type == "cuda":
         machine = f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
         peak_gib: float | None = round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
     else:
         machine, peak_gib = "CPU", None
+    median = statistics.median(run["rate"] for run in ours)
+    common_median = statistics.median(run["rate"] for run in theirs) if theirs else None
     return {
         "machine": f"{machine}, {platform.machine()}, torch {torch.__version__}",
         "model": args.model,
@@ -122,10 +260,17 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "compile": args.compile,
         "steps_per_run": args.steps,
         "optimizer_steps_done": steps_done,
-        "images_per_second": [round(r, 1) for r in rates],
-        "median_images_per_second": round(statistics.median(rates), 1),
-        "gpu_utilization_percent_median_per_run": [statistics.median(s) for s in sampled],
-        "gpu_utilization_percent_lowest_sample": min((min(s) for s in sampled), default=None),
+        "images_per_second": [round(run["rate"], 1) for run in ours],
+        "median_images_per_second": round(median, 1),
+        "common_loop_images_per_second": [round(run["rate"], 1) for run in theirs],
+        "median_common_loop_images_per_second": None if common_median is None else round(common_median, 1),
+        "ratio_to_common_loop": None if common_median is None else round(median / common_median, 3),
+        # Medians per run, and the lowest sample of all runs.
+        "status_gpu_utilization_percent": _medians(ours, "status"),
+        "status_gpu_utilization_lowest": _lowest(ours, "status"),
+        "nvidia_smi_utilization_percent": _medians(ours, "smi"),
+        "nvidia_smi_utilization_lowest": _lowest(ours, "smi"),
+        "common_loop_nvidia_smi_utilization_percent": _medians(theirs, "smi"),
         "peak_memory_gib": peak_gib,
     }
 
@@ -140,6 +285,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-channels-last", dest="channels_last", action="store_false")
     parser.add_argument("--compile", action="store_true", help="compile: true in the spec")
+    parser.add_argument("--no-common-loop", dest="common_loop", action="store_false",
+                        help="time gputrain's loop alone")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     return parser.parse_args(argv)
 
@@ -155,12 +302,23 @@ def main() -> None:
     print(f"machine: {report['machine']}")
     print(
         f"{args.model} {args.precision} batch {args.batch_size} channels_last={args.channels_last} "
-        f"compile={args.compile}, {args.repeats} x {args.steps} steps"
+        f"compile={args.compile}, {args.repeats} x {args.steps} steps, runs alternating"
     )
-    print(f"  images/s median {report['median_images_per_second']}   runs: {report['images_per_second']}")
-    utilization = report["gpu_utilization_percent_median_per_run"]
-    lowest = report["gpu_utilization_percent_lowest_sample"]
-    print(f"  GPU utilization (NVML) median per run: {utilization}, lowest sample {lowest}")
+    r = report
+    print(f"  gputrain    images/s median {r['median_images_per_second']}   runs: {r['images_per_second']}")
+    if r["common_loop_images_per_second"]:
+        print(
+            f"  common loop images/s median {r['median_common_loop_images_per_second']}   "
+            f"runs: {r['common_loop_images_per_second']}   gputrain/common {r['ratio_to_common_loop']}"
+        )
+    print("  GPU utilization % during gputrain's runs (median of each run, lowest sample):")
+    print(
+        f"    status (the endpoint as the operator reads it) {r['status_gpu_utilization_percent']}, "
+        f"{r['status_gpu_utilization_lowest']}"
+    )
+    print(f"    nvidia-smi {r['nvidia_smi_utilization_percent']}, {r['nvidia_smi_utilization_lowest']}")
+    if r["common_loop_images_per_second"]:
+        print(f"  common loop's runs: nvidia-smi {r['common_loop_nvidia_smi_utilization_percent']}")
     print(f"  peak memory {report['peak_memory_gib']} GiB")
 
 

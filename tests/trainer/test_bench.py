@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -17,6 +19,8 @@ import pytest
 import torch
 
 from gputrain.checkpoint import CheckpointManager
+from gputrain.contract import Progress
+from gputrain.metrics import GpuReading, MetricsServer
 from support import objectstore
 from support.paths import ROOT
 
@@ -35,7 +39,8 @@ def _load(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 
 def test_gpu_benchmark_times_exactly_the_steps_it_reports(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its flow on the CPU: every run restarts the epoch, so each times ``--steps`` real steps."""
+    """Its flow on the CPU: every run restarts the epoch, so each times ``--steps`` real steps;
+    the common loop runs beside it, on the trainer's batches, without moving its position."""
     bench = _load("gpu_throughput", monkeypatch)
     options = ["--model=cnn", "--precision=fp32", "--batch-size=8", "--steps=3", "--warmup=2", "--repeats=2"]
     args = bench.arguments(options)
@@ -43,7 +48,69 @@ def test_gpu_benchmark_times_exactly_the_steps_it_reports(monkeypatch: pytest.Mo
     assert report["optimizer_steps_done"] == 2 + 2 * 3
     assert len(report["images_per_second"]) == 2
     assert all(rate > 0 for rate in report["images_per_second"])
-    assert report["gpu_utilization_percent_median_per_run"] == []  # no NVML here
+    assert len(report["common_loop_images_per_second"]) == 2
+    assert all(rate > 0 for rate in report["common_loop_images_per_second"])
+    assert report["ratio_to_common_loop"] > 0
+    # No NVML and no nvidia-smi here: no utilization, rather than a made-up 0.
+    assert report["status_gpu_utilization_percent"] == []
+    assert report["nvidia_smi_utilization_percent"] == []
+    alone = bench.measure(bench.arguments([*options, "--no-common-loop"]), torch.device("cpu"))
+    assert alone["common_loop_images_per_second"] == []
+    assert alone["ratio_to_common_loop"] is None
+
+
+def test_gpu_benchmark_reads_utilization_as_the_status_shows_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The figure is the trainer's endpoint read by the operator's own scrape and status code."""
+    bench = _load("gpu_throughput", monkeypatch)
+    reading = GpuReading(0, "NVIDIA H100 80GB HBM3", 73.0, 2**30, 80 * 2**30)
+    with_gpu, without_gpu = MetricsServer(port=0), MetricsServer(port=0)
+    try:
+        assert with_gpu.port is not None
+        assert without_gpu.port is not None
+        with_gpu.update(Progress(step=1), gpus=[reading])
+        assert bench.status_utilization(with_gpu.port) == 73.0
+        without_gpu.update(Progress(step=1), gpus=[])  # no NVML: the status has no figure, not 0
+        assert bench.status_utilization(without_gpu.port) is None
+    finally:
+        with_gpu.close()
+        without_gpu.close()
+    assert bench.status_utilization(with_gpu.port) is None  # the endpoint gone
+
+
+def test_gpu_benchmark_samples_nvidia_smi(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """It asks nvidia-smi for the first visible GPU's utilization in a loop (the flags checked on
+    an H100's nvidia-smi, docs/benchmarks.md), keeps the numbers, skips "[N/A]", and ends it."""
+    bench = _load("gpu_throughput", monkeypatch)
+    argv = tmp_path / "argv"
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f'#!/bin/sh\necho "$@" > {argv}\nprintf "87\\n[N/A]\\n91\\n"\nexec sleep 60\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    with bench.NvidiaSmi() as smi:
+        deadline = time.monotonic() + 10
+        while len(smi.samples) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert smi.samples == [87.0, 91.0]
+    assert argv.read_text().split() == [
+        "--id=3", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "--loop-ms=100"
+    ]  # fmt: skip
+
+
+def test_first_step_benchmark_times_a_fresh_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = _load("first_step", monkeypatch)
+    report = bench.measure(bench.arguments(["--gpus=0", "--repeats=1"]))
+    assert report["model"] == "cnn"
+    (up,) = report["endpoint_up_seconds"]
+    (first,) = report["first_step_seconds"]
+    assert 0 < up <= first < 120
+
+
+def test_first_step_benchmark_gives_up_at_its_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer that takes too long is named with its log and killed (no process outlives it)."""
+    bench = _load("first_step", monkeypatch)
+    with pytest.raises(SystemExit, match=r"^first_step: no step 1 in 0 s; log: .*trainer\.log$"):
+        bench.measure(bench.arguments(["--gpus=0", "--repeats=1", "--timeout=0.2"]))
 
 
 def test_gpu_benchmark_refuses_to_run_without_a_gpu() -> None:

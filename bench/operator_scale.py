@@ -273,12 +273,28 @@ def _watched(watchers: list[FirstSeen], work: Any) -> float:
     return seconds
 
 
-def _create_all(create: Any, bodies: list[dict[str, Any]]) -> float:
-    """Create every body with CONCURRENCY threads; seconds from the first request to the last reply."""
+def _create_all(create: Any, bodies: list[Any], rate: float | None = None) -> float:
+    """Create every body with CONCURRENCY threads; seconds from the first request to the last reply.
+
+    With ``rate`` (bodies per second) body i is sent no sooner than i/rate s after the start: an
+    arrival that does not depend on how busy the server is, so two runs given the same rate
+    meet the same queue (unpaced, a run whose controller loads the server less gets its work
+    faster, and a faster arrival is a longer queue: a higher p99 for the same code)."""
     started = time.monotonic()
+
+    def send(indexed: tuple[int, Any]) -> None:
+        index, body = indexed
+        if rate is not None:
+            time.sleep(max(0.0, started + index / rate - time.monotonic()))
+        create(body)
+
     with ThreadPoolExecutor(CONCURRENCY) as pool:
-        list(pool.map(create, bodies))
+        list(pool.map(send, enumerate(bodies)))
     return time.monotonic() - started
+
+
+# --arrival-rate: GpuTrainings per second for the reactive floor and the operator (None: at once).
+ARRIVAL_RATE: float | None = None
 
 
 def _create_trainings(api: client.CustomObjectsApi, namespace: str, names: list[str]) -> float:
@@ -288,6 +304,7 @@ def _create_trainings(api: client.CustomObjectsApi, namespace: str, names: list[
             "gpuop.io", "v1alpha1", namespace, "gputrainings", _training(name, namespace)
         ),
         names,
+        ARRIVAL_RATE,
     )
 
 
@@ -658,6 +675,7 @@ def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any
     reactive_figures = latency_figures(reactive_latencies)
     return {
         "count": count,
+        "arrival_rate": ARRIVAL_RATE,
         "limit_s": limit,
         "floor_s": floor,
         "operator_s": converged,
@@ -700,6 +718,7 @@ def _print_emulated(r: dict[str, Any]) -> None:
 
 
 def _print_real(r: dict[str, Any]) -> None:
+    arrival = "" if r["arrival_rate"] is None else f", paced at {r['arrival_rate']:g}/s"
     print(
         f"N={r['count']:5d}  operator: all {r['created']} Created in {r['operator_s']:6.2f}s, "
         f"every write made (Events too) in {r['operator_written_s']:6.2f}s  "
@@ -714,7 +733,7 @@ def _print_real(r: dict[str, Any]) -> None:
         flush=True,
     )
     print(
-        f"         reactive floor (plain controller, same arrival): all Created, every write made, "
+        f"         reactive floor (plain controller, same arrival{arrival}): all Created, every write made, "
         f"in {r['reactive_s']:6.2f}s "
         f"(trainings created in {r['reactive_submitted_s']:.2f}s)  operator/reactive "
         f"{r['operator_written_s'] / r['reactive_s']:.2f}x  create->child p50 {_ms(r['reactive_p50_ms'])} "
@@ -759,14 +778,21 @@ def main() -> int:
         type=Path,
         help="run the operator from this checkout (git worktree add DIR REV): two versions side by side",
     )
+    parser.add_argument(
+        "--arrival-rate",
+        type=float,
+        help="GpuTrainings per second for the reactive floor and the operator alike (default: all at "
+        "once): the same arrival for both, so their create->child p99 compare like for like",
+    )
     parser.add_argument("--reactive-controller", metavar="NAMESPACE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.reactive_controller:  # the reactive floor's controller, started by run_real
         config.load_kube_config(config_file=args.kubeconfig)
         reactive_controller(args.reactive_controller, args.counts[0])
         return 0
-    global OPERATOR_SOURCE
+    global OPERATOR_SOURCE, ARRIVAL_RATE
     OPERATOR_SOURCE = args.operator_source
+    ARRIVAL_RATE = args.arrival_rate
     if args.kubeconfig:
         config.load_kube_config(config_file=args.kubeconfig)
         _install_crds()

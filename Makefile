@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The release version; its one home is pyproject.toml.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
 # The real helm the chart tests run (from a PyPI wheel, checksummed; see the script).
 HELM := $(BIN)/helm
 CHART := charts/gpu-training-operator
@@ -123,11 +125,11 @@ GPU_PYTHON ?=
 # The distribution's metadata, as pip would install it: gpuop.api.identity reads the version
 # from it (the trainer image's tag), and a source tree on PYTHONPATH has none.
 GPU_SOURCE_META := $(CURDIR)/.gpu-source/gpu_training_operator-source.dist-info/METADATA
-GPU_RUN := $(if $(GPU_PYTHON),PYTHONPATH=$(CURDIR)/.gpu-source:$(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)/trainer/report $(GPU_PYTHON),$(BIN)/python)
+GPU_RUN := $(if $(GPU_PYTHON),PYTHONPATH=$(CURDIR)/.gpu-source:$(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)/trainer/report$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON),$(BIN)/python)
 $(GPU_SOURCE_META): pyproject.toml
+	$(if $(VERSION),,$(error no version = "..." line in pyproject.toml))
 	mkdir -p $(@D)
-	printf 'Metadata-Version: 2.1\nName: gpu-training-operator\nVersion: %s\n' \
-		"$$(sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)" > $@
+	printf 'Metadata-Version: 2.1\nName: gpu-training-operator\nVersion: %s\n' '$(VERSION)' > $@
 gpu: $(if $(GPU_PYTHON),$(GPU_SOURCE_META),$(STAMP))
 	$(GPU_RUN) bench/gpu_throughput.py
 	$(GPU_RUN) bench/first_step.py
@@ -142,7 +144,7 @@ min-versions:
 
 ## version: print the release version (its one home: pyproject.toml)
 version:
-	@sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml
+	@echo $(VERSION)
 
 ## run: set up and train examples/local-digits.yaml here (2 CPU workers, gloo) and print its status
 run: $(STAMP)

@@ -18,10 +18,16 @@ medians.
 Utilization, during the timed steps only (warm-up, cuDNN autotuning and compilation fall
 outside), two ways:
 
-* as the status shows it: the trainer's metrics endpoint, scraped every second and read by the
-  operator's own code (``gpuop.observing.scrape`` and ``figures.gpu_usage``, which make
-  ``status.gpu.utilizationPercent``);
+* as the status shows it from the trainer's endpoint: scraped every second (as ``gpuop run``
+  fetches it) and read by the operator's own code (``gpuop.observing.scrape.parse_metrics``
+  and ``figures.gpu_usage``, which make ``status.gpu.utilizationPercent``; in a cluster with a
+  DCGM exporter the operator takes that exporter's figure instead). The endpoint changes at
+  the trainer's logging intervals, so a run's first scrape may still show the run before;
+  that is what a status shows too;
 * as ``nvidia-smi --query-gpu=utilization.gpu --loop-ms=100`` prints it, for both loops.
+
+Peak memory is gputrain's: the most allocated during its runs, less what the common loop
+keeps allocated meanwhile (its model, gradients, optimizer state and batches).
 
     python bench/gpu_throughput.py [--model resnet50] [--batch-size 256] [--precision bf16]
         [--steps 200] [--warmup 30] [--repeats 3] [--no-channels-last] [--compile]
@@ -37,6 +43,7 @@ import platform
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -81,13 +88,15 @@ def settings_for(args: argparse.Namespace, root: Path) -> TrainerSettings:
 
 class CommonLoop:
     """The same model, batches, precision and memory layout as ``trainer``, in the loop most
-    training scripts run. cuDNN's autotuning is on for both: the Trainer turned it on for the
-    process, as NVIDIA's and timm's scripts do."""
+    training scripts run, with cuDNN's autotuning on as the Trainer and NVIDIA's and timm's
+    scripts have it."""
 
     def __init__(self, trainer: Trainer) -> None:
         settings, data = trainer.settings, trainer.data
         assert isinstance(data, SyntheticData)
         self.device = trainer.device
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True
         torch.manual_seed(settings.seed)
         self.model = build_model(settings.model, data.in_channels, data.num_classes, data.image_size)
         self.model.to(self.device)
@@ -96,8 +105,9 @@ class CommonLoop:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.learning_rate)
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(settings.precision)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=settings.precision == "fp16")
-        # The trainer's own pool of synthetic batches: the same tensors, so only the loop differs.
-        self.batches = list(data.train_batches(0))[: min(4, data.batches_per_epoch())]
+        # The trainer's pool of synthetic batches (an epoch cycles through a few; the same values,
+        # made anew), so only the loop differs.
+        self.batches = list({id(batch): batch for batch in data.train_batches(0)}.values())
         self.model.train()
 
     def run(self, steps: int) -> float:
@@ -152,10 +162,13 @@ def status_utilization(port: int) -> float | None:
 
 class NvidiaSmi:
     """``nvidia-smi``'s utilization of the first visible GPU, every SMI_MILLISECONDS, while it
-    runs; no samples where there is no nvidia-smi."""
+    runs; no samples where there is no nvidia-smi. The GPU is named by CUDA_VISIBLE_DEVICES'
+    first index, which is nvidia-smi's own where CUDA orders GPUs by PCI bus (one GPU, or
+    CUDA_DEVICE_ORDER=PCI_BUS_ID)."""
 
     def __init__(self) -> None:
         self.samples: list[float] = []
+        self.returncode: int | None = None  # once it has ended
         self._process: subprocess.Popen[str] | None = None
         self._reader: threading.Thread | None = None
 
@@ -167,7 +180,7 @@ class NvidiaSmi:
         self._process = subprocess.Popen(
             [smi, f"--id={first}", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
              f"--loop-ms={SMI_MILLISECONDS}"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -183,11 +196,17 @@ class NvidiaSmi:
                 continue
 
     def __exit__(self, *exc: object) -> None:
-        if self._process is not None:
-            self._process.terminate()
-            self._process.wait()
+        if self._process is None:
+            return
+        ended_early = self._process.poll() is not None
+        self._process.terminate()
+        self.returncode = self._process.wait()
         if self._reader is not None:
             self._reader.join()
+        assert self._process.stderr is not None
+        if ended_early:  # a figure missing must say why, not read as "no GPU here"
+            said = self._process.stderr.read().strip()
+            print(f"gpu_throughput: nvidia-smi ended ({self.returncode}): {said}", file=sys.stderr)
 
 
 def gputrain_run(trainer: Trainer, steps: int) -> dict[str, Any]:
@@ -222,35 +241,42 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     The GPU is what this is for; on a CPU the same flow runs (without utilization figures),
     which is how the test suite keeps this script working on machines without one.
     """
+    cuda = device.type == "cuda"
     with tempfile.TemporaryDirectory() as tmp:
         trainer = single_process_trainer(settings_for(args, Path(tmp)), device)
         try:
             data = trainer.data
             assert isinstance(data, SyntheticData)
             data.samples = max(args.steps, args.warmup) * args.batch_size  # one epoch covers a run
-            common = CommonLoop(trainer) if args.common_loop else None
             time_steps(trainer, args.warmup)
+            before_common = torch.cuda.memory_allocated(device) if cuda else 0
+            common = CommonLoop(trainer) if args.common_loop else None
             if common is not None:
                 common.run(args.warmup)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            ours: list[dict[str, Any]] = []
-            theirs: list[dict[str, Any]] = []
+            # What the common loop keeps allocated through gputrain's runs, not gputrain's own.
+            common_resident = torch.cuda.memory_allocated(device) - before_common if cuda else 0
+            gputrain_runs: list[dict[str, Any]] = []
+            common_runs: list[dict[str, Any]] = []
+            peaks: list[int] = []
             for _ in range(args.repeats):
                 if common is not None:
-                    theirs.append(common_run(common, args.steps, args.batch_size))
-                ours.append(gputrain_run(trainer, args.steps))
+                    common_runs.append(common_run(common, args.steps, args.batch_size))
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(device)
+                gputrain_runs.append(gputrain_run(trainer, args.steps))
+                if cuda:
+                    peaks.append(torch.cuda.max_memory_allocated(device) - common_resident)
             steps_done = trainer.position.step
         finally:
             trainer.close()
 
-    if device.type == "cuda":
+    if cuda:
         machine = f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
-        peak_gib: float | None = round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
+        peak_gib: float | None = round(max(peaks) / 2**30, 1)
     else:
         machine, peak_gib = "CPU", None
-    median = statistics.median(run["rate"] for run in ours)
-    common_median = statistics.median(run["rate"] for run in theirs) if theirs else None
+    median = statistics.median(run["rate"] for run in gputrain_runs)
+    common_median = statistics.median(run["rate"] for run in common_runs) if common_runs else None
     return {
         "machine": f"{machine}, {platform.machine()}, torch {torch.__version__}",
         "model": args.model,
@@ -260,17 +286,17 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "compile": args.compile,
         "steps_per_run": args.steps,
         "optimizer_steps_done": steps_done,
-        "images_per_second": [round(run["rate"], 1) for run in ours],
+        "images_per_second": [round(run["rate"], 1) for run in gputrain_runs],
         "median_images_per_second": round(median, 1),
-        "common_loop_images_per_second": [round(run["rate"], 1) for run in theirs],
+        "common_loop_images_per_second": [round(run["rate"], 1) for run in common_runs],
         "median_common_loop_images_per_second": None if common_median is None else round(common_median, 1),
         "ratio_to_common_loop": None if common_median is None else round(median / common_median, 3),
         # Medians per run, and the lowest sample of all runs.
-        "status_gpu_utilization_percent": _medians(ours, "status"),
-        "status_gpu_utilization_lowest": _lowest(ours, "status"),
-        "nvidia_smi_utilization_percent": _medians(ours, "smi"),
-        "nvidia_smi_utilization_lowest": _lowest(ours, "smi"),
-        "common_loop_nvidia_smi_utilization_percent": _medians(theirs, "smi"),
+        "status_gpu_utilization_percent": _medians(gputrain_runs, "status"),
+        "status_gpu_utilization_lowest": _lowest(gputrain_runs, "status"),
+        "nvidia_smi_utilization_percent": _medians(gputrain_runs, "smi"),
+        "nvidia_smi_utilization_lowest": _lowest(gputrain_runs, "smi"),
+        "common_loop_nvidia_smi_utilization_percent": _medians(common_runs, "smi"),
         "peak_memory_gib": peak_gib,
     }
 
@@ -319,7 +345,7 @@ def main() -> None:
     print(f"    nvidia-smi {r['nvidia_smi_utilization_percent']}, {r['nvidia_smi_utilization_lowest']}")
     if r["common_loop_images_per_second"]:
         print(f"  common loop's runs: nvidia-smi {r['common_loop_nvidia_smi_utilization_percent']}")
-    print(f"  peak memory {report['peak_memory_gib']} GiB")
+    print(f"  peak memory of gputrain's runs {report['peak_memory_gib']} GiB")
 
 
 if __name__ == "__main__":

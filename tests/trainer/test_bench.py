@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -92,22 +93,51 @@ def test_gpu_benchmark_samples_nvidia_smi(monkeypatch: pytest.MonkeyPatch, tmp_p
         while len(smi.samples) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
     assert smi.samples == [87.0, 91.0]
+    assert smi.returncode == -signal.SIGTERM  # ended with the run, not left sampling
     assert argv.read_text().split() == [
         "--id=3", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "--loop-ms=100"
     ]  # fmt: skip
 
 
-def test_first_step_benchmark_times_a_fresh_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
+def _running_with(text: str) -> list[str]:
+    """Command lines of running processes (zombies aside) that contain ``text``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if text in command and state != "Z":
+            found.append(command)
+    return found
+
+
+def test_first_step_benchmark_times_a_fresh_trainer_and_leaves_nothing_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torchrun starts its rank in a session of its own: killing torchrun's group alone left the
+    rank training on while the next start was timed."""
     bench = _load("first_step", monkeypatch)
     report = bench.measure(bench.arguments(["--gpus=0", "--repeats=1"]))
     assert report["model"] == "cnn"
     (up,) = report["endpoint_up_seconds"]
     (first,) = report["first_step_seconds"]
     assert 0 < up <= first < 120
+    assert _running_with("first-step/termination-log") == []  # the rank's own command line
+
+
+def test_first_step_benchmark_names_a_trainer_that_exits_before_step_1(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bench = _load("first_step", monkeypatch)
+    failing = [sys.executable, "-c", "import sys; print('no such model'); sys.exit(3)"]
+    monkeypatch.setattr(bench.LocalRun, "command", lambda self: failing)
+    with pytest.raises(SystemExit, match=r"^first_step: exit 3 before step 1:\nno such model\n$"):
+        bench.measure(bench.arguments(["--gpus=0", "--repeats=1"]))
 
 
 def test_first_step_benchmark_gives_up_at_its_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A trainer that takes too long is named with its log and killed (no process outlives it)."""
     bench = _load("first_step", monkeypatch)
     with pytest.raises(SystemExit, match=r"^first_step: no step 1 in 0 s; log: .*trainer\.log$"):
         bench.measure(bench.arguments(["--gpus=0", "--repeats=1", "--timeout=0.2"]))

@@ -23,6 +23,7 @@ from gputrain.checkpoint import CheckpointManager
 from gputrain.contract import Progress
 from gputrain.metrics import GpuReading, MetricsServer
 from support import objectstore
+from support.node.process import processes_naming
 from support.paths import ROOT
 
 BENCH = ROOT / "bench"
@@ -99,20 +100,6 @@ def test_gpu_benchmark_samples_nvidia_smi(monkeypatch: pytest.MonkeyPatch, tmp_p
     ]  # fmt: skip
 
 
-def _running_with(text: str) -> list[str]:
-    """Command lines of running processes (zombies aside) that contain ``text``."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
-        except OSError:
-            continue
-        if text in command and state != "Z":
-            found.append(command)
-    return found
-
-
 def test_first_step_benchmark_times_a_fresh_trainer_and_leaves_nothing_running(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -124,7 +111,7 @@ def test_first_step_benchmark_times_a_fresh_trainer_and_leaves_nothing_running(
     (up,) = report["endpoint_up_seconds"]
     (first,) = report["first_step_seconds"]
     assert 0 < up <= first < 120
-    assert _running_with("first-step/termination-log") == []  # the rank's own command line
+    assert processes_naming("first-step/termination-log") == {}  # the rank's own command line
 
 
 def test_first_step_benchmark_names_a_trainer_that_exits_before_step_1(

@@ -262,6 +262,7 @@ REFUSED_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"extraEnv": [{"value": "x"}]}, "extraEnv.0"),
     ({"volumeMounts": [{"name": "ca", "mountPath": "etc/ca"}]}, "mountPath"),
     ({"strategy": {"type": "BlueGreen"}}, "strategy.type"),
+    ({"priorityClass.value": 2_000_000_000}, "priorityClass.value"),  # over the user-class ceiling
 ]
 
 
@@ -328,6 +329,27 @@ def test_a_teams_values_reach_the_operator_pod() -> None:
     assert account["metadata"]["labels"]["policy.example.com/tier"] == "platform"
     assert account["automountServiceAccountToken"] is False
     assert pod["automountServiceAccountToken"] is True  # the operator needs its token
+
+
+def test_the_operator_has_a_class_of_its_own_above_the_trainings_unless_given_one() -> None:
+    """A training of any PriorityClass on a full node would otherwise evict the operator
+    (priority 0), and the reports in flight with it (seen: a preempted trainer's last
+    checkpoint, sent as it stopped, never reached status)."""
+    objects = template({})
+    (made,) = _of_kind(objects, "PriorityClass")
+    pod = _deployment(objects)["spec"]["template"]["spec"]
+    assert pod["priorityClassName"] == made["metadata"]["name"] == "gpuop-gpu-training-operator"
+    assert made["value"] == 1_000_000_000  # the ceiling of a cluster's own classes
+    assert made["preemptionPolicy"] == "Never"
+    assert made["globalDefault"] is False
+
+    named = template({"priorityClassName": "system-cluster-critical"})
+    assert not _of_kind(named, "PriorityClass")
+    assert _deployment(named)["spec"]["template"]["spec"]["priorityClassName"] == "system-cluster-critical"
+
+    none = template({"priorityClass.create": False})
+    assert not _of_kind(none, "PriorityClass")
+    assert "priorityClassName" not in _deployment(none)["spec"]["template"]["spec"]
 
 
 def test_image_tag_defaults_to_the_app_version() -> None:

@@ -46,9 +46,12 @@ class InClusterOperator:
     report_url: str
 
     def log(self, plane: controlplane.ControlPlane) -> str:
-        return plane.kubectl(
-            "logs", "-n", RELEASE_NAMESPACE, self.pod["metadata"]["name"], check=False
-        ).stdout
+        """Its log; when there is none, a line saying why (a pod evicted and replaced since
+        shows as "not found", never as an operator that said nothing)."""
+        said = plane.kubectl("logs", "-n", RELEASE_NAMESPACE, self.pod["metadata"]["name"], check=False)
+        if said.returncode != 0:
+            return f"(no log of pod {self.pod['metadata']['name']}: {said.stderr.strip()[-300:]})"
+        return said.stdout
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,15 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
+{{- /* The operator pods' PriorityClass: the one named, else the chart's own (priorityclass.yaml). */ -}}
+{{- define "gpuop.priorityClassName" -}}
+{{- if .Values.priorityClassName -}}
+{{- .Values.priorityClassName -}}
+{{- else if .Values.priorityClass.create -}}
+{{- include "gpuop.fullname" . -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "gpuop.image" -}}
 {{- if .Values.image.digest -}}
 {{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}

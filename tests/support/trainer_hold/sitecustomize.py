@@ -48,7 +48,11 @@ def _install_hold(module: ModuleType) -> None:
             return
         held = True
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / f"held-{self.cluster.rank}").write_text(str(self.position.step))
+        # Written aside and renamed into place: a test that polls for held-* must never read
+        # the file between its creation and its write (empty, seen once in CI).
+        written = directory / f".held-{self.cluster.rank}.tmp"
+        written.write_text(str(self.position.step))
+        written.replace(directory / f"held-{self.cluster.rank}")
         while not (directory / "go").exists() and not self.stop_requested:
             time.sleep(0.02)
 

@@ -23,11 +23,8 @@ Where no GPU is visible it runs on the CPU, with the CNN unless ``--model`` says
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuop.api.spec import parse
+from gpuop.local.processes import kill_tree
 from gpuop.local.runner import LocalRun, plan, scrape, visible_gpus
 
 POLL_SECONDS = 0.02
@@ -62,55 +60,6 @@ def training_run(args: argparse.Namespace, gpus: int, workdir: Path) -> LocalRun
         },
     }
     return plan(parse(body), 1, workdir)
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie has stopped running; its parent reaps it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, from Linux's /proc (nearest first)."""
-    found: list[int] = []
-    pending = [pid]
-    while pending:
-        parent = pending.pop(0)
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                children = [int(child) for child in (task / "children").read_text().split()]
-            except OSError:  # gone meanwhile
-                continue
-            found += children
-            pending += children
-    return found
-
-
-def kill_everything(process: subprocess.Popen[bytes]) -> None:
-    """SIGKILL torchrun and every process under it, and wait until none runs.
-
-    torchrun starts each rank in a session of its own (torch's elastic subprocess handler), so
-    killing torchrun's process group would leave the ranks training, holding the GPU and
-    their port while the next start is timed. So torchrun is stopped first (it starts no rank
-    after that), its ranks are found in /proc, and each one's group (it and its DataLoader
-    workers) is killed by its pid."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGSTOP)
-    below = _descendants(process.pid)
-    for pid in below:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)  # a rank leads its own group: its workers go with it
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)  # a process that leads no group
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in below) and time.monotonic() < deadline:
-        time.sleep(0.05)  # no longer our children's children once torchrun is gone: poll, not wait
 
 
 def one_start(run: LocalRun, timeout: float) -> dict[str, float]:
@@ -139,7 +88,7 @@ def one_start(run: LocalRun, timeout: float) -> dict[str, float]:
                     marks["first_step"] = now
             time.sleep(POLL_SECONDS)
     finally:
-        kill_everything(process)  # the start is all we want
+        kill_tree(process)  # the start is all we want
     return marks
 
 

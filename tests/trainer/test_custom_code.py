@@ -7,13 +7,17 @@ shows it live and ends with the status the operator would write.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from gpuop.local import processes
 from support.paths import ROOT
 from support.training import pace_env
 
@@ -102,3 +106,50 @@ def test_a_lightning_module_reports_through_its_callback(tmp_path: Path) -> None
     assert (progress["totalSteps"], progress["percent"]) == (32, 100)  # 512 samples / batch 32 x 2 epochs
     assert (progress["epoch"], progress["totalEpochs"]) == (2, 2)
     assert progress["loss"] >= 0
+
+
+IGNORES_STOP_SIGNALS = """\
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(os.path.join(sys.argv[1], "rank-" + os.environ["RANK"] + ".pid"), "w") as f:
+    f.write(str(os.getpid()))
+while True:
+    time.sleep(1)
+"""
+
+
+def test_a_second_ctrl_c_stops_a_rank_that_ignores_the_first(tmp_path: Path) -> None:
+    """Ctrl-C twice: the first asks the trainers to checkpoint and stop, the second stops the
+    run at once. Before, the second killed torchrun's process group alone, and a rank that had
+    not stopped (hung in a collective, or deaf to signals as here) ran on, orphaned: torchrun
+    starts each rank in a session of its own."""
+    script = tmp_path / "deaf.py"
+    script.write_text(IGNORES_STOP_SIGNALS)
+    spec = _spec(tmp_path, "deaf", ["torchrun", str(script), str(tmp_path)])
+    # In a process group of its own, as a terminal's foreground job: Ctrl-C goes to that group.
+    run = subprocess.Popen(
+        [GPUOP, "run", "-f", str(spec), "-o", "json", "--workdir", str(tmp_path / "work")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    pid_file = tmp_path / "rank-0.pid"
+    rank = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.is_file() and pid_file.read_text()):
+            assert run.poll() is None, run.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the rank never started"
+            time.sleep(0.1)
+        rank = int(pid_file.read_text())
+        os.killpg(run.pid, signal.SIGINT)
+        time.sleep(1)  # torchrun passed it on; the rank ignored it and trains on
+        assert processes.alive(rank)
+        os.killpg(run.pid, signal.SIGINT)
+        _, err = run.communicate(timeout=60)
+        assert run.returncode != 0, err[-3000:]
+        assert not processes.alive(rank), "the rank outlived `gpuop run`"
+    finally:
+        if run.poll() is None:
+            run.kill()
+        if rank is not None and processes.alive(rank):
+            os.kill(rank, signal.SIGKILL)

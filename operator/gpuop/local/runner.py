@@ -31,7 +31,7 @@ from gpuop._kits.schema import encode
 from gpuop.api.spec import GpuTraining
 from gpuop.api.status import TIME_FORMAT, GpuTrainingStatus, format_eta
 from gpuop.backends.pod import trainer_env
-from gpuop.local import reporting
+from gpuop.local import processes, reporting
 from gpuop.observing.derive import derive_status, parse_time
 from gpuop.observing.records import JobCondition, Observation, PodObservation, ReceivedReport, Thresholds
 from gpuop.observing.scrape import TrainerMetrics, parse_metrics
@@ -448,8 +448,7 @@ def execute(
                 try:
                     process.wait()
                 except (KeyboardInterrupt, _Stopped):  # asked twice: no checkpoint, just stop
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
+                    processes.kill_tree(process)  # the ranks too: each runs in a session of its own
         finally:
             signal.signal(signal.SIGTERM, previous)
         _latest_figures(run, endpoint, points)  # the final report, sent as the process ended

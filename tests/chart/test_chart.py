@@ -347,6 +347,10 @@ def test_the_operator_has_a_class_of_its_own_above_the_trainings_unless_given_on
     assert not _of_kind(named, "PriorityClass")
     assert _deployment(named)["spec"]["template"]["spec"]["priorityClassName"] == "system-cluster-critical"
 
+    # `helm upgrade --reuse-values` from a release made before these values: none are there.
+    reused = template({"priorityClass": None})
+    assert [c["value"] for c in _of_kind(reused, "PriorityClass")] == [1_000_000_000]
+
     none = template({"priorityClass.create": False})
     assert not _of_kind(none, "PriorityClass")
     assert "priorityClassName" not in _deployment(none)["spec"]["template"]["spec"]

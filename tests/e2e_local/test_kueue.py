@@ -158,12 +158,6 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
         return not chain.pods_of(plane, low)
 
     wait_for(f"{low}'s pods gone", gone, timeout=90)
-    # The scheduler placed the high one's pods without evicting the operator's (the chart's
-    # PriorityClass is above every training's): evicted, it lost the reports in flight.
-    alive = plane.kubectl(
-        "get", "pod", "-n", chain.RELEASE_NAMESPACE, operator.pod["metadata"]["name"], check=False
-    )
-    assert alive.returncode == 0, f"the operator's pod is gone: {alive.stderr.strip()}"
     saved = max(chain.bucket_steps(s3, low))
     # While it waits, evicted, status says how fresh its last checkpoint is: the newest one saved
     # (the one its SIGTERM'd trainer wrote, when its save beat the grace period).
@@ -195,6 +189,13 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
             f"{last.get('message')!r}; {low}'s phases {low_timeline.phases()}"
         ) from None
     assert chain.phase(plane, high) == "Succeeded", high_timeline.phases()
+    # The scheduler placed the high one's pods without evicting the operator's (the chart's
+    # PriorityClass is above every training's): evicted, it lost the reports in flight.
+    now = json.loads(plane.kubectl("get", "pod", "-n", chain.RELEASE_NAMESPACE, "-l",
+                                   "app.kubernetes.io/name=gpu-training-operator", "-o", "json").stdout)["items"]  # fmt: skip
+    assert [(p["metadata"]["uid"], p["metadata"].get("deletionTimestamp")) for p in now] == [
+        (operator.pod["metadata"]["uid"], None)
+    ], "the operator's pod was replaced while the high training ran"
     chain.wait_finished(plane, low, timeout=300)
     assert chain.phase(plane, low) == "Succeeded", low_timeline.phases()
     resumed = chain.resumed_steps(plane, nodes, rank0)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from gpuop.local import processes
@@ -119,6 +120,7 @@ while True:
 """
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks in Linux's /proc")
 def test_a_second_ctrl_c_stops_a_rank_that_ignores_the_first(tmp_path: Path) -> None:
     """Ctrl-C twice: the first asks the trainers to checkpoint and stop, the second stops the
     run at once. Before, the second killed torchrun's process group alone, and a rank that had

@@ -40,7 +40,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- define "gpuop.priorityClassName" -}}
 {{- if .Values.priorityClassName -}}
 {{- .Values.priorityClassName -}}
-{{- else if .Values.priorityClass.create -}}
+{{- else if dig "create" true (.Values.priorityClass | default dict) -}}
 {{- include "gpuop.fullname" . -}}
 {{- end -}}
 {{- end -}}

@@ -48,18 +48,26 @@ def descendants(pid: int) -> list[int]:
 
 def kill_tree(process: subprocess.Popen[Any], wait_seconds: float = 30.0) -> None:
     """SIGKILL ``process`` (torchrun, leading its own group) and every process below it, and
-    wait up to ``wait_seconds`` until none runs."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGSTOP)
-    below = descendants(process.pid)
-    for pid in below:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)  # a rank leads its own group: its workers go with it
+    wait up to ``wait_seconds`` until none runs. Nothing when ``process`` was already reaped:
+    its pid may be another process's by now."""
+    if process.poll() is not None:
+        return
+    below: list[int] = []
+    try:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)  # a process that leads no group
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+            os.killpg(process.pid, signal.SIGSTOP)
+        below = descendants(process.pid)
+        for pid in below:
+            # A rank leads its own group: its workers go with it. One that leads no group, or
+            # runs as another user (setuid), is passed over: what can be killed still is.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    finally:  # never left stopped
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
     deadline = time.monotonic() + wait_seconds
     while any(alive(pid) for pid in below) and time.monotonic() < deadline:
         time.sleep(0.05)  # no longer our children's children once torchrun is gone: poll, not wait

@@ -73,7 +73,8 @@ class ToyJobApi:
         self, desired: Mapping[str, Any], child: Mapping[str, Any], skip: tuple[str, ...] = ()
     ) -> dict[str, Any] | None:
         paused = desired["spec"]["paused"]
-        if "suspend" in skip or (child.get("spec") or {}).get("paused") == paused:
+        # A job as the operator keeps it (observe.slim_job) has no spec.paused: unpaused.
+        if "suspend" in skip or (child.get("spec") or {}).get("paused", False) == paused:
             return None
         return {"spec": {"paused": paused}}
 

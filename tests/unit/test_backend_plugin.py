@@ -11,12 +11,15 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
 from gpuop.backends import registry
 from gpuop.controller import discovery
+from gpuop.controller.kube import ApiError
 from gpuop.controller.reconciler import Reconciler
 from gpuop.controller.settings import OperatorSettings
 from gpuop.observing import observe
@@ -144,6 +147,74 @@ def test_reports_reach_status_once_a_tick_not_on_every_event(toy: ToyJobApi) -> 
         status = store.trainings[key]["status"]
         assert status["phase"] == "Succeeded"
         assert (status["progress"]["step"], status["progress"]["percent"]) == (40, 100)
+    finally:
+        reconciler.close()
+
+
+class FailingOnce(Store):
+    """The store, whose next status write fails once ``fail`` is set."""
+
+    fail = False
+
+    def patch_training_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        if self.fail:
+            self.fail = False
+            raise ApiError(500, "InternalError", "etcdserver: request timed out")
+        return super().patch_training_status(namespace, name, patch)
+
+
+def test_the_tick_passes_over_a_quiet_created_training_and_not_over_what_changed(toy: ToyJobApi) -> None:
+    """A job made and its pods not yet there (a burst of 1,000 new trainings): the tick's
+    reconcile would see what the last one saw, so it is not made. New reports, a failed
+    reconcile to retry, or a running job (the clock decides Stalled) are reconciled each tick."""
+    store = FailingOnce()
+    body = minimal(command=["python", "train.py"], dataset=None)
+    body["metadata"] |= {"name": "t", "namespace": "default", "uid": "u-1", "generation": 1}
+    store.trainings[("default", "t")] = store._stamp(copy.deepcopy(body))
+    seconds = itertools.count()
+    book = ReportBook()
+    reconciler = Reconciler(
+        store,  # type: ignore[arg-type]
+        OperatorSettings(peering_name=None),
+        clock=lambda: datetime(2026, 11, 23, 10, tzinfo=UTC) + timedelta(seconds=next(seconds)),
+        reports=book,
+    )
+    key = ("default", "t")
+    reconciled: list[str] = []
+    reconcile = reconciler.reconcile
+    reconciler.reconcile = lambda k: reconciled.append(reconcile(k)) or reconciled[-1]  # type: ignore[method-assign]
+    try:
+        reconciler.training_event("ADDED", store.get_training(*key) or {})
+        assert store.trainings[key]["status"]["phase"] == "Created"
+        reconciled.clear()
+        reconciler.tick()
+        reconciler.tick()
+        assert reconciled == []
+
+        book.put(key, _report(0, 0))  # its code says something: seen at the next tick
+        reconciler.tick()
+        assert len(reconciled) == 1
+        reconciler.tick()
+        assert len(reconciled) == 1
+
+        store.fail = True  # a report whose status write fails: the next tick tries again
+        book.put(key, _report(5, 10))
+        reconciler.tick()
+        assert reconciled[-1] == "error"
+        reconciler.tick()
+        assert reconciled[-1] != "error"
+        assert store.trainings[key]["status"]["progress"]["step"] == 5
+        count = len(reconciled)
+        reconciler.tick()
+        assert len(reconciled) == count
+
+        job = store.job()
+        job["status"] = {"state": "Running", "began": "2026-11-23T10:00:05Z"}
+        reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
+        count = len(reconciled)
+        reconciler.tick()
+        reconciler.tick()
+        assert len(reconciled) == count + 2  # Running: the clock may raise Stalled
     finally:
         reconciler.close()
 

@@ -102,12 +102,9 @@ def _report(step: int, percent: int) -> ReceivedReport:
     )
 
 
-def test_reports_reach_status_once_a_tick_not_on_every_event(toy: ToyJobApi) -> None:
-    """Every status write comes back as a watch event. Were that event's reconcile to read the
-    reports that arrived since the tick, a training reporting every 5 s would be written twice
-    within milliseconds (bench/report_scale.py saw it): reports enter status at the tick, and
-    at the job's end (its last report, percent 100) at once."""
-    store = Store()
+def _reporting_training(store: Store) -> tuple[Reconciler, ReportBook]:
+    """A training ``t`` in ``store`` whose code reports (spec.command), and a reconciler over
+    both whose clock moves a second a call."""
     body = minimal(command=["python", "train.py"], dataset=None)
     body["metadata"] |= {"name": "t", "namespace": "default", "uid": "u-1", "generation": 1}
     store.trainings[("default", "t")] = store._stamp(copy.deepcopy(body))
@@ -119,6 +116,16 @@ def test_reports_reach_status_once_a_tick_not_on_every_event(toy: ToyJobApi) -> 
         clock=lambda: datetime(2026, 11, 23, 10, tzinfo=UTC) + timedelta(seconds=next(seconds)),
         reports=book,
     )
+    return reconciler, book
+
+
+def test_reports_reach_status_once_a_tick_not_on_every_event(toy: ToyJobApi) -> None:
+    """Every status write comes back as a watch event. Were that event's reconcile to read the
+    reports that arrived since the tick, a training reporting every 5 s would be written twice
+    within milliseconds (bench/report_scale.py saw it): reports enter status at the tick, and
+    at the job's end (its last report, percent 100) at once."""
+    store = Store()
+    reconciler, book = _reporting_training(store)
     key = ("default", "t")
     try:
         reconciler.training_event("ADDED", store.get_training(*key) or {})
@@ -168,17 +175,7 @@ def test_the_tick_passes_over_a_quiet_created_training_and_not_over_what_changed
     reconcile would see what the last one saw, so it is not made. New reports, a failed
     reconcile to retry, or a running job (the clock decides Stalled) are reconciled each tick."""
     store = FailingOnce()
-    body = minimal(command=["python", "train.py"], dataset=None)
-    body["metadata"] |= {"name": "t", "namespace": "default", "uid": "u-1", "generation": 1}
-    store.trainings[("default", "t")] = store._stamp(copy.deepcopy(body))
-    seconds = itertools.count()
-    book = ReportBook()
-    reconciler = Reconciler(
-        store,  # type: ignore[arg-type]
-        OperatorSettings(peering_name=None),
-        clock=lambda: datetime(2026, 11, 23, 10, tzinfo=UTC) + timedelta(seconds=next(seconds)),
-        reports=book,
-    )
+    reconciler, book = _reporting_training(store)
     key = ("default", "t")
     reconciled: list[str] = []
     reconcile = reconciler.reconcile

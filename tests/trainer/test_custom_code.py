@@ -144,7 +144,13 @@ def test_a_second_ctrl_c_stops_a_rank_that_ignores_the_first(tmp_path: Path) -> 
             time.sleep(0.1)
         rank = int(pid_file.read_text())
         os.killpg(run.pid, signal.SIGINT)
-        time.sleep(1)  # torchrun passed it on; the rank ignored it and trains on
+        # torchrun says it passed the signal on (gpuop run is waiting for it by then); the rank
+        # ignored it and runs on.
+        while not any("closing signal" in log.read_text(errors="replace")
+                      for log in (tmp_path / "work").rglob("trainer.log")):  # fmt: skip
+            assert run.poll() is None, run.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "torchrun never passed the first Ctrl-C on"
+            time.sleep(0.1)
         assert processes.alive(rank)
         os.killpg(run.pid, signal.SIGINT)
         _, err = run.communicate(timeout=60)

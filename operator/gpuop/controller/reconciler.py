@@ -418,7 +418,7 @@ class Reconciler:
             tracked.phase in _QUIET_PHASES
             and not new_pods
             and reports == tracked.reports
-            and tracked.reconciled is not None  # None: its last reconcile failed or left work for later
+            # None (never equal): its last reconcile failed or left work for later.
             and tracked.reconciled == tracked.versions()
             and not self._wake_due(tracked)
         )

@@ -443,9 +443,10 @@ def execute(
                             show(metrics)
             except (KeyboardInterrupt, _Stopped) as exc:
                 signum = exc.signum if isinstance(exc, _Stopped) else signal.SIGINT
-                process.send_signal(signum)  # torchrun passes it to the trainers
                 asked_to_stop = True
                 try:
+                    # In the try: a second Ctrl-C as the first is passed on stops everything too.
+                    process.send_signal(signum)  # torchrun passes it to the trainers
                     process.wait()
                 except (KeyboardInterrupt, _Stopped):  # asked twice: no checkpoint, just stop
                     processes.kill_tree(process)  # the ranks too: each runs in a session of its own

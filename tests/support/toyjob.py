@@ -111,7 +111,8 @@ class Store:
     def create_object(self, obj: Mapping[str, Any], plural: str) -> dict[str, Any]:
         meta = obj["metadata"]
         key = (obj["apiVersion"], plural, meta.get("namespace") or "default", meta["name"])
-        assert key not in self.objects
+        if key in self.objects:  # as the API server answers: the caller adopts or refuses it
+            raise ApiError(409, "AlreadyExists", f"{plural} {meta['name']} already exists")
         made = self._stamp(copy.deepcopy(dict(obj)))
         made["metadata"]["uid"] = f"uid-{meta['name']}-{plural}"
         self.objects[key] = made

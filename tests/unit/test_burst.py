@@ -150,6 +150,54 @@ def test_while_others_wait_for_their_jobs_a_first_status_is_written_once_none_wa
     assert store.events == ["ToyJobCreated", "ToyJobCreated"]  # one each, the deferred one too
 
 
+def test_while_its_first_status_waits_only_a_spec_edit_or_a_lost_job_reconciles_a_training(
+    toy: ToyJobApi,
+) -> None:
+    """Its job's echo and its controller's updates are left to the reconcile that writes the first
+    status (it sees them then), and so is the tick; a spec edit is applied at once. In a burst those
+    events each cost a reconcile that did nothing (3.2 a training, bench/operator_scale.py)."""
+    with _slow_waits_for_its_job() as burst:
+        store, reconciler = burst.store, burst.reconciler
+        real = reconciler.reconcile
+        asked: list[str] = []
+
+        def recording(key: tuple[str, str]) -> str:
+            asked.append(key[1])
+            return "held" if key[1] == "slow" else real(key)  # "slow"'s lock is held in its create
+
+        reconciler.reconcile = recording  # type: ignore[method-assign]
+        reconciler.training_event("ADDED", burst.fast)
+        assert "status" not in store.trainings[("default", "fast")]  # left for later
+        reconciler.job_event("ADDED", _job_of(store, "fast"))  # the echo of its create
+        assert asked == ["fast"]
+
+        lost = next(
+            k for k, o in store.objects.items() if o["metadata"]["name"] == "fast" and o["kind"] == "ToyJob"
+        )
+        reconciler.job_event("DELETED", store.objects.pop(lost))
+        assert asked == ["fast", "fast"]
+        assert lost in store.objects  # made again at once
+
+        job = store.objects[lost]
+        job["status"] = {"state": "Running", "began": "2026-11-25T10:00:00Z"}
+        reconciler.job_event("MODIFIED", copy.deepcopy(store._stamp(job)))  # its controller's news
+        reconciler.tick()
+        assert asked == ["fast", "fast", "slow"]  # the tick's only for "slow"
+
+        edited = store.trainings[("default", "fast")]
+        edited["metadata"]["generation"] = 2
+        edited["spec"]["runPolicy"] = {"suspend": True}
+        reconciler.training_event("MODIFIED", copy.deepcopy(store._stamp(edited)))
+        assert asked[-1] == "fast"
+        assert store.objects[lost]["spec"]["paused"] is True  # patched while "slow" still waits
+        assert "status" not in store.trainings[("default", "fast")]
+
+        burst.release()
+        status = _wait_for_status(store, "fast")  # by the pool, with all it was not reconciled for
+        assert status["observedGeneration"] == 2
+        assert status["phase"] == "Running"
+
+
 def test_a_first_status_is_left_for_later_only_so_long(
     toy: ToyJobApi, monkeypatch: pytest.MonkeyPatch
 ) -> None:

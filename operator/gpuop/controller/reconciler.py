@@ -7,7 +7,8 @@ way: the next call (the next event, or the scrape tick every few seconds) does t
 a call with nothing new costs no write at all. An event that brings no object newer than the
 last finished reconcile saw (the echo of our own write) is not even a call: what it could
 change is in those objects, and what changes outside them (pods, reports, the clock) is the
-tick's. That is also why Kopf's change-tracking
+tick's. Nor is an event of a training whose first status waits (jobsfirst), but a spec edit or
+its job's deletion: the reconcile that writes that status sees it. That is also why Kopf's change-tracking
 handlers are not used: they persist a diff base in every object (one more write per job) and
 re-run on.create against stale bodies after a restart.
 
@@ -61,6 +62,10 @@ def _uid(body: dict[str, Any]) -> str | None:
     return str(uid) if uid else None
 
 
+def _generation(body: dict[str, Any]) -> object:
+    return (body.get("metadata") or {}).get("generation")
+
+
 def _now() -> datetime:
     return datetime.now(UTC)
 
@@ -109,12 +114,16 @@ class Reconciler:
             return
         tracked = self._table.get_or_add(key, body)
         with tracked.lock:
+            generation = _generation(tracked.body)
             if _uid(tracked.body) != _uid(body):
                 tracked.body, tracked.child, tracked.pods = body, None, ()  # re-created under the same name
+                tracked.status_later = False
             elif newer(body, tracked.body):
                 tracked.body = body
             if tracked.versions() == tracked.reconciled:
                 return  # our own write echoed, or an older event: nothing the last reconcile did not see
+            if tracked.status_later and _generation(tracked.body) == generation:
+                return  # its first status is on its way (jobsfirst), and that reconcile sees this too
             if tracked.child is None:
                 self._jobs_first.waits(key)
         self.reconcile(key)
@@ -133,13 +142,16 @@ class Reconciler:
                 tracked.child, tracked.pods = None, ()
             elif tracked.child is None or newer(body, tracked.child):
                 tracked.child, tracked.child_gone = observe.slim_job(body), False
-            if (
-                event_type != "DELETED"
-                and tracked.versions() == tracked.reconciled
-                and tracked.child == known
-            ):
+            if event_type != "DELETED" and (
                 # The job we made or patched, echoed: the reconcile that did it saw all of it (a
                 # job we made is known as sent: a webhook's defaults make it news here).
+                (tracked.versions() == tracked.reconciled and tracked.child == known)
+                # Or its first status is on its way (jobsfirst), and the reconcile that writes it
+                # sees this job as it is then. Each of these events left the status for later
+                # again: 1.6-1.8 reconciles a training for nothing in a burst of 1,000
+                # (bench/operator_scale.py, docs/benchmarks.md).
+                or tracked.status_later
+            ):
                 return
         if event_type == "DELETED" and not self._still_there(key):
             return  # the garbage collector took it with its GpuTraining: do not re-create it
@@ -172,12 +184,12 @@ class Reconciler:
         with tracked.lock:
             try:
                 tracked.status_later = False
-                generation = (tracked.body.get("metadata") or {}).get("generation")
+                generation = _generation(tracked.body)
                 outcome = self._reconcile(tracked)
                 tracked.failure = None
                 # Done unless its first status waits for later, or our own write's reply brought
                 # a spec edited meanwhile (its event, older than that reply, would be dropped).
-                edited = (tracked.body.get("metadata") or {}).get("generation") != generation
+                edited = _generation(tracked.body) != generation
                 tracked.reconciled = None if tracked.status_later or edited else tracked.versions()
             except ApiError as exc:
                 # Already retried with backoff; the next event or tick tries again.
@@ -256,7 +268,7 @@ class Reconciler:
             self._jobs_first.done(key)
             if self._jobs_first.leave_for_later(key, tracked.first_seen):
                 tracked.status_later = True  # written once no other training waits for its job
-                return outcome
+                return "later" if outcome == "unchanged" else outcome
         if conflict is None and self._children.wake(tracked, api, now) and outcome == "unchanged":
             outcome = "woken"
         observation = self._observe(tracked, previous, view, api, choice, conflict, now, generation)
@@ -398,6 +410,8 @@ class Reconciler:
             # A finished job changes only on an event (a spec edit, a deletion), which
             # reconciles it anyway, or at its TTL; everything else may need time (Stalled) or a
             # retry.
+            if tracked.status_later:
+                continue  # its first status is on its way (jobsfirst), and nothing ran yet to scrape
             if tracked.phase not in ("Succeeded", "Failed"):
                 reports = self.reports.of(key)
                 if self._quiet(tracked, reports, key in new_pods):

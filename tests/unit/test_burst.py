@@ -155,7 +155,7 @@ def test_while_its_first_status_waits_only_a_spec_edit_or_a_lost_job_reconciles_
 ) -> None:
     """Its job's echo and its controller's updates are left to the reconcile that writes the first
     status (it sees them then), and so is the tick; a spec edit is applied at once. In a burst those
-    events each cost a reconcile that did nothing (3.2 a training, bench/operator_scale.py)."""
+    events each cost a reconcile that did nothing (1.6-1.8 a training, bench/operator_scale.py)."""
     with _slow_waits_for_its_job() as burst:
         store, reconciler = burst.store, burst.reconciler
         real = reconciler.reconcile
@@ -196,6 +196,27 @@ def test_while_its_first_status_waits_only_a_spec_edit_or_a_lost_job_reconciles_
         status = _wait_for_status(store, "fast")  # by the pool, with all it was not reconciled for
         assert status["observedGeneration"] == 2
         assert status["phase"] == "Running"
+
+
+def test_a_first_status_whose_hand_over_was_lost_is_written_by_the_tick_past_its_deadline(
+    toy: ToyJobApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Events and the tick leave a waiting first status to its hand-over only until its deadline:
+    a hand-over lost (forgotten by a DELETED of an older object of that name, handled at the same
+    time in another thread) must not leave the status unwritten for good."""
+    monkeypatch.setattr(jobsfirst, "AT_MOST", 1.0)
+    with _slow_waits_for_its_job() as burst:
+        store, reconciler = burst.store, burst.reconciler
+        real = reconciler.reconcile
+        reconciler.reconcile = lambda key: "held" if key[1] == "slow" else real(key)  # type: ignore[method-assign]
+        reconciler.training_event("ADDED", burst.fast)
+        reconciler._jobs_first.forget(("default", "fast"))  # its hand-over lost
+        reconciler.tick()
+        assert "status" not in store.trainings[("default", "fast")]  # before its deadline: left alone
+        time.sleep(1.1)
+        reconciler.tick()
+        assert store.trainings[("default", "fast")]["status"]["phase"] == "Created"
+        assert burst.slow.is_alive()  # "slow" still waits for its job: none but the tick wrote it
 
 
 def test_a_first_status_is_left_for_later_only_so_long(

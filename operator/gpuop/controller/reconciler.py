@@ -7,10 +7,11 @@ way: the next call (the next event, or the scrape tick every few seconds) does t
 a call with nothing new costs no write at all. An event that brings no object newer than the
 last finished reconcile saw (the echo of our own write) is not even a call: what it could
 change is in those objects, and what changes outside them (pods, reports, the clock) is the
-tick's. Nor is an event of a training whose first status waits (jobsfirst), but a spec edit or
-its job's deletion: the reconcile that writes that status sees it. That is also why Kopf's change-tracking
+tick's. That is also why Kopf's change-tracking
 handlers are not used: they persist a diff base in every object (one more write per job) and
-re-run on.create against stale bodies after a restart.
+re-run on.create against stale bodies after a restart. Nor is an event a call while the
+training's first status waits (jobsfirst), except a spec edit or its job's deletion: the
+reconcile that writes that status sees it.
 
 This module only sequences. The decisions live in pure modules (:mod:`gpuop.api.spec`,
 :mod:`gpuop.backends`, :mod:`gpuop.observing`); the calls to the API server in
@@ -34,9 +35,9 @@ from gpuop.api.status import GpuTrainingStatus
 from gpuop.backends import registry
 from gpuop.backends.pod import ReportEndpoint
 from gpuop.backends.registry import Choice, JobApi
+from gpuop.controller import jobsfirst
 from gpuop.controller.children import Children, wake_due
 from gpuop.controller.discovery import ServedBackends
-from gpuop.controller.jobsfirst import JobsFirst
 from gpuop.controller.kube import ApiError, Kube
 from gpuop.controller.pods import PodReader
 from gpuop.controller.settings import OperatorSettings
@@ -64,6 +65,14 @@ def _uid(body: dict[str, Any]) -> str | None:
 
 def _generation(body: dict[str, Any]) -> object:
     return (body.get("metadata") or {}).get("generation")
+
+
+def _first_status_waits(tracked: Tracked) -> bool:
+    """Whether a reconcile that writes the training's first status is on its way (jobsfirst), so
+    that its events and the tick may leave everything to it. Only until its deadline: past it
+    they reconcile again, so a status whose hand-over was lost (a DELETED of an older object of
+    that name forgetting it, a hand-over thread gone) is written all the same."""
+    return tracked.status_later and time.monotonic() < tracked.first_seen + jobsfirst.AT_MOST
 
 
 def _now() -> datetime:
@@ -98,7 +107,7 @@ class Reconciler:
         self.report_endpoint = report_endpoint
         self.reports = reports or ReportBook()
         # In a burst of new trainings, every job before any first status (jobsfirst's docstring).
-        self._jobs_first = JobsFirst(self.reconcile, settings.max_workers)
+        self._jobs_first = jobsfirst.JobsFirst(self.reconcile, settings.max_workers)
 
     # -- watch events ---------------------------------------------------------------------
 
@@ -117,12 +126,12 @@ class Reconciler:
             generation = _generation(tracked.body)
             if _uid(tracked.body) != _uid(body):
                 tracked.body, tracked.child, tracked.pods = body, None, ()  # re-created under the same name
-                tracked.status_later = False
+                tracked.status_later, tracked.first_seen = False, time.monotonic()
             elif newer(body, tracked.body):
                 tracked.body = body
             if tracked.versions() == tracked.reconciled:
                 return  # our own write echoed, or an older event: nothing the last reconcile did not see
-            if tracked.status_later and _generation(tracked.body) == generation:
+            if _first_status_waits(tracked) and _generation(tracked.body) == generation:
                 return  # its first status is on its way (jobsfirst), and that reconcile sees this too
             if tracked.child is None:
                 self._jobs_first.waits(key)
@@ -150,7 +159,7 @@ class Reconciler:
                 # sees this job as it is then. Each of these events left the status for later
                 # again: 1.6-1.8 reconciles a training for nothing in a burst of 1,000
                 # (bench/operator_scale.py, docs/benchmarks.md).
-                or tracked.status_later
+                or _first_status_waits(tracked)
             ):
                 return
         if event_type == "DELETED" and not self._still_there(key):
@@ -410,8 +419,8 @@ class Reconciler:
             # A finished job changes only on an event (a spec edit, a deletion), which
             # reconciles it anyway, or at its TTL; everything else may need time (Stalled) or a
             # retry.
-            if tracked.status_later:
-                continue  # its first status is on its way (jobsfirst), and nothing ran yet to scrape
+            if _first_status_waits(tracked):
+                continue  # the reconcile that writes its first status is on its way (jobsfirst)
             if tracked.phase not in ("Succeeded", "Failed"):
                 reports = self.reports.of(key)
                 if self._quiet(tracked, reports, key in new_pods):

@@ -346,15 +346,32 @@ def _operator_counters(port: int) -> dict[str, int]:
     return request_counts(_operator_metric(port, "gpuop_api_requests_total"))
 
 
+def _operator_counts(port: int, name: str, label: str, text: str | None = None) -> dict[str, int]:
+    """One of the operator's counters by one label (from ``text`` when given)."""
+    return {
+        sample.labels[label]: int(sample.value)
+        for family in text_string_to_metric_families(
+            text if text is not None else _operator_metric(port, name)
+        )
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
 def _operator_reconciles(port: int) -> dict[str, int]:
     """The operator's reconciles by outcome: more than one a training in a burst is work that
     made no write (an echo of its own write it did not recognise, say)."""
-    return {
-        sample.labels["outcome"]: int(sample.value)
-        for family in text_string_to_metric_families(_operator_metric(port, "gpuop_reconciles_total"))
-        for sample in family.samples
-        if sample.name.endswith("_total")
-    }
+    return _operator_counts(port, "gpuop_reconciles_total", "outcome")
+
+
+def _operator_collections(port: int) -> dict[str, int]:
+    """The operator's garbage collections by generation (prometheus-client's own GC series):
+    a full collection walks every object the operator keeps, 1,000 trainings' included. Read
+    from the whole /metrics (the ``name[]`` filter leaves out collectors that describe nothing,
+    such as this one), so only before and after a measurement."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return _operator_counts(port, "python_gc_collections_total", "generation", text)
 
 
 def request_counts(metrics: str) -> dict[str, int]:
@@ -641,6 +658,7 @@ def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any
             time.sleep(2.0)
             measured = servers | {"operator": operator.pid, "bench": os.getpid()}
             cpu_before = _cpu_seconds_of(measured)
+            collections_before = _operator_collections(metrics_port)
             started = time.monotonic()
             submitted = _create_trainings(api, operator_ns, names)
             deadline = time.monotonic() + 900
@@ -659,6 +677,10 @@ def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any
             # server's loss.
             cpu = _cpu_seconds_since(cpu_before, measured)
             burst_reconciles = _operator_reconciles(metrics_port)
+            collections = {
+                generation: done - collections_before.get(generation, 0)
+                for generation, done in sorted(_operator_collections(metrics_port).items())
+            }
             time.sleep(quiet_seconds)
             after_quiet = _operator_counters(metrics_port)
             reconciles = _operator_reconciles(metrics_port)
@@ -699,6 +721,7 @@ def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any
         "burst_reconciles": {k: round(v / count, 2) for k, v in sorted(burst_reconciles.items())},
         "reconciles": {k: round(v / count, 2) for k, v in sorted(reconciles.items())},
         "peak_rss_mb": rss,
+        "gc_collections": collections,
         "cpu_seconds": cpu,
         "floor_cpu_seconds": floor_cpu,
         "reactive_cpu_seconds": reactive_cpu,
@@ -751,7 +774,8 @@ def _print_real(r: dict[str, Any]) -> None:
         print(f"         only {r['created']} of {r['count']} reached Created within the deadline", flush=True)
     print(
         f"         requests/job by verb and code: {r['writes']}; reconciles/job by outcome until every "
-        f"write was made: {r['burst_reconciles']}, the quiet included: {r['reconciles']}",
+        f"write was made: {r['burst_reconciles']}, the quiet included: {r['reconciles']}; the operator's "
+        f"garbage collections by generation until every write was made: {r['gc_collections']}",
         flush=True,
     )
     print(

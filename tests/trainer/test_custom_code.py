@@ -143,14 +143,29 @@ def test_a_second_ctrl_c_stops_a_rank_that_ignores_the_first(tmp_path: Path) -> 
             assert time.monotonic() < deadline, "the rank never started"
             time.sleep(0.1)
         rank = int(pid_file.read_text())
-        os.killpg(run.pid, signal.SIGINT)
+
+        def torchrun_log() -> str:
+            return "".join(
+                log.read_text(errors="replace") for log in (tmp_path / "work").rglob("trainer.log")
+            )
+
         # torchrun says it passed the signal on (gpuop run is waiting for it by then); the rank
-        # ignored it and runs on.
-        while not any("closing signal" in log.read_text(errors="replace")
-                      for log in (tmp_path / "work").rglob("trainer.log")):  # fmt: skip
-            assert run.poll() is None, run.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "torchrun never passed the first Ctrl-C on"
-            time.sleep(0.1)
+        # ignored it and runs on. Once in CI (1 run of 4) torchrun's log never said so, nor
+        # that it got a signal at all, in 110 s; the cause is not found. A person presses Ctrl-C
+        # again then, and this test is about what the Ctrl-C after that does: so the first is
+        # sent once more after 60 s of silence, and torchrun's log goes into the message.
+        for _ in range(2):
+            os.killpg(run.pid, signal.SIGINT)
+            passed_on = time.monotonic() + 60
+            while "closing signal" not in torchrun_log() and time.monotonic() < passed_on:
+                assert run.poll() is None, run.communicate()[1][-3000:]
+                time.sleep(0.1)
+            if "closing signal" in torchrun_log():
+                break
+        else:
+            raise AssertionError(
+                f"torchrun never passed a first Ctrl-C on; its log: {torchrun_log()[-2000:]!r}"
+            )
         assert processes.alive(rank)
         os.killpg(run.pid, signal.SIGINT)
         _, err = run.communicate(timeout=60)

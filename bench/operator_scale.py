@@ -346,13 +346,11 @@ def _operator_counters(port: int) -> dict[str, int]:
     return request_counts(_operator_metric(port, "gpuop_api_requests_total"))
 
 
-def _operator_counts(port: int, name: str, label: str, text: str | None = None) -> dict[str, int]:
-    """One of the operator's counters by one label (from ``text`` when given)."""
+def _counts(metrics: str, name: str, label: str) -> dict[str, int]:
+    """One counter's values by one label, from /metrics text."""
     return {
         sample.labels[label]: int(sample.value)
-        for family in text_string_to_metric_families(
-            text if text is not None else _operator_metric(port, name)
-        )
+        for family in text_string_to_metric_families(metrics)
         for sample in family.samples
         if sample.name == name
     }
@@ -361,7 +359,8 @@ def _operator_counts(port: int, name: str, label: str, text: str | None = None) 
 def _operator_reconciles(port: int) -> dict[str, int]:
     """The operator's reconciles by outcome: more than one a training in a burst is work that
     made no write (an echo of its own write it did not recognise, say)."""
-    return _operator_counts(port, "gpuop_reconciles_total", "outcome")
+    name = "gpuop_reconciles_total"
+    return _counts(_operator_metric(port, name), name, "outcome")
 
 
 def _operator_collections(port: int) -> dict[str, int]:
@@ -370,8 +369,7 @@ def _operator_collections(port: int) -> dict[str, int]:
     from the whole /metrics (the ``name[]`` filter leaves out collectors that describe nothing,
     such as this one), so only before and after a measurement."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
-        text = reply.read().decode()
-    return _operator_counts(port, "python_gc_collections_total", "generation", text)
+        return _counts(reply.read().decode(), "python_gc_collections_total", "generation")
 
 
 def request_counts(metrics: str) -> dict[str, int]:

@@ -33,6 +33,12 @@ Key = tuple[str, str]  # (namespace, name)
 AT_MOST: Final = 30.0
 
 
+def deadline(first_seen: float) -> float:
+    """When a first status left for later stops waiting (monotonic), its training first seen at
+    ``first_seen``."""
+    return first_seen + AT_MOST
+
+
 class JobsFirst:
     """Which trainings wait for their job, and the first statuses left until none does."""
 
@@ -65,7 +71,7 @@ class JobsFirst:
     def leave_for_later(self, key: Key, first_seen: float) -> bool:
         """Whether ``key``'s first status waits, because other trainings wait for their jobs and
         it was first seen less than :data:`AT_MOST` ago."""
-        by = first_seen + AT_MOST
+        by = deadline(first_seen)
         if time.monotonic() >= by:
             return False
         with self._lock:

@@ -72,7 +72,7 @@ def _first_status_waits(tracked: Tracked) -> bool:
     that its events and the tick may leave everything to it. Only until its deadline: past it
     they reconcile again, so a status whose hand-over was lost (a DELETED of an older object of
     that name forgetting it, a hand-over thread gone) is written all the same."""
-    return tracked.status_later and time.monotonic() < tracked.first_seen + jobsfirst.AT_MOST
+    return tracked.status_later and time.monotonic() < jobsfirst.deadline(tracked.first_seen)
 
 
 def _now() -> datetime:
@@ -416,11 +416,11 @@ class Reconciler:
                             new_pods.add(key)
                         tracked.pods = pods
         for key, tracked in items:
+            if _first_status_waits(tracked):
+                continue  # the reconcile that writes its first status is on its way (jobsfirst)
             # A finished job changes only on an event (a spec edit, a deletion), which
             # reconciles it anyway, or at its TTL; everything else may need time (Stalled) or a
             # retry.
-            if _first_status_waits(tracked):
-                continue  # the reconcile that writes its first status is on its way (jobsfirst)
             if tracked.phase not in ("Succeeded", "Failed"):
                 reports = self.reports.of(key)
                 if self._quiet(tracked, reports, key in new_pods):

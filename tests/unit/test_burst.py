@@ -199,12 +199,12 @@ def test_while_its_first_status_waits_only_a_spec_edit_or_a_lost_job_reconciles_
 
 
 def test_a_first_status_whose_hand_over_was_lost_is_written_by_the_tick_past_its_deadline(
-    toy: ToyJobApi, monkeypatch: pytest.MonkeyPatch
+    toy: ToyJobApi,
 ) -> None:
     """Events and the tick leave a waiting first status to its hand-over only until its deadline:
     a hand-over lost (forgotten by a DELETED of an older object of that name, handled at the same
-    time in another thread) must not leave the status unwritten for good."""
-    monkeypatch.setattr(jobsfirst, "AT_MOST", 1.0)
+    time in another thread) must not leave the status unwritten for good. Its deadline is moved
+    into the past rather than waited for: no timer of the test's races the reconciler's."""
     with _slow_waits_for_its_job() as burst:
         store, reconciler = burst.store, burst.reconciler
         real = reconciler.reconcile
@@ -213,7 +213,9 @@ def test_a_first_status_whose_hand_over_was_lost_is_written_by_the_tick_past_its
         reconciler._jobs_first.forget(("default", "fast"))  # its hand-over lost
         reconciler.tick()
         assert "status" not in store.trainings[("default", "fast")]  # before its deadline: left alone
-        time.sleep(1.1)
+        tracked = reconciler._table.get(("default", "fast"))
+        assert tracked is not None
+        tracked.first_seen -= jobsfirst.AT_MOST  # its deadline has passed
         reconciler.tick()
         assert store.trainings[("default", "fast")]["status"]["phase"] == "Created"
         assert burst.slow.is_alive()  # "slow" still waits for its job: none but the tick wrote it

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
@@ -344,20 +345,26 @@ def test_the_server_accepts_changing_a_mutable_field(
     api.delete("gputrainings", before["metadata"]["name"], "ml")
 
 
+def _operator_kube(plane: ControlPlane) -> Any:
+    """The operator's own API client (``gpuop.controller.kube.Kube``), logged in as kubectl is."""
+    from kubernetes import client as k8s_client
+    from kubernetes import config as k8s_config
+
+    from gpuop.controller.kube import Kube
+
+    configuration = k8s_client.Configuration()
+    k8s_config.load_kube_config(config_file=str(plane.kubeconfig), client_configuration=configuration)  # type: ignore[no-untyped-call]
+    return Kube(k8s_client.ApiClient(configuration))
+
+
 def test_the_operators_create_knows_the_job_as_the_server_stored_it(
     plane: ControlPlane, crd_warnings: str
 ) -> None:
     """``Kube.create_object`` asks for a reply of metadata only (PartialObjectMetadata) and fills in
     the rest from what it sent: what the operator keeps of the job must be what a GET returns."""
-    from kubernetes import client as k8s_client
-    from kubernetes import config as k8s_config
-
-    from gpuop.controller.kube import Kube
     from gpuop.observing import observe
 
-    configuration = k8s_client.Configuration()
-    k8s_config.load_kube_config(config_file=str(plane.kubeconfig), client_configuration=configuration)  # type: ignore[no-untyped-call]
-    kube = Kube(k8s_client.ApiClient(configuration))
+    kube = _operator_kube(plane)
     body = minimal(dataset={"name": "digits"})
     body["metadata"] |= {"name": "created-as-stored", "namespace": "ml"}
     job = render_job(parse(body), "pytorchjob", default_image="example.com/trainer:1")[-1]
@@ -370,3 +377,114 @@ def test_the_operators_create_knows_the_job_as_the_server_stored_it(
         assert observe.slim_job(made) == observe.slim_job(stored)
     finally:
         plane.kubectl("delete", "pytorchjob", "created-as-stored", "-n", "ml", "--ignore-not-found")
+
+
+def test_the_operators_job_watch_follows_the_server_and_resumes_where_it_may(
+    plane: ControlPlane, crd_warnings: str
+) -> None:
+    """``jobwatch`` against the API server itself: the labelled jobs only, every change in order,
+    and a version the server forgot answered with 410 Gone (what makes the watch list again)."""
+    import threading
+
+    from gpuop.api.identity import TRAINING_LABEL
+    from gpuop.controller import jobwatch
+    from support.waiting import wait_for
+
+    kube = _operator_kube(plane)
+    seen: list[tuple[str | None, str]] = []
+    lock = threading.Lock()
+
+    def handle(event_type: str | None, job: dict[str, Any]) -> None:
+        with lock:
+            seen.append((event_type, job["metadata"]["name"]))
+
+    body = minimal(dataset={"name": "digits"})
+    body["metadata"] |= {"name": "watched", "namespace": "ml"}
+    job = render_job(parse(body), "pytorchjob", default_image="example.com/trainer:1")[-1]
+    job["metadata"].pop("ownerReferences", None)  # no GpuTraining exists to own it
+    stranger = json.loads(json.dumps(job))
+    stranger["metadata"] |= {"name": "not-ours", "labels": {"app": "someone-elses"}}
+    watch = jobwatch.JobWatch(kube, [("kubeflow.org/v1", "pytorchjobs")], ["ml"], handle, 2)
+    watch.start()
+    try:
+        wait_for("the watch open", lambda: any(s.response is not None for s in watch._streams), timeout=30)
+        kube.create_object(stranger, "pytorchjobs")
+        kube.create_object(job, "pytorchjobs")
+        kube.patch_object("kubeflow.org/v1", "pytorchjobs", "ml", "watched",
+                          {"metadata": {"annotations": {"touched": "yes"}}})  # fmt: skip
+        plane.kubectl("delete", "pytorchjob", "watched", "-n", "ml", "--wait=true")
+        wait_for("the deletion", lambda: ("DELETED", "watched") in seen, timeout=30)
+        assert seen == [("ADDED", "watched"), ("MODIFIED", "watched"), ("DELETED", "watched")]
+    finally:
+        watch.close()
+        plane.kubectl("delete", "pytorchjob", "watched", "not-ours", "-n", "ml", "--ignore-not-found")
+
+    # Both servers we claim send it as an event on a stream that opened (200), not as the reply.
+    events = list(kube.watch_objects("kubeflow.org/v1", "pytorchjobs", "ml", TRAINING_LABEL, "1",
+                                     timeout_seconds=5))  # fmt: skip
+    assert [(e["type"], e["object"].get("code"), e["object"].get("reason")) for e in events] == [
+        ("ERROR", 410, "Expired")
+    ], events
+
+
+def test_the_job_watch_finds_a_job_api_installed_after_it_started(
+    plane: ControlPlane, crd_warnings: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job API the server does not serve yet (Kubeflow installed after the operator) is looked
+    for again, and watched once its CRD is served: no restart, cluster-wide or per namespace.
+    A CRD of the test's own stands in for Kubeflow's, which the session has installed already."""
+    import threading
+
+    from gpuop.api.identity import TRAINING_LABEL
+    from gpuop.controller import jobwatch
+    from support.waiting import wait_for
+
+    monkeypatch.setattr(jobwatch, "NOT_SERVED_RETRY_SECONDS", 1.0)
+    kube = _operator_kube(plane)
+    seen: list[tuple[str | None, str]] = []
+    lock = threading.Lock()
+
+    def handle(event_type: str | None, obj: dict[str, Any]) -> None:
+        with lock:
+            seen.append((event_type, obj["metadata"]["name"]))
+
+    crd = {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": "latejobs.later.gpuop.test"},
+        "spec": {
+            "group": "later.gpuop.test",
+            "scope": "Namespaced",
+            "names": {"plural": "latejobs", "singular": "latejob", "kind": "LateJob"},
+            "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+                "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}],
+        },
+    }  # fmt: skip
+    late = {
+        "apiVersion": "later.gpuop.test/v1",
+        "kind": "LateJob",
+        "metadata": {"name": "late", "namespace": "ml", "labels": {TRAINING_LABEL: "late"}},
+    }
+    watch = jobwatch.JobWatch(kube, [("later.gpuop.test/v1", "latejobs")], ["ml"], handle, 2)
+    everywhere = jobwatch.JobWatch(kube, [("later.gpuop.test/v1", "latejobs")], [], handle, 2)
+    watch.start()
+    everywhere.start()
+    try:
+        time.sleep(2.5)  # each has been told 404 at least twice
+        assert all(
+            s.response is None and s.thread.is_alive() for s in (*watch._streams, *everywhere._streams)
+        )
+        plane.kubectl("create", "-f", "-", input=json.dumps(crd))
+        plane.kubectl("wait", "--for=condition=Established", "crd/latejobs.later.gpuop.test", "--timeout=30s")
+
+        def created() -> bool:  # the CRD is served a moment after it is Established
+            code, _ = _create(plane, late)
+            return code == 0
+
+        wait_for("the LateJob made", created, timeout=30)
+        wait_for("both watches to see it", lambda: seen.count(("ADDED", "late")) + seen.count((None, "late")) == 2,
+                 timeout=30)  # fmt: skip
+    finally:
+        watch.close()
+        everywhere.close()
+        plane.kubectl("delete", "crd", "latejobs.later.gpuop.test", "--ignore-not-found")

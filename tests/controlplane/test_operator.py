@@ -501,7 +501,12 @@ def test_api_faults_on_a_fifth_of_requests_every_job_converges_once(
     finally:
         fresh_operator.stop()
         proxy.close()
-    assert "Traceback" not in fresh_operator.log(), fresh_operator.log()[-4000:]
+    # Kopf's last call, leaving its peering, has 3 tries once stopping (app.ApiRetries); when a
+    # fifth of requests fail, all 3 fail in about 1 run of 100 (seen once), and Kopf logs that it
+    # ignores it, with its traceback. Every other traceback is a defect.
+    ours = [line for line in fresh_operator.log().splitlines()
+            if "Couldn't remove self from the peering" not in line]  # fmt: skip
+    assert not [line for line in ours if "Traceback" in line], "\n".join(ours)[-4000:]
     events = [e for e in api.list("events", NAMESPACE)  # earlier tests' events outlive their objects
               if e["reason"] == "PyTorchJobCreated" and e["involvedObject"]["name"] in names]  # fmt: skip
     assert len(events) <= len(names) + proxy.injected["lost-reply"], "an event per created job, not per retry"

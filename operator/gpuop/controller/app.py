@@ -1,8 +1,9 @@
-"""``gpuop operator``: Kopf watches, the scrape tick, metrics and health, wired to the reconciler.
+"""``gpuop operator``: the watches, the scrape tick, metrics and health, wired to the reconciler.
 
-Handlers only forward watch events to :class:`~gpuop.controller.reconciler.Reconciler`; Kopf supplies
-the watching, the per-object serialisation of events, peering between replicas and the
-liveness endpoint.
+Watch events only go to :class:`~gpuop.controller.reconciler.Reconciler`. Kopf watches the
+GpuTrainings (with the per-object serialisation of their events), and supplies peering between
+replicas and the liveness endpoint; the jobs are watched by :mod:`~gpuop.controller.jobwatch`,
+at a fraction of Kopf's cost per event.
 
 No finalizer: the PyTorchJob (or TrainJob and its TrainingRuntime) carries an ownerReference
 with ``controller: true``, so the API server's garbage collector deletes it (and the pods and
@@ -30,10 +31,10 @@ from typing import Any, Final
 
 import kopf
 
-from gpuop.api.identity import GROUP, PLURAL, TRAINING_LABEL, VERSION
+from gpuop.api.identity import GROUP, PLURAL, VERSION
 from gpuop.backends.pod import ReportEndpoint
 from gpuop.backends.registry import APIS
-from gpuop.controller import reportproc
+from gpuop.controller import jobwatch, reportproc
 from gpuop.controller.kube import ApiError, Kube
 from gpuop.controller.reconciler import Reconciler
 from gpuop.controller.settings import OperatorSettings, SettingsError
@@ -55,9 +56,10 @@ def leadership(kube: Kube, settings: OperatorSettings, identity: str) -> Leaders
     """Read once per tick: in which namespaces this replica is the active one.
 
     Kopf keeps one peering per watched namespace (or one cluster-wide) and pauses its watches
-    in each where a live peer outranks this replica; the scrape tick must pause in the same
-    places, or a standby would keep writing status there. Each peering object is read once
-    per tick; one that cannot be read counts as not leading (the next tick asks again).
+    in each where a live peer outranks this replica; the scrape tick and the job events (whose
+    watch is not Kopf's) must pause in the same places, or a standby would keep writing status
+    there. Each peering object is read once per reading (each tick, and at most every 2 s for
+    job events); one that cannot be read counts as not leading (the next reading asks again).
     """
     name = settings.peering_name
     if name is None:
@@ -67,7 +69,7 @@ def leadership(kube: Kube, settings: OperatorSettings, identity: str) -> Leaders
         try:
             status = kube.get_peering(name, namespace)
         except ApiError as exc:
-            log.warning("reading peering %s in %s: %s; not scraping there this tick", name,
+            log.warning("reading peering %s in %s: %s; not acting there until it is read", name,
                         namespace or "the cluster", exc)  # fmt: skip
             return False
         return observe.peering_active(status, identity, settings.priority)
@@ -223,18 +225,6 @@ def build_registry(
     def training_event(event: kopf.RawEvent, **_: Any) -> None:
         reconciler.training_event(event.get("type"), dict(event["object"]))
 
-    def job_event(event: kopf.RawEvent, **_: Any) -> None:
-        reconciler.job_event(event.get("type"), dict(event["object"]))
-
-    # Both job APIs, whichever the cluster serves: Kopf warns about one that is not there (and,
-    # watching cluster-wide, starts watching it when its CRD appears).
-    for api in APIS.values():
-        group, version = api.api_version.split("/")
-        kopf.on.event(
-            group, version, api.plural, id=f"{api.backend}_event",
-            labels={TRAINING_LABEL: kopf.PRESENT}, registry=registry,
-        )(job_event)  # fmt: skip
-
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         # Kopf's own watches log in the same way as gpuop.controller.kube: in-cluster, else kubeconfig.
@@ -249,9 +239,9 @@ def build_registry(
         settings.watching.client_timeout = 330
         settings.networking.error_backoffs = retries
         # Watching given namespaces must need no cluster-scoped permission at all (the chart's
-        # Role mode): Kopf's scanning would list namespaces and watch CRDs cluster-wide. The
-        # resources are still found through discovery at start; a CRD installed later (say
-        # Kubeflow's) is picked up on the next restart instead of at once.
+        # Role mode): Kopf's scanning would list namespaces and watch CRDs cluster-wide. Kopf
+        # watches only our own CRD, installed before the operator; the jobs' watch (jobwatch)
+        # finds a job API installed later by itself.
         settings.scanning.disabled = bool(reconciler.settings.namespaces)
 
     @kopf.on.probe(id="tracked", registry=registry)
@@ -259,6 +249,13 @@ def build_registry(
         return reconciler.tracked()
 
     return registry
+
+
+async def _close_when_stopping(stop: asyncio.Event, jobs: jobwatch.JobWatch) -> None:
+    """The jobs' watch ends as the operator begins to stop, not after Kopf has left its peering:
+    a replica that takes over then must not meet this one's reconciles of job events."""
+    await stop.wait()
+    await asyncio.to_thread(jobs.close)
 
 
 async def _tick_forever(reconciler: Reconciler, interval: float) -> None:
@@ -283,6 +280,11 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
     )  # fmt: skip
     retries = ApiRetries()
     registry = build_registry(reconciler, settings, retries)
+    # Both job APIs, whichever the cluster serves: one not served is looked for again every 30 s.
+    jobs = jobwatch.JobWatch(
+        kube, [(api.api_version, api.plural) for api in APIS.values()], settings.namespaces,
+        reconciler.job_event, settings.max_workers,
+    )  # fmt: skip
     stop = stop if stop is not None else asyncio.Event()
     ready = asyncio.Event()
     if settings.metrics_port:
@@ -291,7 +293,9 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
     ticker = asyncio.create_task(_tick_forever(reconciler, settings.scrape_interval_seconds))
     peering_warnings = asyncio.create_task(_warn_while_peering_missing(kube, settings))
     signals = asyncio.create_task(_take_over_signals(ready, stop, retries))
+    jobs_stop = asyncio.create_task(_close_when_stopping(stop, jobs))
     try:
+        jobs.start()
         await kopf.operator(
             registry=registry,
             identity=identity,  # type: ignore[arg-type]  # kopf's NewType over str, not exported
@@ -305,10 +309,11 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
             ready_flag=ready,
         )
     finally:
-        for task in (ticker, peering_warnings, signals):
+        for task in (ticker, peering_warnings, signals, jobs_stop):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await asyncio.to_thread(jobs.close)
         reconciler.close()
         if receiver is not None:
             receiver.close()
@@ -385,11 +390,13 @@ def run_operator(settings: OperatorSettings) -> int:
     if not settings.verbose:
         # Kopf logs every handler call at INFO: a line per watch event is noise at scale.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    # Connections for Kopf's handler threads, the first-status pool (jobsfirst) and the scrape
-    # tick's pod reads, each up to max_workers at once, and the 8 Event posters (statuswriter)
-    # and the tick: a pool smaller than that opens and drops a TLS connection per request
-    # beyond it in a burst.
-    kube = Kube.login(pool_size=settings.max_workers * 3 + 10)
+    # Connections for Kopf's handler threads, the job events' pool (jobwatch), the first-status
+    # pool (jobsfirst) and the scrape tick's pod reads, each up to max_workers at once, the 8
+    # Event posters (statuswriter), the tick, and the jobs' watches, one per job API and
+    # namespace: a pool smaller than that opens and drops a TLS connection per request beyond
+    # it in a burst.
+    streams = len(APIS) * max(1, len(settings.namespaces))  # each holds its connection
+    kube = Kube.login(pool_size=settings.max_workers * 4 + 10 + streams)
     log.info(
         "gpu-training-operator: watching %s, trainer image %s, scraping every %gs via %s",
         ", ".join(settings.namespaces) or "all namespaces",

@@ -1,4 +1,4 @@
-"""The one module that talks to the Kubernetes API (Kopf's watches aside).
+"""The one module that talks to the Kubernetes API (Kopf's watch of GpuTrainings aside).
 
 Objects travel as plain JSON dicts: the operator reads a handful of fields, and the client's
 generated model classes would cost a deserialisation of every pod for nothing. Of the
@@ -22,7 +22,7 @@ import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -48,6 +48,8 @@ USER_AGENT: Final = "gpuop-operator/0.1"
 RETRIED_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 _TRAININGS: Final = f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/{PLURAL}"
 _MERGE_PATCH: Final = "application/merge-patch+json"
+# Objects per page of a list: the size of the page the API server's own clients (kubectl) ask for.
+LIST_PAGE: Final = 500
 # A reply of metadata only (every API server we claim, 1.29 on, serves it); plain JSON elsewhere.
 _METADATA_ONLY: Final = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
 
@@ -254,6 +256,80 @@ class Kube:
         resources = (reply or {}).get("resources") or ()
         return frozenset(str(r.get("name")) for r in resources if isinstance(r, Mapping))
 
+    # -- lists and watches (jobwatch) -------------------------------------------------------
+
+    def list_objects(
+        self, api_version: str, plural: str, namespace: str | None, label_selector: str
+    ) -> tuple[list[dict[str, Any]], str]:
+        """Every object of a kind with the label (in a namespace, or everywhere), and the
+        resourceVersion to watch from. In pages of :data:`LIST_PAGE`: one reply of 1,000 jobs
+        would be 15 MB of JSON, read and decoded in one piece, on the server's side too."""
+        path = _objects(api_version, plural, namespace)
+        query = {"labelSelector": label_selector, "limit": str(LIST_PAGE)}
+        items: list[dict[str, Any]] = []
+        version = ""
+        while True:
+            reply = self._request("GET", path, query=query) or {}
+            kind = str(reply.get("kind") or "").removesuffix("List")
+            for item in reply.get("items") or ():
+                item.setdefault("apiVersion", api_version)  # core lists leave them out
+                item.setdefault("kind", kind)
+                items.append(item)
+            meta = reply.get("metadata") or {}
+            version = version or str(meta.get("resourceVersion") or "")
+            if not meta.get("continue"):
+                return items, version
+            query["continue"] = str(meta["continue"])
+
+    def watch_objects(
+        self,
+        api_version: str,
+        plural: str,
+        namespace: str | None,
+        label_selector: str,
+        resource_version: str,
+        *,
+        timeout_seconds: int,
+        opened: Callable[[urllib3.BaseHTTPResponse], None] = lambda _response: None,
+    ) -> Generator[dict[str, Any], None, None]:
+        """The watch events ({type, object}) from ``resource_version`` on, as they come, until the
+        API server ends the stream (``timeout_seconds``). Not retried: the watcher resumes from the
+        last version it saw. ApiError as :meth:`_request` raises it; 0 "Unreachable" when the
+        connection breaks. ``opened`` gets the response, which it may shut down from another
+        thread to end the stream (the operator stopping)."""
+        query = {
+            "watch": "1", "labelSelector": label_selector, "resourceVersion": resource_version,
+            "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_seconds),
+        }  # fmt: skip
+        path = f"{_objects(api_version, plural, namespace)}?{urllib.parse.urlencode(query)}"
+        url = f"{self.configuration.host}{path}"
+        headers = {"Accept": "application/json", "User-Agent": USER_AGENT} | _auth_header(self.configuration)
+        started = time.monotonic()
+        try:
+            response = self._pool.request(
+                "GET", url, headers=headers, preload_content=False, retries=False,
+                timeout=urllib3.Timeout(connect=self.timeout_seconds, read=timeout_seconds + 30),
+            )  # fmt: skip
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            self.requests.record("watch", plural, 0, time.monotonic() - started)
+            raise ApiError(0, "Unreachable", str(exc)) from None
+        self.requests.record("watch", plural, response.status, time.monotonic() - started)
+        try:
+            if response.status != 200:
+                raise _error(response.status, response.read())
+            opened(response)
+            pending = b""
+            for chunk in response.stream(64 * 1024):
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield _event(line)
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise ApiError(0, "Unreachable", str(exc)) from None
+        finally:
+            response.close()  # a stream left mid-way cannot go back to the pool as it is
+            response.release_conn()
+
     # -- Kueue ----------------------------------------------------------------------------
 
     def list_workloads(self, namespace: str, job_uid: str) -> list[dict[str, Any]] | None:
@@ -405,8 +481,11 @@ def _auth_header(configuration: k8s_client.Configuration) -> dict[str, str]:
     return {"Authorization": str(value)} if value else {}
 
 
-def _objects(api_version: str, plural: str, namespace: str) -> str:
+def _objects(api_version: str, plural: str, namespace: str | None) -> str:
+    """The collection's path: in a namespace, or (None) across all of them."""
     root = "/api" if "/" not in api_version else "/apis"  # "v1" is the core group's
+    if namespace is None:
+        return f"{root}/{api_version}/{plural}"
     return f"{root}/{api_version}/namespaces/{namespace}/{plural}"
 
 
@@ -432,6 +511,18 @@ def request_target(method: str, path: str) -> tuple[str, str]:
     if method == "GET":
         return ("get" if len(rest) >= 2 else "list"), resource
     return _VERBS.get(method, method.lower()), resource
+
+
+def _event(line: bytes) -> dict[str, Any]:
+    """One line of a watch stream; one that is not a JSON object breaks the stream (ApiError 0),
+    which the watcher opens again from the last version it saw."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        event = None
+    if not isinstance(event, dict):
+        raise ApiError(0, "BadEvent", f"a watch line that is not a JSON object: {line[:200]!r}")
+    return event
 
 
 def _error(status: int, data: bytes) -> ApiError:

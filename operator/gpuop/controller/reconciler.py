@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -56,6 +57,10 @@ _ACTIVE_PHASES: Final = ("Created", "Running", "Restarting")
 # gpuHours), Queued (Kueue's Workload is read at the tick), Pending (discovery is asked again).
 _QUIET_PHASES: Final = ("Created", "Suspended")
 _NO_ALARMS: Final = Thresholds(stall_timeout_seconds=0)
+# Seconds a reading of which namespaces this replica leads gates its job events (_leads). Kopf
+# pauses its watch of the trainings as soon as a peer outranks this replica; a job event may
+# still be reconciled here that long after. Each reading is a GET per watched namespace.
+LEADERSHIP_FRESH_SECONDS: Final = 2.0
 
 
 def _uid(body: dict[str, Any]) -> str | None:
@@ -98,6 +103,9 @@ class Reconciler:
         self.metrics = metrics or OperatorMetrics()
         self.clock = clock
         self.leadership = leadership  # per tick: namespace -> whether this replica is active there
+        # The last reading of it, and when (monotonic): the tick's, or a job event's (_leads).
+        self._leading: tuple[Callable[[str], bool] | None, float] = (None, 0.0)
+        self._leading_lock = threading.Lock()
         self._table = Table()
         self._children = Children(kube)
         self._pods = PodReader(kube, settings, self.metrics)
@@ -162,9 +170,23 @@ class Reconciler:
                 or _first_status_waits(tracked)
             ):
                 return
+        if not self._leads(key[0]):
+            return  # a standby only keeps what it knows up to date, for when it takes over
         if event_type == "DELETED" and not self._still_there(key):
             return  # the garbage collector took it with its GpuTraining: do not re-create it
         self.reconcile(key)
+
+    def _leads(self, namespace: str) -> bool:
+        """Whether this replica is the active one in ``namespace``: the jobs' watch, unlike Kopf's
+        of the trainings, runs on a standby too. Read at most every :data:`LEADERSHIP_FRESH_SECONDS`
+        (a peering object per watched namespace), so a replica that was outranked stops
+        reconciling job events within that, where Kopf pauses its watch of the trainings."""
+        with self._leading_lock:
+            leading, read_at = self._leading
+            if leading is None or time.monotonic() - read_at > LEADERSHIP_FRESH_SECONDS:
+                leading = self.leadership()
+                self._leading = (leading, time.monotonic())
+        return leading(namespace)
 
     def _still_there(self, key: Key) -> bool:
         """Whether the GpuTraining exists, asked of the API server.
@@ -395,6 +417,8 @@ class Reconciler:
         One pod list per namespace per tick, however many jobs it holds.
         """
         leading = self.leadership()
+        with self._leading_lock:
+            self._leading = (leading, time.monotonic())
         items = [(key, tracked) for key, tracked in self._table.items() if leading(key[0])]
         active: dict[str, list[tuple[Key, Tracked]]] = {}
         for key, tracked in items:

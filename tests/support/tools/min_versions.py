@@ -122,7 +122,7 @@ reconciler.close()
 print(json.dumps(seen))
 """
 SMOKE_EXPECTED = {
-    "watched": 3,  # GpuTraining, PyTorchJob, TrainJob
+    "watched": 1,  # GpuTraining (its jobs are watched by gpuop.controller.jobwatch)
     "activities": ["authentication", "probe", "startup"],
     "scanning_disabled": True,  # watching given namespaces
     "posting": False,

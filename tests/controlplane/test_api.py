@@ -357,6 +357,20 @@ def _operator_kube(plane: ControlPlane) -> Any:
     return Kube(k8s_client.ApiClient(configuration))
 
 
+def _recorder() -> tuple[list[tuple[str | None, str]], Any]:
+    """What a job watch delivers, (event type, name) in the order handled, and the handler."""
+    import threading
+
+    seen: list[tuple[str | None, str]] = []
+    lock = threading.Lock()
+
+    def handle(event_type: str | None, obj: dict[str, Any]) -> None:
+        with lock:
+            seen.append((event_type, obj["metadata"]["name"]))
+
+    return seen, handle
+
+
 def test_the_operators_create_knows_the_job_as_the_server_stored_it(
     plane: ControlPlane, crd_warnings: str
 ) -> None:
@@ -384,19 +398,12 @@ def test_the_operators_job_watch_follows_the_server_and_resumes_where_it_may(
 ) -> None:
     """``jobwatch`` against the API server itself: the labelled jobs only, every change in order,
     and a version the server forgot answered with 410 Gone (what makes the watch list again)."""
-    import threading
-
     from gpuop.api.identity import TRAINING_LABEL
     from gpuop.controller import jobwatch
     from support.waiting import wait_for
 
     kube = _operator_kube(plane)
-    seen: list[tuple[str | None, str]] = []
-    lock = threading.Lock()
-
-    def handle(event_type: str | None, job: dict[str, Any]) -> None:
-        with lock:
-            seen.append((event_type, job["metadata"]["name"]))
+    seen, handle = _recorder()
 
     body = minimal(dataset={"name": "digits"})
     body["metadata"] |= {"name": "watched", "namespace": "ml"}
@@ -433,20 +440,13 @@ def test_the_job_watch_finds_a_job_api_installed_after_it_started(
     """A job API the server does not serve yet (Kubeflow installed after the operator) is looked
     for again, and watched once its CRD is served: no restart, cluster-wide or per namespace.
     A CRD of the test's own stands in for Kubeflow's, which the session has installed already."""
-    import threading
-
     from gpuop.api.identity import TRAINING_LABEL
     from gpuop.controller import jobwatch
     from support.waiting import wait_for
 
     monkeypatch.setattr(jobwatch, "NOT_SERVED_RETRY_SECONDS", 1.0)
     kube = _operator_kube(plane)
-    seen: list[tuple[str | None, str]] = []
-    lock = threading.Lock()
-
-    def handle(event_type: str | None, obj: dict[str, Any]) -> None:
-        with lock:
-            seen.append((event_type, obj["metadata"]["name"]))
+    seen, handle = _recorder()
 
     crd = {
         "apiVersion": "apiextensions.k8s.io/v1",

@@ -25,7 +25,9 @@ afterwards (its own request counters), its peak RSS, and the CPU seconds of the 
 etcd, the operator and the bench in the operator's run and the floor's. All share the machine
 with the API server: compare them side by side, in one run. Each run waits for its namespaces
 to be deleted, so the next one does not measure that. ``--operator-source DIR`` runs the
-operator from another checkout, to compare two versions run after run.
+operator from another checkout, to compare two versions run after run. ``--reactive-twice``
+runs the reactive floor twice and nothing else: the spread of the p99 ratio between two
+identical controllers on this host.
 
 Without ``--kubeconfig`` the same operator runs against tests/support's API emulator (fast,
 no server to build; the emulator stamps creation times itself), for quick comparisons of the
@@ -581,6 +583,44 @@ def _delete_namespaces(core: client.CoreV1Api, namespaces: list[str]) -> None:
     print(f"         (its namespaces were still going after 600 s: {sorted(left)})", flush=True)
 
 
+def run_reactive_twice(kubeconfig: str, count: int) -> dict[str, Any]:
+    """The reactive floor twice, one run after the other, as run_real runs the reactive floor and
+    the operator (``--reactive-twice``): two identical controllers, so the ratio of their
+    create->child p99s is what this host alone does to the p99 goal (the second's p99 within
+    1.5x of the first's). No operator runs."""
+    api, core = client.CustomObjectsApi(), client.CoreV1Api()
+    stamp = f"{int(time.time()) % 100000}"
+    namespaces = [f"react{i}-{count}-{stamp}" for i in (1, 2)]
+    for namespace in namespaces:
+        core.create_namespace({"metadata": {"name": namespace}})
+    names = [f"scale-{i:04d}" for i in range(count)]
+    servers = _control_plane_pids()
+    runs = [reactive_floor(kubeconfig, api, namespace, names, servers) for namespace in namespaces]
+    _delete_namespaces(core, namespaces)
+    figures = [latency_figures(latencies) for _, _, latencies, _ in runs]
+    return {
+        "count": count,
+        "arrival_rate": ARRIVAL_RATE,
+        "reactive_twice": [
+            {"seconds": seconds, "submitted_s": submitted, "unseen": count - len(latencies),
+             "cpu_seconds": cpu, **figure}
+            for (seconds, submitted, latencies, cpu), figure in zip(runs, figures, strict=True)
+        ],
+    }  # fmt: skip
+
+
+def _print_reactive_twice(r: dict[str, Any]) -> None:
+    first, second = r["reactive_twice"]
+    ratio = (
+        f"{second['p99_ms'] / first['p99_ms']:.2f}x"
+        if first["p99_ms"] and second["p99_ms"] is not None
+        else "n/a"
+    )
+    print(f"N={r['count']:5d}  the reactive floor twice: create->child p50 {_ms(first['p50_ms'])} / "
+          f"{_ms(second['p50_ms'])}  p99 {_ms(first['p99_ms'])} / {_ms(second['p99_ms'])}  second/first p99 "
+          f"{ratio}  ({first['unseen']} / {second['unseen']} unseen)", flush=True)  # fmt: skip
+
+
 def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any]:
     api = client.CustomObjectsApi()
     core = client.CoreV1Api()
@@ -819,10 +859,18 @@ def main() -> int:
         help="GpuTrainings per second for the reactive floor and the operator alike (default: all at "
         "once): the same arrival for both, so their create->child p99 compare like for like",
     )
+    parser.add_argument(
+        "--reactive-twice",
+        action="store_true",
+        help="run the reactive floor twice and no operator: how far this host alone moves the p99 "
+        "ratio between two identical controllers",
+    )
     parser.add_argument("--reactive-controller", metavar="NAMESPACE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.arrival_rate is not None and not args.kubeconfig:
         parser.error("--arrival-rate: paces the real API server's runs; give --kubeconfig too")
+    if args.reactive_twice and not args.kubeconfig:
+        parser.error("--reactive-twice: runs against a real API server; give --kubeconfig too")
     if args.reactive_controller:  # the reactive floor's controller, started by run_real
         config.load_kube_config(config_file=args.kubeconfig)
         reactive_controller(args.reactive_controller, args.counts[0])
@@ -834,7 +882,10 @@ def main() -> int:
         config.load_kube_config(config_file=args.kubeconfig)
         _install_crds()
     for count in args.counts:
-        if args.kubeconfig:
+        if args.reactive_twice:
+            result = run_reactive_twice(args.kubeconfig, count)
+            _print_reactive_twice(result)
+        elif args.kubeconfig:
             result = run_real(args.kubeconfig, count, args.quiet_seconds)
             _print_real(result)
         else:

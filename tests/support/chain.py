@@ -249,13 +249,37 @@ def phase(plane: ControlPlane, name: str) -> str | None:
 
 
 def wait_finished(plane: ControlPlane, name: str, timeout: float = 240.0) -> str:
-    """The training's phase once it is Succeeded or Failed (polled every half second)."""
+    """The training's phase once it is Succeeded or Failed (polled every half second). A training
+    that never finishes fails with its pods' last lines, those of a restarted container's
+    previous run too: the pod that hangs or the rank that died says why before the test's
+    cleanup deletes them."""
 
     def ended() -> str | None:
         found = phase(plane, name)
         return found if found in ("Succeeded", "Failed") else None
 
-    return str(wait_for(f"{name} finished", ended, timeout=timeout, every=0.5))
+    try:
+        return str(wait_for(f"{name} finished", ended, timeout=timeout, every=0.5))
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{pod_logs(plane, name)}") from None
+
+
+def pod_logs(plane: ControlPlane, name: str, lines: int = 60) -> str:
+    """The last lines of each of the training's pods, with each restarted container's previous
+    run, for a failure's message."""
+    said = []
+    for pod in pods_of(plane, name):
+        pod_name = pod["metadata"]["name"]
+        restarted = any(
+            c.get("restartCount") for c in (pod.get("status") or {}).get("containerStatuses") or ()
+        )
+        for previous in (True, False) if restarted else (False,):
+            args = ["logs", "-n", NAMESPACE, pod_name, "--all-containers", f"--tail={lines}"]
+            result = plane.kubectl(*args, *(["--previous"] if previous else []), check=False)
+            run = "previous run" if previous else "current run"
+            said.append(f"--- {pod_name} ({run}, on {pod['spec'].get('nodeName')}):\n"
+                        f"{result.stdout or result.stderr}")  # fmt: skip
+    return "\n".join(said) or "(no pods)"
 
 
 def pods_named(plane: ControlPlane, pattern: str) -> list[dict[str, Any]]:

@@ -60,6 +60,18 @@ def test_no_latency_seen_is_reported_as_such_not_a_crash(bench: ModuleType) -> N
     assert bench._ms(None) == "n/a"
 
 
+def test_the_reactive_floor_twice_says_its_ratio_or_what_it_could_not_see(
+    bench: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def run(p99: float | None, unseen: int) -> dict[str, Any]:
+        return {"p50_ms": p99 and p99 / 2, "p99_ms": p99, "unseen": unseen}
+
+    bench._print_reactive_twice({"count": 1000, "reactive_twice": [run(800.0, 0), run(1200.0, 0)]})
+    assert "second/first p99 1.50x  (0 / 0 unseen)" in capsys.readouterr().out
+    bench._print_reactive_twice({"count": 1000, "reactive_twice": [run(800.0, 0), run(None, 1000)]})
+    assert "second/first p99 n/a  (0 / 1000 unseen)" in capsys.readouterr().out
+
+
 class _Clock:
     """The bench's ``time`` on a clock of the test's: each sleep moves it on and lets the test's
     watches deliver what they would have meanwhile."""

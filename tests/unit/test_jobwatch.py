@@ -7,6 +7,7 @@ against a real kube-apiserver is in tests/controlplane/test_api.py."""
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import threading
 import time
@@ -44,6 +45,7 @@ class ScriptedKube:
         self.lists = lists
         self.watches = watches
         self.watched_from: list[str] = []
+        self.watched_at: list[float] = []  # when each watch was opened (monotonic)
         self.listed = 0
         self.idle = threading.Event()
 
@@ -62,6 +64,7 @@ class ScriptedKube:
 
     def watch_objects(self, api_version, plural, namespace, selector, version, *, timeout_seconds, opened):  # type: ignore[no-untyped-def]
         self.watched_from.append(version)
+        self.watched_at.append(time.monotonic())
         opened(self)  # as the real one hands over its response, whose shutdown() ends the stream
         if not self.watches:
             self.idle.wait()
@@ -188,13 +191,16 @@ def test_a_stream_that_ends_at_once_is_not_opened_again_at_once(monkeypatch: pyt
     kube = ScriptedKube(lists=[([], str(v)) for v in range(1000)], watches=[[], [], [], [gone]] * 250)
     watch, _ = _watching(kube)
     try:
-        time.sleep(0.55)
+        wait_for(check=lambda: len(kube.watched_at) >= 6, timeout=30, what="six watches")
     finally:
         kube.idle.set()
         watch.close()
-    # At most one stream (or list) a RECONNECT_SECONDS: without the pause, hundreds.
-    assert 3 <= len(kube.watched_from) <= 7, kube.watched_from
-    assert kube.listed <= 2
+    # Each stream opened RECONNECT_SECONDS or more after the one before, the 410's relist
+    # included: without the pause, hundreds a second. (A slow machine only widens the gaps.)
+    opened = kube.watched_at[:6]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(opened)]
+    assert min(gaps) >= 0.09, gaps  # 0.1 s, less the timer's rounding
+    assert kube.listed >= 2  # the 410 of the fourth watch made it list again
 
 
 def test_one_jobs_events_run_in_order_one_at_a_time_and_a_slow_one_holds_no_other() -> None:

@@ -280,7 +280,8 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
     )  # fmt: skip
     retries = ApiRetries()
     registry = build_registry(reconciler, settings, retries)
-    # Both job APIs, whichever the cluster serves: one not served is looked for again every 30 s.
+    # Both job APIs, whichever the cluster serves: one not served is looked for again
+    # (jobwatch.NOT_SERVED_RETRY_SECONDS).
     jobs = jobwatch.JobWatch(
         kube, [(api.api_version, api.plural) for api in APIS.values()], settings.namespaces,
         reconciler.job_event, settings.max_workers,

@@ -135,17 +135,13 @@ class _Stream:
                     self._version = self._list()
                 self._watch(self._version)
                 failures = 0
-                # A stream the server ended at once (a proxy cutting it, a 410 after each list)
-                # is not opened again at once: no loop at full speed against the API server.
-                if time.monotonic() - began < RECONNECT_SECONDS:
-                    self.stopping.wait(RECONNECT_SECONDS)
+                self._not_again_at_once(began)
             except ApiError as exc:
                 if self.stopping.is_set():
                     return
                 if exc.status == 410:  # the version is too old: what happened since is in a list
                     self._version = None
-                    if time.monotonic() - began < RECONNECT_SECONDS:
-                        self.stopping.wait(RECONNECT_SECONDS)
+                    self._not_again_at_once(began)
                 elif exc.status == 0 or exc.status in RETRIED_STATUSES:
                     # Broken, or the server busy or restarting: go on from the last version seen.
                     failures += 1
@@ -161,6 +157,12 @@ class _Stream:
                 log.exception("watching %s", self.where)
                 self._version = None
                 self.stopping.wait(NOT_SERVED_RETRY_SECONDS)
+
+    def _not_again_at_once(self, began: float) -> None:
+        """A stream the server ended at once (a proxy cutting it, a 410 after each list) is not
+        opened again at once: no loop at full speed against the API server."""
+        if time.monotonic() - began < RECONNECT_SECONDS:
+            self.stopping.wait(RECONNECT_SECONDS)
 
     def _trouble(self, exc: ApiError) -> str:
         if exc.status == 404:

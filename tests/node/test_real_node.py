@@ -401,3 +401,53 @@ def test_a_node_stopped_with_a_pod_running_leaves_nothing_on_the_machine(
     with pytest.raises(HttpError) as gone:
         node_api.request("GET", f"/api/v1/nodes/{name}")
     assert gone.value.status == 404
+
+
+def test_a_node_whose_session_was_killed_is_swept_by_the_next_node_to_start_and_a_live_one_is_not(
+    plane: ControlPlane, node: Node, node_api: Api, node_binaries: NodeBinaries, scheduler: Scheduler,
+    namespace: str, tmp_path_factory: pytest.TempPathFactory,
+) -> None:  # fmt: skip
+    """A session killed outright (the CI job's time limit, SIGKILL) stops no node: its daemons die
+    with it, and its mounts, cgroups, bridge, shims and unpacked images stay, gigabytes with the
+    trainer image. The next node to start sweeps them, and leaves alone a node whose session
+    still runs (this module's)."""
+    ident = session_ident("k")
+    name = f"gpuopnode-{ident}"
+    taint = {"key": "gpuop.io/killed-session", "value": "test", "effect": "NoSchedule"}
+    killed = Node(plane, node_api, node_binaries, tmp_path_factory.mktemp("node-k"), name, ident, [taint])
+    claims = hoststate.CLAIMS / f"{ident}.json", hoststate.CLAIMS / f"{node.ident}.json"
+    try:
+        killed.start()
+        body = pod(killed, "on-killed-node", "sleep 600", memory="32Mi",
+                   tolerations=[{"key": taint["key"], "operator": "Exists", "effect": "NoSchedule"}])  # fmt: skip
+        node_api.create("pods", body, namespace)
+        wait_phase(node_api, "on-killed-node", {"Running"})
+        assert all(claim.exists() for claim in claims)
+        # The session dies: its daemons with it (PR_SET_PDEATHSIG), the pod's shim not (it is
+        # init's child); the claim's owner is a process that has exited.
+        for daemon in (killed.kubelet.process, killed.containerd.process):
+            assert daemon is not None
+            daemon.process.kill()
+            daemon.process.wait()
+        exited = subprocess.Popen(["true"])
+        exited.wait()
+        claims[0].write_text(json.dumps(json.loads(claims[0].read_text()) | {"pid": exited.pid}))
+        left = killed.footprint()
+        assert all((left.processes, left.mounts, left.cgroups, left.links)), left.summary()
+        assert killed.containerd.store.is_dir()
+
+        swept = hoststate.sweep_orphans()
+
+        assert [claim.ident for claim in swept] == [ident]
+        after = killed.footprint()
+        assert after.empty(), after.summary()
+        assert not killed.containerd.store.exists()  # the images: what filled the disk
+        assert (killed.workdir / "kubelet" / "kubelet.log").is_file()  # the logs stay
+        assert not claims[0].exists()
+        assert claims[1].exists()  # the live session's node: untouched
+        assert node.ready()
+    finally:
+        killed.kubelet.process = killed.containerd.process = None  # nothing left to drain
+        killed.stop()
+        node_api.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/on-killed-node",
+                         {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0})  # fmt: skip

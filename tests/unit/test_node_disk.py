@@ -1,16 +1,18 @@
 """The chain refuses an image import the disk cannot hold, at once and in one line, instead of
-ctr failing half-way with ENOSPC (as a CI run did with stale clones on the disk)."""
+ctr failing half-way with ENOSPC (as a CI run did with stale clones on the disk); and tells a
+killed session's nodes, whose images are what filled it, from a live one's."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 
-from support.node import pool
+from support.node import hoststate, pool
 from support.node.images import ImageArchive
 
 
@@ -34,3 +36,16 @@ def test_an_import_that_fits_goes_ahead(tmp_path: Path) -> None:
     archive = tmp_path / "small.tar"
     archive.write_bytes(b"x" * 1024)
     pool._enough_disk(cast(Any, _nodes(tmp_path, 2)), [ImageArchive("small:1", archive)])
+
+
+def test_a_claims_owner_is_alive_only_while_that_very_process_runs() -> None:
+    me = hoststate._start_time(os.getpid())
+    assert me is not None
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    claim = hoststate.Claim(
+        "xa", "/nowhere", "gpuopnode-xa", "gpuopnode-xa", "/nowhere/root", os.getpid(), me
+    )
+    assert claim.owner_alive()
+    assert not hoststate.Claim(**{**claim.__dict__, "started": me + 1}).owner_alive()  # the pid, given again
+    assert not hoststate.Claim(**{**claim.__dict__, "pid": exited.pid}).owner_alive()

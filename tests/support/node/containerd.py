@@ -57,6 +57,11 @@ class Containerd:
         self.process: Supervised | None = None
 
     @property
+    def store(self) -> Path:
+        """Its images and snapshots: gigabytes with the trainer image."""
+        return self.workdir / "root"
+
+    @property
     def endpoint(self) -> str:
         return f"unix://{self.socket}"
 
@@ -64,7 +69,7 @@ class Containerd:
         runtime = "plugins.'io.containerd.cri.v1.runtime'"
         return "\n".join([
             "version = 4",
-            f"root = {_toml(str(self.workdir / 'root'))}",
+            f"root = {_toml(str(self.store))}",
             f"state = {_toml(str(self.workdir / 'state'))}",
             f"temp = {_toml(str(self.workdir / 'tmp'))}",
             f"disabled_plugins = {_toml(DISABLED_PLUGINS)}",
@@ -197,7 +202,7 @@ class Containerd:
     def discard_store(self) -> None:
         """Delete the images and snapshots (once stopped and unmounted): gigabytes with the
         trainer image, which pytest's kept temporary directories would otherwise hold on to."""
-        shutil.rmtree(self.workdir / "root", ignore_errors=True)
+        shutil.rmtree(self.store, ignore_errors=True)
 
     def stop(self, grace: float = 10.0) -> None:
         if self.process is not None:

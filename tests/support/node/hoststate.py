@@ -9,14 +9,24 @@ work directory (containerd's shims), and the symlinks the kubelet makes in /var/
 (a path it does not let anyone configure) that point into its work directory.
 :class:`Footprint` is what :meth:`support.node.node.Node.stop` must bring to nothing, and what
 the tests check it did.
+
+A session killed outright (SIGKILL, a CI job's time limit, a closed terminal) stops no node: its
+daemons die with it (PR_SET_PDEATHSIG), but mounts, cgroups, the bridge and each node's images
+(about 5 GB a node, unpacked) stay. Two such sessions once left 21 GB in /tmp and the next
+`make test` could not import its images. So a running node keeps a :class:`Claim` in
+:data:`CLAIMS`, and the next node to start on the machine sweeps the nodes of every claim whose
+owner is gone (:func:`sweep_orphans`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import fcntl
 import ipaddress
 import json
 import os
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -236,3 +246,95 @@ class Footprint:
 
     def empty(self) -> bool:
         return not (self.processes or self.mounts or self.cgroups or self.links or self.log_links)
+
+
+def sweep(workdir: Path, cgroup_root: str, bridge: str) -> None:
+    """A stopped node's footprint removed by force: the processes naming its work directory
+    (containerd's shims), its mounts, cgroups, bridge with its veths, and log links. The files
+    under its work directory stay (the caller decides which go)."""
+    kill_all(sorted(processes_naming(str(workdir))))
+    unmount_all_under(workdir)
+    remove_cgroup_tree(cgroup_root)
+    delete_links(links_of(bridge))
+    for link in log_links_into(workdir):
+        link.unlink(missing_ok=True)
+
+
+# -- the nodes of sessions that died ---------------------------------------------------------
+
+# One JSON file a running node: machine-wide, not in a checkout or a cache, as bridges and
+# cgroups are, so that another checkout's session finds them too.
+CLAIMS: Final = Path("/var/lib/gpuop-nodes")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A running node's footprint, its image store (the gigabytes), and the process it belongs
+    to: pid and start time, so that a pid the kernel has given to another process since is not
+    taken for the owner."""
+
+    ident: str
+    workdir: str
+    cgroup_root: str
+    bridge: str
+    store: str
+    pid: int
+    started: int
+
+    def owner_alive(self) -> bool:
+        return _start_time(self.pid) == self.started
+
+
+def _start_time(pid: int) -> int | None:
+    """When a live process started, in clock ticks after boot (/proc/<pid>/stat's 22nd field,
+    the 20th after the command's closing parenthesis); None when it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def claim(ident: str, workdir: Path, cgroup_root: str, bridge: str, store: Path) -> None:
+    """Record a node as this process's, before it makes anything on the machine."""
+    me = os.getpid()
+    record = Claim(ident, str(workdir.resolve()), cgroup_root, bridge, str(store.resolve()), me,
+                   _start_time(me) or 0)  # fmt: skip
+    CLAIMS.mkdir(parents=True, exist_ok=True)
+    staging = CLAIMS / f".{ident}.{me}"
+    staging.write_text(json.dumps(dataclasses.asdict(record)))
+    staging.rename(CLAIMS / f"{ident}.json")  # whole or not at all: a sweep never reads half
+
+
+def release(ident: str) -> None:
+    """The node is gone from the machine: forget its claim."""
+    (CLAIMS / f"{ident}.json").unlink(missing_ok=True)
+
+
+def sweep_orphans() -> list[Claim]:
+    """Sweep the node of every claim whose owner is gone, and delete its image store (its logs
+    stay, for whoever looks into why its session died); the claims swept. A claim whose sweep
+    leaves a mount is kept, to be tried again. Under a lock: two sessions starting at once
+    sweep each orphan once."""
+    if not CLAIMS.is_dir():
+        return []
+    swept = []
+    with (CLAIMS / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for path in sorted(CLAIMS.glob("*.json")):
+            try:
+                orphan = Claim(**json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError):
+                continue  # not ours to judge: a file someone else put there
+            if orphan.owner_alive():
+                continue
+            workdir = Path(orphan.workdir)
+            sweep(workdir, orphan.cgroup_root, orphan.bridge)
+            if mounts_under(workdir):  # never delete through a mount left behind
+                continue
+            shutil.rmtree(orphan.store, ignore_errors=True)
+            path.unlink(missing_ok=True)
+            swept.append(orphan)
+        if swept:
+            remove_dead_sockets_and_empty([])  # their kubelets' device-plugin sockets
+    return swept

@@ -27,7 +27,7 @@ from support.node import hoststate, images
 from support.node.binaries import NodeBinaries
 from support.node.containerd import Containerd
 from support.node.kubelet import Kubelet
-from support.node.process import Supervised, kill_all, processes_naming, spawn, wait_until
+from support.node.process import Supervised, spawn, wait_until
 from support.plane.cluster import Api
 from support.plane.controlplane import ControlPlane, free_port, kubeconfig
 
@@ -85,6 +85,7 @@ class Node:
     gpus: int = 0
     timings: Timings = field(default_factory=Timings)
     swept: hoststate.Footprint | None = None
+    orphans_swept: list[hoststate.Claim] = field(default_factory=list)  # by its start
     gpu_plugin: Supervised | None = None
 
     def __post_init__(self) -> None:
@@ -100,6 +101,9 @@ class Node:
 
     def start(self, timeout: float = 120.0) -> None:
         started = time.monotonic()
+        # What killed sessions left (their images: gigabytes) goes before this node needs room.
+        self.orphans_swept = hoststate.sweep_orphans()
+        hoststate.claim(self.ident, self.workdir, self.cgroup_root, self.bridge, self.containerd.store)
         self.subnet = free_subnet()
         hoststate.create_bridge(self.bridge, self.subnet)
         # Directories the daemons make at paths fixed in their code, shared by every node: this
@@ -240,17 +244,15 @@ class Node:
             self._sweep()
             with contextlib.suppress(Exception):
                 self.api.request("DELETE", f"/api/v1/nodes/{self.name}")
-        return self.footprint()
+        left = self.footprint()
+        if left.empty():  # else the claim stays, for a later session to sweep again
+            hoststate.release(self.ident)
+        return left
 
     def _sweep(self) -> None:
-        kill_all(sorted(processes_naming(str(self.workdir))))  # containerd's shims
-        hoststate.unmount_all_under(self.workdir)
+        hoststate.sweep(self.workdir, self.cgroup_root, self.bridge)
         if not hoststate.mounts_under(self.workdir):  # never delete through a mount left behind
             self.containerd.discard_store()
-        hoststate.remove_cgroup_tree(self.cgroup_root)
-        hoststate.delete_links(hoststate.links_of(self.bridge))
-        for link in hoststate.log_links_into(self.workdir):
-            link.unlink(missing_ok=True)
         hoststate.remove_dead_sockets_and_empty(self.created_shared_dirs)
 
 

@@ -10,6 +10,7 @@ or GPUs). Replace the model and the dataset with yours; nothing else changes.
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -53,6 +54,15 @@ def main() -> None:
     data = RandomTokens(args.samples, 64, config.vocab_size)
     trainer = Trainer(model=model, args=training, train_dataset=data)
     trainer.train()
+    # The Trainer leaves the process group open. Left to the interpreter's exit, gloo can abort a
+    # rank ("terminate called without an active exception", pytorch/pytorch#190489), and
+    # torchrun on the other node then waits out its 300 s exit barrier. Closed while the Trainer
+    # still holds the DDP model, it can deadlock instead: the model's reducer frees the group
+    # holding the GIL that gloo's worker thread needs. So the Trainer goes first, then the group.
+    del trainer
+    gc.collect()  # the Trainer and its Accelerator refer to each other
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ makes: nothing is downloaded; gloo on CPU, nccl on GPUs, under torchrun.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -56,6 +57,11 @@ def main() -> None:
             save(model, optimizer, step, args.checkpoint_dir)
     gpureport.finish(step=args.steps, total_steps=args.steps, loss=loss.item())
     if distributed:
+        # The DDP model first, then the group: freed last by the model, the group is torn down
+        # holding the GIL that gloo's worker thread may need, and a rank aborts or deadlocks
+        # (docs/troubleshooting.md, "A rank aborts or hangs as the training ends").
+        del model
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -9,6 +9,7 @@ regression on data the script makes: nothing is downloaded; CPU or GPUs, under t
 from __future__ import annotations
 
 import argparse
+import os
 
 import lightning.pytorch as pl
 import torch
@@ -39,9 +40,13 @@ def main() -> None:
     inputs = torch.randn(args.samples, 16, generator=generator)
     targets = inputs @ torch.randn(16, 1, generator=generator)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, targets), batch_size=32)
+    # Nodes and processes a node from torchrun's variables: left at Lightning's defaults (one
+    # node, one device), every rank of a two-worker training trains alone on all the data.
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    nodes = int(os.environ.get("WORLD_SIZE", "1")) // per_node
     trainer = pl.Trainer(
-        max_epochs=args.epochs, accelerator="auto", callbacks=[GpuopProgress()],
-        enable_progress_bar=False, logger=False, enable_checkpointing=False,
+        max_epochs=args.epochs, accelerator="auto", devices=per_node, num_nodes=nodes,
+        callbacks=[GpuopProgress()], enable_progress_bar=False, logger=False, enable_checkpointing=False,
     )  # fmt: skip
     trainer.fit(Regression(), data)
 

@@ -96,15 +96,22 @@ def test_a_plain_loop_on_gpureport_on_two_processes_reports_from_rank_0(tmp_path
     assert progress["samplesPerSecond"] > 0
 
 
-def test_a_lightning_module_reports_through_its_callback(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_lightning_module_reports_through_its_callback(tmp_path: Path, workers: int) -> None:
+    """On two workers, one DDP training: each rank takes half the batches. Before, Lightning's
+    defaults (one node, one device) made each rank a training of its own on all the data."""
     spec = _spec(
-        tmp_path, "lit", ["torchrun", str(ROOT / "examples" / "lightning" / "train.py"), "--epochs", "2"]
+        tmp_path,
+        "lit",
+        ["torchrun", str(ROOT / "examples" / "lightning" / "train.py"), "--epochs", "2"],
+        workers,
     )
     done, status = _run(spec, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     progress = status["progress"]
     assert (status["phase"], progress["source"]) == ("Succeeded", "TrainerStatus")
-    assert (progress["totalSteps"], progress["percent"]) == (32, 100)  # 512 samples / batch 32 x 2 epochs
+    # 512 samples / batch 32 = 16 batches an epoch, shared by the ranks; 2 epochs
+    assert (progress["totalSteps"], progress["percent"]) == (32 // workers, 100)
     assert (progress["epoch"], progress["totalEpochs"]) == (2, 2)
     assert progress["loss"] >= 0
 

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import pytest
 
-from support.node import hoststate, pool
+from support.node import hoststate, pool, process
 from support.node.images import ImageArchive
 
 
@@ -39,7 +39,7 @@ def test_an_import_that_fits_goes_ahead(tmp_path: Path) -> None:
 
 
 def test_a_claims_owner_is_alive_only_while_that_very_process_runs() -> None:
-    me = hoststate._start_time(os.getpid())
+    me = process.start_time(os.getpid())
     assert me is not None
     exited = subprocess.Popen(["true"])
     exited.wait()

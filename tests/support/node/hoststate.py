@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from support.node.process import kill_all, processes_naming
+from support.node.process import kill_all, processes_naming, start_time
 
 CGROUP_MOUNT: Final = Path("/sys/fs/cgroup")
 CONTAINER_LOG_LINKS: Final = Path("/var/log/containers")  # the kubelet's, fixed in its code
@@ -282,24 +282,14 @@ class Claim:
     started: int
 
     def owner_alive(self) -> bool:
-        return _start_time(self.pid) == self.started
-
-
-def _start_time(pid: int) -> int | None:
-    """When a live process started, in clock ticks after boot (/proc/<pid>/stat's 22nd field,
-    the 20th after the command's closing parenthesis); None when it is gone or a zombie."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" else int(fields[19])
+        return start_time(self.pid) == self.started
 
 
 def claim(ident: str, workdir: Path, cgroup_root: str, bridge: str, store: Path) -> None:
     """Record a node as this process's, before it makes anything on the machine."""
     me = os.getpid()
     record = Claim(ident, str(workdir.resolve()), cgroup_root, bridge, str(store.resolve()), me,
-                   _start_time(me) or 0)  # fmt: skip
+                   start_time(me) or 0)  # fmt: skip
     CLAIMS.mkdir(parents=True, exist_ok=True)
     staging = CLAIMS / f".{ident}.{me}"
     staging.write_text(json.dumps(dataclasses.asdict(record)))

@@ -85,7 +85,6 @@ class Node:
     gpus: int = 0
     timings: Timings = field(default_factory=Timings)
     swept: hoststate.Footprint | None = None
-    orphans_swept: list[hoststate.Claim] = field(default_factory=list)  # by its start
     gpu_plugin: Supervised | None = None
 
     def __post_init__(self) -> None:
@@ -102,7 +101,7 @@ class Node:
     def start(self, timeout: float = 120.0) -> None:
         started = time.monotonic()
         # What killed sessions left (their images: gigabytes) goes before this node needs room.
-        self.orphans_swept = hoststate.sweep_orphans()
+        hoststate.sweep_orphans()
         hoststate.claim(self.ident, self.workdir, self.cgroup_root, self.bridge, self.containerd.store)
         self.subnet = free_subnet()
         hoststate.create_bridge(self.bridge, self.subnet)

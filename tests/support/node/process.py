@@ -80,12 +80,29 @@ def processes_naming(text: str) -> dict[int, str]:
             continue
         try:
             command_line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if text in command_line and state != "Z":
+        fields = _stat(int(entry.name))
+        if text in command_line and fields is not None and fields[0] != "Z":
             found[int(entry.name)] = command_line.strip()
     return found
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command's closing parenthesis (state, ppid...: the
+    3rd field on), or None when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """When a live process started, in clock ticks after boot (stat's 22nd field): with its pid,
+    what tells it from a later process the kernel gave the same pid. None when it is gone or a
+    zombie."""
+    fields = _stat(pid)
+    return None if fields is None or fields[0] == "Z" else int(fields[19])
 
 
 def kill_all(pids: list[int], grace: float = 5.0) -> None:
@@ -102,11 +119,10 @@ def kill_all(pids: list[int], grace: float = 5.0) -> None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+    fields = _stat(pid)
+    if fields is None:
         return False
-    if state == "Z":  # a child of ours that exited: reap it
+    if fields[0] == "Z":  # a child of ours that exited: reap it
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
         return False

@@ -61,8 +61,8 @@ operator-image: $(STAMP) node-binaries
 	PYTHONPATH=tests $(BIN)/python -m support.images
 
 ## node: only the real-node suite (tests/node; `make test` runs it too)
-node: $(STAMP) controlplane-binaries node-binaries operator-image
-	$(BIN)/pytest -m node tests/node
+node: $(STAMP) $(HELM) controlplane-binaries node-binaries operator-image
+	HELM=$(abspath $(HELM)) $(BIN)/pytest -m node tests/node
 
 ## controlplane: start a real control plane on loopback; writes .controlplane/kubeconfig and .controlplane/bin/
 controlplane: $(STAMP)

@@ -27,7 +27,9 @@ with the API server: compare them side by side, in one run. Each run waits for i
 to be deleted, so the next one does not measure that. ``--operator-source DIR`` runs the
 operator from another checkout, to compare two versions run after run. ``--reactive-twice``
 runs the reactive floor twice and nothing else: the spread of the p99 ratio between two
-identical controllers on this host.
+identical controllers on this host. ``--rounds K`` runs each count K times, the reactive floor
+and the operator alternating which goes first, and judges issue 30's goals on the median of the
+rounds (:mod:`operator_goals` says why one run cannot).
 
 Without ``--kubeconfig`` the same operator runs against tests/support's API emulator (fast,
 no server to build; the emulator stamps creation times itself), for quick comparisons of the
@@ -35,6 +37,8 @@ operator alone: not a claim about a real cluster.
 
     make controlplane
     .venv/bin/python bench/operator_scale.py --kubeconfig .controlplane/kubeconfig 100 500 1000
+    .venv/bin/python bench/operator_scale.py --kubeconfig .controlplane/kubeconfig --rounds 5 \
+        [--arrival-rate 80] 1000                                     # the goals' verdict
     .venv/bin/python bench/operator_scale.py 100 500 1000          # the emulator
 """
 
@@ -73,6 +77,8 @@ from gpuop.observing.records import Observation, Thresholds
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+
+import operator_goals  # noqa: E402  (bench/, on the path as the script's own folder)
 
 from support.emulator.cluster import GPUOP, JOBS, TRAININGS, cluster  # noqa: E402
 from support.emulator.server import ApiServer  # noqa: E402
@@ -621,7 +627,12 @@ def _print_reactive_twice(r: dict[str, Any]) -> None:
           f"{ratio}  ({first['unseen']} / {second['unseen']} unseen)", flush=True)  # fmt: skip
 
 
-def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any]:
+def run_real(
+    kubeconfig: str, count: int, quiet_seconds: float, operator_first: bool = False
+) -> dict[str, Any]:
+    """One run at ``count``: the limit, the floor, then the reactive floor and the operator
+    (``operator_first``: the operator before the reactive floor), each in namespaces of its own,
+    deleted at the end."""
     api = client.CustomObjectsApi()
     core = client.CoreV1Api()
     stamp = f"{int(time.time()) % 100000}"
@@ -668,19 +679,62 @@ def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any
     # The floor's own create->child: the goal for the operator's is within 1.5x of it.
     floor_latencies = _latencies(watchers[0], watchers[1], names)
 
-    # 2b. The reactive floor: the same writes by a plain controller, the trainings arriving as
-    #     they do for the operator (the serial floor's job is made by the thread that made its
-    #     training, so its create->child is one request, which no controller can match).
-    reactive, reactive_submitted, reactive_latencies, reactive_cpu = reactive_floor(
-        kubeconfig, api, reactive_ns, names, servers
-    )
+    # 2b. The reactive floor and 3. the operator, in the order asked: the reactive floor's
+    #     controller makes the same writes with the trainings arriving as they do for the
+    #     operator (the serial floor's job is made by the thread that made its training, so its
+    #     create->child is one request, which no controller can match). Whichever runs second
+    #     meets an etcd holding the first one's thousand trainings and jobs too; --rounds
+    #     alternates the order so neither always pays that.
+    def reactive() -> tuple[float, float, list[float], dict[str, float]]:
+        return reactive_floor(kubeconfig, api, reactive_ns, names, servers)
 
-    # 3. The operator.
-    trainings, children = _watches(api, operator_ns)
+    def operator() -> dict[str, Any]:
+        return operator_run(kubeconfig, api, operator_ns, names, servers, quiet_seconds)
+
+    if operator_first:
+        ran = operator()
+        reactive_s, reactive_submitted, reactive_latencies, reactive_cpu = reactive()
+    else:
+        reactive_s, reactive_submitted, reactive_latencies, reactive_cpu = reactive()
+        ran = operator()
+    _delete_namespaces(core, [limit_ns, floor_ns, reactive_ns, operator_ns])
+    floor_figures = latency_figures(floor_latencies)
+    reactive_figures = latency_figures(reactive_latencies)
+    return {
+        "count": count,
+        "arrival_rate": ARRIVAL_RATE,
+        "order": "operator first" if operator_first else "reactive floor first",
+        "limit_s": limit,
+        "floor_s": floor,
+        **ran,
+        "floor_p50_ms": floor_figures["p50_ms"],
+        "floor_p99_ms": floor_figures["p99_ms"],
+        "reactive_s": reactive_s,
+        "reactive_submitted_s": reactive_submitted,
+        "reactive_p50_ms": reactive_figures["p50_ms"],
+        "reactive_p99_ms": reactive_figures["p99_ms"],
+        "reactive_unseen": count - len(reactive_latencies),
+        "floor_cpu_seconds": floor_cpu,
+        "reactive_cpu_seconds": reactive_cpu,
+    }
+
+
+def operator_run(
+    kubeconfig: str,
+    api: client.CustomObjectsApi,
+    namespace: str,
+    names: list[str],
+    servers: dict[str, int],
+    quiet_seconds: float,
+) -> dict[str, Any]:
+    """``gpuop operator`` started here on ``namespace``, the same loop creating the GpuTrainings,
+    the same two watches as the reactive floor: its figures, as run_real reports them."""
+    count = len(names)
+    trainings, children = _watches(api, namespace)
     metrics_port = _free_port()
     with tempfile.TemporaryFile() as log:
         operator = subprocess.Popen(
-            [GPUOP, "operator", "--standalone", "--namespace", operator_ns,
+            [GPUOP, "operator", "--standalone", "--namespace", namespace,
              "--metrics-port", str(metrics_port), "--health-port", "0", "--max-workers", str(CONCURRENCY)],
             env={**os.environ, "KUBECONFIG": kubeconfig, **_operator_source_env()},
             stdout=log, stderr=subprocess.STDOUT,
@@ -698,10 +752,10 @@ def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any
             cpu_before = _cpu_seconds_of(measured)
             collections_before = _operator_collections(metrics_port)
             started = time.monotonic()
-            submitted = _create_trainings(api, operator_ns, names)
+            submitted = _create_trainings(api, namespace, names)
             deadline = time.monotonic() + 900
             _until_all_created((trainings, children), count, deadline,
-                               lambda: _created_by_list(api, operator_ns))  # fmt: skip
+                               lambda: _created_by_list(api, namespace))  # fmt: skip
             converged = max(trainings.created.values()) - started if trainings.created else float("nan")
             # Its Events are posted off the reconcile path, after the statuses: the work is done
             # when the operator's own counters have every write (3 a job), and not before.
@@ -732,26 +786,12 @@ def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any
                 log.seek(0)
                 print(log.read().decode(errors="replace")[-3000:], file=sys.stderr)
     latencies = _latencies(trainings, children, names)
-    _delete_namespaces(core, [limit_ns, floor_ns, reactive_ns, operator_ns])
-    floor_figures = latency_figures(floor_latencies)
-    reactive_figures = latency_figures(reactive_latencies)
     return {
-        "count": count,
-        "arrival_rate": ARRIVAL_RATE,
-        "limit_s": limit,
-        "floor_s": floor,
         "operator_s": converged,
         "operator_written_s": written,
         "created": len(trainings.created),
         "unseen": count - len(latencies),  # names whose child or training no watch saw
         **latency_figures(latencies),
-        "floor_p50_ms": floor_figures["p50_ms"],
-        "floor_p99_ms": floor_figures["p99_ms"],
-        "reactive_s": reactive,
-        "reactive_submitted_s": reactive_submitted,
-        "reactive_p50_ms": reactive_figures["p50_ms"],
-        "reactive_p99_ms": reactive_figures["p99_ms"],
-        "reactive_unseen": count - len(reactive_latencies),
         "submitted_s": submitted,
         "writes_per_job": writes(at_created) / count,
         "writes": {k: round(v / count, 2) for k, v in sorted(at_created.items())},
@@ -761,8 +801,6 @@ def run_real(kubeconfig: str, count: int, quiet_seconds: float) -> dict[str, Any
         "peak_rss_mb": rss,
         "gc_collections": collections,
         "cpu_seconds": cpu,
-        "floor_cpu_seconds": floor_cpu,
-        "reactive_cpu_seconds": reactive_cpu,
     }
 
 
@@ -865,12 +903,21 @@ def main() -> int:
         help="run the reactive floor twice and no operator: how far this host alone moves the p99 "
         "ratio between two identical controllers",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="real API server: runs per count, the reactive floor and the operator alternating which "
+        "goes first; issue 30's goals are judged on the median of the rounds (bench/operator_goals.py)",
+    )
     parser.add_argument("--reactive-controller", metavar="NAMESPACE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.arrival_rate is not None and not args.kubeconfig:
         parser.error("--arrival-rate: paces the real API server's runs; give --kubeconfig too")
     if args.reactive_twice and not args.kubeconfig:
         parser.error("--reactive-twice: runs against a real API server; give --kubeconfig too")
+    if args.rounds < 1 or (args.rounds > 1 and (not args.kubeconfig or args.reactive_twice)):
+        parser.error("--rounds: at least 1, and more only for the operator's runs on a real API server")
     if args.reactive_controller:  # the reactive floor's controller, started by run_real
         config.load_kube_config(config_file=args.kubeconfig)
         reactive_controller(args.reactive_controller, args.counts[0])
@@ -886,8 +933,22 @@ def main() -> int:
             result = run_reactive_twice(args.kubeconfig, count)
             _print_reactive_twice(result)
         elif args.kubeconfig:
-            result = run_real(args.kubeconfig, count, args.quiet_seconds)
-            _print_real(result)
+            rounds = []
+            for index in range(args.rounds):
+                operator_first = index % 2 == 1
+                if args.rounds > 1:
+                    first = "the operator" if operator_first else "the reactive floor"
+                    print(f"         round {index + 1} of {args.rounds}, {first} first", flush=True)
+                result = run_real(args.kubeconfig, count, args.quiet_seconds, operator_first=operator_first)
+                _print_real(result)
+                print(json.dumps(result), file=sys.stderr, flush=True)
+                rounds.append(result)
+            lines, passed = operator_goals.judge(rounds)
+            verdict = "met" if passed else "NOT MET"
+            print(f"N={count:5d}  issue 30's goals over {len(rounds)} round(s): {verdict}", flush=True)
+            for line in lines:
+                print(f"         {line}", flush=True)
+            continue
         else:
             result = run_emulated(count, args.quiet_seconds)
             _print_emulated(result)

@@ -30,7 +30,9 @@ def bench() -> ModuleType:
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("operator_scale", module)
-    spec.loader.exec_module(module)
+    with pytest.MonkeyPatch.context() as patch:  # its folder on the path, as `python bench/...` puts it
+        patch.syspath_prepend(str(ROOT / "bench"))
+        spec.loader.exec_module(module)
     return module
 
 
@@ -215,3 +217,73 @@ def test_a_paced_loop_sends_each_body_no_sooner_than_its_slot(bench: ModuleType)
     sent.clear()
     assert bench._create_all(create, list(range(20))) < 0.19
     assert sorted(body for _, body in sent) == list(range(20))
+
+
+def _round(p99: float | None, reactive_p99: float | None, **changes: Any) -> dict[str, Any]:
+    """One round of run_real's figures, as judge reads them: paced, all seen, 3 writes a job."""
+    return {"count": 1000, "arrival_rate": 80.0, "created": 1000, "unseen": 0, "reactive_unseen": 0,
+            "p99_ms": p99, "reactive_p99_ms": reactive_p99, "operator_written_s": 19.0, "floor_s": 17.0,
+            "writes_per_job": 3.0, "idle_writes": 0, **changes}  # fmt: skip
+
+
+def test_the_p99_goal_is_the_median_of_the_rounds_not_any_one_of_them(bench: ModuleType) -> None:
+    """One round at 2.3x among rounds near 1x meets the goal (two identical controllers spread
+    that far here); two of three over it do not, whatever the third."""
+    goals = bench.operator_goals
+    lines, passed = goals.judge([_round(1000.0, 1000.0), _round(2300.0, 1000.0), _round(1100.0, 1000.0)])
+    assert passed, lines
+    assert "met, median 1.10x of rounds 1.00x, 2.30x, 1.10x (goal <= 1.50x)" in lines[0]
+    assert "not judged when paced" in lines[1]
+    lines, passed = goals.judge([_round(1600.0, 1000.0), _round(500.0, 1000.0), _round(1510.0, 1000.0)])
+    assert not passed
+    assert "NOT MET, median 1.51x" in lines[0]
+
+
+def test_a_round_a_watch_missed_names_in_is_not_judged_never_counted_as_met(bench: ModuleType) -> None:
+    goals = bench.operator_goals
+    rounds = [_round(900.0, 1000.0), _round(900.0, 1000.0, unseen=3), _round(None, 1000.0)]
+    lines, passed = goals.judge(rounds)
+    assert not passed
+    assert lines[0].startswith(
+        "create->child p99 / reactive floor's: NOT JUDGED, 2 of 3 rounds had no figure"
+    )
+    assert "(0.90x, n/a, n/a)" in lines[0]
+    lines, passed = goals.judge([_round(900.0, 1000.0, reactive_unseen=1)] * 3)
+    assert not passed
+    assert goals.judge([]) == (["no round finished: nothing judged"], False)
+
+
+def test_unpaced_rounds_are_judged_on_operator_over_floor_too(bench: ModuleType) -> None:
+    goals = bench.operator_goals
+    unpaced = {"arrival_rate": None}
+    lines, passed = goals.judge([_round(1000.0, 1000.0, floor_s=f, **unpaced) for f in (17.4, 18.0, 16.0)])
+    assert passed, lines
+    assert "operator / floor: met, median 1.09x of rounds 1.09x, 1.06x, 1.19x" in lines[1]
+    lines, passed = goals.judge([_round(1000.0, 1000.0, floor_s=16.0, **unpaced)] * 3)
+    assert not passed
+    assert "operator / floor: NOT MET, median 1.19x" in lines[1]
+    # A round whose trainings did not all reach Created has no time to compare.
+    lines, passed = goals.judge(
+        [_round(1000.0, 1000.0, created=999, **unpaced)] + [_round(1000.0, 1000.0)] * 2
+    )
+    assert not passed
+    assert "operator / floor: NOT JUDGED" in lines[1]
+
+
+def test_writes_are_judged_in_every_round_and_fewer_than_three_rounds_are_no_verdict(
+    bench: ModuleType,
+) -> None:
+    goals = bench.operator_goals
+    lines, passed = goals.judge([_round(1000.0, 1000.0)] * 2 + [_round(1000.0, 1000.0, writes_per_job=3.01)])
+    assert not passed
+    assert (
+        lines[-1]
+        == "writes/job 3.00, 3.00, 3.01, idle writes 0, 0, 0: NOT MET (goal 3.00 and 0 in every round)"
+    )
+    lines, passed = goals.judge([_round(1000.0, 1000.0, idle_writes=1)] * 3)
+    assert not passed
+    assert lines[-1].endswith("idle writes 1, 1, 1: NOT MET (goal 3.00 and 0 in every round)")
+    lines, passed = goals.judge([_round(1000.0, 1000.0)])
+    assert not passed
+    assert "only 1 round(s)" in lines[0]
+    assert "met, median 1.00x" in lines[1]

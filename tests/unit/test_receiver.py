@@ -639,6 +639,24 @@ def test_an_accepted_report_lands_in_the_book(served: Served) -> None:
     assert by_pod == {"a-1": 99.0, "a-0": 41.0}
 
 
+def test_a_request_is_counted_before_its_answer_goes_out(serve: Callable[..., Served]) -> None:
+    """Once a client has its answer, the operator's metrics count it. Counted after the answer,
+    a client could read its answer and then the metrics before the server's thread had counted
+    (test_refusals once saw 0, in a clean-clone `make test`); a slow count makes that sure."""
+    served = serve()
+    count = served.server.counted
+
+    def slowly(outcome: str, seconds: float) -> None:
+        time.sleep(0.3)
+        count(outcome, seconds)
+
+    served.server.counted = slowly
+    assert served.post(path("a"), token=None)[0] == 401
+    assert served.count("no_token") == 1
+    assert served.post(path("a"), token=served.kube.mint(pod="a-0"))[0] == 200
+    assert served.count("accepted") == 1
+
+
 @pytest.mark.parametrize(
     ("case", "status", "outcome"),
     [

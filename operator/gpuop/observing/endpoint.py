@@ -328,7 +328,7 @@ def _handler(server: ReportServer) -> type[http.server.BaseHTTPRequestHandler]:
             started = time.monotonic()
             self.close_connection = True  # one report per connection: clients send every 5 s
             who = self.client_address[0]
-            outcome = "accepted"
+            outcome, status, document = "accepted", 200, {}
             self._body_read = False
             try:
                 key = RateLimiter.target(self.path)
@@ -343,13 +343,15 @@ def _handler(server: ReportServer) -> type[http.server.BaseHTTPRequestHandler]:
                 except ReportError as exc:
                     raise RefusalError(exc.status, "invalid", str(exc)) from None
                 server.book.put(key, ReceivedReport(pod=pod, report=report, received_at=server.clock()))
-                self._answer(200, {})
             except RefusalError as refusal:
-                outcome = refusal.outcome
+                outcome, status, document = refusal.outcome, refusal.status, {"error": str(refusal)}
                 server.say_once(who, refusal.outcome, f"{refusal.status} {refusal}")
-                self._answer(refusal.status, {"error": str(refusal)})
             finally:
+                # Counted before the answer goes out: once a client has its answer, the
+                # operator's metrics show it. Counted after, a client could read its answer
+                # and the metrics before this thread counted it (a test did, once in ~1,700).
                 server.counted(outcome, time.monotonic() - started)
+            self._answer(status, document)
             self._drain()
 
         def _drain(self) -> None:

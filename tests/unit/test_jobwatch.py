@@ -314,3 +314,17 @@ def test_a_watch_line_that_is_not_a_json_object_breaks_the_stream_not_the_operat
         with pytest.raises(ApiError) as caught:
             _event(line)
         assert caught.value.status == 0  # resumed from the last version seen, as a broken stream
+
+
+def test_cutting_a_stream_that_ended_meanwhile_is_no_error() -> None:
+    """urllib3's shutdown() says ValueError once its response has given the socket back (the
+    stream ended between the read of ``response`` and the cut); close() on SIGTERM raised it,
+    and the operator exited 1."""
+
+    class Ended:
+        def shutdown(self) -> None:
+            raise ValueError("Cannot shutdown socket as self._sock_shutdown is not set")
+
+    stream = object.__new__(jobwatch._Stream)
+    stream.response = Ended()  # type: ignore[assignment]
+    stream.cut()

@@ -36,6 +36,9 @@ P99_GOAL: Final = 1.5
 WRITES_PER_JOB: Final = 3
 FEWEST_ROUNDS: Final = 3  # fewer, and their median is hardly steadier than one run's figure
 GOALS_AT: Final = 1000  # the N the issue sets the goals for
+# A round's "order", as run_real records it: which of the two ran first.
+REACTIVE_FIRST: Final = "reactive floor first"
+OPERATOR_FIRST: Final = "operator first"
 
 Verdict = Literal["met", "NOT MET", "no verdict"]
 
@@ -79,7 +82,7 @@ def _median_against(name: str, ratios: list[float | None], goal: float) -> tuple
 def _by_order(rounds: list[dict[str, Any]], ratios: list[float | None]) -> str:
     """The p99 ratio's median for each order of the round: what running second costs."""
     parts = []
-    for order in ("reactive floor first", "operator first"):
+    for order in (REACTIVE_FIRST, OPERATOR_FIRST):
         mine = [x for r, x in zip(rounds, ratios, strict=True) if r.get("order") == order and x is not None]
         if mine:
             parts.append(f"{order} {statistics.median(mine):.2f}x ({len(mine)})")

@@ -703,7 +703,7 @@ def run_real(
     return {
         "count": count,
         "arrival_rate": ARRIVAL_RATE,
-        "order": "operator first" if operator_first else "reactive floor first",
+        "order": operator_goals.OPERATOR_FIRST if operator_first else operator_goals.REACTIVE_FIRST,
         "limit_s": limit,
         "floor_s": floor,
         **ran,
@@ -760,7 +760,7 @@ def operator_run(
             # Its Events are posted off the reconcile path, after the statuses: the work is done
             # when the operator's own counters have every write (3 a job), and not before.
             at_created = _operator_counters(metrics_port)
-            while writes(at_created) < 3 * count and time.monotonic() < deadline:
+            while writes(at_created) < operator_goals.WRITES_PER_JOB * count and time.monotonic() < deadline:
                 time.sleep(0.1)
                 at_created = _operator_counters(metrics_port)
             written = time.monotonic() - started

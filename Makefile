@@ -10,7 +10,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
 HELM := $(BIN)/helm
 CHART := charts/gpu-training-operator
 
-.PHONY: docs-tools version test run lint typecheck imports unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries node-binaries operator-image node min-versions cluster cluster-down monitoring-binaries objectstore-binaries
+.PHONY: docs-tools version test check release registry-binaries actionlint-binaries run lint typecheck imports unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries node-binaries operator-image node min-versions cluster cluster-down monitoring-binaries objectstore-binaries
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,31 @@ CONTROLPLANE := PYTHONPATH=tests $(BIN)/python -m support.plane.controlplane
 ## CRD is current, the operator's unit tests at the lowest versions it declares, pytest: unit,
 ## chart, operator, trainer, the real control-plane suite, the real-node suite and the local
 ## end-to-end chain)
-test: $(STAMP) $(HELM) controlplane-binaries monitoring-binaries objectstore-binaries node-binaries operator-image docs-tools lint typecheck imports crd min-versions unit
+test: $(STAMP) $(HELM) controlplane-binaries monitoring-binaries objectstore-binaries registry-binaries actionlint-binaries node-binaries operator-image docs-tools lint typecheck imports crd min-versions unit
+
+## check: the everyday loop: lint, strict types, the layers, the CRD is current, the unit tests
+## (tests/unit; nothing to build but .venv)
+check: $(STAMP) $(HELM) lint typecheck imports crd
+	HELM=$(abspath $(HELM)) $(BIN)/pytest -q tests/unit
+
+## release: build every artifact a user installs and push it: make release REGISTRY=host:port[/path]
+## [VERSION=x.y.z, default pyproject.toml's] [REGISTRY_CA=ca.crt]. The operator image (BuildKit,
+## root), the chart as an OCI artifact whose defaults name these images, the wheels and sdists
+## (twine-checked) and the release notes in dist/ (tests/support/release.py). BASE_IMAGES=pull
+## pulls the Dockerfiles' base images where a registry serves them, instead of the stand-ins made here
+release: $(STAMP) $(HELM)
+	HELM=$(abspath $(HELM)) BASE_IMAGES="$(BASE_IMAGES)" PYTHONPATH=tests $(BIN)/python -m support.release --registry "$(REGISTRY)" \
+	  --version "$(VERSION)" --ca "$(REGISTRY_CA)" --dist "$(or $(DIST),dist)"
+
+## registry-binaries: build (or find cached) CNCF Distribution's registry (tests/registry/go.mod),
+## the OCI registry that `make release` pushes to and the nodes pull from in the tests
+registry-binaries: $(STAMP)
+	PYTHONPATH=tests $(BIN)/python -m support.registry
+
+## actionlint-binaries: build (or find cached) actionlint (tests/actionlint/go.mod), which
+## tests/unit/test_workflows.py runs over .github/workflows/
+actionlint-binaries: $(STAMP)
+	PYTHONPATH=tests $(BIN)/python -m support.tools.actionlint
 
 ## controlplane-binaries: build (or find cached) etcd, kube-apiserver, kube-controller-manager,
 ## kubectl, the oldest kube-apiserver we claim (1.29), the Kubeflow controllers, Kueue and the

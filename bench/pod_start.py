@@ -5,8 +5,7 @@ One control plane of its own (tests/support/plane): N pods one after the other o
 node, each pod ``sh -c "sleep 1"`` in the shell stand-in image. For each pod, from the create
 request's reply: until the API says it is bound to a node, until it is Running (the kubelet has
 started its container), and until Succeeded. Polled every 20 ms, so each figure is late by 10 ms
-on average. Needs root, as the node suite does. (docs/benchmarks.md keeps the figures of the
-node agent the chain ran on before, measured by this bench's earlier form beside the real node.)
+on average. Needs root, as the node suite does. Figures: docs/benchmarks.md.
 
     .venv/bin/python bench/pod_start.py 20
 """

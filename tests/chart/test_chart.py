@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import shutil
 import subprocess
 import tomllib
 from datetime import UTC, datetime
@@ -20,7 +21,16 @@ from gpuop.api.identity import DEFAULT_TRAINER_IMAGE, TRAINING_LABEL
 from gputrain.contract import METRICS_PORT_NAME
 from support.paths import ROOT
 from support.schemas import crd as crdschema
-from support.tools.helm import CHART, RELEASE_NAMESPACE, TEAM_VALUES, helm, render_error, template
+from support.tools.helm import (
+    CHART,
+    RELEASE,
+    RELEASE_NAMESPACE,
+    TEAM_VALUES,
+    helm,
+    render_error,
+    template,
+    value_args,
+)
 from support.tools.operator_args import parse_operator_args
 
 CLOUD_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
@@ -454,6 +464,157 @@ def test_trainer_monitoring_and_network_policy_select_the_trainer_pods_and_port(
     # The monitor's labels match the reports Service too; it has no port of the monitor's name.
     (endpoint,) = service_monitor["spec"]["endpoints"]
     assert endpoint["port"] not in {p["name"] for p in services["reports"]["spec"]["ports"]}
+
+
+# -- the cloud values files, and what a new user is told -----------------------------------------
+
+# Kinds the chart renders without a namespace (cluster-scoped), and those it renders in one.
+_CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "ClusterKopfPeering",
+                   "PriorityClass"}  # fmt: skip
+_NAMESPACED = {"Deployment", "Service", "ServiceAccount", "Secret", "ConfigMap", "PodDisruptionBudget",
+               "Role", "RoleBinding", "KopfPeering", "NetworkPolicy", "ServiceMonitor", "PodMonitor",
+               "PrometheusRule"}  # fmt: skip
+
+
+@pytest.mark.parametrize("values_file", CLOUD_VALUES, ids=[p.name for p in CLOUD_VALUES])
+def test_a_cloud_values_file_installs_on_a_new_cluster_with_only_the_documented_prerequisites(
+    values_file: Path,
+) -> None:
+    """`helm install --create-namespace -f ci/<cloud>-values.yaml` makes the release namespace
+    and nothing else: an object in any other namespace (a NetworkPolicy or Role in a team's)
+    fails the install where that namespace does not exist yet. A node selector or required
+    node affinity names labels a cluster's nodes may lack, leaving the operator Pending, and a
+    toleration names a site's taint: both are site choices. prometheus-operator's kinds need
+    CRDs the chart does not list as prerequisites. Serving one namespace is a site's choice
+    too; a cloud file serves them all. Those choices stay in the files as comments."""
+    objects = template(files=(values_file,))
+    traps: list[str] = []
+    for obj in objects:
+        kind, meta = obj["kind"], obj["metadata"]
+        where = f"{kind} {meta['name']}"
+        assert kind in _CLUSTER_SCOPED | _NAMESPACED, (
+            f"{where}: add its kind to _CLUSTER_SCOPED or _NAMESPACED"
+        )
+        if kind in _CLUSTER_SCOPED and "namespace" in meta:
+            traps.append(f"{where}: cluster-scoped, given namespace {meta['namespace']}")
+        # helm puts a namespaced object that names none in the release's
+        if kind in _NAMESPACED and meta.get("namespace", RELEASE_NAMESPACE) != RELEASE_NAMESPACE:
+            traps.append(f"{where}: in namespace {meta['namespace']}, which the install does not make")
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            traps.append(f"{where}: needs prometheus-operator's CRDs")
+    pod = _deployment(objects)["spec"]["template"]["spec"]
+    for field in ("nodeSelector", "tolerations"):
+        if field in pod:
+            traps.append(f"the operator pod's {field}: {pod[field]}")
+    if "nodeAffinity" in pod.get("affinity", {}):
+        traps.append(f"the operator pod's nodeAffinity: {pod['affinity']['nodeAffinity']}")
+    # The class the operator runs at is the one the chart makes, not one the cluster must have.
+    made = [c["metadata"]["name"] for c in _of_kind(objects, "PriorityClass")]
+    if made != [pod.get("priorityClassName")]:
+        traps.append(f"priorityClassName {pod.get('priorityClassName')}, which the chart does not make")
+    # Every namespace: GPUOP_NAMESPACES empty, the rules in a ClusterRole bound cluster-wide.
+    if _env(objects)["GPUOP_NAMESPACES"]:
+        traps.append(f"serves only {_env(objects)['GPUOP_NAMESPACES']}")
+    bound = {b["roleRef"]["name"] for b in _of_kind(objects, "ClusterRoleBinding")}
+    serving = {
+        role["metadata"]["name"]
+        for role in _of_kind(objects, "ClusterRole")
+        if any("gputrainings" in rule["resources"] for rule in role["rules"])
+    }
+    if not serving & bound or _of_kind(objects, "Role"):
+        traps.append("GpuTrainings granted in Roles, not a ClusterRole")
+    assert traps == [], f"{values_file.name}: {traps}"
+
+
+# What each cloud file leaves to the site, as commented examples (top-level values).
+SITE_CHOICES = {
+    "aks-values.yaml": {"watchNamespaces", "nodeSelector", "tolerations", "metrics"},
+    "eks-values.yaml": {"watchNamespaces", "nodeSelector", "priorityClassName", "metrics", "networkPolicy"},
+    "gke-values.yaml": {"watchNamespaces", "nodeSelector", "networkPolicy"},
+    "openshift-values.yaml": set(),
+}
+
+
+def _site_choices(path: Path) -> dict[str, Any]:
+    """A values file's commented examples, uncommented: each starts at a `# key:` line naming a
+    top-level value and goes on over the indented `#` lines under it."""
+    top = set(yaml.safe_load((CHART / "values.yaml").read_text()))
+    lines: list[str] = []
+    inside = False
+    for line in path.read_text().splitlines():
+        start = re.match(r"# ([a-zA-Z]\w*):", line)
+        if start and start[1] in top:
+            inside = True
+            lines.append(line[2:])
+        elif inside and line.startswith("#  "):
+            lines.append(line[2:])
+        else:
+            inside = False
+    choices: dict[str, Any] = yaml.safe_load("\n".join(lines)) or {}
+    return choices
+
+
+@pytest.mark.parametrize("values_file", CLOUD_VALUES, ids=[p.name for p in CLOUD_VALUES])
+def test_the_site_choices_a_cloud_file_leaves_commented_are_values_the_chart_takes(
+    values_file: Path, tmp_path: Path
+) -> None:
+    """Uncommented together over the file, they pass the schema, render objects the API would
+    take, and reach the operator's pod: a user who uncomments one gets what its comment says."""
+    choices = _site_choices(values_file)
+    assert set(choices) == SITE_CHOICES[values_file.name]
+    uncommented = tmp_path / "site.yaml"
+    uncommented.write_text(yaml.safe_dump(choices))
+    version = KUBERNETES_VERSIONS[-1]
+    objects = template(files=(values_file, uncommented), kube_version=version)
+    for obj in objects:
+        _validate(obj, version)
+    pod = _deployment(objects)["spec"]["template"]["spec"]
+    for key in ("nodeSelector", "tolerations", "priorityClassName"):
+        if key in choices:
+            assert pod[key] == choices[key], key
+    if "watchNamespaces" in choices:
+        assert _env(objects)["GPUOP_NAMESPACES"] == ",".join(choices["watchNamespaces"])
+
+
+@pytest.fixture(scope="module")
+def notes_chart(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the chart that renders NOTES.txt as a ConfigMap's data, through `tpl` with the
+    release's context as helm renders it: `helm template` leaves NOTES out, and helm 3.17's
+    `install --dry-run=client` still asks a cluster for its version."""
+    chart = tmp_path_factory.mktemp("notes") / CHART.name
+    shutil.copytree(CHART, chart)
+    shutil.copy(CHART / "templates" / "NOTES.txt", chart / "notes-source.txt")
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n"
+        '  notes: {{ tpl (.Files.Get "notes-source.txt") . | toJson }}\n'
+    )
+    return chart
+
+
+def _notes(chart: Path, values: dict[str, Any] | None = None) -> str:
+    result = helm("template", RELEASE, str(chart), "--namespace", RELEASE_NAMESPACE,
+                  "--show-only", "templates/zz-notes.yaml", *value_args(values))  # fmt: skip
+    notes: str = yaml.safe_load(result.stdout)["data"]["notes"]
+    return notes
+
+
+def test_a_new_user_is_pointed_at_the_first_example_and_every_example_named_exists(notes_chart: Path) -> None:
+    """The first example needs one GPU and no volume; examples/mnist.yaml needs two GPUs, three
+    ReadWriteMany claims and MNIST already on one, so it is named only as the fuller example."""
+    notes = _notes(notes_chart)
+    readme = (CHART / "README.md").read_text()
+    for where, text in (("NOTES.txt", notes), ("README.md", readme)):
+        named = re.findall(r"examples/[\w./-]+\.yaml", text)
+        assert named[0] == "examples/first-training.yaml", where
+        assert f"kubectl apply -f {named[0]}" in text, where
+        assert "kubectl apply -f examples/mnist.yaml" not in text, where
+        for path in named:
+            assert (ROOT / path).is_file(), f"{where} names {path}, which is not in the repository"
+    assert "serving GpuTrainings in every namespace." in notes
+    # Served only some namespaces, the first example goes to one of them.
+    scoped = _notes(notes_chart, {"watchNamespaces": ["team-a", "team-b"]})
+    assert "serving GpuTrainings in team-a, team-b." in scoped
+    assert "kubectl apply -f examples/first-training.yaml -n team-a" in scoped
 
 
 # -- Grafana dashboards ------------------------------------------------------------------------

@@ -26,11 +26,17 @@ def _helm(plane: ControlPlane, *args: str, check: bool = True) -> str:
 
 @pytest.fixture(scope="module", autouse=True)
 def prerequisites(plane: ControlPlane, crd_warnings: str) -> None:
-    """What the values files expect of the cluster: prometheus-operator's CRDs (EKS, AKS
-    enable the monitors, as with kube-prometheus-stack) and the watched namespaces."""
-    install_crds(plane, MONITORING_CRDS)
-    for namespace in ("ml-training", "ml-research"):
-        plane.kubectl("create", "namespace", namespace)
+    """The chart's documented prerequisites and nothing more: Kubeflow's CRDs (the session's
+    fixture applied them, with ours and Kopf's), no prometheus-operator and no team namespaces.
+    The cloud values files must install on that as they are."""
+    crds = plane.kubectl("get", "crd", "-o", "name").stdout.split()
+    assert not [name for name in crds if name.endswith(".monitoring.coreos.com")], crds
+
+
+def _namespace(plane: ControlPlane, name: str) -> None:
+    """A namespace a team makes after the operator is installed (there already or not)."""
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+    plane.kubectl("apply", "-f", "-", input=json.dumps(namespace))
 
 
 def test_helm_takes_over_a_hand_applied_crd_only_once_it_carries_helms_ownership(plane: ControlPlane) -> None:
@@ -77,6 +83,7 @@ def test_install_creates_every_object_and_uninstall_keeps_the_crd(
         )
         assert stored["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
 
+    _namespace(plane, "ml-training")
     survivor = minimal()
     survivor["metadata"] = {"name": "survivor", "namespace": "ml-training"}
     plane.kubectl("create", "-f", "-", input=json.dumps(survivor))
@@ -87,6 +94,27 @@ def test_install_creates_every_object_and_uninstall_keeps_the_crd(
     assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     assert api.get("gputrainings", "survivor", "ml-training") is not None
     api.delete("gputrainings", "survivor", "ml-training")
+
+
+def test_the_monitors_the_values_files_leave_commented_install_once_prometheus_operators_crds_are_there(
+    plane: ControlPlane,
+) -> None:
+    """The commented monitoring blocks of ci/eks-values.yaml and ci/aks-values.yaml, on a
+    cluster with kube-prometheus-stack's CRDs: the API server takes both monitors as rendered."""
+    install_crds(plane, MONITORING_CRDS)
+    try:
+        monitors = {"metrics.serviceMonitor.enabled": True, "metrics.trainerPodMonitor.enabled": True,
+                    "metrics.serviceMonitor.labels": {"release": "kube-prometheus-stack"}}  # fmt: skip
+        _helm(plane, "install", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace",
+              *value_args(monitors))  # fmt: skip
+        kinds = {str(o["kind"]) for o in _manifest_objects(plane)}
+        assert {"ServiceMonitor", "PodMonitor"} <= kinds
+        for kind in ("servicemonitors", "podmonitors"):
+            assert plane.kubectl("get", kind, "-n", RELEASE_NAMESPACE, "-o", "name").stdout.strip()
+        _helm(plane, "uninstall", RELEASE, "-n", RELEASE_NAMESPACE, "--wait")
+    finally:
+        for path in MONITORING_CRDS:
+            plane.kubectl("delete", "-f", str(path), "--ignore-not-found")
 
 
 def test_the_installed_crd_is_the_generated_one(plane: ControlPlane) -> None:

@@ -2,10 +2,13 @@
 two real nodes (containerd, runc, the CNI bridge and kubelet v1.35; kube-scheduler,
 kube-proxy and CoreDNS: :mod:`support.node.pool`), the real Kubeflow training-operator,
 Trainer v2 with JobSet and Kueue (controllers and webhooks, processes on this machine), and our
-operator running in the cluster from its image, installed by the real helm from the chart.
+operator as a user installs it: ``make release`` pushed its image and chart to a real registry
+(:mod:`support.registry`), the real helm installs the chart from ``oci://`` and the node pulls
+the image.
 
 The trainers run from the default trainer image, the stand-in assembled from the project's
-.venv (:mod:`support.images.trainer`), imported on both nodes and tagged with the name the kind
+.venv (:mod:`support.images.trainer`), not yet built from images/trainer.Dockerfile nor pulled:
+imported on both nodes and tagged with the names the released chart's defaults and the kind
 examples give (as ``kind load docker-image`` would); the user's own programs run from the
 archive's second image, a stand-in for a team's own image (:data:`~support.images.trainer.OWN_CODE_NAME`).
 
@@ -28,7 +31,8 @@ from support import monitoring
 from support.chain import CLAIMS_LABEL, EXAMPLE_IMAGE, NAMESPACE, Claims, InClusterOperator, Timeline
 from support.controllers import kueue, trainerv2, trainingoperator
 from support.controllers.webhooked import WebhookedController
-from support.images import build, trainer
+from support.fixtures import Released
+from support.images import trainer
 from support.node import binaries
 from support.node.images import full_reference
 from support.node.node import Node
@@ -99,18 +103,22 @@ def nodes(
     plane: controlplane.ControlPlane,
     node_api: Api,
     node_binaries: binaries.NodeBinaries,
+    released: Released,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Pool]:
-    """Both nodes, kube-scheduler, kube-proxy and CoreDNS, with the operator image, the trainer
-    stand-in (also under the kind examples' name) and the own-code stand-in on each (4.8 GB,
-    imported on both at once: about 65 s)."""
-    images = [build.operator_image(), trainer.trainer_image()]
+    """Both nodes, kube-scheduler, kube-proxy and CoreDNS. Each trusts the session's registry and
+    pulls the operator image from it, as ``make release`` pushed it. The trainer stand-in (4.8 GB;
+    see support.images.trainer) and the own-code stand-in are imported on both at once (about
+    65 s), under the trainer's name in the released chart's defaults and the kind examples'."""
+    images = [trainer.trainer_image()]
 
-    def tag_for_the_examples(node: Node) -> None:
-        node.containerd.ctr("images", "tag", "--force", trainer.NAME, full_reference(EXAMPLE_IMAGE))
+    def trust_and_tag(node: Node) -> None:
+        node.containerd.trust(released.registry.address, released.registry.ca)
+        for name in (released.reference("trainer"), full_reference(EXAMPLE_IMAGE)):
+            node.containerd.ctr("images", "tag", "--force", trainer.NAME, full_reference(name))
 
     with running_pool(
-        plane, node_api, node_binaries, tmp_path_factory.mktemp("pool"), images, tag_for_the_examples
+        plane, node_api, node_binaries, tmp_path_factory.mktemp("pool"), images, trust_and_tag
     ) as pool:
         print(f"images imported: {pool.imported}")
         yield pool
@@ -186,12 +194,13 @@ def operator(
     api: Api,
     nodes: Pool,
     kubeflow: WebhookedController,
+    released: Released,
 ) -> Iterator[InClusterOperator]:
-    """``helm install`` of the chart with its defaults (and :data:`VALUES`): the operator's
-    Deployment runs our image on the first node, its report endpoint behind its Service with
+    """``helm install oci://...`` of the released chart with its defaults (and :data:`VALUES`):
+    the operator's Deployment runs the released image, pulled by the first node, its report endpoint behind its Service with
     the certificate the chart makes, which the trainers reach by the Service's name."""
     started = time.monotonic()
-    install_chart(plane, chart_values(nodes))
+    install_chart(plane, chart_values(nodes), released.helm_chart())
     pod = wait_for("the operator's pod Ready", lambda: ready_operator_pod(api), timeout=120, every=0.5)
     print(f"helm install -> operator pod Ready: {time.monotonic() - started:.1f}s")
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
@@ -224,7 +233,7 @@ def claims(plane: controlplane.ControlPlane, tmp_path_factory: pytest.TempPathFa
 
 @pytest.fixture(scope="module")
 def monitored(
-    plane: controlplane.ControlPlane, api: Api, nodes: Pool, operator: InClusterOperator
+    plane: controlplane.ControlPlane, api: Api, nodes: Pool, operator: InClusterOperator, released: Released
 ) -> Iterator[monitoring.Prometheus]:
     """prometheus-operator and Prometheus (:mod:`support.monitoring`), and the chart upgraded
     with :data:`MONITORING_VALUES`, for one module; then the chart as before (its monitors and
@@ -232,8 +241,8 @@ def monitored(
     started = time.monotonic()
     with monitoring.running_monitoring(
         plane, api, nodes,
-        monitors_on=lambda: install_chart(plane, {**chart_values(nodes), **MONITORING_VALUES}),
-        monitors_off=lambda: install_chart(plane, chart_values(nodes)),
+        monitors_on=lambda: install_chart(plane, {**chart_values(nodes), **MONITORING_VALUES}, released.helm_chart()),
+        monitors_off=lambda: install_chart(plane, chart_values(nodes), released.helm_chart()),
     ) as prometheus:  # fmt: skip
         wait_for("Prometheus scraping the operator, with the chart's rules",
                  lambda: prometheus.serves_chart(RELEASE_NAMESPACE), timeout=120, every=1)  # fmt: skip

@@ -31,6 +31,8 @@ from support.waiting import wait_for
 pytestmark = pytest.mark.node
 
 KIND_CPU = ROOT / "examples" / "kind-cpu.yaml"
+# README's first training, run as README says to on a cluster without GPUs.
+FIRST_TRAINING = ROOT / "examples" / "first-training.yaml"
 # A user's own loop that reports through gpureport (in the trainer image, as `pip install`
 # would put it): 15 steps of 2 s.
 PLAIN_LOOP = """
@@ -74,37 +76,57 @@ def test_a_state_directory_too_deep_for_unix_sockets_is_refused_in_one_line(tmp_
     assert not deep.exists()
 
 
-def test_make_cluster_trains_the_kind_example_with_no_image_and_cluster_down_leaves_nothing(
+def test_make_cluster_trains_the_first_example_and_the_kind_example_and_cluster_down_leaves_nothing(
     state: Path,
 ) -> None:
-    """The whole chain as a user meets it, every pod a container: the operator from its image
-    (the chart's defaults) renders the jobs with its default trainer image (the stand-in
-    on both nodes), the real training-operator makes the pods, the kubelets run torchrun -m
-    gputrain (DDP over gloo, the workers meeting by the master's name through CoreDNS) and a
-    user's plain loop; Trainer v2 and JobSet do the same for a TrainJob; each status follows
-    its training while it runs, the user's loop through its own reports alone."""
+    """The whole chain as a user meets it, every pod a container: the chart installed from the
+    registry `make release` pushed to (`helm install oci://...`, its defaults), the operator's
+    image pulled by the node; the operator renders the jobs with its default trainer image (the
+    stand-in on both nodes), the real training-operator makes the pods, the kubelets run
+    torchrun -m gputrain (README's first training with its GPU count set to 0; the kind example,
+    whose DDP workers meet over gloo by the master's name through CoreDNS, on Trainer v2 and
+    JobSet) and a user's plain loop; each status follows its training while it runs, the
+    user's loop through its own reports alone."""
     up, took = cluster("up", state, timeout=600)
     print(f"cluster up in {took:.1f}s:\n{up.stdout}")
     try:
         assert up.returncode == 0, f"{up.stdout}\n{up.stderr}\n{_tail(state)}"
         assert f"export KUBECONFIG={state / 'kubeconfig'}" in up.stdout
         assert "make cluster-down" in up.stdout
+        # The registry the chart came from, where a user's tools find it.
+        address = (state / "registry").read_text().strip()
+        assert (state / "registry-ca.crt").read_text().startswith("-----BEGIN CERTIFICATE-----")
+        operator = json.loads(kubectl(state, "get", "pods", "-n", "gpuop-system", "-o", "json").stdout)[
+            "items"
+        ][0]
+        assert operator["spec"]["containers"][0]["image"].startswith(f"{address}/operator:"), operator["spec"]
+        events = kubectl(
+            state, "get", "events", "-n", "gpuop-system", "--field-selector", "reason=Pulled"
+        ).stdout
+        assert f'Successfully pulled image "{address}/operator:' in events, events
         nodes = json.loads(kubectl(state, "get", "nodes", "-o", "json").stdout)["items"]
         assert len(nodes) == 2, [n["metadata"]["name"] for n in nodes]
         for node in nodes:
             ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}["Ready"]
             assert (ready, node["status"]["allocatable"]["nvidia.com/gpu"]) == ("True", "2"), node["status"]
         # Three trainings at once, none with an `image` (the default trainer image, on both
-        # nodes): the kind example on each backend, and a user's plain loop on our report API.
+        # nodes): README's first training, the kind example on Trainer v2, and a user's plain
+        # loop on our report API. Paced (GPUOP_TEST_STEP_SECONDS), long enough to be seen
+        # reporting however fast the machine (a report goes every 5 s at most).
+        pacing = [{"name": "PYTHONPATH", "value": trainer.TEST_SITE}]
+        first = yaml.safe_load(FIRST_TRAINING.read_text())
+        # As its comment says for a cluster without GPUs: no GPU, about 10 epochs (5 here:
+        # 225 steps of 0.2 s).
+        first["spec"]["gpusPerWorker"] = 0
+        first["spec"]["training"]["epochs"] = 5
+        first["spec"]["resources"] = {"cpu": "500m", "memory": "1Gi"}
+        first["spec"]["env"] = [*pacing, {"name": "GPUOP_TEST_STEP_SECONDS", "value": "0.2"}]
         kind = yaml.safe_load(KIND_CPU.read_text())
         del kind["spec"]["image"]
-        # Half a CPU a worker, so that the four workers fit on the two nodes' four CPUs beside
-        # the operator and CoreDNS; 0.4 s a step (115 steps: 46 s or more), long enough to be
-        # seen reporting however fast the machine (it trains the example in 2 s here; a report
-        # goes every 5 s at most).
+        # Half a CPU a worker, so that the three workers fit on the two nodes' four CPUs beside
+        # the operator and CoreDNS; 0.4 s a step (115 steps: 46 s or more).
         kind["spec"]["resources"]["cpu"] = "500m"
-        kind["spec"]["env"] = [{"name": "PYTHONPATH", "value": trainer.TEST_SITE},
-                               {"name": "GPUOP_TEST_STEP_SECONDS", "value": "0.4"}]  # fmt: skip
+        kind["spec"]["env"] = [*pacing, {"name": "GPUOP_TEST_STEP_SECONDS", "value": "0.4"}]
         kind_v2 = {
             **kind,
             "metadata": {"name": "kind-cpu-v2"},
@@ -112,8 +134,8 @@ def test_make_cluster_trains_the_kind_example_with_no_image_and_cluster_down_lea
         }
         loop = specs.training("plain-loop", "default", command=["python", "-c", PLAIN_LOOP], workers=1,
                               gpusPerWorker=0, resources={"cpu": "100m", "memory": "256Mi"})  # fmt: skip
-        backends = {"kind-cpu": "pytorchjob", "kind-cpu-v2": "trainjob", "plain-loop": "pytorchjob"}
-        for body in (kind, kind_v2, loop):
+        backends = {"first-training": "pytorchjob", "kind-cpu-v2": "trainjob", "plain-loop": "pytorchjob"}
+        for body in (first, kind_v2, loop):
             created = subprocess.run(
                 [str(state / "bin" / "kubectl"), f"--kubeconfig={state / 'kubeconfig'}", "create", "-f", "-"],
                 input=json.dumps(body), capture_output=True, text=True, timeout=60,
@@ -151,7 +173,7 @@ def test_make_cluster_trains_the_kind_example_with_no_image_and_cluster_down_lea
                 f"{name}: the status did not follow the training: {running}\n{_logs(state)}"
             )
             assert all(p.get("loss") is not None for p in running), running
-        for name in ("kind-cpu", "kind-cpu-v2"):
+        for name in ("first-training", "kind-cpu-v2"):
             assert seen[name][-1]["progress"]["accuracy"] > 0.9, seen[name][-1]
         # The user's loop gives reports only, so every figure it showed came through them
         # (Kubeflow's protocol, to the operator's Service, with the pod's projected token). The

@@ -1,5 +1,5 @@
-"""The operator as users run it: our image, installed by ``helm install`` with the chart's
-defaults, started by a real kubelet in containerd under restricted Pod Security, talking to the
+"""The operator as users run it: what ``make release`` pushed to a real registry, installed by
+``helm install oci://...`` with the chart's defaults, its image pulled and started by a real kubelet in containerd under restricted Pod Security, talking to the
 API through the ``kubernetes`` Service (kube-proxy's rules) with its ServiceAccount's token.
 
 Here, in `make cluster` and in the end-to-end chain the operator runs this way; the
@@ -9,8 +9,9 @@ securityContext (read-only root filesystem, no capabilities, RuntimeDefault secc
 65532), its probes and in-cluster configuration, against the real thing.
 
 The image is built by BuildKit from images/operator.Dockerfile, unchanged (support.images; cold
-once per machine, then cached by content). One module, so containerd imports the 103 MB archive
-once (10 to 35 s measured at load 7 to 12).
+once per machine, then cached by content) and pushed with the chart by the session's one
+``make release`` (support.fixtures' ``released``); each node trusts the registry's CA, as a cloud
+node trusts a private registry, and its kubelet pulls the image when a pod first needs it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pytest
 from support import specs
 from support.controllers import trainingoperator
 from support.controllers.webhooked import WebhookedController
+from support.fixtures import Released
 from support.images import build
 from support.node.images import ImageArchive
 from support.node.node import Node, Scheduler
@@ -110,11 +112,11 @@ def version() -> str:
 
 
 @pytest.fixture(scope="module")
-def image_on_node(node: Node, image: ImageArchive) -> str:
-    """The operator image imported into the node's containerd under the name the chart deploys."""
-    seconds = node.containerd.import_images([image])
-    print(f"operator image: {image.path.stat().st_size / 1e6:.0f} MB archive, imported in {seconds:.1f}s")
-    return image.name
+def image_on_node(node: Node, released: Released) -> str:
+    """The operator image as ``make release`` pushed it, by the name the released chart deploys;
+    the node trusts the registry's CA and its kubelet pulls the image (no import)."""
+    node.containerd.trust(released.registry.address, released.registry.ca)
+    return released.reference("operator")
 
 
 def test_the_image_is_named_as_the_chart_deploys_it_and_runs_gpuop_operator_as_65532(
@@ -132,9 +134,9 @@ def test_the_image_is_named_as_the_chart_deploys_it_and_runs_gpuop_operator_as_6
 @pytest.fixture(scope="module")
 def operator_pod(
     plane: ControlPlane, api: Api, node: Node, scheduler: Scheduler, service_proxy: ServiceProxy,
-    image_on_node: str,
+    image_on_node: str, released: Released,
 ) -> Iterator[dict[str, Any]]:  # fmt: skip
-    """The chart installed with its defaults into a namespace that enforces restricted Pod
+    """The released chart (``helm install oci://...``) installed with its defaults into a namespace that enforces restricted Pod
     Security; the Deployment's pod once Ready (its readiness probe is the operator's /healthz).
 
     One value differs from the defaults: a node selector for this node, so that the second node
@@ -143,7 +145,7 @@ def operator_pod(
     for namespace, labels in ((RELEASE_NAMESPACE, RESTRICTED), (NAMESPACE, {})):
         api.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace, "labels": labels}})
     installing = time.monotonic()
-    install_chart(plane, {"nodeSelector": {"kubernetes.io/hostname": node.name}})
+    install_chart(plane, {"nodeSelector": {"kubernetes.io/hostname": node.name}}, released.helm_chart())
     print(f"helm install: {time.monotonic() - installing:.1f}s")
     try:
         try:
@@ -338,15 +340,13 @@ else:
 
 def test_a_two_worker_gpu_training_spans_both_nodes_each_worker_with_the_gpus_its_kubelet_allocated(
     plane: ControlPlane, api: Api, node: Node, second_node: Node, kubeflow_v1: WebhookedController,
-    cluster_dns: str, image: ImageArchive, image_on_node: str, operator_pod: dict[str, Any],
+    cluster_dns: str, released: Released, image_on_node: str, operator_pod: dict[str, Any],
 ) -> None:  # fmt: skip
     """Two nodes with two stand-in GPUs each, and a training of two workers with two GPUs each:
     the scheduler can only place one worker on each node, each kubelet's device manager gives its
     worker both of its node's devices (the device plugin's NVIDIA_VISIBLE_DEVICES), and the
     workers meet across the nodes by the master's name, as a DDP rendezvous does."""
-    print(
-        f"operator image imported on the second node in {second_node.containerd.import_images([image]):.1f}s"
-    )
+    second_node.containerd.trust(released.registry.address, released.registry.ca)  # it pulls the image too
     name = "two-nodes"
     # Both pods kept after the job ends (cleanPodPolicy None): the master's success ends it, and
     # with the default (Running) the training-operator deletes the worker if its kubelet has not
@@ -401,7 +401,14 @@ def test_the_charts_defaults_run_the_operator_from_its_image_under_restricted_po
 ) -> None:
     spec = operator_pod["spec"]
     container = spec["containers"][0]
-    assert container["image"] == image_on_node  # the chart's default image is the one built here
+    assert container["image"] == image_on_node  # the released chart's default: the image it was released with
+    # The kubelet pulled it from the registry, as a cloud node pulls a release.
+    events = [e for e in api.list("events", RELEASE_NAMESPACE)
+              if e["involvedObject"].get("name") == operator_pod["metadata"]["name"]]  # fmt: skip
+    pulled = [e["message"] for e in events if e["reason"] == "Pulled"]
+    assert any(f'"{image_on_node}"' in message and "Successfully pulled" in message for message in pulled), (
+        events
+    )
     assert operator_pod["spec"]["nodeName"] == node.name
     started = operator_pod["status"]["containerStatuses"][0]
     assert started["restartCount"] == 0, started

@@ -3,16 +3,20 @@
 The same pieces the tests run (the control plane, two real nodes with the stand-in GPU device
 plugin, kube-scheduler, kube-proxy, CoreDNS, the real Kubeflow training-operator v1, and Kubeflow
 Trainer v2 with JobSet, so both of the operator's backends run), kept up by a
-detached supervisor (:func:`support.plane.controlplane.detach`) until ``down``; the chart
-installed with its defaults from the operator image built here and imported on both nodes.
-Everything lives under ``.cluster/`` (ignored by git): the kubeconfig, the binaries' links, each
-piece's work directory and log. ``down`` stops them in reverse order, each node cordoned and
+detached supervisor (:func:`support.plane.controlplane.detach`) until ``down``; and a real OCI
+registry (:mod:`support.registry`) that ``make release`` pushes this tree's operator image and
+chart to, so the chart is installed as a user installs it, from ``oci://`` with its defaults,
+and the nodes pull the image. Everything lives under ``.cluster/`` (ignored by git): the
+kubeconfig, the binaries' links, the registry's address (``registry``, one line ``host:port``)
+and CA (``registry-ca.crt``), the release's files (``dist/``), each piece's work directory and
+log. ``down`` stops them in reverse order, each node cordoned and
 drained, and sweeps what a piece left (support.node.node.Node.stop); then it checks that no
 process, mount, bridge, cgroup or kube-proxy chain of the cluster is left on the machine.
 
 Both nodes have the operator's default trainer image, the stand-in assembled from the
-project's .venv (:mod:`support.images.trainer`, 4.8 GB with the own-code stand-in, about 60 s to import on each node), so
-a GpuTraining with no ``image`` trains: ``examples/kind-cpu.yaml`` without its ``image`` line.
+project's .venv (:mod:`support.images.trainer`, 4.8 GB with the own-code stand-in, about 60 s to
+import on each node) under the name the released chart's defaults give, so a GpuTraining with no
+``image`` trains: ``examples/first-training.yaml`` with ``gpusPerWorker: 0``.
 What it needs: root (cgroups, mounts, network namespaces, iptables), Go and gcc (the binaries
 are built from their modules the first time: README has the cold cost) and about 15 GB of disk
 (the trainer image in the cache and on each node).
@@ -31,11 +35,12 @@ import time
 from pathlib import Path
 from typing import IO, Final
 
+from support import registry, release
 from support.controllers import trainerv2, trainingoperator
 from support.images import build, trainer
 from support.node import binaries, hoststate
 from support.node.images import ImageArchive
-from support.node.node import PREFIX
+from support.node.node import PREFIX, Node
 from support.node.pool import GPUS_PER_NODE, running_pool
 from support.node.process import processes_naming
 from support.node.proxy import kube_chains
@@ -79,7 +84,21 @@ def _supervise(
             # Kopf's); before the chart, so that the operator finds both backends at its start.
             install_crds(plane, [KUBEFLOW_CRD, *TRAINER_CRDS, trainerv2.JOBSET_CRD])
             api = Api(plane)
-            pool = pieces.enter_context(running_pool(plane, api, node_binaries, state, images))
+            local = pieces.enter_context(registry.running_registry(state / "registry"))
+            shutil.copy(local.ca, state / registry.CA_FILE)
+            (state / registry.ADDRESS_FILE).write_text(local.address + "\n")
+            described = release.release(
+                local.address, release.pyproject_version(), state / "dist", local.ca, _say
+            )
+            version = str(described["version"])
+
+            def trust_and_tag(node: Node) -> None:
+                node.containerd.trust(local.address, local.ca)
+                node.containerd.ctr(
+                    "images", "tag", "--force", trainer.NAME, f"{local.address}/trainer:{version}"
+                )
+
+            pool = pieces.enter_context(running_pool(plane, api, node_binaries, state, images, trust_and_tag))
             _say(
                 "images imported: "
                 + ", ".join(f"{name} {seconds:.0f}s" for name, seconds in pool.imported.items())
@@ -93,16 +112,9 @@ def _supervise(
                 pieces.callback(controller.retire)
                 controller.start()
             config = ["--kubeconfig", str(plane.kubeconfig)]
-            helm(
-                "upgrade",
-                "--install",
-                RELEASE,
-                str(CHART),
-                "-n",
-                RELEASE_NAMESPACE,
-                "--create-namespace",
-                *config,
-            )
+            chart = f"oci://{local.address}/charts/{CHART.name}"
+            helm("upgrade", "--install", RELEASE, chart, "--version", version, "--ca-file", str(local.ca),
+                 "-n", RELEASE_NAMESPACE, "--create-namespace", *config)  # fmt: skip
             deadline = time.monotonic() + 180
             while ready_operator_pod(api) is None:
                 if stop.is_set():
@@ -178,8 +190,9 @@ def up(state: Path) -> int:
     (state / "chains-before").write_text("\n".join(kube_chains()))
     # Built (or found) before the supervisor starts, so their progress shows here.
     node_binaries = binaries.ensure_all()
-    image = build.operator_image()
-    images = [image, trainer.trainer_image()]
+    image = build.operator_image()  # what the release pushes, built here so its progress shows
+    release.packages(_say)
+    images = [trainer.trainer_image()]
     (state / "bin").mkdir()
     for name in _BINARIES:
         (state / "bin" / name).symlink_to(node_binaries.path(name))
@@ -201,11 +214,13 @@ def up(state: Path) -> int:
         cluster up in {time.monotonic() - started:.0f}s (supervisor pid {child}): {len(nodes)} nodes with \
 {GPUS_PER_NODE} stand-in nvidia.com/gpu each, CoreDNS, Kubeflow's training-operator v1 and Trainer v2 \
 with JobSet, and the chart
-        installed from the operator image built here ({image.name}).
+        installed from the registry at {registry.read(state).address} as `make release` pushed it \
+(operator image built here: {image.name}).
           export KUBECONFIG={state / "kubeconfig"} PATH={state / "bin"}:$PATH
           kubectl get nodes; kubectl get pods -A
         A GpuTraining with no `image` runs the default trainer image, a stand-in on both nodes
-        ({images[1].name}); to train in an image of yours, import it into each node:
+        ({images[0].name}, tagged as the released chart names it); to train in an image of yours,
+        push it to that registry (its CA: {state / registry.CA_FILE}), or import it into each node:
         {"; ".join(f"ctr --address {sock} -n k8s.io images import IMAGE.tar" for _, _, sock in nodes)}
         Logs: {state}/*/ ; stop it with: make cluster-down""")
     )

@@ -4,17 +4,26 @@ One real control plane serves the whole session: the control-plane suite first, 
 end-to-end chain after it (each cleans up what it installs); tests/controlplane/test_api.py
 alone also starts the oldest claimed kube-apiserver, for itself. One real S3-compatible store
 (SeaweedFS, :mod:`support.objectstore`) serves every test that keeps things in a bucket; each
-takes a prefix of its own. Fixtures that only one suite needs stay in that suite's conftest.
+takes a prefix of its own. One real OCI registry (:mod:`support.registry`) holds what one
+``make release`` pushed, for every suite that installs or pulls it. Fixtures that only one suite
+needs stay in that suite's conftest.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import time
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-from support import objectstore
+from support import objectstore, registry
+from support.paths import ROOT
 from support.plane import controlplane
 from support.plane.cluster import Api, install_crds
 
@@ -65,3 +74,63 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[objectstore.S3Serve
     host = controlplane.host_address()
     with objectstore.running_server(tmp_path_factory.mktemp("s3"), BUCKETS, host) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def local_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[registry.Registry]:
+    """The session's OCI registry, over TLS on loopback with a CA of its own."""
+    with registry.running_registry(tmp_path_factory.mktemp("registry")) as running:
+        yield running
+
+
+@dataclass(frozen=True)
+class Released:
+    """What one ``make release`` pushed to the session's registry and left in ``dist``."""
+
+    registry: registry.Registry
+    dist: Path
+    described: dict[str, object]  # its release.json
+    seconds: float
+
+    @property
+    def version(self) -> str:
+        return str(self.described["version"])
+
+    @property
+    def chart(self) -> str:
+        """``oci://HOST:PORT/charts/gpu-training-operator``: what a user's ``helm install`` names."""
+        chart = self.described["chart"]
+        assert isinstance(chart, dict)
+        return str(chart["reference"])
+
+    def helm_chart(self) -> list[str]:
+        """helm's words for this release's chart, as a user installs it (and the CA a user's
+        machine would trust the registry with)."""
+        return [self.chart, "--version", self.version, "--ca-file", str(self.registry.ca)]
+
+    def reference(self, name: str) -> str:
+        """``HOST:PORT/<name>:<version>``: the image by tag, as the chart's defaults name it."""
+        return self.image(name).split("@")[0]
+
+    def image(self, name: str) -> str:
+        """``HOST:PORT/<name>:<version>@sha256:...``: the image as pushed."""
+        images = self.described["images"]
+        assert isinstance(images, dict)
+        return str(images[name])
+
+
+@pytest.fixture(scope="session")
+def released(local_registry: registry.Registry, tmp_path_factory: pytest.TempPathFactory) -> Released:
+    """``make release`` against the session's registry, as a maintainer runs it: the recipe the
+    release workflow runs, the Makefile's line included."""
+    dist = tmp_path_factory.mktemp("dist")
+    started = time.monotonic()
+    result = subprocess.run(
+        ["make", "-s", "release", f"REGISTRY={local_registry.address}", f"REGISTRY_CA={local_registry.ca}",
+         f"DIST={dist}", *([f"HELM={os.environ['HELM']}"] if os.environ.get("HELM") else [])],
+        cwd=ROOT, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    if result.returncode != 0:
+        pytest.fail(f"make release failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    described = json.loads((dist / "release.json").read_text())
+    return Released(local_registry, dist, described, time.monotonic() - started)

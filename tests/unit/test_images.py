@@ -144,15 +144,28 @@ def test_operator_image_matches_the_chart() -> None:
 
 
 def test_the_release_workflow_publishes_what_the_chart_and_operator_name() -> None:
-    """A tag builds the three images under the names the chart's values and gpuop's default
-    trainer image use, tagged with the one version, and the chart with it."""
+    """A tag runs `make release` against the registry the chart's defaults name (the operator
+    image, the chart, the packages) and builds the trainer images under the names those
+    defaults and gpuop's default trainer image use, all with the one version."""
     workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "release.yaml").read_text())
     assert workflow[True]["push"]["tags"] == ["v*"]  # YAML 1.1 reads the key `on` as True
     registry = workflow["env"]["REGISTRY"]
     jobs = workflow["jobs"]
-    matrix = {m["image"] + m.get("suffix", ""): m for m in jobs["images"]["strategy"]["matrix"]["include"]}
+    chart = ROOT / "charts" / "gpu-training-operator"
+    values = yaml.safe_load((chart / "values.yaml").read_text())
+    assert registry == values["registry"]
+    assert values["image"]["repository"] == ""  # so the operator image is <registry>/operator
+    assert f"{registry}/trainer" == TRAINER_IMAGE_REPOSITORY
+    (make,) = [s["run"] for s in jobs["release"]["steps"] if "make release" in s.get("run", "")]
+    assert 'REGISTRY="$REGISTRY"' in make
+    assert 'VERSION="$VERSION"' in make
+    assert jobs["release"]["env"]["VERSION"] == "${{ needs.version.outputs.version }}"
+    # Published only once every image is pushed: the GitHub release comes after the trainers'.
+    assert set(jobs["release"]["needs"]) == {"version", "trainer-images"}
+    matrix = {
+        m["image"] + m.get("suffix", ""): m for m in jobs["trainer-images"]["strategy"]["matrix"]["include"]
+    }
     assert {name: m["dockerfile"] for name, m in matrix.items()} == {
-        "operator": "images/operator.Dockerfile",
         "trainer-cpu": "images/trainer-cpu.Dockerfile",
         "trainer": "images/trainer.Dockerfile",
         "trainer-efa": "images/trainer.Dockerfile",
@@ -164,13 +177,8 @@ def test_the_release_workflow_publishes_what_the_chart_and_operator_name() -> No
     assert efa_example["spec"]["image"] == DEFAULT_TRAINER_IMAGE + matrix["trainer-efa"]["suffix"]
     for m in matrix.values():
         assert (ROOT / m["dockerfile"]).is_file()
-    assert "linux/arm64" in matrix["operator"]["platforms"]
-    chart = ROOT / "charts" / "gpu-training-operator"
-    values = yaml.safe_load((chart / "values.yaml").read_text())
-    assert f"{registry}/operator" == values["image"]["repository"]
-    assert f"{registry}/trainer" == TRAINER_IMAGE_REPOSITORY
     (build,) = [
-        s for s in jobs["images"]["steps"] if s.get("uses", "").startswith("docker/build-push-action")
+        s for s in jobs["trainer-images"]["steps"] if s.get("uses", "").startswith("docker/build-push-action")
     ]
     assert (
         build["with"]["tags"]

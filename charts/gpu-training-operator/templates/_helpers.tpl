@@ -46,11 +46,17 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
 {{- define "gpuop.image" -}}
+{{- $repository := .Values.image.repository | default (printf "%s/operator" .Values.registry) -}}
 {{- if .Values.image.digest -}}
-{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- printf "%s@%s" $repository .Values.image.digest -}}
 {{- else -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- printf "%s:%s" $repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The trainer image of GpuTrainings without spec.image: this release's, unless set. */}}
+{{- define "gpuop.trainerImage" -}}
+{{- .Values.operator.trainerImage | default (printf "%s/trainer:%s" .Values.registry .Chart.AppVersion) -}}
 {{- end -}}
 
 {{/* The label every trainer pod carries (gpuop.api.identity.TRAINING_LABEL). */}}

@@ -45,9 +45,16 @@ BUILD_FORMAT: Final = b"1"  # bump when _build changes what goes into the image 
 def chart_image() -> str:
     """The image the chart's Deployment runs by default: repository:tag, the tag defaulting to
     the chart's appVersion (templates/_helpers.tpl, ``gpuop.image``)."""
-    values = yaml.safe_load((CHART / "values.yaml").read_text())["image"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    image = values["image"]
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
-    return f"{values['repository']}:{values['tag'] or app_version}"
+    return f"{image['repository'] or values['registry'] + '/operator'}:{image['tag'] or app_version}"
+
+
+def pulls_bases() -> bool:
+    """Whether a build pulls the Dockerfile's base from its registry (``BASE_IMAGES=pull``, where
+    one can be reached: the release workflow) instead of the stand-in made here."""
+    return os.environ.get("BASE_IMAGES", "") == "pull"
 
 
 def operator_image(say: gobuild.Say = gobuild.say_on_stderr) -> ImageArchive:
@@ -57,9 +64,10 @@ def operator_image(say: gobuild.Say = gobuild.say_on_stderr) -> ImageArchive:
     dockerfile = DOCKERFILE.read_text()
     (base_reference,) = _base_references(dockerfile)
     files = _context_files(dockerfile)
-    parent = base.base_image(say)
+    parent = None if pulls_bases() else base.base_image(say)
     inputs = buildcache.key([
-        dockerfile.encode(), name.encode(), buildkit.version().encode(), parent.digest.encode(), BUILD_FORMAT,
+        dockerfile.encode(), name.encode(), buildkit.version().encode(),
+        parent.digest.encode() if parent else b"pulled", BUILD_FORMAT,
         *(part for relative, path in files for part in (relative.encode(), _content(path))),
     ])  # fmt: skip
 
@@ -72,22 +80,22 @@ def operator_image(say: gobuild.Say = gobuild.say_on_stderr) -> ImageArchive:
 
 
 def _build(archive: Path, name: str, base_reference: str, files: list[tuple[str, Path]],
-           parent: base.BaseImage, say: gobuild.Say) -> None:  # fmt: skip
+           parent: base.BaseImage | None, say: gobuild.Say) -> None:  # fmt: skip
     context = archive.with_name("context")
     for relative, path in files:
         (context / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, context / relative)
     with buildkit.running_buildkitd(say) as daemon:
         say(f"building {name} from {os.path.relpath(DOCKERFILE, ROOT)} with BuildKit {buildkit.version()} "
-            f"on {base.NAME} ({COLD_COST})")  # fmt: skip
+            f"on {base.NAME if parent else base_reference} ({COLD_COST})")  # fmt: skip
         started = time.monotonic()
+        # FROM <the official image> resolves to the stand-in, by digest, from its layout.
+        standin = [f"--oci-layout=base={parent.layout}",
+                   f"--opt=context:{base_reference}=oci-layout://base@{parent.digest}"] if parent else []  # fmt: skip
         command = [
             *daemon.buildctl(), "build", "--progress=plain", "--frontend=dockerfile.v0",
             f"--local=context={context}", f"--local=dockerfile={DOCKERFILE.parent}",
-            f"--opt=filename={DOCKERFILE.name}",
-            # FROM <the official image> resolves to the stand-in, by digest, from its layout.
-            f"--oci-layout=base={parent.layout}",
-            f"--opt=context:{base_reference}=oci-layout://base@{parent.digest}",
+            f"--opt=filename={DOCKERFILE.name}", *standin,
             f"--output=type=oci,dest={archive},name={name}",
         ]  # fmt: skip
         log = archive.with_name("buildctl.log")

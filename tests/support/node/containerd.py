@@ -62,6 +62,25 @@ class Containerd:
         return self.workdir / "root"
 
     @property
+    def registry_hosts(self) -> Path:
+        """``<host:port>/hosts.toml`` of each registry this node trusts (:meth:`trust`)."""
+        return self.workdir / "certs.d"
+
+    def trust(self, address: str, ca: Path) -> None:
+        """Pull from the registry at ``address`` (``host:port``) over TLS verified with ``ca``,
+        as a cloud node trusts a private registry's CA; the CA is copied under the node."""
+        directory = self.registry_hosts / address
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ca, directory / "ca.crt")
+        server = f"https://{address}"
+        (directory / "hosts.toml").write_text("\n".join([
+            f"server = {_toml(server)}",
+            f"[host.{_toml(server)}]",
+            "  capabilities = ['pull', 'resolve']",
+            f"  ca = {_toml(str(directory / 'ca.crt'))}",
+        ]) + "\n")  # fmt: skip
+
+    @property
     def endpoint(self) -> str:
         return f"unix://{self.socket}"
 
@@ -99,6 +118,10 @@ class Containerd:
             "  max_conf_num = 1",
             "[plugins.'io.containerd.cri.v1.images']",
             "  snapshotter = 'overlayfs'",
+            # Where the registries it may pull from are described (hosts.toml per host:port,
+            # read at each pull, so a registry can be trusted after the node started).
+            "[plugins.'io.containerd.cri.v1.images'.registry]",
+            f"  config_path = {_toml(str(self.registry_hosts))}",
             "[plugins.'io.containerd.cri.v1.images'.pinned_images]",
             f"  sandbox = {_toml(images.PAUSE_IMAGE)}",
             "[plugins.'io.containerd.grpc.v1.cri']",

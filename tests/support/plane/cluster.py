@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -251,15 +251,18 @@ class Installed:
         return f"system:serviceaccount:{RELEASE_NAMESPACE}:{self.service_account}"
 
 
-def install_chart(plane: ControlPlane, values: Mapping[str, Any]) -> Installed:
+def install_chart(plane: ControlPlane, values: Mapping[str, Any], chart: Sequence[str] = ()) -> Installed:
     """``helm upgrade --install`` of the chart (adopting a CRD applied before it), and what its
-    Deployment would run; :class:`OperatorProcess` runs that with the ServiceAccount's token."""
+    Deployment would run; :class:`OperatorProcess` runs that with the ServiceAccount's token.
+
+    ``chart``: helm's words for where the chart comes from (``oci://...``, ``--version``,
+    ``--ca-file``: what a release pushed, :class:`support.fixtures.Released`); else this tree's."""
     since = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     plane.kubectl("label", "crd", "gputrainings.gpuop.io", "app.kubernetes.io/managed-by=Helm", "--overwrite")
     plane.kubectl("annotate", "crd", "gputrainings.gpuop.io", f"meta.helm.sh/release-name={RELEASE}",
                   f"meta.helm.sh/release-namespace={RELEASE_NAMESPACE}", "--overwrite")  # fmt: skip
     config = ["--kubeconfig", str(plane.kubeconfig)]
-    helm("upgrade", "--install", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace",
+    helm("upgrade", "--install", RELEASE, *(chart or [str(CHART)]), "-n", RELEASE_NAMESPACE, "--create-namespace",
          *value_args(dict(values)), *config)  # fmt: skip
     manifest = helm("get", "manifest", RELEASE, "-n", RELEASE_NAMESPACE, *config).stdout
     deployment = next(d for d in yaml.safe_load_all(manifest) if d and d["kind"] == "Deployment")

@@ -1,0 +1,148 @@
+"""``make release`` against a real registry (CNCF Distribution, :mod:`support.registry`): what it
+pushes is what a user installs, and what it refuses it refuses with one line.
+
+The release itself runs once per session (the ``released`` fixture, shared with the suites that
+install the chart from it); these tests read back what it pushed, as a user's helm and a node's
+containerd would, and install its packages as a user's pip would.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import venv
+from pathlib import Path
+
+import pytest
+import yaml
+
+from support import oci
+from support.fixtures import Released
+from support.paths import ROOT
+from support.registry import Registry
+from support.tools.helm import helm_binary
+
+
+def _helm(released: Released, *args: str) -> str:
+    result = subprocess.run(
+        [str(helm_binary()), *args, released.chart, "--version", released.version, "--ca-file", str(released.registry.ca)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_the_operator_image_is_in_the_registry_under_the_release_version(released: Released) -> None:
+    reference, _, digest = released.image("operator").partition("@")
+    target = oci.Reference.parse(reference)
+    assert target.tag == released.version
+    client = oci.Client(target.host, released.registry.ca)
+    served, manifest = client.manifest(target.repository, target.tag)
+    assert served == digest
+    config = json.loads(client.blob(target.repository, manifest["config"]["digest"]))["config"]
+    # The image the Dockerfile describes: gpuop as its entrypoint, the non-root uid the chart expects.
+    assert config["Entrypoint"] == ["gpuop"]
+    assert config["User"] == "65532"
+    # Every layer is there and whole (the registry checked each digest as it took it).
+    for layer in manifest["layers"]:
+        assert client.has_blob(target.repository, layer["digest"])
+
+
+def test_the_chart_from_the_registry_names_this_releases_images(released: Released) -> None:
+    values = yaml.safe_load(_helm(released, "show", "values"))
+    assert values["registry"] == released.registry.address
+    rendered = list(yaml.safe_load_all(_helm(released, "template", "gpuop", "--namespace", "gpuop-system")))
+    (deployment,) = [doc for doc in rendered if doc and doc["kind"] == "Deployment"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == f"{released.registry.address}/operator:{released.version}"
+    env = {item["name"]: item.get("value") for item in container["env"]}
+    assert env["GPUOP_TRAINER_IMAGE"] == f"{released.registry.address}/trainer:{released.version}"
+    chart = yaml.safe_load(_helm(released, "show", "chart"))
+    assert chart["version"] == chart["appVersion"] == released.version
+
+
+def test_dist_holds_the_packages_the_chart_and_the_notes(released: Released) -> None:
+    names = sorted(path.name for path in released.dist.iterdir())
+    version = released.version
+    assert names == sorted([
+        f"gpu-training-operator-{version}.tgz",
+        f"gpu_training_operator-{version}-py3-none-any.whl", f"gpu_training_operator-{version}.tar.gz",
+        f"gpuop_report-{version}-py3-none-any.whl", f"gpuop_report-{version}.tar.gz",
+        "release-notes.md", "release.json",
+    ])  # fmt: skip
+    files = released.described["files"]
+    assert isinstance(files, dict)
+    assert set(files) == set(names) - {"release.json"}
+    assert (released.dist / "release-notes.md").read_text().strip()
+
+
+def _venv(directory: Path) -> Path:
+    venv.create(directory, with_pip=True)
+    return directory / "bin"
+
+
+def _run(*command: str | Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([str(part) for part in command], capture_output=True, text=True, timeout=600)
+    if check:
+        assert result.returncode == 0, f"{command}: {result.stdout}\n{result.stderr}"
+    return result
+
+
+def test_the_cli_wheel_installs_and_works_without_torch(released: Released, tmp_path: Path) -> None:
+    """A user's ``pip install`` of the wheel: the CLI's four dependencies come from the index,
+    torch never (the trainer extra is not asked for)."""
+    bin_ = _venv(tmp_path / "venv")
+    (wheel,) = released.dist.glob("gpu_training_operator-*.whl")
+    _run(bin_ / "pip", "install", "--quiet", "-c", ROOT / "constraints.txt", wheel)
+    assert _run(bin_ / "gpuop", "--version").stdout.split()[-1] == released.version
+    example = ROOT / "examples" / "first-training.yaml"
+    assert _run(bin_ / "gpuop", "validate", "-f", example).returncode == 0
+    rendered = yaml.safe_load(_run(bin_ / "gpuop", "render", "-f", example).stdout)
+    assert rendered["kind"] == "PyTorchJob"
+    assert _run(bin_ / "python", "-c", "import torch", check=False).returncode != 0
+
+
+def test_the_report_wheel_installs_with_no_dependencies(released: Released, tmp_path: Path) -> None:
+    bin_ = _venv(tmp_path / "venv")
+    (wheel,) = released.dist.glob("gpuop_report-*.whl")
+    # --no-index: had it any dependency, the install would fail here.
+    _run(bin_ / "pip", "install", "--quiet", "--no-index", wheel)
+    _run(bin_ / "python", "-c", "import gpureport; gpureport.report")
+
+
+def _make_release(*variables: str, dist: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["make", "-s", "release", *variables, f"DIST={dist}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("variables", "said"),
+    [
+        pytest.param([], "error: REGISTRY is not set: make release REGISTRY=host:port[/path]", id="no registry"),
+        pytest.param(["REGISTRY=https://example.com"], "error: REGISTRY=https://example.com is not host[:port][/path]",
+                     id="a URL"),
+        pytest.param(["REGISTRY=127.0.0.1:1"], "error: the registry 127.0.0.1:1 cannot be reached", id="no registry there"),
+        pytest.param(["VERSION=9.9.9", "REGISTRY=127.0.0.1:1"], "error: VERSION=9.9.9 is not pyproject.toml's version",
+                     id="another version"),
+    ],
+)  # fmt: skip
+def test_bad_input_stops_with_one_line_and_releases_nothing(
+    variables: list[str], said: str, tmp_path: Path
+) -> None:
+    result = _make_release(*variables, dist=tmp_path / "dist")
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(said), result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "dist").exists()
+
+
+def test_a_registry_not_trusted_is_refused_before_anything_is_built(
+    local_registry: Registry, tmp_path: Path
+) -> None:
+    result = _make_release(f"REGISTRY={local_registry.address}", dist=tmp_path / "dist")
+    assert result.returncode != 0
+    assert f"error: the registry {local_registry.address} is not trusted" in result.stderr
+    assert "REGISTRY_CA" in result.stderr
+    assert not (tmp_path / "dist").exists()

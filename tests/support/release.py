@@ -1,0 +1,274 @@
+"""``make release REGISTRY=host:port[/path] [VERSION=x.y.z] [REGISTRY_CA=file]``: build every
+artifact a user installs from its own recipe, push the images and the chart to REGISTRY, and
+leave the packages and the notes in ``dist/``. The same recipe runs in the release workflow
+(against ghcr.io) and in the tests (against the local registry, :mod:`support.registry`).
+
+What goes where:
+
+- ``<REGISTRY>/operator:<VERSION>``: images/operator.Dockerfile built by BuildKit
+  (:mod:`support.images.build`);
+- ``oci://<REGISTRY>/charts/gpu-training-operator --version <VERSION>``: the chart, its
+  ``registry`` value set to REGISTRY and its version and appVersion to VERSION, so that its
+  defaults name exactly the images this release pushed;
+- ``dist/``: the wheel and sdist of ``gpu-training-operator`` (the ``gpuop`` CLI and operator) and
+  of ``gpuop-report`` (``gpureport``), checked by ``twine check``; the chart's package;
+  ``release-notes.md`` (CHANGELOG.md's section of VERSION) and ``release.json`` (every reference
+  with its digest, every file with its sha256).
+
+Bad input stops before anything is built, with one line naming the variable or the registry and
+the fix. ``release.json`` is written last, after every push succeeded: a partial push is never
+announced as a release.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from support import buildcache, oci
+from support.images import build
+from support.paths import ROOT
+from support.plane import gobuild
+
+CHART: Final = ROOT / "charts" / "gpu-training-operator"
+CHANGELOG: Final = ROOT / "CHANGELOG.md"
+# The two distributions: the operator and CLI (which carries gputrain, the trainer the images
+# run), and gpureport alone, for any training image.
+PACKAGES: Final = {"gpu-training-operator": ROOT, "gpuop-report": ROOT / "trainer" / "report"}
+# What goes into the distributions (pyproject.toml's package-dir, the readme, the license).
+PACKAGE_INPUTS: Final = ("pyproject.toml", "README.md", "LICENSE", "operator", "trainer")
+REGISTRY_FORMAT: Final = re.compile(r"^[A-Za-z0-9.-]+(:[0-9]+)?(/[a-z0-9._-]+)*$")
+SKIPPED: Final = frozenset({"__pycache__", ".mypy_cache", ".pytest_cache"})
+
+
+class ReleaseError(RuntimeError):
+    """What the user must fix, in one line."""
+
+
+@dataclass(frozen=True)
+class Release:
+    version: str
+    registry: str  # host[:port][/path]
+    dist: Path
+
+    @property
+    def host(self) -> str:
+        return self.registry.split("/", 1)[0]
+
+    def repository(self, name: str) -> str:
+        path = self.registry.split("/", 1)[1] if "/" in self.registry else ""
+        return f"{path}/{name}" if path else name
+
+    def image(self, name: str) -> oci.Reference:
+        return oci.Reference(self.host, self.repository(name), self.version)
+
+
+def pyproject_version() -> str:
+    match = re.search(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    if match is None:
+        raise ReleaseError('pyproject.toml has no version = "..." line')
+    return match.group(1)
+
+
+def check_inputs(registry: str, version: str) -> None:
+    if not registry:
+        raise ReleaseError("REGISTRY is not set: make release REGISTRY=host:port[/path] (e.g. ghcr.io/you)")
+    if not REGISTRY_FORMAT.match(registry):
+        raise ReleaseError(f"REGISTRY={registry} is not host[:port][/path] (no scheme, no tag)")
+    expected = pyproject_version()
+    if version != expected:
+        raise ReleaseError(f"VERSION={version} is not pyproject.toml's version {expected}: the version's one home "
+                           "is pyproject.toml; set it there (and in Chart.yaml) first")  # fmt: skip
+    notes(version)
+
+
+def notes(version: str) -> str:
+    """CHANGELOG.md's section of ``version``: what the release page says."""
+    text = CHANGELOG.read_text() if CHANGELOG.is_file() else ""
+    match = re.search(
+        rf"^## \[{re.escape(version)}\][^\n]*\n(.*?)(?=^## \[|\Z)", text, re.MULTILINE | re.DOTALL
+    )
+    if match is None or not match.group(1).strip():
+        raise ReleaseError(
+            f"CHANGELOG.md has no section '## [{version}]': write the release's notes there first"
+        )
+    return match.group(1).strip() + "\n"
+
+
+# -- building -------------------------------------------------------------------------------
+
+
+def _files(paths: tuple[str, ...], root: Path) -> list[Path]:
+    found: list[Path] = []
+    for name in paths:
+        path = root / name
+        if path.is_file():
+            found.append(path)
+        for directory, directories, files in os.walk(path):
+            directories[:] = sorted(
+                d for d in directories if d not in SKIPPED and not d.endswith(".egg-info")
+            )
+            found += [Path(directory) / file for file in sorted(files)]
+    return found
+
+
+def packages(say: gobuild.Say) -> Path:
+    """The wheels and sdists, built once per content into the cache (``python -m build``, then
+    ``twine check``); the directory holding them."""
+    inputs = buildcache.key([
+        part for path in _files(PACKAGE_INPUTS, ROOT) for part in (str(path.relative_to(ROOT)).encode(), path.read_bytes())
+    ])  # fmt: skip
+
+    def make(out: Path) -> None:
+        started = time.monotonic()
+        for name, source in PACKAGES.items():
+            say(f"building the wheel and sdist of {name}")
+            # A copy, so that the build's own egg-info and build/ never land in the work tree.
+            staging = out.with_name(f"src-{name}")
+            shutil.copytree(source, staging, ignore=shutil.ignore_patterns(*SKIPPED, "*.egg-info", ".venv", ".git",
+                            "tests", "bench", "charts", "docs", "examples", "images", ".controlplane", ".cluster",
+                            ".gpuop-runs", "dist", "build"))  # fmt: skip
+            _run([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(out), str(staging)],
+                 f"building {name}'s packages")  # fmt: skip
+        _run([sys.executable, "-m", "twine", "check", "--strict", *map(str, sorted(out.iterdir()))],
+             "twine check of the packages")  # fmt: skip
+        say(f"packages built and checked in {time.monotonic() - started:.0f}s")
+
+    return buildcache.ensure(buildcache.directory("packages"), "dist", inputs, make)
+
+
+def chart(release: Release, out: Path) -> Path:
+    """The chart packaged with this release's registry, version and appVersion."""
+    with tempfile.TemporaryDirectory() as scratch:
+        staged = Path(scratch) / CHART.name
+        shutil.copytree(CHART, staged)
+        values = staged / "values.yaml"
+        text = values.read_text()
+        # One line changes; the comments that document every value stay as written.
+        replaced, count = re.subn(
+            r"^registry: .*$", f"registry: {release.registry}", text, flags=re.MULTILINE
+        )
+        if count != 1:
+            raise RuntimeError(f"{values} has {count} top-level 'registry:' lines, not 1")
+        values.write_text(replaced)
+        meta = staged / "Chart.yaml"
+        text = meta.read_text()
+        text = re.sub(r"^version: .*$", f"version: {release.version}", text, flags=re.MULTILINE)
+        text = re.sub(r"^appVersion: .*$", f'appVersion: "{release.version}"', text, flags=re.MULTILINE)
+        meta.write_text(text)
+        _run([helm(), "package", str(staged), "--destination", str(out)], "packaging the chart")
+    packaged = out / f"{CHART.name}-{release.version}.tgz"
+    if not packaged.is_file():
+        raise RuntimeError(f"helm package made no {packaged.name}")
+    return packaged
+
+
+def helm() -> str:
+    return os.environ.get("HELM") or str(ROOT / ".venv" / "bin" / "helm")
+
+
+def _run(command: list[str], what: str) -> str:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        said = (result.stderr or result.stdout).strip().splitlines()
+        raise ReleaseError(f"{what} failed: {said[-1] if said else f'exit {result.returncode}'}")
+    return result.stdout
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as data:
+        for block in iter(lambda: data.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# -- the recipe -----------------------------------------------------------------------------
+
+
+def release(registry: str, version: str, dist: Path, ca: Path | None,
+            say: gobuild.Say = gobuild.say_on_stderr) -> dict[str, object]:  # fmt: skip
+    """Build, push, and describe the release; its description (also ``dist/release.json``)."""
+    check_inputs(registry, version)
+    this = Release(version, registry, dist)
+    client = oci.Client(this.host, ca)
+    client.ping()  # a registry that cannot be reached or trusted stops us before any build
+    started = time.monotonic()
+    operator = build.operator_image(say)
+    built = packages(say)
+    if dist.exists():
+        shutil.rmtree(dist)
+    dist.mkdir(parents=True)
+    for path in sorted(built.iterdir()):
+        shutil.copy2(path, dist / path.name)
+    chart_package = chart(this, dist)
+    (dist / "release-notes.md").write_text(notes(version))
+    say(f"built in {time.monotonic() - started:.0f}s; pushing to {registry}")
+
+    pushed = time.monotonic()
+    target = this.image("operator")
+    digest = oci.push_archive(client, operator.path, target)
+    charts = f"oci://{registry}/charts"
+    ca_args = ["--ca-file", str(ca)] if ca else []
+    if client.username and client.password:  # helm keeps its own credentials (HELM_REGISTRY_CONFIG)
+        login = subprocess.run([helm(), "registry", "login", this.host, "--username", client.username,
+                                "--password-stdin", *ca_args], input=client.password, capture_output=True, text=True)  # fmt: skip
+        if login.returncode != 0:
+            raise ReleaseError(f"helm registry login {this.host} failed: {login.stderr.strip()}")
+    output = _run([helm(), "push", str(chart_package), charts, *ca_args], f"pushing the chart to {charts}")
+    chart_digest = next((line.split()[-1] for line in output.splitlines() if line.startswith("Digest:")), "")
+    described: dict[str, object] = {
+        "version": version,
+        "registry": registry,
+        "images": {"operator": f"{target}@{digest}"},
+        "chart": {"reference": f"{charts}/{CHART.name}", "version": version, "digest": chart_digest},
+        "files": {path.name: f"sha256:{_sha256(path)}" for path in sorted(dist.iterdir())},
+    }
+    (dist / "release.json").write_text(json.dumps(described, indent=2) + "\n")
+    say(f"pushed in {time.monotonic() - pushed:.0f}s")
+    return described
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="make release", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--registry", default="")
+    parser.add_argument("--version", default="")
+    parser.add_argument("--ca", default="", help="the registry's CA certificate (else the system's CAs)")
+    parser.add_argument("--dist", default=str(ROOT / "dist"))
+    args = parser.parse_args(argv)
+    ca = Path(args.ca) if args.ca else None
+    if ca is not None and not ca.is_file():
+        print(f"error: REGISTRY_CA={args.ca}: no such file", file=sys.stderr)
+        return 2
+    try:
+        described = release(args.registry, args.version or pyproject_version(), Path(args.dist), ca)
+    except (ReleaseError, oci.RegistryError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    images = described["images"]
+    assert isinstance(images, dict)
+    print(f"released {described['version']} to {described['registry']}:")
+    for name, reference in images.items():
+        print(f"  image {name}: {reference}")
+    chart_info = described["chart"]
+    assert isinstance(chart_info, dict)
+    print(
+        f"  chart: helm install gpu-training-operator {chart_info['reference']} --version {described['version']}"
+    )
+    print(f"  files: {args.dist}/ (wheels, sdists, chart, release-notes.md, release.json)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

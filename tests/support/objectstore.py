@@ -340,14 +340,5 @@ class FaultyStore:
         return Handler
 
 
-def main() -> int:
-    try:
-        print(ensure_server())
-    except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(gobuild.print_built(ensure_server))

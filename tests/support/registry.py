@@ -150,10 +150,5 @@ def read(directory: Path) -> Registry:
     return Registry((directory / ADDRESS_FILE).read_text().strip(), directory / CA_FILE)
 
 
-def main() -> int:
-    print(ensure_server())
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(gobuild.print_built(ensure_server))

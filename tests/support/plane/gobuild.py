@@ -89,6 +89,18 @@ def module_source(module: Path, dependency: str) -> Path:
     return Path(json.loads(downloaded)["Dir"])
 
 
+def print_built(*find: Callable[[], object]) -> int:
+    """What ``python -m support.<tool>`` does (the Makefile's ``*-binaries`` targets): build or
+    find each thing, print where it is; a failed build is one line and exit status 1."""
+    try:
+        for each in find:
+            print(each())
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cache_root() -> Path:
     """``$GPUOP_CACHE``, else ``$XDG_CACHE_HOME/gpuop``, else ``~/.cache/gpuop``."""
     if os.environ.get("GPUOP_CACHE"):

@@ -14,7 +14,6 @@ every machine.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 from typing import Final
@@ -43,14 +42,5 @@ def ensure() -> Path:
     return gobuild.ensure(recipe()) / "actionlint"
 
 
-def main() -> int:
-    try:
-        print(ensure())
-    except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(gobuild.print_built(ensure))

@@ -23,7 +23,6 @@ configurations use, is kept. No web UI assets are built in (the HTTP API is whol
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 from typing import Final
@@ -104,14 +103,8 @@ def operator_crd(plural: str) -> Path:
 
 
 def main() -> int:
-    try:
-        print(ensure_promtool())
-        print(ensure_operator())
-        print(operator_file("bundle.yaml"))  # fetched now, so that no test waits on the proxy
-    except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    # The bundle is fetched now, so that no test waits on the proxy.
+    return gobuild.print_built(ensure_promtool, ensure_operator, lambda: operator_file("bundle.yaml"))
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def test_dist_holds_the_packages_the_chart_and_the_notes(released: Released) -> 
         f"gpu-training-operator-{version}.tgz",
         f"gpu_training_operator-{version}-py3-none-any.whl", f"gpu_training_operator-{version}.tar.gz",
         f"gpuop_report-{version}-py3-none-any.whl", f"gpuop_report-{version}.tar.gz",
-        "release-notes.md", "release.json",
+        "operator.spdx.json", "release-notes.md", "release.json",
     ])  # fmt: skip
     files = released.described["files"]
     assert isinstance(files, dict)
@@ -146,3 +146,23 @@ def test_a_registry_not_trusted_is_refused_before_anything_is_built(
     assert f"error: the registry {local_registry.address} is not trusted" in result.stderr
     assert "REGISTRY_CA" in result.stderr
     assert not (tmp_path / "dist").exists()
+
+
+def test_the_operator_images_sbom_names_the_pushed_digest_and_what_the_image_holds(
+    released: Released,
+) -> None:
+    document = json.loads((released.dist / "operator.spdx.json").read_text())
+    assert document["spdxVersion"] == "SPDX-2.3"
+    image, *contained = document["packages"]
+    assert f"{image['name']}@{image['versionInfo']}" == released.image("operator")
+    purls = {ref["referenceLocator"] for package in contained for ref in package["externalRefs"]}
+    assert len(purls) == len(contained)  # each package named once, by its package URL
+    pins = dict(
+        line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line
+    )
+    # What the Dockerfile installs, at the versions CI pins, and ourselves; Debian's Python below.
+    for name in ("kopf", "kubernetes", "pyyaml"):
+        assert f"pkg:pypi/{name}@{pins[name]}" in purls, sorted(purls)
+    assert f"pkg:pypi/gpu-training-operator@{released.version}" in purls
+    assert any(purl.startswith("pkg:deb/debian/python3@") for purl in purls), sorted(purls)
+    assert "pkg:pypi/torch" not in " ".join(purls)  # the operator image holds no torch

@@ -10,6 +10,8 @@ What goes where:
 - ``oci://<REGISTRY>/charts/gpu-training-operator --version <VERSION>``: the chart, its
   ``registry`` value set to REGISTRY and its version and appVersion to VERSION, so that its
   defaults name exactly the images this release pushed;
+- ``dist/operator.spdx.json``: the operator image's SBOM (SPDX 2.3, :mod:`support.sbom`), naming
+  the image by the digest pushed;
 - ``dist/``: the wheel and sdist of ``gpu-training-operator`` (the ``gpuop`` CLI and operator) and
   of ``gpuop-report`` (``gpureport``), checked by ``twine check``; the chart's package;
   ``release-notes.md`` (CHANGELOG.md's section of VERSION) and ``release.json`` (every reference
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from support import buildcache, oci
+from support import buildcache, oci, sbom
 from support.images import build
 from support.paths import ROOT
 from support.plane import gobuild
@@ -228,10 +230,14 @@ def release(registry: str, version: str, dist: Path, ca: Path | None,
             raise ReleaseError(f"helm registry login {this.host} failed: {login.stderr.strip()}")
     output = _run([helm(), "push", str(chart_package), charts, *ca_args], f"pushing the chart to {charts}")
     chart_digest = next((line.split()[-1] for line in output.splitlines() if line.startswith("Digest:")), "")
+    pushed_operator = f"{target}@{digest}"
+    (dist / "operator.spdx.json").write_text(
+        json.dumps(sbom.document(operator.path, pushed_operator), indent=1)
+    )
     described: dict[str, object] = {
         "version": version,
         "registry": registry,
-        "images": {"operator": f"{target}@{digest}"},
+        "images": {"operator": pushed_operator},
         "chart": {"reference": f"{charts}/{CHART.name}", "version": version, "digest": chart_digest},
         "files": {path.name: f"sha256:{_sha256(path)}" for path in sorted(dist.iterdir())},
     }

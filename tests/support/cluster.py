@@ -84,7 +84,7 @@ def _supervise(
             # Kopf's); before the chart, so that the operator finds both backends at its start.
             install_crds(plane, [KUBEFLOW_CRD, *TRAINER_CRDS, trainerv2.JOBSET_CRD])
             api = Api(plane)
-            local = pieces.enter_context(registry.running_registry(state / "registry"))
+            local = pieces.enter_context(registry.running_registry(state / "registry-server"))
             shutil.copy(local.ca, state / registry.CA_FILE)
             (state / registry.ADDRESS_FILE).write_text(local.address + "\n")
             described = release.release(

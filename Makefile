@@ -32,8 +32,8 @@ CONTROLPLANE := PYTHONPATH=tests $(BIN)/python -m support.plane.controlplane
 test: $(STAMP) $(HELM) controlplane-binaries monitoring-binaries objectstore-binaries registry-binaries actionlint-binaries node-binaries operator-image docs-tools lint typecheck imports crd min-versions unit
 
 ## check: the everyday loop: lint, strict types, the layers, the CRD is current, the unit tests
-## (tests/unit; nothing to build but .venv)
-check: $(STAMP) $(HELM) lint typecheck imports crd
+## (tests/unit; beside .venv it builds only actionlint, once, for the workflows' test)
+check: $(STAMP) $(HELM) actionlint-binaries lint typecheck imports crd
 	HELM=$(abspath $(HELM)) $(BIN)/pytest -q tests/unit
 
 ## release: build every artifact a user installs and push it: make release REGISTRY=host:port[/path]

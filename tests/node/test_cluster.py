@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from support import specs
+from support import registry, specs
 from support.cluster import left_on_machine
 from support.images import trainer
 from support.paths import ROOT
@@ -94,7 +94,7 @@ def test_make_cluster_trains_the_first_example_and_the_kind_example_and_cluster_
         assert f"export KUBECONFIG={state / 'kubeconfig'}" in up.stdout
         assert "make cluster-down" in up.stdout
         # The registry the chart came from, where a user's tools find it.
-        address = (state / "registry").read_text().strip()
+        address = registry.read(state).address
         assert (state / "registry-ca.crt").read_text().startswith("-----BEGIN CERTIFICATE-----")
         operator = json.loads(kubectl(state, "get", "pods", "-n", "gpuop-system", "-o", "json").stdout)[
             "items"

@@ -9,6 +9,7 @@ containerd would, and install its packages as a user's pip would.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import venv
 from pathlib import Path
@@ -22,12 +23,13 @@ from support.paths import ROOT
 from support.registry import Registry
 from support.tools.helm import helm_binary
 
+# This machine's name: a registry named so is spoken to over TLS (localhost would not be).
+HOST = socket.gethostname()
+
 
 def _helm(released: Released, *args: str) -> str:
-    result = subprocess.run(
-        [str(helm_binary()), *args, released.chart, "--version", released.version, "--ca-file", str(released.registry.ca)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    result = subprocess.run([str(helm_binary()), *args, *released.helm_chart()], capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -59,6 +61,13 @@ def test_the_chart_from_the_registry_names_this_releases_images(released: Releas
     assert env["GPUOP_TRAINER_IMAGE"] == f"{released.registry.address}/trainer:{released.version}"
     chart = yaml.safe_load(_helm(released, "show", "chart"))
     assert chart["version"] == chart["appVersion"] == released.version
+    # release.json names the chart by the digest the registry holds under the version.
+    reference = released.chart.removeprefix("oci://")
+    host, _, repository = reference.partition("/")
+    digest, _ = oci.Client(host, released.registry.ca).manifest(repository, released.version)
+    described = released.described["chart"]
+    assert isinstance(described, dict)
+    assert described["digest"] == digest
 
 
 def test_dist_holds_the_packages_the_chart_and_the_notes(released: Released) -> None:
@@ -121,8 +130,12 @@ def _make_release(*variables: str, dist: Path) -> subprocess.CompletedProcess[st
         pytest.param([], "error: REGISTRY is not set: make release REGISTRY=host:port[/path]", id="no registry"),
         pytest.param(["REGISTRY=https://example.com"], "error: REGISTRY=https://example.com is not host[:port][/path]",
                      id="a URL"),
-        pytest.param(["REGISTRY=127.0.0.1:1"], "error: the registry 127.0.0.1:1 cannot be reached", id="no registry there"),
-        pytest.param(["VERSION=9.9.9", "REGISTRY=127.0.0.1:1"], "error: VERSION=9.9.9 is not pyproject.toml's version",
+        pytest.param([f"REGISTRY={HOST}:1"], f"error: the registry {HOST}:1 cannot be reached", id="no registry there"),
+        pytest.param(["REGISTRY=localhost:5000"], "error: REGISTRY=localhost:5000: helm talks plain HTTP to localhost",
+                     id="localhost"),
+        pytest.param(["REGISTRY=ghcr.io/Team"], "error: REGISTRY=ghcr.io/Team is not host[:port][/path] with a lowercase",
+                     id="uppercase"),
+        pytest.param(["VERSION=9.9.9", f"REGISTRY={HOST}:1"], "error: VERSION=9.9.9 is not pyproject.toml's version",
                      id="another version"),
     ],
 )  # fmt: skip
@@ -136,6 +149,15 @@ def test_bad_input_stops_with_one_line_and_releases_nothing(
     assert lines[0].startswith(said), result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "dist").exists()
+
+
+def test_a_dist_that_holds_something_else_is_never_emptied(tmp_path: Path) -> None:
+    dist = tmp_path / "dist"
+    dist.mkdir()
+    (dist / "mine.txt").write_text("not a release")
+    result = _make_release(f"REGISTRY={HOST}:1", dist=dist)
+    assert f"error: DIST={dist} holds files and no release.json" in result.stderr, result.stderr
+    assert (dist / "mine.txt").read_text() == "not a release"
 
 
 def test_a_registry_not_trusted_is_refused_before_anything_is_built(

@@ -87,8 +87,9 @@ def _supervise(
             local = pieces.enter_context(registry.running_registry(state / "registry-server"))
             shutil.copy(local.ca, state / registry.CA_FILE)
             (state / registry.ADDRESS_FILE).write_text(local.address + "\n")
+            # A working tree's release: no CHANGELOG section asked of a version in progress.
             described = release.release(
-                local.address, release.pyproject_version(), state / "dist", local.ca, _say
+                local.address, release.pyproject_version(), state / "dist", local.ca, _say, with_notes=False
             )
             version = str(described["version"])
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Final
 
+from support.node.images import blob_path
+
 INDEX_TYPES: Final = frozenset({
     "application/vnd.oci.image.index.v1+json",
     "application/vnd.docker.distribution.manifest.list.v2+json",
@@ -111,6 +113,9 @@ class Client:
         except ssl.SSLCertVerificationError as error:
             raise RegistryError(f"the registry {self.host} is not trusted: {error.verify_message}; give its CA "
                                 "certificate (REGISTRY_CA=path)") from None  # fmt: skip
+        except ssl.SSLError as error:
+            raise RegistryError(f"the registry {self.host} does not speak TLS as expected ({error.reason}): "
+                                "make release pushes over HTTPS only") from None  # fmt: skip
         except OSError as error:
             raise RegistryError(f"the registry {self.host} cannot be reached: {error}") from None
         finally:
@@ -132,7 +137,10 @@ class Client:
         if status != 200:
             raise RegistryError(f"the registry {self.host} refused the credentials (token endpoint said {status}); "
                                 "set REGISTRY_USERNAME and REGISTRY_PASSWORD")  # fmt: skip
-        answer = json.loads(data)
+        try:
+            answer = json.loads(data)
+        except ValueError:
+            raise RegistryError(f"the registry {self.host}'s token endpoint answered no JSON") from None
         return str(answer.get("token") or answer.get("access_token"))
 
     # -- what a release needs ---------------------------------------------------------------
@@ -153,7 +161,9 @@ class Client:
             "POST", f"/v2/{repository}/blobs/uploads/", scope=scope, length=0
         )
         _expect(status, 202, f"opening an upload to {self.host}/{repository}", body)
-        location = headers["location"]
+        location = headers.get("location")
+        if not location:
+            raise RegistryError(f"{self.host} opened an upload without saying where (no Location header)")
         separator = "&" if "?" in location else "?"
         status, _, body = self.request("PUT", f"{location}{separator}digest={digest}", scope=scope, body=data,
                                        length=size, headers={"Content-Type": "application/octet-stream"})  # fmt: skip
@@ -195,22 +205,24 @@ def _expect(status: int, wanted: int, what: str, body: bytes) -> None:
         raise RegistryError(f"{what}: the registry answered {status}: {said}")
 
 
-# -- pushing from an OCI archive ------------------------------------------------------------
+# -- reading an OCI archive ----------------------------------------------------------------
 
 
-def _member(tar: tarfile.TarFile, digest: str) -> tuple[IO[bytes], int]:
-    algorithm, _, hexdigest = digest.partition(":")
-    info = tar.getmember(f"blobs/{algorithm}/{hexdigest}")
+def archive_blob(tar: tarfile.TarFile, digest: str) -> tuple[IO[bytes], int]:
+    """A blob of an OCI archive, and its size."""
+    info = tar.getmember(blob_path(digest))
     data = tar.extractfile(info)
     if data is None:
         raise RuntimeError(f"{tar.name} holds no blob {digest}")
     return data, info.size
 
 
-def _descriptor(tar: tarfile.TarFile, image: str | None) -> dict[str, Any]:
+def image_descriptor(tar: tarfile.TarFile, image: str | None = None) -> dict[str, Any]:
     """The index entry of ``image`` (by its ref.name annotation; the only one when None)."""
-    index = json.load(_member_by_name(tar, "index.json"))
-    entries = index["manifests"]
+    found = tar.extractfile("index.json")
+    if found is None:
+        raise RuntimeError(f"{tar.name} holds no index.json")
+    entries = json.load(found)["manifests"]
     if image is None:
         if len(entries) != 1:
             raise RuntimeError(f"{tar.name} holds {len(entries)} images; name the one to push")
@@ -222,31 +234,31 @@ def _descriptor(tar: tarfile.TarFile, image: str | None) -> dict[str, Any]:
     raise RuntimeError(f"{tar.name} holds no image named {image}")
 
 
-def _member_by_name(tar: tarfile.TarFile, name: str) -> IO[bytes]:
-    found = tar.extractfile(name)
-    if found is None:
-        raise RuntimeError(f"{tar.name} holds no {name}")
-    return found
+def platform_manifests(tar: tarfile.TarFile, top: dict[str, Any]) -> list[dict[str, Any]]:
+    """The descriptors of the image manifests ``top`` stands for: itself, or an index's entries."""
+    if top["mediaType"] in INDEX_TYPES:
+        return list(json.load(archive_blob(tar, top["digest"])[0])["manifests"])
+    return [top]
+
+
+# -- pushing from an OCI archive ------------------------------------------------------------
 
 
 def push_archive(client: Client, archive: Path, target: Reference, image: str | None = None) -> str:
     """Push one image of an OCI archive (with every platform an index of it holds) as ``target``;
     its manifest's digest, which a pod can name as ``repository@digest``."""
     with tarfile.open(archive) as tar:
-        top = _descriptor(tar, image)
-        manifests = [top]
-        if top["mediaType"] in INDEX_TYPES:
-            manifests = json.load(_member(tar, top["digest"])[0])["manifests"]
-        for descriptor in manifests:
-            manifest = json.load(_member(tar, descriptor["digest"])[0])
+        top = image_descriptor(tar, image)
+        for descriptor in platform_manifests(tar, top):
+            manifest = json.load(archive_blob(tar, descriptor["digest"])[0])
             for blob in [manifest["config"], *manifest["layers"]]:
                 if not client.has_blob(target.repository, blob["digest"]):
-                    data, size = _member(tar, blob["digest"])
+                    data, size = archive_blob(tar, blob["digest"])
                     client.put_blob(target.repository, blob["digest"], data, size)
-            if len(manifests) > 1:  # an index's platforms go up by digest, then the index by tag
-                raw, _ = _member(tar, descriptor["digest"])
+            if descriptor is not top:  # an index's platforms go up by digest, then the index by tag
+                raw, _ = archive_blob(tar, descriptor["digest"])
                 client.put_manifest(
                     target.repository, descriptor["digest"], descriptor["mediaType"], raw.read()
                 )
-        raw, _ = _member(tar, top["digest"])
+        raw, _ = archive_blob(tar, top["digest"])
         return client.put_manifest(target.repository, target.tag, top["mediaType"], raw.read())

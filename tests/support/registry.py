@@ -76,38 +76,39 @@ class Registry:
         return f"https://{self.address}{path}"
 
 
-def _free_port() -> int:
+def _free_port(address: str) -> int:
     # The registry takes its address from its configuration, not from a port 0 it could report;
     # a port picked here is free unless another process takes it in the next milliseconds.
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((address, 0))
         port: int = probe.getsockname()[1]
         return port
 
 
-def loopback_name() -> str:
-    """A name of this machine that resolves to the loopback and that helm and containerd do not
-    treat as insecure (neither ``localhost`` nor an IP): the host name, as /etc/hosts has it."""
+def loopback_name() -> tuple[str, str]:
+    """A name of this machine that resolves to a loopback address and that helm and containerd do
+    not treat as insecure (neither ``localhost`` nor an IP): the host name, as /etc/hosts has it;
+    and that address (127.0.0.1 here; Debian's /etc/hosts says 127.0.1.1), to listen on."""
     name = socket.gethostname()
     try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)}
+        addresses = sorted({str(info[4][0]) for info in socket.getaddrinfo(name, None, socket.AF_INET)})
     except OSError:
-        addresses = set()
+        addresses = []
     if not addresses or not all(address.startswith("127.") for address in addresses):
         raise RuntimeError(f"the registry needs a name for the loopback other than localhost, and this machine's "
-                           f"name {name!r} resolves to {sorted(addresses) or 'nothing'}: add '127.0.0.1 {name}' "
+                           f"name {name!r} resolves to {addresses or 'nothing'}: add '127.0.0.1 {name}' "
                            "to /etc/hosts")  # fmt: skip
-    return name
+    return name, addresses[0]
 
 
-def _config(directory: Path, port: int, cert: Path, key: Path) -> dict[str, object]:
+def _config(directory: Path, address: str, port: int, cert: Path, key: Path) -> dict[str, object]:
     return {
         "version": 0.1,
         "log": {"level": "warn", "accesslog": {"disabled": True}},
         # delete: a test can remove what it pushed; the storage is the directory, gone at stop.
         "storage": {"filesystem": {"rootdirectory": str(directory / "storage")}, "delete": {"enabled": True}},
         "http": {
-            "addr": f"127.0.0.1:{port}",
+            "addr": f"{address}:{port}",
             # Signs upload state between requests; any value works for one process.
             "secret": secrets.token_hex(16),
             "tls": {"certificate": str(cert), "key": str(key)},
@@ -126,18 +127,18 @@ def running_registry(directory: Path, timeout: float = 30.0) -> Iterator[Registr
     """A registry whose state lives in ``directory`` (made here) for the ``with`` block."""
     binary = ensure_server()
     directory.mkdir(parents=True, exist_ok=True)
-    name = loopback_name()
+    name, address = loopback_name()
     ca = CertificateAuthority.create(directory / "pki", common_name="gpuop-registry-ca")
-    cert, key = ca.issue("registry", name, sans=[f"DNS:{name}", "IP:127.0.0.1"])
-    port = _free_port()
+    cert, key = ca.issue("registry", name, sans=[f"DNS:{name}", f"IP:{address}"])
+    port = _free_port(address)
     config = directory / "config.yml"
-    config.write_text(yaml.safe_dump(_config(directory, port, cert, key)))
+    config.write_text(yaml.safe_dump(_config(directory, address, port, cert, key)))
     (directory / CA_FILE).write_bytes(ca.cert.read_bytes())
     registry = Registry(f"{name}:{port}", directory / CA_FILE)
     process: Supervised = spawn("registry", [str(binary), "serve", str(config)], directory / "registry.log")
     try:
         wait_until(
-            lambda: answers(registry), timeout, f"the registry answering on {registry.address}", process
+            lambda: answers(registry), timeout, f"answer from the registry at {registry.address}", process
         )
         (directory / ADDRESS_FILE).write_text(registry.address + "\n")
         yield registry

@@ -47,9 +47,12 @@ CHART: Final = ROOT / "charts" / "gpu-training-operator"
 CHANGELOG: Final = ROOT / "CHANGELOG.md"
 # The two distributions: the operator and CLI (which carries gputrain, the trainer the images
 # run), and gpureport alone, for any training image.
-PACKAGES: Final = {"gpu-training-operator": ROOT, "gpuop-report": ROOT / "trainer" / "report"}
-# What goes into the distributions (pyproject.toml's package-dir, the readme, the license).
-PACKAGE_INPUTS: Final = ("pyproject.toml", "README.md", "LICENSE", "operator", "trainer")
+# Each distribution's project directory, and what of it a build reads (pyproject.toml's
+# package-dir, the readme, the licence): exactly that is copied to build from and hashed.
+PACKAGES: Final = {
+    "gpu-training-operator": (ROOT, ("pyproject.toml", "README.md", "LICENSE", "operator", "trainer")),
+    "gpuop-report": (ROOT / "trainer" / "report", ("pyproject.toml", "README.md", "gpureport")),
+}
 REGISTRY_FORMAT: Final = re.compile(r"^[A-Za-z0-9.-]+(:[0-9]+)?(/[a-z0-9._-]+)*$")
 SKIPPED: Final = frozenset({"__pycache__", ".mypy_cache", ".pytest_cache"})
 
@@ -83,16 +86,27 @@ def pyproject_version() -> str:
     return match.group(1)
 
 
-def check_inputs(registry: str, version: str) -> None:
+def check_inputs(registry: str, version: str, dist: Path, *, with_notes: bool = True) -> None:
+    """Refuse, in one line, what would fail later or leave a half-made release."""
     if not registry:
         raise ReleaseError("REGISTRY is not set: make release REGISTRY=host:port[/path] (e.g. ghcr.io/you)")
     if not REGISTRY_FORMAT.match(registry):
-        raise ReleaseError(f"REGISTRY={registry} is not host[:port][/path] (no scheme, no tag)")
+        raise ReleaseError(f"REGISTRY={registry} is not host[:port][/path] with a lowercase path "
+                           "(no scheme, no tag)")  # fmt: skip
+    host = registry.split("/", 1)[0].rsplit(":", 1)[0]
+    if host == "localhost" or host.startswith("127.") or host == "[::1]":
+        # helm would speak plain HTTP to it and the images go over HTTPS: half a release.
+        raise ReleaseError(f"REGISTRY={registry}: helm talks plain HTTP to localhost and loopback addresses; "
+                           "name the registry by a host name with a TLS certificate for it")  # fmt: skip
     expected = pyproject_version()
     if version != expected:
         raise ReleaseError(f"VERSION={version} is not pyproject.toml's version {expected}: the version's one home "
                            "is pyproject.toml; set it there (and in Chart.yaml) first")  # fmt: skip
-    notes(version)
+    if dist.exists() and any(dist.iterdir()) and not (dist / "release.json").exists():
+        # It is emptied before the release is written there: never a directory of something else.
+        raise ReleaseError(f"DIST={dist} holds files and no release.json: give an empty directory")
+    if with_notes:
+        notes(version)
 
 
 def notes(version: str) -> str:
@@ -111,9 +125,10 @@ def notes(version: str) -> str:
 # -- building -------------------------------------------------------------------------------
 
 
-def _files(paths: tuple[str, ...], root: Path) -> list[Path]:
+def _files(root: Path, names: tuple[str, ...]) -> list[Path]:
+    """The files ``names`` (files and directories under ``root``) hold, sorted, caches left out."""
     found: list[Path] = []
-    for name in paths:
+    for name in names:
         path = root / name
         if path.is_file():
             found.append(path)
@@ -129,18 +144,20 @@ def packages(say: gobuild.Say) -> Path:
     """The wheels and sdists, built once per content into the cache (``python -m build``, then
     ``twine check``); the directory holding them."""
     inputs = buildcache.key([
-        part for path in _files(PACKAGE_INPUTS, ROOT) for part in (str(path.relative_to(ROOT)).encode(), path.read_bytes())
+        part for name, (root, names) in PACKAGES.items() for path in _files(root, names)
+        for part in (name.encode(), str(path.relative_to(root)).encode(), path.read_bytes())
     ])  # fmt: skip
 
     def make(out: Path) -> None:
         started = time.monotonic()
-        for name, source in PACKAGES.items():
+        for name, (root, names) in PACKAGES.items():
             say(f"building the wheel and sdist of {name}")
-            # A copy, so that the build's own egg-info and build/ never land in the work tree.
+            # Exactly the hashed files, copied: the build's own egg-info and build/ never land in
+            # the work tree, and nothing unhashed can reach a package.
             staging = out.with_name(f"src-{name}")
-            shutil.copytree(source, staging, ignore=shutil.ignore_patterns(*SKIPPED, "*.egg-info", ".venv", ".git",
-                            "tests", "bench", "charts", "docs", "examples", "images", ".controlplane", ".cluster",
-                            ".gpuop-runs", "dist", "build"))  # fmt: skip
+            for path in _files(root, names):
+                (staging / path.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, staging / path.relative_to(root))
             _run([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(out), str(staging)],
                  f"building {name}'s packages")  # fmt: skip
         _run([sys.executable, "-m", "twine", "check", "--strict", *map(str, sorted(out.iterdir()))],
@@ -180,8 +197,13 @@ def helm() -> str:
     return os.environ.get("HELM") or str(ROOT / ".venv" / "bin" / "helm")
 
 
-def _run(command: list[str], what: str) -> str:
-    result = subprocess.run(command, capture_output=True, text=True)
+def _run(command: list[str], what: str, stdin: str | None = None) -> str:
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, input=stdin)
+    except FileNotFoundError:
+        raise ReleaseError(
+            f"{what}: no {command[0]}; run it as make release (or set HELM=/path/to/helm)"
+        ) from None
     if result.returncode != 0:
         said = (result.stderr or result.stdout).strip().splitlines()
         raise ReleaseError(f"{what} failed: {said[-1] if said else f'exit {result.returncode}'}")
@@ -200,37 +222,37 @@ def _sha256(path: Path) -> str:
 
 
 def release(registry: str, version: str, dist: Path, ca: Path | None,
-            say: gobuild.Say = gobuild.say_on_stderr) -> dict[str, object]:  # fmt: skip
-    """Build, push, and describe the release; its description (also ``dist/release.json``)."""
-    check_inputs(registry, version)
+            say: gobuild.Say = gobuild.say_on_stderr, *, with_notes: bool = True) -> dict[str, object]:  # fmt: skip
+    """Build, push, and describe the release; its description (also ``dist/release.json``).
+    ``with_notes=False`` (``make cluster``'s release of a working tree) asks no CHANGELOG section."""
+    check_inputs(registry, version, dist, with_notes=with_notes)
     this = Release(version, registry, dist)
     client = oci.Client(this.host, ca)
     client.ping()  # a registry that cannot be reached or trusted stops us before any build
+    ca_args = ["--ca-file", str(ca)] if ca else []
+    if client.username and client.password:  # helm keeps its own credentials (HELM_REGISTRY_CONFIG)
+        _run([helm(), "registry", "login", this.host, "--username", client.username, "--password-stdin", *ca_args],
+             f"helm registry login {this.host}", stdin=client.password)  # fmt: skip
     started = time.monotonic()
     operator = build.operator_image(say)
     built = packages(say)
     if dist.exists():
-        shutil.rmtree(dist)
+        shutil.rmtree(dist)  # check_inputs saw it empty or holding an earlier release
     dist.mkdir(parents=True)
     for path in sorted(built.iterdir()):
         shutil.copy2(path, dist / path.name)
     chart_package = chart(this, dist)
-    (dist / "release-notes.md").write_text(notes(version))
+    if with_notes:
+        (dist / "release-notes.md").write_text(notes(version))
     say(f"built in {time.monotonic() - started:.0f}s; pushing to {registry}")
 
     pushed = time.monotonic()
     target = this.image("operator")
-    digest = oci.push_archive(client, operator.path, target)
+    pushed_operator = f"{target}@{oci.push_archive(client, operator.path, target)}"
     charts = f"oci://{registry}/charts"
-    ca_args = ["--ca-file", str(ca)] if ca else []
-    if client.username and client.password:  # helm keeps its own credentials (HELM_REGISTRY_CONFIG)
-        login = subprocess.run([helm(), "registry", "login", this.host, "--username", client.username,
-                                "--password-stdin", *ca_args], input=client.password, capture_output=True, text=True)  # fmt: skip
-        if login.returncode != 0:
-            raise ReleaseError(f"helm registry login {this.host} failed: {login.stderr.strip()}")
-    output = _run([helm(), "push", str(chart_package), charts, *ca_args], f"pushing the chart to {charts}")
-    chart_digest = next((line.split()[-1] for line in output.splitlines() if line.startswith("Digest:")), "")
-    pushed_operator = f"{target}@{digest}"
+    _run([helm(), "push", str(chart_package), charts, *ca_args], f"pushing the chart to {charts}")
+    # Read back, not scraped from helm's words: what the registry holds under the version.
+    chart_digest, _ = client.manifest(this.repository(f"charts/{CHART.name}"), version)
     (dist / "operator.spdx.json").write_text(
         json.dumps(sbom.document(operator.path, pushed_operator), indent=1)
     )
@@ -262,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ReleaseError, oci.RegistryError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except RuntimeError as error:  # a build that failed (not root, a Dockerfile step): its own words
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     images = described["images"]
     assert isinstance(images, dict)
     print(f"released {described['version']} to {described['registry']}:")
@@ -272,7 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  chart: helm install gpu-training-operator {chart_info['reference']} --version {described['version']}"
     )
-    print(f"  files: {args.dist}/ (wheels, sdists, chart, release-notes.md, release.json)")
+    print(f"  files: {args.dist}/ (wheels, sdists, chart, SBOM, release-notes.md, release.json)")
+    # Not yet in this recipe: the release workflow builds the trainer images with Docker.
+    print(
+        f"  not pushed: the trainer image; push yours as {described['registry']}/trainer:{described['version']}"
+    )
     return 0
 
 

@@ -25,7 +25,9 @@ import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import Any, Final
+
+from support import oci
 
 SPDX_VERSION: Final = "SPDX-2.3"
 DPKG_STATUS: Final = "var/lib/dpkg/status"
@@ -33,15 +35,14 @@ DIST_INFO: Final = re.compile(r"(^|/)(site|dist)-packages/[^/]+\.dist-info/METAD
 CREATOR: Final = "Tool: gpu-training-operator-release"
 
 
-def _layers(archive: tarfile.TarFile) -> Iterator[tuple[str, bytes]]:
+def _layers(archive: tarfile.TarFile, image: str | None) -> Iterator[tuple[str, bytes]]:
     """(path, content) of the files the image's layers hold that an SBOM reads, in the order a
-    runtime applies them; a whiteout or a deleted file comes as (path, b"") to drop it."""
-    index = json.load(_open(archive, "index.json"))
-    manifest = json.load(_blob(archive, index["manifests"][0]["digest"]))
-    if "manifests" in manifest:  # an index inside: the first platform's manifest
-        manifest = json.load(_blob(archive, manifest["manifests"][0]["digest"]))
+    runtime applies them; a whiteout comes as (path, b"") to drop the path and what is below it.
+    Of an index, the first platform's (the images here are built for one)."""
+    first = oci.platform_manifests(archive, oci.image_descriptor(archive, image))[0]
+    manifest = json.load(oci.archive_blob(archive, first["digest"])[0])
     for layer in manifest["layers"]:
-        raw = _blob(archive, layer["digest"]).read()
+        raw = oci.archive_blob(archive, layer["digest"])[0].read()
         data = gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
         with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             for member in tar:
@@ -54,18 +55,6 @@ def _layers(archive: tarfile.TarFile) -> Iterator[tuple[str, bytes]]:
                 elif member.isfile() and (name == DPKG_STATUS or DIST_INFO.search(name)):
                     found = tar.extractfile(member)
                     yield name, found.read() if found else b""
-
-
-def _open(archive: tarfile.TarFile, name: str) -> IO[bytes]:
-    found = archive.extractfile(name)
-    if found is None:
-        raise RuntimeError(f"{archive.name} holds no {name}")
-    return found
-
-
-def _blob(archive: tarfile.TarFile, digest: str) -> IO[bytes]:
-    algorithm, _, hexdigest = digest.partition(":")
-    return _open(archive, f"blobs/{algorithm}/{hexdigest}")
 
 
 def _debian(status: bytes) -> Iterator[dict[str, str]]:
@@ -94,11 +83,12 @@ def _package(kind: str, name: str, version: str, purl: str, expression: str | No
     }
 
 
-def packages(archive_path: Path) -> list[dict[str, Any]]:
-    """The SPDX packages an image holds: Debian's, then Python's, each sorted by name."""
+def packages(archive_path: Path, image: str | None = None) -> list[dict[str, Any]]:
+    """The SPDX packages an image of an archive holds (``image`` as :func:`support.oci.push_archive`
+    selects it): Debian's, then Python's, each sorted by name."""
     files: dict[str, bytes] = {}
     with tarfile.open(archive_path) as archive:
-        for path, content in _layers(archive):
+        for path, content in _layers(archive, image):
             if content:
                 files[path] = content
             else:  # a whiteout: the path and anything below it
@@ -121,9 +111,10 @@ def packages(archive_path: Path) -> list[dict[str, Any]]:
     return sorted(found, key=lambda p: p["name"]) + sorted(pythons, key=lambda p: p["name"].lower())
 
 
-def document(archive_path: Path, image: str) -> dict[str, Any]:
-    """The SBOM of the image at ``image`` (``registry/repository:tag@digest``), from its archive."""
-    contained = packages(archive_path)
+def document(archive_path: Path, image: str, selector: str | None = None) -> dict[str, Any]:
+    """The SBOM of the image pushed as ``image`` (``registry/repository:tag@digest``), read from
+    the archive it was pushed from (``selector`` picks it there, as for the push)."""
+    contained = packages(archive_path, selector)
     top = {
         "SPDXID": "SPDXRef-image",
         "name": image.split("@")[0],

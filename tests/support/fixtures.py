@@ -109,8 +109,9 @@ class Released:
         return [self.chart, "--version", self.version, "--ca-file", str(self.registry.ca)]
 
     def reference(self, name: str) -> str:
-        """``HOST:PORT/<name>:<version>``: the image by tag, as the chart's defaults name it."""
-        return self.image(name).split("@")[0]
+        """``HOST:PORT/<name>:<version>``: an image by tag, as the released chart's defaults name
+        it (``operator``, and ``trainer``, which the release does not push yet)."""
+        return f"{self.registry.address}/{name}:{self.version}"
 
     def image(self, name: str) -> str:
         """``HOST:PORT/<name>:<version>@sha256:...``: the image as pushed."""

@@ -10,7 +10,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
 HELM := $(BIN)/helm
 CHART := charts/gpu-training-operator
 
-.PHONY: docs-tools version test check release registry-binaries actionlint-binaries run lint typecheck imports unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries node-binaries operator-image node min-versions cluster cluster-down monitoring-binaries objectstore-binaries
+.PHONY: docs-tools version test check release registry-binaries actionlint-binaries run lint typecheck imports unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries node-binaries images node min-versions cluster cluster-down monitoring-binaries objectstore-binaries
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,7 @@ CONTROLPLANE := PYTHONPATH=tests $(BIN)/python -m support.plane.controlplane
 ## CRD is current, the operator's unit tests at the lowest versions it declares, pytest: unit,
 ## chart, operator, trainer, the real control-plane suite, the real-node suite and the local
 ## end-to-end chain)
-test: $(STAMP) $(HELM) controlplane-binaries monitoring-binaries objectstore-binaries registry-binaries actionlint-binaries node-binaries operator-image docs-tools lint typecheck imports crd min-versions unit
+test: $(STAMP) $(HELM) controlplane-binaries monitoring-binaries objectstore-binaries registry-binaries actionlint-binaries node-binaries images docs-tools lint typecheck imports crd min-versions unit
 
 ## check: the everyday loop: lint, strict types, the layers, the CRD is current, the unit tests
 ## (tests/unit; beside .venv it builds only actionlint, once, for the workflows' test)
@@ -37,9 +37,9 @@ check: $(STAMP) $(HELM) actionlint-binaries lint typecheck imports crd
 	HELM=$(abspath $(HELM)) $(BIN)/pytest -q tests/unit
 
 ## release: build every artifact a user installs and push it: make release REGISTRY=host:port[/path]
-## [VERSION=x.y.z, default pyproject.toml's] [REGISTRY_CA=ca.crt]. The operator image (BuildKit,
-## root), the chart as an OCI artifact whose defaults name these images, the wheels and sdists
-## (twine-checked) and the release notes in dist/ (tests/support/release.py). BASE_IMAGES=pull
+## [VERSION=x.y.z, default pyproject.toml's] [REGISTRY_CA=ca.crt]. The operator and trainer images
+## (BuildKit, root) with their SBOMs, the chart as an OCI artifact whose defaults name these images,
+## the wheels and sdists (twine-checked) and the release notes in dist/ (tests/support/release.py). BASE_IMAGES=pull
 ## pulls the Dockerfiles' base images where a registry serves them, instead of the stand-ins made here
 release: $(STAMP) $(HELM)
 	HELM=$(abspath $(HELM)) BASE_IMAGES="$(BASE_IMAGES)" PYTHONPATH=tests $(BIN)/python -m support.release --registry "$(REGISTRY)" \
@@ -78,14 +78,14 @@ objectstore-binaries: $(STAMP)
 node-binaries: $(STAMP)
 	PYTHONPATH=tests $(BIN)/python -m support.node.binaries
 
-## operator-image: build (or find cached) the operator image from images/operator.Dockerfile with
-## BuildKit (from tests/images/go.mod) on a Debian base made with debootstrap (root; once per
-## machine and content, about 5 min cold)
-operator-image: $(STAMP) node-binaries
+## images: build (or find cached) the operator and trainer images from images/operator.Dockerfile and
+## images/trainer.Dockerfile with BuildKit (from tests/images/go.mod) on a Debian base made with
+## debootstrap (root; once per machine and content: README has the cold costs)
+images: $(STAMP) node-binaries
 	PYTHONPATH=tests $(BIN)/python -m support.images
 
 ## node: only the real-node suite (tests/node; `make test` runs it too)
-node: $(STAMP) $(HELM) controlplane-binaries node-binaries operator-image
+node: $(STAMP) $(HELM) controlplane-binaries node-binaries images
 	HELM=$(abspath $(HELM)) $(BIN)/pytest -m node tests/node
 
 ## controlplane: start a real control plane on loopback; writes .controlplane/kubeconfig and .controlplane/bin/
@@ -134,7 +134,7 @@ unit: $(STAMP) $(HELM)
 
 ## e2e-local: only the local end-to-end chain (tests/e2e_local; `make test` runs it too): the real
 ## control plane, two real nodes, Kubeflow's controllers and Kueue, the chart and the operator from its image
-e2e-local: $(STAMP) $(HELM) controlplane-binaries node-binaries operator-image
+e2e-local: $(STAMP) $(HELM) controlplane-binaries node-binaries images
 	HELM=$(abspath $(HELM)) $(BIN)/pytest -m e2e_local tests/e2e_local
 
 ## e2e: the kind tests (need Docker and kind; they skip without them)

@@ -6,16 +6,17 @@ operator as a user installs it: ``make release`` pushed its image and chart to a
 (:mod:`support.registry`), the real helm installs the chart from ``oci://`` and the node pulls
 the image.
 
-The trainers run from the default trainer image, the stand-in assembled from the project's
-.venv (:mod:`support.images.trainer`), not yet built from images/trainer.Dockerfile nor pulled:
-imported on both nodes and tagged with the names the released chart's defaults and the kind
-examples give (as ``kind load docker-image`` would); the user's own programs run from the
-archive's second image, a stand-in for a team's own image (:data:`~support.images.trainer.OWN_CODE_NAME`).
+The trainers run from the trainer image ``make release`` built from images/trainer.Dockerfile
+and pushed, which the nodes pull before the first test; the user's own programs run from a
+team's own image built as a user builds it, examples/own-code.Dockerfile on that trainer image,
+pushed to the same registry and pulled the same way. Each node knows the trainer by the kind
+examples' name too, and the own image by the name the tests give it, as ``kind load`` would
+(``make cluster``'s test has the kubelet pull the trainer image).
 
 Every test here is marked ``e2e_local`` (`make e2e-local` runs them alone); none skips. The
 nodes need root, as CI and the development machines have it. The nodes, controllers, operator
 and claims live as long as this package (package scope: set up once for its modules, about
-two minutes, most of it the images' import); Kueue only for its module.
+three minutes, most of it the own image's build and the pulls); Kueue only for its module.
 """
 
 from __future__ import annotations
@@ -27,14 +28,21 @@ from typing import Final
 
 import pytest
 
-from support import monitoring
-from support.chain import CLAIMS_LABEL, EXAMPLE_IMAGE, NAMESPACE, Claims, InClusterOperator, Timeline
+from support import chain, monitoring
+from support.chain import (
+    CLAIMS_LABEL,
+    EXAMPLE_IMAGE,
+    NAMESPACE,
+    OWN_CODE_IMAGE,
+    Claims,
+    InClusterOperator,
+    Timeline,
+)
 from support.controllers import kueue, trainerv2, trainingoperator
 from support.controllers.webhooked import WebhookedController
 from support.fixtures import Released
-from support.images import trainer
+from support.images import build
 from support.node import binaries
-from support.node.images import full_reference
 from support.node.node import Node
 from support.node.pool import Pool, running_pool
 from support.plane import controlplane
@@ -99,28 +107,33 @@ def namespace(plane: controlplane.ControlPlane) -> str:
 
 
 @pytest.fixture(scope="package")
+def own_code(released: Released) -> str:
+    """The team's own image: examples/own-code.Dockerfile on the released trainer image, pushed
+    beside it (:func:`support.images.build.own_code_image`); its reference there."""
+    return build.own_code_image(released.registry, released.reference("trainer"))
+
+
+@pytest.fixture(scope="package")
 def nodes(
     plane: controlplane.ControlPlane,
     node_api: Api,
     node_binaries: binaries.NodeBinaries,
     released: Released,
+    own_code: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Pool]:
     """Both nodes, kube-scheduler, kube-proxy and CoreDNS. Each trusts the session's registry and
-    pulls the operator image from it, as ``make release`` pushed it. The trainer stand-in (4.8 GB;
-    see support.images.trainer) and the own-code stand-in are imported on both at once (about
-    65 s), under the trainer's name in the released chart's defaults and the kind examples'."""
-    images = [trainer.trainer_image()]
+    pulls from it: its kubelet the operator's image when the chart is installed; its containerd,
+    before any test, the trainer image and the own image (as ``kind load`` loads them), which
+    it knows by the kind examples' name and the tests' name too."""
 
-    def trust_and_tag(node: Node) -> None:
+    def trust(node: Node) -> None:
         node.containerd.trust(released.registry.address, released.registry.ca)
-        for name in (released.reference("trainer"), full_reference(EXAMPLE_IMAGE)):
-            node.containerd.ctr("images", "tag", "--force", trainer.NAME, full_reference(name))
 
-    with running_pool(
-        plane, node_api, node_binaries, tmp_path_factory.mktemp("pool"), images, trust_and_tag
-    ) as pool:
-        print(f"images imported: {pool.imported}")
+    with running_pool(plane, node_api, node_binaries, tmp_path_factory.mktemp("pool"), trust) as pool:
+        aliases = {released.reference("trainer"): EXAMPLE_IMAGE, own_code: OWN_CODE_IMAGE}
+        took = chain.preload(pool, released.registry, aliases)
+        print("pulled the trainer and own images: " + ", ".join(f"{n} {s:.0f}s" for n, s in took.items()))
         yield pool
 
 

@@ -25,7 +25,6 @@ from gpuop.backends.trainjob import TRAINJOB
 from support import chain, datasets
 from support.chain import Claims, InClusterOperator
 from support.controllers.webhooked import WebhookedController
-from support.images import trainer
 from support.node.pool import Pool
 from support.objectstore import S3Server
 from support.plane.cluster import Api
@@ -120,12 +119,12 @@ def test_progress_then_a_killed_trainer_resumes_from_its_checkpoint_in_the_bucke
     name = "killed"
     gate = chain.gate(claims, f"{name}-outputs", mount=chain.OUTPUTS)
     # Its data in the bucket too (spec.dataset.uri): MNIST's files, copied by each pod's dataset
-    # step, one object every 1.5 s (the test hook on TEST_SITE), so the operator sees it copying.
+    # step, one object every 1.5 s (the test hook the gate's site loads), so the operator sees it copying.
     s3.put(chain.BUCKET, {f"{chain.DATA_PREFIX}/{n}": data for n, data in datasets.mnist_files().items()})
     fields = chain.in_bucket(plane, s3, gate)
     fields["dataset"] = {"name": "mnist", "uri": f"s3://{chain.BUCKET}/{chain.DATA_PREFIX}",
                          "secretName": chain.STORE_SECRET}  # fmt: skip
-    fields["env"] = [{"name": "PYTHONPATH", "value": f"{chain.OUTPUTS}/hold-site:{trainer.TEST_SITE}"},
+    fields["env"] = [{"name": "PYTHONPATH", "value": f"{chain.OUTPUTS}/hold-site"},
                      {"name": "GPUOP_TEST_FETCH_SECONDS", "value": "1.5"}]  # fmt: skip
     timelines.append(timeline := chain.start_long_training(plane, name, tmp_path, gate, **fields))
     pod = f"{name}-master-0"

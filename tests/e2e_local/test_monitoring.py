@@ -31,7 +31,6 @@ import yaml
 
 from support import chain, dcgm_standin
 from support.controllers import kueue
-from support.images import trainer
 from support.monitoring import Prometheus
 from support.node.pool import Pool
 from support.paths import ROOT
@@ -73,7 +72,7 @@ def _own_code_training(plane: ControlPlane, tmp_path: Path, name: str, program: 
     team's own that reports nothing. A PyTorchJob whatever else the package's cluster serves
     (``auto`` picks TrainJob once Trainer v2 runs, as it does after test_kueue)."""
     body = {
-        "image": trainer.OWN_CODE_NAME, "command": ["python", "-c", program], "workers": 1,
+        "image": chain.OWN_CODE_IMAGE, "command": ["python", "-c", program], "workers": 1,
         "gpusPerWorker": 0, "resources": {"cpu": "250m", "memory": "512Mi"}, "backend": "pytorchjob",
         **spec,
     }  # fmt: skip

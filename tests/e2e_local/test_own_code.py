@@ -21,12 +21,12 @@ import yaml
 
 from gpuop.api.identity import REPORT_MOUNT, REPORT_PATH
 from support import chain
-from support.chain import InClusterOperator
+from support.chain import Claims, InClusterOperator
 from support.controllers import trainerv2
 from support.controllers.webhooked import WebhookedController
-from support.images import trainer
 from support.plane.cluster import Api
 from support.plane.controlplane import ControlPlane
+from support.training import put_hooks
 from support.waiting import wait_for
 
 # -- the code people actually train: their own command, reporting by Kubeflow's protocol ---------
@@ -62,14 +62,21 @@ PROGRAMS = {
 
 
 def _train_own_code(
-    plane: ControlPlane, program: str, backend: str, timelines: list[chain.Timeline], tmp_path: Path
+    plane: ControlPlane,
+    claims: Claims,
+    program: str,
+    backend: str,
+    timelines: list[chain.Timeline],
+    tmp_path: Path,
 ) -> tuple[str, list[dict[str, Any]]]:
     """The user's program under plain torchrun (both Kubeflow APIs set PET_NNODES, PET_NODE_RANK,
     PET_MASTER_ADDR/PORT), reporting with the projected token to the operator's endpoint:
     status moves while it runs and ends at 100. The training's name and its pods, still there."""
     name = f"{program}-{backend}"
+    # The pacing hooks come on a claim (no image carries them), mounted as the training's output.
+    hooks = put_hooks(claims.make(chain.NAMESPACE, f"{name}-hooks"))
     spec = {
-        "image": trainer.OWN_CODE_NAME,  # a stand-in for a team's image: Transformers and the examples
+        "image": chain.OWN_CODE_IMAGE,  # examples/own-code.Dockerfile: Transformers and the examples
         "command": ["torchrun"],
         "args": PROGRAMS[program],
         "backend": backend,
@@ -77,12 +84,12 @@ def _train_own_code(
         "gpusPerWorker": 0,
         "resources": {"cpu": "1", "memory": "2Gi"},
         # 12 steps of at least 1.5 s: long enough by construction for clients that report at
-        # most every 5 s to be seen reporting while they run (support.training.pace_env, whose
-        # hooks the image has at TEST_SITE).
+        # most every 5 s to be seen reporting while they run (support.training.pace_env's hooks).
         "env": [
-            {"name": "PYTHONPATH", "value": trainer.TEST_SITE},
+            {"name": "PYTHONPATH", "value": f"{chain.OUTPUTS}/{hooks}"},
             {"name": "GPUOP_TEST_STEP_SECONDS", "value": "1.5"},
         ],
+        "output": {"volume": {"claimName": f"{name}-hooks"}},
     }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump({"apiVersion": "gpuop.io/v1alpha1", "kind": "GpuTraining",
@@ -144,10 +151,15 @@ def _delete_training(plane: ControlPlane, name: str) -> None:
 @pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
 def test_the_code_people_train_reports_progress_into_status_on_either_backend(
-    plane: ControlPlane, program: str, backend: str, timelines: list[chain.Timeline], tmp_path: Path
+    plane: ControlPlane,
+    claims: Claims,
+    program: str,
+    backend: str,
+    timelines: list[chain.Timeline],
+    tmp_path: Path,
 ) -> None:
     """Their own programs, no code of ours in the HF one: see :func:`_train_own_code`."""
-    name, _ = _train_own_code(plane, program, backend, timelines, tmp_path)
+    name, _ = _train_own_code(plane, claims, program, backend, timelines, tmp_path)
     _delete_training(plane, name)
 
 
@@ -190,6 +202,7 @@ def test_with_trainers_own_progress_gate_on_the_code_reports_to_the_operator_alo
     api: Api,
     operator: InClusterOperator,
     progress_gate_on: WebhookedController,
+    claims: Claims,
     timelines: list[chain.Timeline],
     tmp_path: Path,
 ) -> None:
@@ -202,7 +215,7 @@ def test_with_trainers_own_progress_gate_on_the_code_reports_to_the_operator_alo
     # Its server found the issuer as in its pod: by the kubernetes Service's name.
     assert progress_gate_on.proxy is not None
     assert progress_gate_on.proxy.routed >= 1
-    name, pods = _train_own_code(plane, "hf", "trainjob", timelines, tmp_path)
+    name, pods = _train_own_code(plane, claims, "hf", "trainjob", timelines, tmp_path)
     # The gate did inject: Trainer's token volume and its CA ConfigMap are there, unused.
     assert "kubeflow-trainer-token" in {v["name"] for v in pods[0]["spec"]["volumes"]}
     assert chain.get(plane, "configmap", f"{name}-tls-config") is not None

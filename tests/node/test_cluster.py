@@ -24,8 +24,8 @@ import yaml
 
 from support import registry, specs
 from support.cluster import left_on_machine
-from support.images import trainer
 from support.paths import ROOT
+from support.training import put_hooks
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.node
@@ -53,9 +53,23 @@ def cluster(command: str, state: Path, timeout: float) -> tuple[subprocess.Compl
     return done, time.monotonic() - started
 
 
-def kubectl(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def kubectl(state: Path, *args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(state / "bin" / "kubectl"), f"--kubeconfig={state / 'kubeconfig'}", *args],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+                          input=input, capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+def _claim(name: str, folder: Path) -> list[dict[str, Any]]:
+    """A ReadWriteMany claim in ``default`` bound to a hostPath volume of ``folder``: both nodes
+    are this machine, so every pod of a training shares it wherever it runs."""
+    return [
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"default-{name}"},
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+                  "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(folder), "type": "Directory"},
+                  "claimRef": {"namespace": "default", "name": name}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": "default"},
+         "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": f"default-{name}",
+                  "resources": {"requests": {"storage": "1Gi"}}}},
+    ]  # fmt: skip
 
 
 @pytest.fixture
@@ -81,9 +95,9 @@ def test_make_cluster_trains_the_first_example_and_the_kind_example_and_cluster_
 ) -> None:
     """The whole chain as a user meets it, every pod a container: the chart installed from the
     registry `make release` pushed to (`helm install oci://...`, its defaults), the operator's
-    image pulled by the node; the operator renders the jobs with its default trainer image (the
-    stand-in on both nodes), the real training-operator makes the pods, the kubelets run
-    torchrun -m gputrain (README's first training with its GPU count set to 0; the kind example,
+    image pulled by the node; the operator renders the jobs with its default trainer image (which
+    the release pushed and each node's kubelet pulls), the real training-operator makes the
+    pods, the kubelets run torchrun -m gputrain (README's first training with its GPU count set to 0; the kind example,
     whose DDP workers meet over gloo by the master's name through CoreDNS, on Trainer v2 and
     JobSet) and a user's plain loop; each status follows its training while it runs, the
     user's loop through its own reports alone."""
@@ -113,7 +127,17 @@ def test_make_cluster_trains_the_first_example_and_the_kind_example_and_cluster_
         # nodes): README's first training, the kind example on Trainer v2, and a user's plain
         # loop on our report API. Paced (GPUOP_TEST_STEP_SECONDS), long enough to be seen
         # reporting however fast the machine (a report goes every 5 s at most).
-        pacing = [{"name": "PYTHONPATH", "value": trainer.TEST_SITE}]
+        # The pacing hooks on a claim of a folder here (no image carries them), mounted as the
+        # trainings' output, as the cluster's shared storage would give it.
+        hooks = state.parent / "hooks"
+        hooks.mkdir(mode=0o777)
+        hooks.chmod(0o777)  # the trainers write their outputs there as uid 1000
+        site = put_hooks(hooks)
+        for body in _claim("hooks", hooks):
+            created = kubectl(state, "create", "-f", "-", input=json.dumps(body))
+            assert created.returncode == 0, created.stderr
+        pacing = [{"name": "PYTHONPATH", "value": f"/output/{site}"}]
+        output = {"volume": {"claimName": "hooks"}}
         first = yaml.safe_load(FIRST_TRAINING.read_text())
         # As its comment says for a cluster without GPUs: no GPU, about 10 epochs (5 here:
         # 225 steps of 0.2 s).
@@ -121,12 +145,14 @@ def test_make_cluster_trains_the_first_example_and_the_kind_example_and_cluster_
         first["spec"]["training"]["epochs"] = 5
         first["spec"]["resources"] = {"cpu": "500m", "memory": "1Gi"}
         first["spec"]["env"] = [*pacing, {"name": "GPUOP_TEST_STEP_SECONDS", "value": "0.2"}]
+        first["spec"]["output"] = output
         kind = yaml.safe_load(KIND_CPU.read_text())
         del kind["spec"]["image"]
         # Half a CPU a worker, so that the three workers fit on the two nodes' four CPUs beside
         # the operator and CoreDNS; 0.4 s a step (115 steps: 46 s or more).
         kind["spec"]["resources"]["cpu"] = "500m"
         kind["spec"]["env"] = [*pacing, {"name": "GPUOP_TEST_STEP_SECONDS", "value": "0.4"}]
+        kind["spec"]["output"] = output
         kind_v2 = {
             **kind,
             "metadata": {"name": "kind-cpu-v2"},
@@ -155,6 +181,16 @@ def test_make_cluster_trains_the_first_example_and_the_kind_example_and_cluster_
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{_describe(state)}\n{_logs(state)}") from None
         print(f"all finished {time.monotonic() - started:.1f}s after create")
+        # The trainer image came from the registry: each node's kubelet pulled it for the
+        # first pod that ran it there, and said how long that took.
+        events = json.loads(kubectl(state, "get", "events", "-n", "default", "-o", "json").stdout)["items"]
+        pulls = [
+            f"{e['involvedObject']['name']}: {e['message']}"
+            for e in events
+            if e["reason"] == "Pulled" and f'Successfully pulled image "{address}/trainer:' in e["message"]
+        ]
+        print("the kubelets' word:\n  " + "\n  ".join(pulls))
+        assert pulls, kubectl(state, "get", "events", "-n", "default").stdout
         for name, statuses in seen.items():
             status = statuses[-1]
             assert status["phase"] == "Succeeded", f"{name}: {json.dumps(status, indent=1)}\n{_logs(state)}"

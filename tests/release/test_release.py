@@ -34,17 +34,22 @@ def _helm(released: Released, *args: str) -> str:
     return result.stdout
 
 
-def test_the_operator_image_is_in_the_registry_under_the_release_version(released: Released) -> None:
-    reference, _, digest = released.image("operator").partition("@")
+@pytest.mark.parametrize(
+    ("image", "entrypoint", "user"), [("operator", ["gpuop"], "65532"), ("trainer", ["torchrun"], "1000")]
+)
+def test_each_image_is_in_the_registry_under_the_release_version(
+    released: Released, image: str, entrypoint: list[str], user: str
+) -> None:
+    reference, _, digest = released.image(image).partition("@")
     target = oci.Reference.parse(reference)
     assert target.tag == released.version
     client = oci.Client(target.host, released.registry.ca)
     served, manifest = client.manifest(target.repository, target.tag)
     assert served == digest
     config = json.loads(client.blob(target.repository, manifest["config"]["digest"]))["config"]
-    # The image the Dockerfile describes: gpuop as its entrypoint, the non-root uid the chart expects.
-    assert config["Entrypoint"] == ["gpuop"]
-    assert config["User"] == "65532"
+    # The image its Dockerfile describes: its entrypoint, the non-root uid the chart expects.
+    assert config["Entrypoint"] == entrypoint
+    assert config["User"] == user
     # Every layer is there and whole (the registry checked each digest as it took it).
     for layer in manifest["layers"]:
         assert client.has_blob(target.repository, layer["digest"])
@@ -77,7 +82,7 @@ def test_dist_holds_the_packages_the_chart_and_the_notes(released: Released) -> 
         f"gpu-training-operator-{version}.tgz",
         f"gpu_training_operator-{version}-py3-none-any.whl", f"gpu_training_operator-{version}.tar.gz",
         f"gpuop_report-{version}-py3-none-any.whl", f"gpuop_report-{version}.tar.gz",
-        "operator.spdx.json", "release-notes.md", "release.json",
+        "operator.spdx.json", "trainer.spdx.json", "release-notes.md", "release.json",
     ])  # fmt: skip
     files = released.described["files"]
     assert isinstance(files, dict)
@@ -188,3 +193,20 @@ def test_the_operator_images_sbom_names_the_pushed_digest_and_what_the_image_hol
     assert f"pkg:pypi/gpu-training-operator@{released.version}" in purls
     assert any(purl.startswith("pkg:deb/debian/python3@") for purl in purls), sorted(purls)
     assert "pkg:pypi/torch" not in " ".join(purls)  # the operator image holds no torch
+
+
+def test_the_trainer_images_sbom_names_pypis_cuda_torch_and_our_trainer(released: Released) -> None:
+    document = json.loads((released.dist / "trainer.spdx.json").read_text())
+    image, *contained = document["packages"]
+    assert f"{image['name']}@{image['versionInfo']}" == released.image("trainer")
+    purls = {ref["referenceLocator"] for package in contained for ref in package["externalRefs"]}
+    pins = dict(
+        line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line
+    )
+    for name in ("torch", "torchvision", "scikit-learn", "obstore", "nvidia-ml-py"):
+        assert f"pkg:pypi/{name}@{pins[name]}" in purls, sorted(purls)
+    assert f"pkg:pypi/gpu-training-operator@{released.version}" in purls
+    # PyPI's torch is the CUDA build: the CUDA runtime and NCCL come as wheels of their own.
+    names = {purl.split("@")[0] for purl in purls}
+    assert {"pkg:pypi/nvidia-nccl-cu13", "pkg:pypi/triton"} <= names, sorted(names)
+    assert not names & {"pkg:pypi/kopf", "pkg:pypi/kubernetes"}  # the operator's stay out

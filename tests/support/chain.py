@@ -10,6 +10,7 @@ import fnmatch
 import json
 import textwrap
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,18 +21,25 @@ import yaml
 from gpuop.api.spec import parse
 from gpuop.backends.registry import JobApi
 from gputrain.contract import complete_checkpoint_step
-from support.images import trainer
-from support.node.pool import Pool
+from support import oci
+from support.node.images import full_reference
+from support.node.node import Node
+from support.node.pool import Pool, enough_disk
 from support.objectstore import S3Server
 from support.paths import ROOT
 from support.plane import controlplane
 from support.plane.controlplane import ControlPlane
+from support.registry import Registry
 from support.tools.helm import RELEASE_NAMESPACE
-from support.training import hold_env, release, wait_held
+from support.training import HOOKS_FOLDER, hold_env, put_hooks, release, wait_held
 from support.waiting import wait_for
 
 # The image the kind examples name: a user of kind builds it and loads it into the nodes.
 EXAMPLE_IMAGE: Final = yaml.safe_load((ROOT / "examples" / "kind-cpu.yaml").read_text())["spec"]["image"]
+# The name the custom-code trainings give a team's own image (examples/own-code.Dockerfile on
+# the released trainer image): built and pushed to the session's registry, pulled by the nodes
+# and known to them by this name too, as a team's registry would serve it.
+OWN_CODE_IMAGE: Final = "registry.example.com/team/own-code:1"
 # The namespace the chain's trainings run in.
 NAMESPACE: Final = "e2e"
 # The label of the volumes :class:`Claims` makes, to find them again.
@@ -99,6 +107,51 @@ STORE_SECRET = "store-credentials"
 # The kind example's digits on 2 workers of batch 32 are 23 steps an epoch: by step 50, in the
 # third epoch, two epoch-end checkpoints are written.
 HOLD_AT_STEP = 50
+
+
+def preload(pool: Pool, registry: Registry, aliases: dict[str, str]) -> dict[str, float]:
+    """Each image of ``aliases`` (a reference in ``registry``) pulled by every node's containerd,
+    both nodes at once, before any test, and known there by its alias too: as ``kind load``
+    puts an image on kind's nodes under the name the examples give, so the kubelet runs it
+    without a pull (pulled by the kubelet, it would have to pull it again under another name,
+    to check the pod may). The seconds each node took. One the disk cannot hold is refused
+    before it starts."""
+    client = oci.Client(registry.address.split("/")[0], registry.ca)
+    layers: dict[str, list[str]] = {}
+    sizes: dict[str, int] = {}
+    for image in aliases:
+        reference = oci.Reference.parse(image)
+        _, manifest = client.manifest(reference.repository, reference.tag)
+        if "manifests" in manifest:  # an index: its image for this machine
+            (platform,) = [
+                m for m in manifest["manifests"] if m.get("platform", {}).get("architecture") == "amd64"
+            ]
+            _, manifest = client.manifest(reference.repository, platform["digest"])
+        layers[image] = [layer["digest"] for layer in manifest["layers"]]
+        sizes |= {layer["digest"]: layer["size"] for layer in manifest["layers"]}
+    # Unpacked, zstd's layers take about twice their size, and the blob is there too until then.
+    enough_disk(pool.nodes, 3 * sum(sizes.values()), f"pulling {', '.join(aliases)}")
+    seconds: dict[str, float] = {}
+    failed: list[BaseException] = []
+
+    def load(node: Node) -> None:
+        try:
+            started = time.monotonic()
+            for image, alias in aliases.items():
+                node.containerd.pull(image, layers[image])
+                node.containerd.ctr("images", "tag", "--force", image, full_reference(alias))
+            seconds[node.name] = time.monotonic() - started
+        except BaseException as exc:  # raised below, in the caller's thread
+            failed.append(exc)
+
+    threads = [threading.Thread(target=load, args=(node,), name=f"pull-{node.name}") for node in pool.nodes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failed:
+        raise failed[0]
+    return seconds
 
 
 def get(plane: ControlPlane, kind: str, name: str) -> dict[str, Any] | None:
@@ -217,14 +270,15 @@ def gate(claims: Claims, claim: str, mount: str = CHECKPOINTS) -> Gate:
     (shared / "hold").chmod(0o777)
     variables = hold_env(Path(mount) / "hold", HOLD_AT_STEP)
     del variables["PYTHONPATH"]  # this host's; the pods get theirs from spec.env
-    # The gate itself is in the trainer image, where pace_env's hooks are.
+    # The gate itself is in the hooks on the claim (no image carries them), which pace_env's use too.
+    put_hooks(shared)
     (site / "sitecustomize.py").write_text(textwrap.dedent(f"""\
         import importlib.util
         import os
         import sys
 
         os.environ.update({variables!r})
-        _spec = importlib.util.spec_from_file_location("trainer_hold", "{trainer.TEST_SITE}/sitecustomize.py")
+        _spec = importlib.util.spec_from_file_location("trainer_hold", "{mount}/{HOOKS_FOLDER}/sitecustomize.py")
         _gate = importlib.util.module_from_spec(_spec)
         sys.modules[_spec.name] = _gate
         _spec.loader.exec_module(_gate)

@@ -13,13 +13,13 @@ log. ``down`` stops them in reverse order, each node cordoned and
 drained, and sweeps what a piece left (support.node.node.Node.stop); then it checks that no
 process, mount, bridge, cgroup or kube-proxy chain of the cluster is left on the machine.
 
-Both nodes have the operator's default trainer image, the stand-in assembled from the
-project's .venv (:mod:`support.images.trainer`, 4.8 GB with the own-code stand-in, about 60 s to
-import on each node) under the name the released chart's defaults give, so a GpuTraining with no
-``image`` trains: ``examples/first-training.yaml`` with ``gpusPerWorker: 0``.
+The release pushes the trainer image too (images/trainer.Dockerfile, 5.4 GB unpacked), which the
+released chart's defaults name, so a GpuTraining with no ``image`` trains, its pods' kubelets
+pulling the image at the first one on each node: ``examples/first-training.yaml`` with
+``gpusPerWorker: 0``.
 What it needs: root (cgroups, mounts, network namespaces, iptables), Go and gcc (the binaries
 are built from their modules the first time: README has the cold cost) and about 15 GB of disk
-(the trainer image in the cache and on each node).
+(the trainer image in the cache, the registry and each node).
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ from typing import IO, Final
 
 from support import registry, release
 from support.controllers import trainerv2, trainingoperator
-from support.images import build, trainer
+from support.images import build
 from support.node import binaries, hoststate
-from support.node.images import ImageArchive
 from support.node.node import PREFIX, Node
 from support.node.pool import GPUS_PER_NODE, running_pool
 from support.node.process import processes_naming
@@ -68,9 +67,7 @@ def _operator_state(api: Api) -> str:
     return "; ".join(said) or "no pod"
 
 
-def _supervise(
-    state: Path, node_binaries: binaries.NodeBinaries, images: list[ImageArchive], ready: IO[str]
-) -> int:
+def _supervise(state: Path, node_binaries: binaries.NodeBinaries, ready: IO[str]) -> int:
     """The supervisor's life: start every piece, report, stay until SIGTERM, stop in reverse."""
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -93,17 +90,10 @@ def _supervise(
             )
             version = str(described["version"])
 
-            def trust_and_tag(node: Node) -> None:
+            def trust(node: Node) -> None:
                 node.containerd.trust(local.address, local.ca)
-                node.containerd.ctr(
-                    "images", "tag", "--force", trainer.NAME, f"{local.address}/trainer:{version}"
-                )
 
-            pool = pieces.enter_context(running_pool(plane, api, node_binaries, state, images, trust_and_tag))
-            _say(
-                "images imported: "
-                + ", ".join(f"{name} {seconds:.0f}s" for name, seconds in pool.imported.items())
-            )
+            pool = pieces.enter_context(running_pool(plane, api, node_binaries, state, trust))
             nodes = pool.nodes
             controllers = [
                 trainingoperator.training_operator(plane, api, plane.advertise_address, state),
@@ -191,16 +181,15 @@ def up(state: Path) -> int:
     (state / "chains-before").write_text("\n".join(kube_chains()))
     # Built (or found) before the supervisor starts, so their progress shows here.
     node_binaries = binaries.ensure_all()
-    image = build.operator_image()  # what the release pushes, built here so its progress shows
+    # What the release pushes, built here so that their progress shows.
+    image = build.operator_image()
+    trainer = build.trainer_image()
     release.packages(_say)
-    images = [trainer.trainer_image()]
     (state / "bin").mkdir()
     for name in _BINARIES:
         (state / "bin" / name).symlink_to(node_binaries.path(name))
     try:
-        child, verdict = controlplane.detach(
-            state, lambda ready: _supervise(state, node_binaries, images, ready)
-        )
+        child, verdict = controlplane.detach(state, lambda ready: _supervise(state, node_binaries, ready))
     except KeyboardInterrupt:
         return 130
     if verdict != "ok":
@@ -219,8 +208,8 @@ with JobSet, and the chart
 (operator image built here: {image.name}).
           export KUBECONFIG={state / "kubeconfig"} PATH={state / "bin"}:$PATH
           kubectl get nodes; kubectl get pods -A
-        A GpuTraining with no `image` runs the default trainer image, a stand-in on both nodes
-        ({images[0].name}, tagged as the released chart names it); to train in an image of yours,
+        A GpuTraining with no `image` runs the trainer image the release pushed (built here from \
+images/trainer.Dockerfile as {trainer.name}); to train in an image of yours,
         push it to that registry (its CA: {state / registry.CA_FILE}), or import it into each node:
         {"; ".join(f"ctr --address {sock} -n k8s.io images import IMAGE.tar" for _, _, sock in nodes)}
         Logs: {state}/*/ ; stop it with: make cluster-down""")

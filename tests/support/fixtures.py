@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 import weakref
@@ -78,9 +79,15 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[objectstore.S3Serve
 
 @pytest.fixture(scope="session")
 def local_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[registry.Registry]:
-    """The session's OCI registry, over TLS on loopback with a CA of its own."""
-    with registry.running_registry(tmp_path_factory.mktemp("registry")) as running:
-        yield running
+    """The session's OCI registry, over TLS on loopback with a CA of its own. Its storage goes
+    with it: the trainer image is gigabytes, which pytest's kept temporary directories of
+    earlier sessions would otherwise hold on to."""
+    directory = tmp_path_factory.mktemp("registry")
+    try:
+        with registry.running_registry(directory) as running:
+            yield running
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -109,8 +116,8 @@ class Released:
         return [self.chart, "--version", self.version, "--ca-file", str(self.registry.ca)]
 
     def reference(self, name: str) -> str:
-        """``HOST:PORT/<name>:<version>``: an image by tag, as the released chart's defaults name
-        it (``operator``, and ``trainer``, which the release does not push yet)."""
+        """``HOST:PORT/<name>:<version>``: an image by tag (``operator``, ``trainer``), as the
+        released chart's defaults name it."""
         return f"{self.registry.address}/{name}:{self.version}"
 
     def image(self, name: str) -> str:

@@ -34,7 +34,7 @@ import yaml
 
 from support.node import images
 from support.node.node import Node
-from support.node.pool import Pool, import_everywhere
+from support.node.pool import Pool
 from support.plane.cluster import Api, pod_ready
 from support.plane.controlplane import ControlPlane
 from support.tools import prometheus as tools
@@ -177,7 +177,8 @@ def running_monitoring(
     the block, while the CRDs are still served (helm cannot upgrade a release whose objects'
     kinds are gone)."""
     started = time.monotonic()
-    import_everywhere(pool.nodes, stand_in_images(), lambda _: None)
+    for node in pool.nodes:
+        node.containerd.import_images(stand_in_images(), timeout=300)
     bundle = tools.operator_file("bundle.yaml")
     rbac = [tools.operator_file("example", "rbac", "prometheus", f"prometheus-{part}.yaml")
             for part in ("service-account", "cluster-role", "cluster-role-binding")]  # fmt: skip

@@ -5,13 +5,13 @@ leave the packages and the notes in ``dist/``. The same recipe runs in the relea
 
 What goes where:
 
-- ``<REGISTRY>/operator:<VERSION>``: images/operator.Dockerfile built by BuildKit
-  (:mod:`support.images.build`);
+- ``<REGISTRY>/operator:<VERSION>`` and ``<REGISTRY>/trainer:<VERSION>``: images/operator.Dockerfile
+  and images/trainer.Dockerfile built by BuildKit (:mod:`support.images.build`);
 - ``oci://<REGISTRY>/charts/gpu-training-operator --version <VERSION>``: the chart, its
   ``registry`` value set to REGISTRY and its version and appVersion to VERSION, so that its
   defaults name exactly the images this release pushed;
-- ``dist/operator.spdx.json``: the operator image's SBOM (SPDX 2.3, :mod:`support.sbom`), naming
-  the image by the digest pushed;
+- ``dist/operator.spdx.json``, ``dist/trainer.spdx.json``: each image's SBOM (SPDX 2.3,
+  :mod:`support.sbom`), naming the image by the digest pushed;
 - ``dist/``: the wheel and sdist of ``gpu-training-operator`` (the ``gpuop`` CLI and operator) and
   of ``gpuop-report`` (``gpureport``), checked by ``twine check``; the chart's package;
   ``release-notes.md`` (CHANGELOG.md's section of VERSION) and ``release.json`` (every reference
@@ -234,7 +234,7 @@ def release(registry: str, version: str, dist: Path, ca: Path | None,
         _run([helm(), "registry", "login", this.host, "--username", client.username, "--password-stdin", *ca_args],
              f"helm registry login {this.host}", stdin=client.password)  # fmt: skip
     started = time.monotonic()
-    operator = build.operator_image(say)
+    images = {"operator": build.operator_image(say), "trainer": build.trainer_image(say)}
     built = packages(say)
     if dist.exists():
         shutil.rmtree(dist)  # check_inputs saw it empty or holding an earlier release
@@ -247,19 +247,22 @@ def release(registry: str, version: str, dist: Path, ca: Path | None,
     say(f"built in {time.monotonic() - started:.0f}s; pushing to {registry}")
 
     pushed = time.monotonic()
-    target = this.image("operator")
-    pushed_operator = f"{target}@{oci.push_archive(client, operator.path, target)}"
+    pushed_images = {}
+    for name, image in images.items():
+        target = this.image(name)
+        pushed_images[name] = f"{target}@{oci.push_archive(client, image.path, target)}"
     charts = f"oci://{registry}/charts"
     _run([helm(), "push", str(chart_package), charts, *ca_args], f"pushing the chart to {charts}")
     # Read back, not scraped from helm's words: what the registry holds under the version.
     chart_digest, _ = client.manifest(this.repository(f"charts/{CHART.name}"), version)
-    (dist / "operator.spdx.json").write_text(
-        json.dumps(sbom.document(operator.path, pushed_operator), indent=1)
-    )
+    for name, image in images.items():
+        (dist / f"{name}.spdx.json").write_text(
+            json.dumps(sbom.document(image.path, pushed_images[name]), indent=1)
+        )
     described: dict[str, object] = {
         "version": version,
         "registry": registry,
-        "images": {"operator": pushed_operator},
+        "images": pushed_images,
         "chart": {"reference": f"{charts}/{CHART.name}", "version": version, "digest": chart_digest},
         "files": {path.name: f"sha256:{_sha256(path)}" for path in sorted(dist.iterdir())},
     }
@@ -298,10 +301,6 @@ def main(argv: list[str] | None = None) -> int:
         f"  chart: helm install gpu-training-operator {chart_info['reference']} --version {described['version']}"
     )
     print(f"  files: {args.dist}/ (wheels, sdists, chart, SBOM, release-notes.md, release.json)")
-    # Not yet in this recipe: the release workflow builds the trainer images with Docker.
-    print(
-        f"  not pushed: the trainer image; push yours as {described['registry']}/trainer:{described['version']}"
-    )
     return 0
 
 

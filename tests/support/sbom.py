@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import email.parser
 import gzip
-import io
 import json
 import re
 import tarfile
@@ -25,7 +24,9 @@ import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final
+from typing import IO, Any, Final
+
+import zstandard
 
 from support import oci
 
@@ -33,6 +34,7 @@ SPDX_VERSION: Final = "SPDX-2.3"
 DPKG_STATUS: Final = "var/lib/dpkg/status"
 DIST_INFO: Final = re.compile(r"(^|/)(site|dist)-packages/[^/]+\.dist-info/METADATA$")
 CREATOR: Final = "Tool: gpu-training-operator-release"
+ZSTD_MAGIC: Final = b"\x28\xb5\x2f\xfd"
 
 
 def _layers(archive: tarfile.TarFile, image: str | None) -> Iterator[tuple[str, bytes]]:
@@ -42,9 +44,9 @@ def _layers(archive: tarfile.TarFile, image: str | None) -> Iterator[tuple[str, 
     first = oci.platform_manifests(archive, oci.image_descriptor(archive, image))[0]
     manifest = json.load(oci.archive_blob(archive, first["digest"])[0])
     for layer in manifest["layers"]:
-        raw = oci.archive_blob(archive, layer["digest"])[0].read()
-        data = gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
-        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        blob = oci.archive_blob(archive, layer["digest"])[0]
+        # Streamed: the trainer's largest layer is gigabytes.
+        with tarfile.open(fileobj=_decompressed(blob), mode="r|") as tar:
             for member in tar:
                 name = member.name.removeprefix("./")
                 directory, _, base = name.rpartition("/")
@@ -55,6 +57,18 @@ def _layers(archive: tarfile.TarFile, image: str | None) -> Iterator[tuple[str, 
                 elif member.isfile() and (name == DPKG_STATUS or DIST_INFO.search(name)):
                     found = tar.extractfile(member)
                     yield name, found.read() if found else b""
+
+
+def _decompressed(blob: IO[bytes]) -> IO[bytes]:
+    """A layer's tar stream, whatever its compression (by its magic number): zstd (our images'),
+    gzip (most bases'), or none."""
+    magic = blob.read(4)
+    blob.seek(0)
+    if magic[:2] == b"\x1f\x8b":
+        return gzip.GzipFile(fileobj=blob)
+    if magic == ZSTD_MAGIC:
+        return zstandard.ZstdDecompressor().stream_reader(blob)  # type: ignore[no-any-return]
+    return blob
 
 
 def _debian(status: bytes) -> Iterator[dict[str, str]]:

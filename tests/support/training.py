@@ -22,6 +22,20 @@ from support.specs import minimal
 
 RANK_DUMP = ROOT / "tests" / "trainer" / "rank_dump.py"
 HOLD_SITE = Path(__file__).resolve().parent / "trainer_hold"
+# Where a volume holds the hooks for the pods that mount it (:func:`put_hooks`).
+HOOKS_FOLDER = "test-hooks"
+
+
+def put_hooks(folder: Path) -> str:
+    """The hooks of trainer_hold (the gate and the pacing) copied to ``folder/test-hooks``,
+    readable by any uid: no image carries them, so a pod gets them from a volume it mounts,
+    ``<mount>/test-hooks`` on its PYTHONPATH. The folder's name, relative to ``folder``."""
+    site = folder / HOOKS_FOLDER
+    site.mkdir(parents=True, exist_ok=True)
+    site.chmod(0o755)
+    shutil.copy(HOLD_SITE / "sitecustomize.py", site / "sitecustomize.py")
+    (site / "sitecustomize.py").chmod(0o644)
+    return HOOKS_FOLDER
 
 
 def hold_env(directory: Path, step: int) -> dict[str, str]:

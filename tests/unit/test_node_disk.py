@@ -1,5 +1,5 @@
-"""The chain refuses an image import the disk cannot hold, at once and in one line, instead of
-ctr failing half-way with ENOSPC (as a CI run did with stale clones on the disk); and tells a
+"""The chain refuses an image pull the disk cannot hold, at once and in one line, instead of
+the kubelet failing half-way with ENOSPC (as a CI run's import did with stale clones on the disk); and tells a
 killed session's nodes, whose images are what filled it, from a live one's."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from typing import Any, cast
 import pytest
 
 from support.node import hoststate, pool, process
-from support.node.images import ImageArchive
 
 
 def _nodes(tmp_path: Path, count: int) -> tuple[Any, ...]:
@@ -24,18 +23,16 @@ def _nodes(tmp_path: Path, count: int) -> tuple[Any, ...]:
     return tuple(made)
 
 
-def test_an_import_larger_than_the_free_disk_is_refused_naming_the_room_needed(tmp_path: Path) -> None:
-    archive = tmp_path / "trainer.tar"
-    with archive.open("wb") as sparse:  # as large as a disk, taking none of it
-        sparse.truncate(os.statvfs(tmp_path).f_blocks * os.statvfs(tmp_path).f_frsize)
-    with pytest.raises(RuntimeError, match=r"needs about \d+ GB free .* free some"):
-        pool._enough_disk(cast(Any, _nodes(tmp_path, 2)), [ImageArchive("trainer:1", archive)])
+def test_a_pull_larger_than_the_free_disk_is_refused_naming_the_room_needed(tmp_path: Path) -> None:
+    disk = os.statvfs(tmp_path).f_blocks * os.statvfs(tmp_path).f_frsize
+    with pytest.raises(
+        RuntimeError, match=r"pulling the trainer on 2 nodes needs about \d+ GB free .* free some"
+    ):
+        pool.enough_disk(cast(Any, _nodes(tmp_path, 2)), disk, "pulling the trainer")
 
 
-def test_an_import_that_fits_goes_ahead(tmp_path: Path) -> None:
-    archive = tmp_path / "small.tar"
-    archive.write_bytes(b"x" * 1024)
-    pool._enough_disk(cast(Any, _nodes(tmp_path, 2)), [ImageArchive("small:1", archive)])
+def test_a_pull_that_fits_goes_ahead(tmp_path: Path) -> None:
+    pool.enough_disk(cast(Any, _nodes(tmp_path, 2)), 1024, "pulling a small image")
 
 
 def test_a_claims_owner_is_alive_only_while_that_very_process_runs() -> None:

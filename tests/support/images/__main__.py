@@ -1,7 +1,7 @@
-"""``python -m support.images`` (from tests/): build the operator image, or find it cached, and
-print its name, archive and size (what ``make operator-image`` runs before the suites)."""
+"""``python -m support.images`` (from tests/): build the operator and trainer images, or find them
+cached, and print each one's name, archive and size (what ``make images`` runs before the suites)."""
 
-from support.images import operator_image
+from support.images import operator_image, trainer_image
 
-built = operator_image()
-print(built.name, built.path, built.path.stat().st_size)
+for built in (operator_image(), trainer_image()):
+    print(built.name, built.path, built.path.stat().st_size)

@@ -17,7 +17,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -72,8 +72,12 @@ class Buildkitd:
 
 
 @contextlib.contextmanager
-def running_buildkitd(say: gobuild.Say = gobuild.say_on_stderr, timeout: float = 60.0) -> Iterator[Buildkitd]:
-    """A buildkitd (OCI worker, runc, host network) for the duration of the ``with`` block.
+def running_buildkitd(
+    say: gobuild.Say = gobuild.say_on_stderr, timeout: float = 60.0, trusted: Mapping[str, Path] | None = None
+) -> Iterator[Buildkitd]:
+    """A buildkitd (OCI worker, runc, host network) for the duration of the ``with`` block;
+    ``trusted`` maps each registry (``host:port``) it pulls from or pushes to over TLS verified
+    with a CA of its own to that CA's file.
 
     Its directory is a fresh one under the system's temporary directory (a unix socket's path
     may not exceed 107 bytes, which a deep cache directory could). At the end: SIGTERM, then
@@ -90,7 +94,9 @@ def running_buildkitd(say: gobuild.Say = gobuild.say_on_stderr, timeout: float =
     cgroup_parent = workdir.name
     config = workdir / "buildkitd.toml"
     # A config file of its own, so the machine's /etc/buildkit/buildkitd.toml (if any) is not read.
-    config.write_text(f'[worker.oci]\n  defaultCgroupParent = "{cgroup_parent}"\n')
+    config.write_text(f'[worker.oci]\n  defaultCgroupParent = "{cgroup_parent}"\n' + "".join(
+        f'[registry."{address}"]\n  ca = ["{ca}"]\n' for address, ca in (trusted or {}).items()
+    ))  # fmt: skip
     command = [
         str(tools / "buildkitd"),
         f"--config={config}",

@@ -199,7 +199,7 @@ class Containerd:
 
     def import_images(self, archives: list[images.ImageArchive], timeout: float = 60) -> float:
         """Import (and unpack for overlayfs) each archive, each within ``timeout`` seconds (the
-        trainer stand-in's 4 GB need minutes); the seconds it took. The layers leave the content
+        node's own images and the monitoring suite's); the seconds it took. The layers leave the content
         store once unpacked (no pod here pulls or pushes them): the disk holds an image once,
         not twice (ctr does that only with --local, the import run in ctr, not through
         containerd's transfer service)."""

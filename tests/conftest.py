@@ -81,14 +81,37 @@ def _running() -> set[tuple[str, int]]:
     return threads | {("process", pid) for pid in _children()}
 
 
+# -- where the suite's time goes --------------------------------------------------------------
+# Wall time per suite (tests/<directory>) and per module, setup and teardown included, so that a
+# package fixture's minutes count where they are paid; printed at the end of every run, CI's too.
+_seconds: dict[str, dict[str, float]] = {"suite": {}, "module": {}}
+_tests_in: dict[str, int] = {}
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
-    before = _running()
+    before, started = _running(), time.monotonic()
     try:
         return (yield)
     finally:
+        took, suite = time.monotonic() - started, _suite(item)
+        module = str(Path(item.path).resolve().relative_to(HERE))
+        for kind, name in (("suite", suite), ("module", module)):
+            _seconds[kind][name] = _seconds[kind].get(name, 0.0) + took
+        _tests_in[suite] = _tests_in.get(suite, 0) + 1
         for thing in _running() - before:
             _appeared_in.setdefault(thing, item.nodeid)
+
+
+def _time_lines() -> list[str]:
+    total = sum(_seconds["suite"].values()) or 1.0
+    by_time = sorted(_seconds["suite"].items(), key=lambda pair: -pair[1])
+    lines = [
+        f"{name:<14}{_tests_in[name]:>6} tests {took:>8.0f} s {100 * took / total:>4.0f}%"
+        for name, took in by_time
+    ]
+    slowest = sorted(_seconds["module"].items(), key=lambda pair: -pair[1])[:12]
+    return [*lines, "the slowest modules:", *(f"  {took:>6.0f} s  {name}" for name, took in slowest)]
 
 
 def _strays() -> list[str]:
@@ -124,6 +147,10 @@ _STRAYS = pytest.StashKey[list[str]]()
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if len(_seconds["suite"]) > 1 or len(_seconds["module"]) > 3:
+        terminalreporter.section("time by suite (setup and teardown included)")
+        for line in _time_lines():
+            terminalreporter.line(line)
     strays = config.stash.get(_STRAYS, [])
     if strays:
         terminalreporter.section("left running after the session (each a failure)", red=True)

@@ -147,9 +147,12 @@ def _delete_training(plane: ControlPlane, name: str) -> None:
     wait_for(f"{name}'s pods gone", lambda: not chain.pods_of(plane, name), timeout=90)
 
 
+# Each program on one backend, each backend with one program: what differs between backends is
+# how the variables reach the pods, which either program shows; the Hugging Face Trainer on
+# Trainer v2 runs in the progress-gate test below. The full product would cost two more
+# trainings (about 95 s on 2 cores) for no path that these three leave untried.
 @pytest.mark.usefixtures("nodes", "kubeflow", "trainer_v2", "operator")
-@pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
-@pytest.mark.parametrize("program", sorted(PROGRAMS))
+@pytest.mark.parametrize(("program", "backend"), [("hf", "pytorchjob"), ("loop", "trainjob")])
 def test_the_code_people_train_reports_progress_into_status_on_either_backend(
     plane: ControlPlane,
     claims: Claims,

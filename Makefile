@@ -10,7 +10,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
 HELM := $(BIN)/helm
 CHART := charts/gpu-training-operator
 
-.PHONY: docs-tools version test check release registry-binaries actionlint-binaries run lint typecheck imports unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries node-binaries images node min-versions cluster cluster-down monitoring-binaries objectstore-binaries
+.PHONY: docs-tools version test check release registry-binaries cosign-binaries actionlint-binaries run lint typecheck imports unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries node-binaries images node min-versions cluster cluster-down monitoring-binaries objectstore-binaries
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,7 @@ CONTROLPLANE := PYTHONPATH=tests $(BIN)/python -m support.plane.controlplane
 ## CRD is current, the operator's unit tests at the lowest versions it declares, pytest: unit,
 ## chart, operator, trainer, the real control-plane suite, the real-node suite and the local
 ## end-to-end chain)
-test: $(STAMP) $(HELM) controlplane-binaries monitoring-binaries objectstore-binaries registry-binaries actionlint-binaries node-binaries images docs-tools lint typecheck imports crd min-versions unit
+test: $(STAMP) $(HELM) controlplane-binaries monitoring-binaries objectstore-binaries registry-binaries cosign-binaries actionlint-binaries node-binaries images docs-tools lint typecheck imports crd min-versions unit
 
 ## check: the everyday loop: lint, strict types, the layers, the CRD is current, the unit tests
 ## (tests/unit; beside .venv it builds only actionlint, once, for the workflows' test)
@@ -40,15 +40,21 @@ check: $(STAMP) $(HELM) actionlint-binaries lint typecheck imports crd
 ## [VERSION=x.y.z, default pyproject.toml's] [REGISTRY_CA=ca.crt]. The operator and trainer images
 ## (BuildKit, root) with their SBOMs, the chart as an OCI artifact whose defaults name these images,
 ## the wheels and sdists (twine-checked) and the release notes in dist/ (tests/support/release.py). BASE_IMAGES=pull
-## pulls the Dockerfiles' base images where a registry serves them, instead of the stand-ins made here
+## pulls the Dockerfiles' base images where a registry serves them, instead of the stand-ins made here;
+## COSIGN_KEY=cosign.key (password in COSIGN_PASSWORD) signs the images with cosign, its public key to dist/
 release: $(STAMP) $(HELM)
 	HELM=$(abspath $(HELM)) BASE_IMAGES="$(BASE_IMAGES)" PYTHONPATH=tests $(BIN)/python -m support.release --registry "$(REGISTRY)" \
-	  --version "$(VERSION)" --ca "$(REGISTRY_CA)" --dist "$(or $(DIST),dist)"
+	  --version "$(VERSION)" --ca "$(REGISTRY_CA)" --dist "$(or $(DIST),dist)" --cosign-key "$(COSIGN_KEY)"
 
 ## registry-binaries: build (or find cached) CNCF Distribution's registry (tests/registry/go.mod),
 ## the OCI registry that `make release` pushes to and the nodes pull from in the tests
 registry-binaries: $(STAMP)
 	PYTHONPATH=tests $(BIN)/python -m support.registry
+
+## cosign-binaries: build (or find cached) cosign (tests/cosign/go.mod), which signs the session's
+## release with a key in the tests and verifies it as a user would (tests/release)
+cosign-binaries: $(STAMP)
+	PYTHONPATH=tests $(BIN)/python -m support.tools.cosign
 
 ## actionlint-binaries: build (or find cached) actionlint (tests/actionlint/go.mod), which
 ## tests/unit/test_workflows.py runs over .github/workflows/

@@ -9,6 +9,7 @@ containerd would, and install its packages as a user's pip would.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import venv
@@ -18,9 +19,10 @@ import pytest
 import yaml
 
 from support import oci
-from support.fixtures import Released
+from support.fixtures import Released, cosign_key_pair
 from support.paths import ROOT
 from support.registry import Registry
+from support.tools import cosign
 from support.tools.helm import helm_binary
 
 # This machine's name: a registry named so is spoken to over TLS (localhost would not be).
@@ -82,12 +84,38 @@ def test_dist_holds_the_packages_the_chart_and_the_notes(released: Released) -> 
         f"gpu-training-operator-{version}.tgz",
         f"gpu_training_operator-{version}-py3-none-any.whl", f"gpu_training_operator-{version}.tar.gz",
         f"gpuop_report-{version}-py3-none-any.whl", f"gpuop_report-{version}.tar.gz",
-        "operator.spdx.json", "trainer.spdx.json", "release-notes.md", "release.json",
+        "operator.spdx.json", "trainer.spdx.json", "release-notes.md", "release.json", "cosign.pub",
     ])  # fmt: skip
     files = released.described["files"]
     assert isinstance(files, dict)
     assert set(files) == set(names) - {"release.json"}
     assert (released.dist / "release-notes.md").read_text().strip()
+
+
+def _cosign_verify(released: Released, image: str, public_key: Path) -> subprocess.CompletedProcess[str]:
+    """``cosign verify`` of the image as pushed, as a user checks it before installing."""
+    return subprocess.run(
+        [str(cosign.ensure()), "verify", "--key", str(public_key), "--insecure-ignore-tlog=true",
+         "--registry-cacert", str(released.registry.ca), released.image(image).replace(f":{released.version}@", "@")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("image", ["operator", "trainer"])
+def test_each_image_is_signed_with_the_release_key_and_no_other(
+    released: Released, image: str, tmp_path: Path
+) -> None:
+    """``make release COSIGN_KEY=...`` signed the image by its digest; ``cosign verify`` with the
+    public key the release left in dist/ accepts it, and with another key refuses it."""
+    verified = _cosign_verify(released, image, released.dist / "cosign.pub")
+    assert verified.returncode == 0, verified.stderr
+    (claim,) = json.loads(verified.stdout)
+    digest = released.image(image).partition("@")[2]
+    assert claim["critical"]["image"]["docker-manifest-digest"] == digest
+    other = cosign_key_pair(tmp_path, "other", password="")
+    refused = _cosign_verify(released, image, other.with_suffix(".pub"))
+    assert refused.returncode != 0
+    assert "signatures do not match" in refused.stderr, refused.stderr
 
 
 def _venv(directory: Path) -> Path:
@@ -153,6 +181,34 @@ def test_bad_input_stops_with_one_line_and_releases_nothing(
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith(said), result.stderr
     assert "Traceback" not in result.stderr
+    assert not (tmp_path / "dist").exists()
+
+
+@pytest.mark.parametrize(
+    ("key", "password", "said"),
+    [
+        pytest.param(
+            "missing.key", "x", "error: COSIGN_KEY={dir}/missing.key: no such file", id="no key file"
+        ),
+        pytest.param(
+            "cosign.key", None, "error: COSIGN_KEY is set but COSIGN_PASSWORD is not", id="no password"
+        ),
+    ],
+)
+def test_a_signing_key_that_cannot_sign_stops_the_release_before_it_starts(
+    key: str, password: str | None, said: str, tmp_path: Path
+) -> None:
+    (tmp_path / "cosign.key").write_text("a key\n")
+    env = {name: value for name, value in os.environ.items() if name != "COSIGN_PASSWORD"}
+    if password is not None:
+        env["COSIGN_PASSWORD"] = password
+    result = subprocess.run(["make", "-s", "release", f"REGISTRY={HOST}:1", f"COSIGN_KEY={tmp_path / key}",
+                             f"DIST={tmp_path / 'dist'}"], cwd=ROOT, capture_output=True, text=True, env=env,
+                            timeout=600)  # fmt: skip
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(said.format(dir=tmp_path)), result.stderr
     assert not (tmp_path / "dist").exists()
 
 

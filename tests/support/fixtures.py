@@ -27,6 +27,7 @@ from support import objectstore, registry
 from support.paths import ROOT
 from support.plane import controlplane
 from support.plane.cluster import Api, install_crds
+from support.tools import cosign
 
 # The buckets the session's store has; each test writes under a prefix of its own.
 BUCKETS = ("checkpoints",)
@@ -127,16 +128,25 @@ class Released:
         return str(images[name])
 
 
+def cosign_key_pair(directory: Path, name: str, password: str) -> Path:
+    """``cosign generate-key-pair`` in ``directory``: ``<name>.key`` (its path), ``<name>.pub``."""
+    subprocess.run([str(cosign.ensure()), "generate-key-pair", "--output-key-prefix", name], cwd=directory,
+                   env={**os.environ, "COSIGN_PASSWORD": password}, check=True, capture_output=True, timeout=60)  # fmt: skip
+    return directory / f"{name}.key"
+
+
 @pytest.fixture(scope="session")
 def released(local_registry: registry.Registry, tmp_path_factory: pytest.TempPathFactory) -> Released:
     """``make release`` against the session's registry, as a maintainer runs it: the recipe the
-    release workflow runs, the Makefile's line included."""
-    dist = tmp_path_factory.mktemp("dist")
+    release workflow runs, the Makefile's line included, signing with a key of its own."""
+    dist, keys = tmp_path_factory.mktemp("dist"), tmp_path_factory.mktemp("cosign")
+    key = cosign_key_pair(keys, "release", password="release-password")
     started = time.monotonic()
     result = subprocess.run(
         ["make", "-s", "release", f"REGISTRY={local_registry.address}", f"REGISTRY_CA={local_registry.ca}",
-         f"DIST={dist}", *([f"HELM={os.environ['HELM']}"] if os.environ.get("HELM") else [])],
+         f"DIST={dist}", f"COSIGN_KEY={key}", *([f"HELM={os.environ['HELM']}"] if os.environ.get("HELM") else [])],
         cwd=ROOT, capture_output=True, text=True, timeout=1800,
+        env={**os.environ, "COSIGN_PASSWORD": "release-password"},
     )  # fmt: skip
     if result.returncode != 0:
         pytest.fail(f"make release failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")

@@ -12,6 +12,9 @@ What goes where:
   defaults name exactly the images this release pushed;
 - ``dist/operator.spdx.json``, ``dist/trainer.spdx.json``: each image's SBOM (SPDX 2.3,
   :mod:`support.sbom`), naming the image by the digest pushed;
+- with ``COSIGN_KEY=cosign.key`` (its password in ``COSIGN_PASSWORD``), each image signed by
+  cosign with that key, the signature pushed beside it, and the public key in ``dist/cosign.pub``
+  (``cosign verify --key cosign.pub <image>``; :mod:`support.tools.cosign`);
 - ``dist/``: the wheel and sdist of ``gpu-training-operator`` (the ``gpuop`` CLI and operator) and
   of ``gpuop-report`` (``gpureport``), checked by ``twine check``; the chart's package;
   ``release-notes.md`` (CHANGELOG.md's section of VERSION) and ``release.json`` (every reference
@@ -42,6 +45,7 @@ from support import buildcache, oci, sbom
 from support.images import build
 from support.paths import ROOT
 from support.plane import gobuild
+from support.tools import cosign
 
 CHART: Final = ROOT / "charts" / "gpu-training-operator"
 CHANGELOG: Final = ROOT / "CHANGELOG.md"
@@ -86,7 +90,8 @@ def pyproject_version() -> str:
     return match.group(1)
 
 
-def check_inputs(registry: str, version: str, dist: Path, *, with_notes: bool = True) -> None:
+def check_inputs(registry: str, version: str, dist: Path, *, with_notes: bool = True,
+                 cosign_key: Path | None = None) -> None:  # fmt: skip
     """Refuse, in one line, what would fail later or leave a half-made release."""
     if not registry:
         raise ReleaseError("REGISTRY is not set: make release REGISTRY=host:port[/path] (e.g. ghcr.io/you)")
@@ -105,6 +110,12 @@ def check_inputs(registry: str, version: str, dist: Path, *, with_notes: bool = 
     if dist.exists() and any(dist.iterdir()) and not (dist / "release.json").exists():
         # It is emptied before the release is written there: never a directory of something else.
         raise ReleaseError(f"DIST={dist} holds files and no release.json: give an empty directory")
+    if cosign_key is not None and not cosign_key.is_file():
+        raise ReleaseError(f"COSIGN_KEY={cosign_key}: no such file (cosign generate-key-pair makes one)")
+    if cosign_key is not None and "COSIGN_PASSWORD" not in os.environ:
+        # Else cosign would ask for it on a terminal whose prompt nobody sees.
+        raise ReleaseError("COSIGN_KEY is set but COSIGN_PASSWORD is not: set it to the key's password "
+                           "(empty for a key made without one)")  # fmt: skip
     if with_notes:
         notes(version)
 
@@ -210,6 +221,23 @@ def _run(command: list[str], what: str, stdin: str | None = None) -> str:
     return result.stdout
 
 
+def sign(binary: Path, images: dict[str, str], key: Path, client: oci.Client, dist: Path) -> None:
+    """Sign each image (``host/repository@digest``) with ``key``; its public key to
+    ``dist/cosign.pub``. No transparency log: a key's signature is checked against the key, and
+    the log and its trust root live on Sigstore's public services, which a private registry's
+    release may not reach (the release workflow's keyless signing uses them)."""
+    registry_args = ["--registry-cacert", str(client.ca)] if client.ca else []
+    if client.username and client.password:
+        registry_args += ["--registry-username", client.username, "--registry-password", client.password]
+    for image in images.values():
+        # --tlog-upload is deprecated for a signing config without a log; such a config still
+        # fetches Sigstore's trust root over the network, which this flag pair never does.
+        _run([str(binary), "sign", "--key", str(key), "--yes", "--tlog-upload=false", "--use-signing-config=false",
+              *registry_args, image], f"signing {image} with COSIGN_KEY")  # fmt: skip
+    public = _run([str(binary), "public-key", "--key", str(key)], "reading COSIGN_KEY's public key")
+    (dist / "cosign.pub").write_text(public)
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as data:
@@ -222,10 +250,13 @@ def _sha256(path: Path) -> str:
 
 
 def release(registry: str, version: str, dist: Path, ca: Path | None,
-            say: gobuild.Say = gobuild.say_on_stderr, *, with_notes: bool = True) -> dict[str, object]:  # fmt: skip
-    """Build, push, and describe the release; its description (also ``dist/release.json``).
-    ``with_notes=False`` (``make cluster``'s release of a working tree) asks no CHANGELOG section."""
-    check_inputs(registry, version, dist, with_notes=with_notes)
+            say: gobuild.Say = gobuild.say_on_stderr, *, with_notes: bool = True,
+            cosign_key: Path | None = None) -> dict[str, object]:  # fmt: skip
+    """Build, push, sign with ``cosign_key`` when given, and describe the release; its description
+    (also ``dist/release.json``). ``with_notes=False`` (``make cluster``'s release of a working
+    tree) asks no CHANGELOG section."""
+    check_inputs(registry, version, dist, with_notes=with_notes, cosign_key=cosign_key)
+    signer = cosign.ensure() if cosign_key is not None else None  # built before any image (cold: minutes)
     this = Release(version, registry, dist)
     client = oci.Client(this.host, ca)
     client.ping()  # a registry that cannot be reached or trusted stops us before any build
@@ -247,10 +278,14 @@ def release(registry: str, version: str, dist: Path, ca: Path | None,
     say(f"built in {time.monotonic() - started:.0f}s; pushing to {registry}")
 
     pushed = time.monotonic()
-    pushed_images = {}
+    pushed_images, by_digest = {}, {}
     for name, image in images.items():
         target = this.image(name)
-        pushed_images[name] = f"{target}@{oci.push_archive(client, image.path, target)}"
+        digest = oci.push_archive(client, image.path, target)
+        pushed_images[name] = f"{target}@{digest}"
+        by_digest[name] = f"{target.host}/{target.repository}@{digest}"
+    if signer is not None and cosign_key is not None:
+        sign(signer, by_digest, cosign_key, client, dist)
     charts = f"oci://{registry}/charts"
     _run([helm(), "push", str(chart_package), charts, *ca_args], f"pushing the chart to {charts}")
     # Read back, not scraped from helm's words: what the registry holds under the version.
@@ -277,13 +312,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", default="")
     parser.add_argument("--ca", default="", help="the registry's CA certificate (else the system's CAs)")
     parser.add_argument("--dist", default=str(ROOT / "dist"))
+    parser.add_argument("--cosign-key", default="", help="sign the images with this cosign key")
     args = parser.parse_args(argv)
     ca = Path(args.ca) if args.ca else None
+    key = Path(args.cosign_key) if args.cosign_key else None
     if ca is not None and not ca.is_file():
         print(f"error: REGISTRY_CA={args.ca}: no such file", file=sys.stderr)
         return 2
     try:
-        described = release(args.registry, args.version or pyproject_version(), Path(args.dist), ca)
+        described = release(
+            args.registry, args.version or pyproject_version(), Path(args.dist), ca, cosign_key=key
+        )
     except (ReleaseError, oci.RegistryError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -301,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         f"  chart: helm install gpu-training-operator {chart_info['reference']} --version {described['version']}"
     )
     print(f"  files: {args.dist}/ (wheels, sdists, chart, SBOM, release-notes.md, release.json)")
+    if key is not None:
+        print(
+            f"  signed with COSIGN_KEY: cosign verify --key {args.dist}/cosign.pub --insecure-ignore-tlog <image>"
+        )
     return 0
 
 

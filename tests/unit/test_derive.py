@@ -471,6 +471,44 @@ def test_a_trainer_restarted_in_place_is_restarting_until_the_step_moves_again()
     assert types(status)["Restarting"] == "False"
 
 
+def test_a_restart_that_never_resumes_is_stalled_but_never_underutilized() -> None:
+    """A gang whose restarted pod cannot come back (its node lost: Kubeflow says Restarting while
+    the pod is stuck Terminating) holds its GPUs with no step: Stalled once the stall timeout
+    has passed since its last step, saying it happened while restarting. Its idle GPUs are the
+    restart's, not an input-bound training's: no Underutilized."""
+    restarting = (
+        JobCondition("Created", "True"),
+        JobCondition("Restarting", "True", "PyTorchJobRestarting", "pod demo-worker-0 deleted"),
+    )
+    idle = (PodObservation("demo-master-0", "Running", True, metrics=metrics(50, util=0)),)
+    status = derive_status(None, observe(0, pods=running_pods(50)), THRESHOLDS)
+    status = derive_status(status, observe(60, conditions=restarting, pods=idle), THRESHOLDS)
+    assert status.phase == "Restarting"
+    status = derive_status(status, observe(899, conditions=restarting, pods=idle), THRESHOLDS)
+    assert "Stalled" not in types(status)
+    stalled = derive_status(status, observe(900, conditions=restarting, pods=idle), THRESHOLDS)
+    assert stalled.phase == "Restarting"
+    assert types(stalled)["Stalled"] == "True"
+    message = next(c.message for c in stalled.conditions if c.type == "Stalled")
+    assert message.startswith("step 50 has not advanced for 15m00s while restarting")
+    assert "its node lost" in message
+    assert ("Warning", "NoProgress") in [(e.type, e.reason) for e in events(status, stalled)]
+    hours_later = derive_status(stalled, observe(7200, conditions=restarting, pods=idle), THRESHOLDS)
+    assert "Underutilized" not in types(hours_later)
+    # Back on its feet, it trains again: the alarm clears with the first step.
+    back = derive_status(hours_later, observe(7260, pods=running_pods(51)), THRESHOLDS)
+    assert (back.phase, types(back)["Stalled"]) == ("Running", "False")
+
+
+def test_a_restart_in_place_that_never_trains_again_is_stalled() -> None:
+    """The kubelet restarting a trainer container while Kubeflow keeps the job Running: Restarting
+    by the pod's restart count, and Stalled all the same once no step came for the timeout."""
+    status = derive_status(None, observe(0, pods=running_pods(50)), THRESHOLDS)
+    stuck = derive_status(status, observe(950, pods=_restarted("2026-11-21T12:00:12Z")), THRESHOLDS)
+    assert stuck.phase == "Restarting"
+    assert types(stuck)["Stalled"] == "True"
+
+
 def test_a_trainer_killed_for_memory_says_so_restarting_then_failed() -> None:
     """The kernel's OOM kill leaves no record and a log cut mid-step; the kubelet's reason
     (OOMKilled, in lastState once the container restarts) is the one place that says why, and the

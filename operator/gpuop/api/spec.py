@@ -265,8 +265,9 @@ class GpuTrainingSpec:
         maximum=3600,
     )
     stall_timeout_seconds: int = api_field(
-        "A running job whose step counter has not moved for this long gets the Stalled "
-        "condition (NCCL hangs, dead data loaders). 0 disables the check.",
+        "A running or restarting job whose step counter has not moved for this long gets the "
+        "Stalled condition (NCCL hangs, dead data loaders, a pod that cannot come back). 0 disables "
+        "the check.",
         default=900,
         minimum=0,
         maximum=604800,

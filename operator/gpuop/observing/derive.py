@@ -447,8 +447,12 @@ def _job_conditions(m: _Moment, wanted: list[Condition]) -> str:
     if blocked is not None:
         wanted.append(m.condition("PodsNotStarting", "True", *blocked))
         message = blocked[1]
-    if phase == "Running":
-        wanted += _running_alarms(m.progress, m.gpu, m.thresholds, obs.now, m.condition, _resumed_at(m))
+    if phase in _HOLDING_GPUS:
+        # Restarting too: a gang whose restarted pod never comes back (its node lost, say) holds
+        # its GPUs with no step, and would otherwise never alarm. Underutilized stays a verdict
+        # on training: a restart's idle GPUs are the restart's, said by its own condition.
+        gpu = m.gpu if phase == "Running" else None
+        wanted += _running_alarms(m.progress, gpu, m.thresholds, obs.now, m.condition, _resumed_at(m), phase)
     if obs.spec_not_applied:
         wanted.append(
             m.condition(
@@ -556,6 +560,7 @@ def _running_alarms(
     now: datetime,
     condition: Any,
     resumed_at: str | None,
+    phase: Phase = "Running",
 ) -> list[Condition]:
     """Stalled and Underutilized, each over the time the training has run since its last pause:
     a pause is neither (its clocks are not reset in status, only read from the resume on)."""
@@ -571,13 +576,19 @@ def _running_alarms(
         idle = _seconds_between(advanced, now)
         if idle >= thresholds.stall_timeout_seconds:
             step = progress.step if progress is not None and progress.step is not None else 0
+            likely = (
+                "a pod that cannot come back (its node lost, a checkpoint that will not load) is likely"
+                if phase == "Restarting"
+                else "a hung NCCL collective or data loader is likely"
+            )
+            while_ = " while restarting" if phase == "Restarting" else ""
             alarms.append(
                 condition(
                     "Stalled",
                     "True",
                     "NoProgress",
-                    f"step {step} has not advanced for {format_eta(idle)} (stallTimeoutSeconds "
-                    f"{thresholds.stall_timeout_seconds}); a hung NCCL collective or data loader is likely",
+                    f"step {step} has not advanced for {format_eta(idle)}{while_} (stallTimeoutSeconds "
+                    f"{thresholds.stall_timeout_seconds}); {likely}",
                 )
             )
     since = gpu.underutilized_since if gpu is not None else None

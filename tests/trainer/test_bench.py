@@ -130,6 +130,23 @@ def test_first_step_benchmark_gives_up_at_its_timeout(monkeypatch: pytest.Monkey
         bench.measure(bench.arguments(["--gpus=0", "--repeats=1", "--timeout=0.2"]))
 
 
+def test_start_phases_benchmark_times_every_phase_of_a_fresh_process_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its flow on the CPU: one fresh child, every phase timed from before its start, in order."""
+    bench = _load("start_phases", monkeypatch)
+    report = bench.measure(bench.arguments(["--device=cpu", "--repeats=1", "--batch-size=4"]))
+    assert report["model"] == "cnn"
+    since = [report["seconds_since_start"][phase] for phase in bench.PHASES]
+    assert all(len(values) == 1 for values in since)
+    marks = [values[0] for values in since]
+    assert marks[0] >= 0
+    assert marks == sorted(marks)
+    assert marks[-1] < 120
+    assert list(report["median_phase_seconds"]) == list(bench.PHASES)
+    assert all(seconds >= 0 for seconds in report["median_phase_seconds"].values())
+
+
 def test_gpu_benchmark_refuses_to_run_without_a_gpu() -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible here")

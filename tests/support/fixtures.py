@@ -140,13 +140,14 @@ def released(local_registry: registry.Registry, tmp_path_factory: pytest.TempPat
     """``make release`` against the session's registry, as a maintainer runs it: the recipe the
     release workflow runs, the Makefile's line included, signing with a key of its own."""
     dist, keys = tmp_path_factory.mktemp("dist"), tmp_path_factory.mktemp("cosign")
-    key = cosign_key_pair(keys, "release", password="release-password")
+    password = "release-password"
+    key = cosign_key_pair(keys, "release", password=password)
     started = time.monotonic()
     result = subprocess.run(
         ["make", "-s", "release", f"REGISTRY={local_registry.address}", f"REGISTRY_CA={local_registry.ca}",
          f"DIST={dist}", f"COSIGN_KEY={key}", *([f"HELM={os.environ['HELM']}"] if os.environ.get("HELM") else [])],
         cwd=ROOT, capture_output=True, text=True, timeout=1800,
-        env={**os.environ, "COSIGN_PASSWORD": "release-password"},
+        env={**os.environ, "COSIGN_PASSWORD": password},
     )  # fmt: skip
     if result.returncode != 0:
         pytest.fail(f"make release failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")

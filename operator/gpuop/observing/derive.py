@@ -560,7 +560,7 @@ def _running_alarms(
     now: datetime,
     condition: Any,
     resumed_at: str | None,
-    phase: Phase = "Running",
+    phase: Phase,
 ) -> list[Condition]:
     """Stalled and Underutilized, each over the time the training has run since its last pause:
     a pause is neither (its clocks are not reset in status, only read from the resume on)."""
@@ -576,19 +576,21 @@ def _running_alarms(
         idle = _seconds_between(advanced, now)
         if idle >= thresholds.stall_timeout_seconds:
             step = progress.step if progress is not None and progress.step is not None else 0
-            likely = (
-                "a pod that cannot come back (its node lost, a checkpoint that will not load) is likely"
+            when, likely = (
+                (
+                    " while restarting",
+                    "a pod that cannot come back (its node lost, a checkpoint that will not load)",
+                )
                 if phase == "Restarting"
-                else "a hung NCCL collective or data loader is likely"
+                else ("", "a hung NCCL collective or data loader")
             )
-            while_ = " while restarting" if phase == "Restarting" else ""
             alarms.append(
                 condition(
                     "Stalled",
                     "True",
                     "NoProgress",
-                    f"step {step} has not advanced for {format_eta(idle)}{while_} (stallTimeoutSeconds "
-                    f"{thresholds.stall_timeout_seconds}); {likely}",
+                    f"step {step} has not advanced for {format_eta(idle)}{when} (stallTimeoutSeconds "
+                    f"{thresholds.stall_timeout_seconds}); {likely} is likely",
                 )
             )
     since = gpu.underutilized_since if gpu is not None else None

@@ -277,12 +277,12 @@ def test_suspended_mid_run_its_pods_go_and_it_resumes_from_the_checkpoint_in_the
 ) -> None:
     """SIGTERM mid-run (a suspend deletes the pods, as a drain or a preemption does): each
     trainer saves to the bucket within its grace period, and the new pods, with nothing on any
-    disk, resume from it to Succeeded."""
+    disk, resume from it to Succeeded. Suspended for longer than its stall timeout, it is never
+    Stalled: the clock stops with the pause."""
     name = "paused"
     gate = chain.gate(claims, f"{name}-outputs", mount=chain.OUTPUTS)
-    timelines.append(
-        timeline := chain.start_long_training(plane, name, tmp_path, gate, **chain.in_bucket(plane, s3, gate))
-    )
+    fields = {**chain.in_bucket(plane, s3, gate), "stallTimeoutSeconds": chain.PAUSE_STALL_SECONDS}
+    timelines.append(timeline := chain.start_long_training(plane, name, tmp_path, gate, **fields))
     pod = f"{name}-master-0"
     gate.wait_held(lambda: not {"Succeeded", "Failed"} & set(timeline.phases()))
     assert len(chain.bucket_steps(s3, name)) >= 2  # one past the first epoch: not the start
@@ -302,8 +302,11 @@ def test_suspended_mid_run_its_pods_go_and_it_resumes_from_the_checkpoint_in_the
         lambda: not chain.names(plane, "pods", f"training.kubeflow.org/job-name={name}"),
         timeout=60,
     )
+    gone_at = time.monotonic()  # its trainers' last reports sent: the stall clock's last start
     saved = max(chain.bucket_steps(s3, name))
     gate.release()  # the resumed pods' trainers train on (SIGTERM let the deleted ones go)
+    chain.hold_pause(plane, name, gone_at)
+    assert chain.phase(plane, name) == "Suspended"
     plane.kubectl(
         "patch",
         "gtr",

@@ -1,7 +1,10 @@
 """The real Kueue v0.16.2 (controller and webhooks) in front of both backends: a second
-training held Queued until the first has finished, and a lower-priority one preempted, left
-waiting and resumed from its checkpoint. Kueue runs for this module alone (its ``queueing``
-fixture), so its webhooks see no other module's jobs.
+training held Queued until the first has finished (on Trainer v2's TrainJob), and a
+lower-priority one preempted, left waiting and resumed from its checkpoint (on the PyTorchJob).
+Each of Kueue's two job integrations is met once, by the scenario that stops and starts that
+backend's job the most; the operator's side of both is the same code, whose backend-specific
+parts (suspend, conditions) the unit and control-plane suites cover for both. Kueue runs for this
+module alone (its ``queueing`` fixture), so its webhooks see no other module's jobs.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ KUEUE_CHAIN = ("nodes", "kubeflow", "trainer_v2", "queueing", "operator")
 
 
 @pytest.mark.usefixtures(*KUEUE_CHAIN)
-@pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
+@pytest.mark.parametrize("backend", ["trainjob"])
 def test_kueue_holds_the_second_training_queued_until_the_first_finishes(
     plane: ControlPlane, claims: Claims, timelines: list[chain.Timeline], tmp_path: Path, backend: str
 ) -> None:
@@ -94,7 +97,7 @@ def test_kueue_holds_the_second_training_queued_until_the_first_finishes(
 
 
 @pytest.mark.usefixtures(*KUEUE_CHAIN)
-@pytest.mark.parametrize("backend", ["pytorchjob", "trainjob"])
+@pytest.mark.parametrize("backend", ["pytorchjob"])
 def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_and_resume(
     plane: ControlPlane,
     nodes: Pool,
@@ -111,7 +114,9 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
     S3 store; a high-priority one arrives; Kueue evicts the low one and suspends its job. The
     operator shows it Queued with Kueue's reason (Preempted), never resumes it, and keeps its
     last checkpoint in status; once the high one has finished and Kueue admits the low one
-    again, its new pods resume from the bucket to Succeeded."""
+    again, its new pods resume from the bucket to Succeeded. The high one is held until the low
+    one has waited longer than its stall timeout, and the low one is never Stalled: the clock
+    stops while Kueue holds it."""
     queue = f"preempting-{backend}"
     for obj in kueue.queues(queue, chain.NAMESPACE, {"cpu": "2", "memory": "2Gi"},
                             preemption={"withinClusterQueue": "LowerPriority"}):  # fmt: skip
@@ -125,9 +130,12 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
     gate = chain.gate(claims, f"{low}-outputs", mount=chain.OUTPUTS)
     low_spec = chain.variant(tmp_path, low, training={"epochs": 40}, **chain.in_bucket(plane, s3, gate),
                         scheduling={"queueName": queue, "priorityClassName": "e2e-low"}, backend=backend,
-                        env=gate.env)  # fmt: skip
+                        env=gate.env, stallTimeoutSeconds=chain.PAUSE_STALL_SECONDS)  # fmt: skip
+    # The high one waits at its own gate until the low one's pause has outlasted that timeout.
+    high_gate = chain.gate(claims, f"{high}-checkpoints")
     high_spec = chain.variant(tmp_path, high, scheduling={"queueName": queue, "priorityClassName": "e2e-high"},
-                         backend=backend)  # fmt: skip
+                         backend=backend, checkpoint={"volume": {"claimName": high_gate.claim}},
+                         env=high_gate.env)  # fmt: skip
     timelines.append(low_timeline := chain.Timeline(plane, low))
     timelines.append(high_timeline := chain.Timeline(plane, high))
     plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", str(low_spec))
@@ -158,6 +166,7 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
         return not chain.pods_of(plane, low)
 
     wait_for(f"{low}'s pods gone", gone, timeout=90)
+    gone_at = time.monotonic()  # its trainers' last reports sent: the stall clock's last start
     saved = max(chain.bucket_steps(s3, low))
     # While it waits, evicted, status says how fresh its last checkpoint is: the newest one saved
     # (the one its SIGTERM'd trainer wrote, when its save beat the grace period).
@@ -179,6 +188,9 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
         ) from None
     assert said["uri"].startswith(f"s3://{chain.BUCKET}/{chain.BUCKET_PREFIX}/{low}/"), said
     gate.release()  # for its pods when Kueue admits it again (SIGTERM let the evicted ones go)
+    chain.hold_pause(plane, low, gone_at)
+    assert chain.phase(plane, low) == "Queued", low_timeline.phases()
+    high_gate.release()
 
     try:
         chain.wait_finished(plane, high)

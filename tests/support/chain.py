@@ -107,6 +107,21 @@ STORE_SECRET = "store-credentials"
 # The kind example's digits on 2 workers of batch 32 are 23 steps an epoch: by step 50, in the
 # third epoch, two epoch-end checkpoints are written.
 HOLD_AT_STEP = 50
+# spec.stallTimeoutSeconds of the trainings a test pauses (a suspend, Kueue's preemption), and
+# the pause is held longer than that after its pods are gone: a stall clock that ran through the
+# pause would find the last step older than that at the resume, and raise Stalled before the
+# first step after it. 60 s is above what a resumed pod takes here to its first step (pod
+# start, torch's import, the checkpoint's download: 15-30 s on the chain's 2 cores).
+PAUSE_STALL_SECONDS = 60
+
+
+def hold_pause(plane: ControlPlane, name: str, since: float) -> None:
+    """Keep the pause going until :data:`PAUSE_STALL_SECONDS` and a margin have passed since
+    ``since`` (monotonic: when its pods were gone, their last report sent). Prints the
+    progress its status shows then, which the stall clock is read from."""
+    time.sleep(max(0.0, since + PAUSE_STALL_SECONDS + 10 - time.monotonic()))
+    progress = ((get(plane, "gtr", name) or {}).get("status") or {}).get("progress")
+    print(f"{name}: paused {time.monotonic() - since:.0f} s since its pods went; status.progress {progress}")
 
 
 def preload(pool: Pool, registry: Registry, aliases: dict[str, str]) -> dict[str, float]:

@@ -54,7 +54,7 @@ from typing import Any, Final, cast
 from kubernetes import client, config
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuop.api.identity import GROUP, PLURAL, REPORT_PATH, TRAINING_LABEL, VERSION, report_audience
+from gpuop.api.identity import GROUP, PLURAL, TRAINING_LABEL, VERSION, report_audience, report_path
 from gpuop.controller.kube import Kube
 from gpuop.controller.receiver import ClusterGate
 from gpuop.observing.endpoint import Limits, ReportBook, ReportServer
@@ -395,7 +395,7 @@ def run(kubeconfig: Path, count: int, args: argparse.Namespace) -> dict[str, Any
                 **_plane_pids(kubeconfig.parent),
             }
             trainings = [
-                {"path": REPORT_PATH.format(namespace=namespace, name=name), "token": tok}
+                {"path": report_path(namespace, name), "token": tok}
                 for name, tok in zip(names, tokens, strict=True)
             ]
             audit_log = args.audit_log or kubeconfig.parent / "audit.log"

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpuop.api.identity import REPORT_PATH, report_audience
+from gpuop.api.identity import report_audience, report_path
 from gpuop.api.spec import parse
 from gpuop.backends.registry import render_job
 from gputrain.contract import Progress
@@ -929,7 +929,7 @@ def test_a_progress_report_reaches_status_through_the_charts_rules(
     body = {"trainerStatus": {"progressPercentage": 35, "estimatedRemainingSeconds": 120, "metrics": [
         {"name": "current_step", "value": "7"}, {"name": "total_steps", "value": "20"},
         {"name": "loss", "value": "0.75"}]}}  # fmt: skip
-    url = f"https://127.0.0.1:{port}{REPORT_PATH.format(namespace=NAMESPACE, name='reporting')}"
+    url = f"https://127.0.0.1:{port}{report_path(NAMESPACE, 'reporting')}"
 
     def post(payload: dict[str, Any] | None = None, token: str | None = minted["status"]["token"]) -> int:
         request = urllib.request.Request(

@@ -28,11 +28,11 @@ import pytest
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
-from gpuop.api.identity import REPORT_PATH, TRAINING_LABEL, report_audience
+from gpuop.api.identity import TRAINING_LABEL, report_audience, report_path
 from gpuop.controller.kube import Backoff, Kube
 from gpuop.controller.receiver import ClusterGate
 from gpuop.observing.endpoint import Limits, ReportBook, ReportServer
-from gpuop.observing.reports import MAX_BODY_BYTES
+from gpuop.observing.reports import MAX_REPORT_BYTES
 from support.plane.cluster import Api
 from support.plane.controlplane import ControlPlane
 from support.tls import serving_directory
@@ -82,7 +82,7 @@ class Cluster:
         return token
 
     def url(self, training: str) -> str:
-        return REPORT_PATH.format(namespace=self.namespace, name=training)
+        return report_path(self.namespace, training)
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +213,7 @@ def test_a_token_whose_pod_is_deleted_is_refused(cluster: Cluster, unremembering
 
 def test_bodies_out_of_bounds(cluster: Cluster, served: Served) -> None:
     token = cluster.token(audience=report_audience(cluster.namespace, A), pod=f"{A}-0")
-    over = b" " * (MAX_BODY_BYTES + 1 - len(REPORT)) + REPORT
+    over = b" " * (MAX_REPORT_BYTES + 1 - len(REPORT)) + REPORT
     assert served.post(cluster.url(A), token, over) == 413
     metrics = [{"name": f"m{i}", "value": "1"} for i in range(300)]
     assert (

@@ -218,7 +218,7 @@ def test_names_are_bounded_and_printable() -> None:
 
 def test_a_body_over_the_bound_raises_value_error() -> None:
     with pytest.raises(ValueError, match="over"):
-        dcgm.parse_exposition("#" * (dcgm.MAX_BODY_BYTES + 1))
+        dcgm.parse_exposition("#" * (dcgm.MAX_SCRAPE_BYTES + 1))
 
 
 def test_gpu_lines_over_their_bound_raise_value_error() -> None:
@@ -243,7 +243,7 @@ HOSTILE = {
     "20k GPU lines within the bound": "\n".join(
         f'DCGM_FI_DEV_FB_USED{{gpu="{i}",namespace="n",pod="p"}} 1' for i in range(20_000)
     ),
-    "one line of 4 MiB": ONE[:-2] + "x" * (dcgm.MAX_BODY_BYTES - len(ONE)) + " 1",
+    "one line of 4 MiB": ONE[:-2] + "x" * (dcgm.MAX_SCRAPE_BYTES - len(ONE)) + " 1",
     "huge label value": line("DCGM_FI_DEV_GPU_UTIL", 1, pod="p" * (dcgm.MAX_LINE_BYTES - 400)),
     "escaped quotes": "\n".join(['DCGM_FI_DEV_GPU_UTIL{gpu="' + '\\"' * 4000 + '"} 1'] * 120),
     "backslashes": "\n".join(['DCGM_FI_DEV_GPU_UTIL{gpu="' + "\\" * 8000 + '"} 1'] * 100),
@@ -330,7 +330,7 @@ def test_a_prometheus_answer_reads_as_the_exporter_text() -> None:
         '{"status": "error", "error": "bad_data"}',
         '{"status": "success", "data": {"resultType": "matrix", "result": []}}',
         '{"status": "success", "data": {"resultType": "vector", "result": {}}}',
-        '{"status": "success", "data": {"resultType": "vector", "result": []}}' + " " * dcgm.MAX_BODY_BYTES,
+        '{"status": "success", "data": {"resultType": "vector", "result": []}}' + " " * dcgm.MAX_SCRAPE_BYTES,
     ],
 )
 def test_a_prometheus_answer_not_a_vector_raises_value_error(body: str) -> None:

@@ -177,8 +177,8 @@ def test_an_exporter_serving_10_mib_is_dropped(
 
 def test_read_bounded_reads_one_byte_past_the_bound_at_most() -> None:
     reply = io.BytesIO(b"x" * (10 * MIB))
-    body = read_bounded(reply, dcgm.MAX_BODY_BYTES + 1, time.monotonic() + 60)
-    assert len(body) == reply.tell() == dcgm.MAX_BODY_BYTES + 1
+    body = read_bounded(reply, dcgm.MAX_SCRAPE_BYTES + 1, time.monotonic() + 60)
+    assert len(body) == reply.tell() == dcgm.MAX_SCRAPE_BYTES + 1
     assert read_bounded(io.BytesIO(b"short"), 100, time.monotonic() + 60) == b"short"
 
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import pytest
 
-from gpuop.api.identity import REPORT_CA_ENV, REPORT_PATH, REPORT_TOKEN_ENV, REPORT_URL_ENV
-from gpuop.local.reporting import LocalGate, serving
+from gpuop.api.identity import REPORT_CA_ENV, REPORT_TOKEN_ENV, REPORT_URL_ENV, report_path
+from gpuop.local.runreports import LocalGate, serving
 from gpuop.observing.endpoint import TLS_CA, ReportBook, ReportServer
 from gpuop.observing.records import ReceivedReport
 from support.emulator.server import ApiServer, RunningApiServer
@@ -189,7 +189,7 @@ def tls_endpoint(tmp_path: Path) -> Iterator[tuple[dict[str, str], ReportBook]]:
     server = ReportServer(LocalGate(key, token, "pod-0"), book, port=0, tls_dir=tls, host="127.0.0.1")
     server.start()
     try:
-        url = f"https://127.0.0.1:{server.port}{REPORT_PATH.format(namespace=key[0], name=key[1])}"
+        url = f"https://127.0.0.1:{server.port}{report_path(key[0], key[1])}"
         env = {
             REPORT_URL_ENV: url,
             REPORT_TOKEN_ENV: str(tmp_path / "token"),
@@ -222,7 +222,7 @@ def test_without_the_ca_the_sdk_trusts_the_system_and_reports_nothing(
 TRANSFORMERS = """
 import json, os
 import kubeflow.trainer.backends.kubernetes.utils
-import gpuop.controller.app, gpuop.local.reporting, gpureport, gputrain.contract
+import gpuop.controller.app, gpuop.local.runreports, gpureport, gputrain.contract
 import transformers
 from transformers.integrations.integration_utils import is_kubeflow_available
 seen = {"transformers": transformers.__version__, "with_our_env": is_kubeflow_available()}

@@ -6,6 +6,7 @@ same contracts run on a copy with one import each that breaks them.
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -61,3 +62,41 @@ def test_an_upward_import_breaks_the_contract(tree: Path, module: str, line: str
     assert f"{contract}" in done.stdout
     assert "BROKEN" in done.stdout
     assert line.split()[-1] in done.stdout  # the report names the import
+
+
+# The modules that may write a training's state (gpuop.controller.table.Tracked): the table,
+# which defines it, and the reconcile, which applies what the others return.
+STATE_OWNERS = ("table.py", "reconciler.py")
+
+
+def _state_writes(source: str) -> list[str]:
+    """Each ``tracked.<field> = ...`` (plain, augmented or in a tuple) in ``source``, as
+    "line: field"."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AugAssign | ast.AnnAssign) else []  # fmt: skip
+        for target in targets:
+            for part in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if (
+                    isinstance(part, ast.Attribute)
+                    and isinstance(part.value, ast.Name)
+                    and part.value.id == "tracked"
+                ):
+                    found.append(f"{node.lineno}: {part.attr}")
+    return found
+
+
+def test_a_trainings_state_is_written_by_the_reconcile_alone() -> None:
+    """Children, the status writer and the pod reader return what they made or saw; only the
+    reconcile keeps it. Checked on the source, with a write the check must catch."""
+    assert _state_writes("def f(tracked):\n    tracked.pods, tracked.child = (), None\n") == [
+        "2: pods",
+        "2: child",
+    ]
+    writes = {
+        path.name: found
+        for path in sorted((ROOT / "operator" / "gpuop" / "controller").glob("*.py"))
+        if path.name not in STATE_OWNERS and (found := _state_writes(path.read_text()))
+    }
+    assert writes == {}, f"a training's state written outside {STATE_OWNERS}: {writes}"

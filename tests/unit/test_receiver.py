@@ -28,11 +28,11 @@ from typing import Any, cast
 
 import pytest
 
-from gpuop.api.identity import REPORT_PATH, TRAINING_LABEL, report_audience
+from gpuop.api.identity import TRAINING_LABEL, report_audience, report_path, report_path_training
 from gpuop.controller.kube import ApiError, Kube
 from gpuop.controller.receiver import ClusterGate
 from gpuop.observing.endpoint import Limits, RateLimiter, RefusalError, ReportBook, ReportServer
-from gpuop.observing.reports import MAX_BODY_BYTES
+from gpuop.observing.reports import MAX_REPORT_BYTES
 from support.tls import serving_directory
 from support.waiting import ManualClock, wait_for
 
@@ -52,7 +52,7 @@ REPORT = json.dumps({
 
 
 def path(name: str, namespace: str = NS) -> str:
-    return REPORT_PATH.format(namespace=namespace, name=name)
+    return report_path(namespace, name)
 
 
 # -- a Kube whose answers the test decides ---------------------------------------------------
@@ -189,6 +189,12 @@ def refusal(call: Callable[[], object]) -> tuple[int, str]:
 )
 def test_the_path_names_one_training(target: str, key: tuple[str, str]) -> None:
     assert RateLimiter.target(target) == key
+
+
+def test_the_path_is_shaped_like_kubeflows_under_our_api() -> None:
+    # What every trainer is told: a change here breaks the pods already running.
+    assert report_path("team", "a") == "/apis/gpuop.io/v1alpha1/namespaces/team/gputrainings/a/status"
+    assert report_path_training(report_path("team", "a")) == ("team", "a")
 
 
 @pytest.mark.parametrize(
@@ -769,10 +775,10 @@ def test_a_declared_length_over_the_bound_is_413_before_any_body(served: Served)
     kube = served.kube
     token = kube.mint(pod="a-0")
     # The body is never sent: a server that waited for it would not answer before the timeout.
-    request = head(path("a"), token, f"Content-Length: {MAX_BODY_BYTES + 1}")
+    request = head(path("a"), token, f"Content-Length: {MAX_REPORT_BYTES + 1}")
     assert served.raw(request, timeout=3) == 413
     assert kube.reviews == []  # refused before the API server is asked
-    at = b" " * (MAX_BODY_BYTES - len(REPORT)) + REPORT
+    at = b" " * (MAX_REPORT_BYTES - len(REPORT)) + REPORT
     assert served.post(path("a"), at, token=token)[0] == 200
     # A client that sends its whole body, one byte over, gets the 413 too (not a reset).
     assert served.post(path("a"), at + b" ", token=token)[0] == 413

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gpuop.observing.reports import (
-    MAX_BODY_BYTES,
     MAX_METRICS,
     MAX_NAME_CHARS,
+    MAX_REPORT_BYTES,
     MAX_SHOWN_METRICS,
     MAX_VALUE_CHARS,
     ReportError,
@@ -184,11 +184,11 @@ def padded(size: int) -> bytes:
 
 
 def test_the_body_size_bound() -> None:
-    assert len(padded(MAX_BODY_BYTES)) == MAX_BODY_BYTES
-    assert parse_report(padded(MAX_BODY_BYTES)).percent == 50
-    assert refused(padded(MAX_BODY_BYTES + 1), 413) == f"body over {MAX_BODY_BYTES} bytes"
+    assert len(padded(MAX_REPORT_BYTES)) == MAX_REPORT_BYTES
+    assert parse_report(padded(MAX_REPORT_BYTES)).percent == 50
+    assert refused(padded(MAX_REPORT_BYTES + 1), 413) == f"body over {MAX_REPORT_BYTES} bytes"
     # The size is judged before anything is parsed: garbage over the bound is a 413 too.
-    refused(b"\xff" * (MAX_BODY_BYTES + 1), 413)
+    refused(b"\xff" * (MAX_REPORT_BYTES + 1), 413)
 
 
 def test_the_metric_count_bound() -> None:
@@ -302,15 +302,15 @@ def test_garbage_is_refused_with_a_reason(raw: bytes, why: str) -> None:
 
 # About 32k levels within the size bound: far beyond the interpreter's recursion limit, so the
 # JSON reader raises RecursionError, which is refused like any other unreadable body.
-DEPTH = MAX_BODY_BYTES // 2 - 40
-WRAPPED = (MAX_BODY_BYTES - 80) // 6
+DEPTH = MAX_REPORT_BYTES // 2 - 40
+WRAPPED = (MAX_REPORT_BYTES - 80) // 6
 
 
 @pytest.mark.parametrize(
     "raw",
     [
         b"[" * DEPTH + b"]" * DEPTH,
-        b"[" * MAX_BODY_BYTES,  # never closed
+        b"[" * MAX_REPORT_BYTES,  # never closed
         b'{"trainerStatus": {"x": ' + b"[" * DEPTH + b"]" * DEPTH + b"}}",
         b'{"trainerStatus": {"metrics": [{"name": "a", "value": '
         + b'{"a":' * WRAPPED
@@ -321,7 +321,7 @@ WRAPPED = (MAX_BODY_BYTES - 80) // 6
     ids=["lists", "unclosed", "inside-the-status", "inside-a-metric"],
 )
 def test_deep_nesting_is_a_400_not_a_crash(raw: bytes) -> None:
-    assert len(raw) <= MAX_BODY_BYTES
+    assert len(raw) <= MAX_REPORT_BYTES
     assert "not JSON" in refused(raw)
 
 
@@ -407,7 +407,7 @@ def _within_the_status(report: TrainerReport) -> None:
 @given(BODIES)
 @example(b'{"trainerStatus": {"metrics": [{"name": "current_epoch", "value": "1e300"}]}}')
 @example(b'{"trainerStatus": {"metrics": [{"name": "epoch", "value": 1e300}]}}')
-@example(b"[" * MAX_BODY_BYTES)
+@example(b"[" * MAX_REPORT_BYTES)
 @example(body({"metrics": metrics(checkpoint_step="1e300", checkpoint_time="9999-12-31T23:59:59-01:00")}))
 @example(body({"metrics": metrics(checkpoint_step="7", checkpoint_time="2026-02-30T00:00:00Z")}))
 def test_any_bytes_are_a_report_or_a_report_error(raw: bytes) -> None:

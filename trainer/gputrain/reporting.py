@@ -64,8 +64,8 @@ class Interval:
         return (at.total_steps - at.step) * self.seconds / max(self.steps, 1)
 
 
-class Reporter:
-    """Publishes, records and logs one rank's view of the run."""
+class RankOutlets:
+    """Where one rank's figures go: it publishes, records and logs that rank's view of the run."""
 
     def __init__(self, settings: TrainerSettings, cluster: Cluster) -> None:
         self.logs = cluster.is_main

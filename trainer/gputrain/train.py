@@ -42,7 +42,7 @@ from gputrain.data import DataSource, build_data
 from gputrain.distributed import Cluster, sum_over_ranks
 from gputrain.metrics import MetricsServer
 from gputrain.models import build_model
-from gputrain.reporting import Interval, Reporter, Standing
+from gputrain.reporting import Interval, RankOutlets, Standing
 from gputrain.schedule import fraction_done, resume_at, steps_left, warmup_cosine
 from gputrain.state import (
     MODEL_NAME,
@@ -213,7 +213,7 @@ class Trainer:
         self.total_steps = self.steps_per_epoch * settings.epochs  # from here on: steps done + to do
         self.figures = Figures()
         self.rng = RngState(self.device)
-        self.reporter = Reporter(settings, cluster)
+        self.outlets = RankOutlets(settings, cluster)
 
     @property
     def components(self) -> dict[str, Stateful]:
@@ -231,7 +231,7 @@ class Trainer:
     @property
     def metrics(self) -> MetricsServer | None:
         """This pod's endpoint, where this rank serves it (benchmarks read its GPU monitor)."""
-        return self.reporter.metrics
+        return self.outlets.metrics
 
     # ---------------------------------------------------------------------------------------
     # Checkpoints
@@ -239,7 +239,7 @@ class Trainer:
     def save_checkpoint(self) -> bool:
         """Checkpoint the current step; False when the store refused it (a warning is logged)."""
         started = time.perf_counter()
-        with self.reporter.pause("saving"):
+        with self.outlets.pause("saving"):
             state = checkpoint_of(self.components, self.settings.model)
             try:
                 saved = self.checkpoints.save(state, self.position.step)
@@ -248,7 +248,7 @@ class Trainer:
                 # run: the last complete one stays, and the next save tries again.
                 log.warning("checkpoint at step %d not saved: %s; training goes on", self.position.step, exc)
                 return False
-            self.reporter.checkpointed(saved)
+            self.outlets.checkpointed(saved)
         # Its time says what terminationGracePeriodSeconds a preemption's save needs here.
         log.info(
             "checkpoint %s at step %d (%.2f s)", saved.uri, self.position.step, time.perf_counter() - started
@@ -279,7 +279,7 @@ class Trainer:
         log.info("resumed from %s at epoch %d, step %d", saved.uri, self.position.epoch + 1,
                  self.position.step)  # fmt: skip
         if saved.time is not None:  # one from before manifests has no time to tell
-            self.reporter.checkpointed(saved)
+            self.outlets.checkpointed(saved)
 
     def _newest_checkpoint(self) -> tuple[dict[str, Any], Saved] | None:
         # Only rank 0 reads: with a per-pod emptyDir the other pods have none, and they must
@@ -343,7 +343,7 @@ class Trainer:
     # Reports
 
     def _publish(self) -> None:
-        self.reporter.publish(self._standing(), self.figures)
+        self.outlets.publish(self._standing(), self.figures)
 
     def _report(self, loss_sum: torch.Tensor, seen: torch.Tensor, started: float, steps: int) -> None:
         """Log and publish one interval's figures, and count them into the run's totals."""
@@ -351,7 +351,7 @@ class Trainer:
         seconds = max(time.perf_counter() - started, 1e-9)
         self.figures.count(total_loss, samples, seconds)
         interval = Interval(steps, samples, seconds, learning_rate=self.optimizer.param_groups[0]["lr"])
-        self.reporter.interval(self._standing(), self.figures, interval)
+        self.outlets.interval(self._standing(), self.figures, interval)
 
     # ---------------------------------------------------------------------------------------
     # The loop
@@ -380,13 +380,13 @@ class Trainer:
                 dist.broadcast(buffer, src=0)
 
     def evaluate(self) -> None:
-        with self.reporter.pause("evaluating"):
+        with self.outlets.pause("evaluating"):
             self._sync_buffers()
             self.model.eval()
             sums = _evaluation_sums(self.model, self.data, self.settings, self.device)
             self.figures.evaluated(*sum_over_ranks(self.cluster, sums))
             self.model.train()
-        self.reporter.evaluated(self._standing(), self.figures)
+        self.outlets.evaluated(self._standing(), self.figures)
 
     def _micro_step(self, x: torch.Tensor, y: torch.Tensor, group_size: int, last: bool) -> torch.Tensor:
         """Forward and backward over one micro-batch of a group of ``group_size``; its loss."""
@@ -485,8 +485,8 @@ class Trainer:
             world_size=self.cluster.world,
         )
         write_outputs(result, self.model, self.cluster, self.settings, self.termination_log)
-        self.reporter.finished(self._standing(), self.figures)
+        self.outlets.finished(self._standing(), self.figures)
         return result
 
     def close(self) -> None:
-        self.reporter.close()
+        self.outlets.close()

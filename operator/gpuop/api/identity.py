@@ -1,11 +1,13 @@
 """The names that identify things: our API, the labels and annotations we write, the Kubeflow
-and Kueue APIs we talk to, and the default trainer image. Constants only; this module imports
-nothing of gpuop, so every layer may import it.
+and Kueue APIs we talk to, and the default trainer image: constants, and the few functions that
+build a name and read it back. This module imports nothing of gpuop, so every layer may import it.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import re
+import string
 from typing import Final
 
 # Our API.
@@ -14,6 +16,8 @@ VERSION: Final = "v1alpha1"
 API_VERSION: Final = f"{GROUP}/{VERSION}"
 KIND: Final = "GpuTraining"
 PLURAL: Final = "gputrainings"
+# One GpuTraining, wherever one is looked up or keyed by: (namespace, name).
+TrainingKey = tuple[str, str]
 
 # What we write on the objects we make.
 TRAINING_LABEL: Final = "gpuop.io/gputraining"  # on the job and its pods: the GpuTraining's name
@@ -36,11 +40,36 @@ DEFAULT_TRAINER_IMAGE: Final = f"{TRAINER_IMAGE_REPOSITORY}:{PACKAGE_VERSION}"
 # Progress reports (Kubeflow Trainer's trainerStatus protocol, served by the operator). The
 # variables are Kubeflow's, so Hugging Face's KubeflowCallback and the Kubeflow SDK report to us
 # with no change; the path is shaped like Kubeflow's, under our API.
+# report_path() fills it in, report_path_training() reads it back.
 REPORT_PATH: Final = f"/apis/{GROUP}/{VERSION}/namespaces/{{namespace}}/{PLURAL}/{{name}}/status"
 REPORT_URL_ENV: Final = "KUBEFLOW_TRAINER_SERVER_URL"
 REPORT_CA_ENV: Final = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
 REPORT_TOKEN_ENV: Final = "KUBEFLOW_TRAINER_SERVER_TOKEN"
 REPORT_MOUNT: Final = "/var/run/secrets/gpuop.io/reports"  # the projected token and the CA
+
+
+def report_path(namespace: str, name: str) -> str:
+    """The path a training's pods POST their reports to (under the endpoint's base URL)."""
+    return REPORT_PATH.format(namespace=namespace, name=name)
+
+
+# What each field of REPORT_PATH may hold: a namespace is a DNS label, a GpuTraining's name a
+# DNS subdomain. Anything else names no training, so it is refused before any other work.
+_REPORT_PATH_FIELDS: Final = {"namespace": "[a-z0-9-]{1,63}", "name": "[a-z0-9.-]{1,253}"}
+# REPORT_PATH as a regex: its literal text escaped ("gpuop.io" has a dot), its fields as groups.
+_REPORT_PATH_RE: Final = re.compile(
+    "".join(
+        re.escape(literal) + (f"(?P<{field}>{_REPORT_PATH_FIELDS[field]})" if field else "")
+        for literal, field, _, _ in string.Formatter().parse(REPORT_PATH)
+    )
+)
+
+
+def report_path_training(path: str) -> TrainingKey | None:
+    """The training a report path names (as :func:`report_path` made it), or None for any
+    other path. ``path`` is the path alone, without a query string."""
+    match = _REPORT_PATH_RE.fullmatch(path)
+    return (match["namespace"], match["name"]) if match is not None else None
 
 
 def report_audience(namespace: str, name: str) -> str:

@@ -19,6 +19,8 @@ from gpuop._kits.schema import SpecError, api_field, api_object, decode, encode
 ConditionStatus = Literal["True", "False", "Unknown"]
 Phase = Literal["Pending", "Created", "Queued", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
 PHASES: Final[tuple[str, ...]] = get_args(Phase)
+# The phases a training never leaves: its job's own terminal conditions carry the same names.
+TERMINAL_PHASES: Final[tuple[Phase, ...]] = ("Succeeded", "Failed")
 
 
 # metav1.Condition's reason: a word of letters, digits, '_', ',' and ':'.

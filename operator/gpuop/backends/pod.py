@@ -25,12 +25,12 @@ from gpuop.api.identity import (
     KUEUE_QUEUE_LABEL,
     REPORT_CA_ENV,
     REPORT_MOUNT,
-    REPORT_PATH,
     REPORT_TOKEN_ENV,
     REPORT_URL_ENV,
     TRAINING_LABEL,
     report_audience,
     report_ca_config_map,
+    report_path,
 )
 from gpuop.api.podspec import Toleration
 from gpuop.api.runspec import VolumeSource
@@ -109,7 +109,7 @@ def training_reports(training: GpuTraining, endpoint: ReportEndpoint | None) -> 
     if endpoint is None:
         return None
     namespace = training.namespace or "default"
-    path = REPORT_PATH.format(namespace=namespace, name=training.name)
+    path = report_path(namespace, training.name)
     return TrainingReports(
         url=f"{endpoint.base_url}{path}",
         audience=report_audience(namespace, training.name),

@@ -29,13 +29,12 @@ from gpuop.api.identity import DEFAULT_TRAINER_IMAGE, PACKAGE_VERSION
 from gpuop.api.spec import GpuTraining, parse, warnings
 from gpuop.backends.registry import APIS, render_job
 from gpuop.cli.documents import Document, DocumentError, read_documents
-from gpuop.controller.settings import SettingsError, from_options, operator_options
+from gpuop.controller.settings import ENV_PREFIX, SettingsError, from_options, operator_options
 from gputrain.contract import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 EXIT_OK = 0
 EXIT_DIFFERENT = 1
 EXIT_BAD_INPUT = 2
-ENV_PREFIX: Final = "GPUOP"
 # What kubectl reads from a directory given to -f.
 MANIFEST_SUFFIXES: Final = (".yaml", ".yml", ".json")
 SHELLS: Final = ("bash", "zsh", "fish")
@@ -138,7 +137,10 @@ def _output(*formats: str) -> Callable[[F], F]:
 # Commands
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": ENV_PREFIX,
+# Click puts the "_" between its prefix and an option's name itself: GPUOP_ + NAME, as the
+# operator's own options (gpuop.controller.settings) spell theirs.
+@click.group(context_settings={"help_option_names": ["-h", "--help"],
+                               "auto_envvar_prefix": ENV_PREFIX.removesuffix("_"),
                                "max_content_width": 100})  # fmt: skip
 @click.version_option(PACKAGE_VERSION, "--version", prog_name="gpuop", message="%(prog)s %(version)s")
 def cli() -> None:

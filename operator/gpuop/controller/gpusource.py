@@ -17,7 +17,7 @@ What a caller passes (the lead wires it from settings and the cluster):
 :meth:`DcgmSource.read` takes ``{namespace: pod names}`` and returns, per namespace that
 could be read, ``{pod: its GPUs' figures}``: a namespace absent means not read this time
 (keep what was seen), a pod absent means no GPU of it was seen. Every answer is untrusted
-input: read bounded (:data:`~gpuop.observing.dcgm.MAX_BODY_BYTES`, at most one byte more),
+input: read bounded (:data:`~gpuop.observing.dcgm.MAX_SCRAPE_BYTES`, at most one byte more),
 each request with a deadline, all concurrently in a pool of their own, so one hung exporter
 costs one timeout, not a tick; parsed by :mod:`gpuop.observing.dcgm`.
 """
@@ -172,13 +172,13 @@ class DcgmSource:
                 raise TimeoutError("deadline passed before the request started")
             with opener.open(request, timeout=remaining) as reply:
                 declared = reply.headers.get("Content-Length")
-                if declared is not None and declared.isdigit() and int(declared) > dcgm.MAX_BODY_BYTES:
-                    raise ValueError(f"Content-Length {declared} over {dcgm.MAX_BODY_BYTES}; not read")
+                if declared is not None and declared.isdigit() and int(declared) > dcgm.MAX_SCRAPE_BYTES:
+                    raise ValueError(f"Content-Length {declared} over {dcgm.MAX_SCRAPE_BYTES}; not read")
                 # One byte past the bound is enough to refuse it: no answer makes us read more.
-                body = read_bounded(reply, dcgm.MAX_BODY_BYTES + 1, deadline)
+                body = read_bounded(reply, dcgm.MAX_SCRAPE_BYTES + 1, deadline)
             # On the bytes: decoded, a cut body of multibyte characters would pass for whole.
-            if len(body) > dcgm.MAX_BODY_BYTES:
-                raise ValueError(f"answer over {dcgm.MAX_BODY_BYTES} bytes; not read")
+            if len(body) > dcgm.MAX_SCRAPE_BYTES:
+                raise ValueError(f"answer over {dcgm.MAX_SCRAPE_BYTES} bytes; not read")
             answer = parse(body.decode("utf-8", errors="replace"))
         except Exception as exc:
             # Down, hung, refusing, or serving anything at all: no figures from it this time.

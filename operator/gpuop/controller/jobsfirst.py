@@ -23,7 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
-Key = tuple[str, str]  # (namespace, name)
+from gpuop.api.identity import TrainingKey
 
 # Seconds after it was first seen that a first status may wait. 30 s, about the time the
 # operator took to make 1,000 jobs on the slower of two 2-core hosts measured: a bound shorter
@@ -42,33 +42,33 @@ def deadline(first_seen: float) -> float:
 class JobsFirst:
     """Which trainings wait for their job, and the first statuses left until none does."""
 
-    def __init__(self, reconcile: Callable[[Key], object], workers: int) -> None:
+    def __init__(self, reconcile: Callable[[TrainingKey], object], workers: int) -> None:
         self._reconcile = reconcile
         self._lock = threading.Condition()
-        self._waiting: set[Key] = set()  # seen with no job, their reconcile not over yet
-        self._later: dict[Key, float] = {}  # first statuses left for later: by when (monotonic)
+        self._waiting: set[TrainingKey] = set()  # seen with no job, their reconcile not over yet
+        self._later: dict[TrainingKey, float] = {}  # first statuses left for later: by when (monotonic)
         # The same, soonest first, for the thread that hands them over. Entries no longer in
         # _later (handed over, forgotten) are dropped when met. Without it each wake scanned
         # every status left: quadratic in a burst's size.
-        self._deadlines: list[tuple[float, Key]] = []
+        self._deadlines: list[tuple[float, TrainingKey]] = []
         self._stopping = False
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="statuses")
         self._due = threading.Thread(target=self._hand_over_when_due, name="statuses-due", daemon=True)
         self._due.start()
 
-    def waits(self, key: Key) -> None:
+    def waits(self, key: TrainingKey) -> None:
         """``key`` was seen with no job: its reconcile is on its way."""
         with self._lock:
             self._waiting.add(key)
 
-    def done(self, key: Key) -> None:
+    def done(self, key: TrainingKey) -> None:
         """``key``'s reconcile is over (its job made, or it could not be): it waits no more."""
         with self._lock:
             self._waiting.discard(key)
             if not self._waiting and self._later:
                 self._lock.notify()
 
-    def leave_for_later(self, key: Key, first_seen: float) -> bool:
+    def leave_for_later(self, key: TrainingKey, first_seen: float) -> bool:
         """Whether ``key``'s first status waits, because other trainings wait for their jobs and
         it was first seen less than :data:`AT_MOST` ago."""
         by = deadline(first_seen)
@@ -86,7 +86,7 @@ class JobsFirst:
                 self._lock.notify()  # due before the one the thread waits for
             return True
 
-    def forget(self, key: Key) -> None:
+    def forget(self, key: TrainingKey) -> None:
         with self._lock:
             was_waiting = key in self._waiting
             self._waiting.discard(key)
@@ -94,7 +94,7 @@ class JobsFirst:
             if was_waiting and not self._waiting and self._later:
                 self._lock.notify()  # it was the last one waiting
 
-    def _take_due(self, now: float) -> list[Key]:
+    def _take_due(self, now: float) -> list[TrainingKey]:
         """Take the statuses to hand over now: all once none waits, else those whose time is up.
         Leaves the next live deadline on top of the heap."""
         if not self._waiting:

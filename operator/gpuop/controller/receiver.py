@@ -27,9 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gpuop.api.identity import TRAINING_LABEL, report_audience
+from gpuop.api.identity import TRAINING_LABEL, TrainingKey, report_audience
 from gpuop.controller.kube import ApiError, Kube
-from gpuop.observing.endpoint import Key, Limits, RefusalError
+from gpuop.observing.endpoint import Limits, RefusalError
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class ClusterGate:
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
 
-    def authenticate(self, key: Key, token: str) -> str:
+    def authenticate(self, key: TrainingKey, token: str) -> str:
         """The pod the token speaks for, once the API server and the pod say it is this training's."""
         wanted = report_audience(*key)
         digest = hashlib.sha256(token.encode()).hexdigest()
@@ -140,7 +140,7 @@ class ClusterGate:
             pool = self._pool
         pool.submit(job)
 
-    def _refresh(self, key: Key, token: str, digest: str, wanted: str) -> None:
+    def _refresh(self, key: TrainingKey, token: str, digest: str, wanted: str) -> None:
         """A background review: its verdict replaces the kept one; an API server that cannot say
         leaves the kept one to serve out its life (the next report asks again)."""
         try:
@@ -153,7 +153,7 @@ class ClusterGate:
             with self._lock:
                 self._refreshing.discard((digest, wanted))
 
-    def _review(self, key: Key, token: str, digest: str, wanted: str) -> _Verdict:
+    def _review(self, key: TrainingKey, token: str, digest: str, wanted: str) -> _Verdict:
         """Ask the API server, and keep its verdict; a 503 (it could not say) raises, kept nowhere."""
         now = self.clock()
         # Each token is reviewed again after 1 to 1.5 TTLs, by its hash: the tokens of a
@@ -174,7 +174,7 @@ class ClusterGate:
                 self._verdicts.popitem(last=False)
         return verdict
 
-    def _bound_pod(self, key: Key, token: str, wanted: str) -> str:
+    def _bound_pod(self, key: TrainingKey, token: str, wanted: str) -> str:
         namespace, name = key
         try:
             review = _reviewed(self.kube.review_token(token, wanted, self.limits.review_seconds), wanted)

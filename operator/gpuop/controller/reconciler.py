@@ -30,9 +30,10 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Final
 
+from gpuop.api.identity import TrainingKey
 from gpuop.api.spec import GpuTraining
 from gpuop.api.spec import warnings as spec_warnings
-from gpuop.api.status import GpuTrainingStatus
+from gpuop.api.status import TERMINAL_PHASES, GpuTrainingStatus
 from gpuop.backends import registry
 from gpuop.backends.pod import ReportEndpoint
 from gpuop.backends.registry import Choice, JobApi
@@ -43,7 +44,7 @@ from gpuop.controller.kube import ApiError, Kube
 from gpuop.controller.pods import PodReader
 from gpuop.controller.settings import OperatorSettings
 from gpuop.controller.statuswriter import StatusWriter
-from gpuop.controller.table import Key, SpecView, Table, Tracked, key_of, newer
+from gpuop.controller.table import SpecView, Table, Tracked, key_of, newer
 from gpuop.controller.telemetry import OperatorMetrics
 from gpuop.observing import derive, observe
 from gpuop.observing.endpoint import ReportBook
@@ -188,7 +189,7 @@ class Reconciler:
                 self._leading = (leading, time.monotonic())
         return leading(namespace)
 
-    def _still_there(self, key: Key) -> bool:
+    def _still_there(self, key: TrainingKey) -> bool:
         """Whether the GpuTraining exists, asked of the API server.
 
         A child's DELETED event can overtake its owner's (separate watch streams), and
@@ -205,7 +206,7 @@ class Reconciler:
 
     # -- the reconcile --------------------------------------------------------------------
 
-    def reconcile(self, key: Key) -> str:
+    def reconcile(self, key: TrainingKey) -> str:
         """Make one GpuTraining's world match its spec; returns what it did (for metrics, tests)."""
         tracked = self._table.get(key)
         if tracked is None:
@@ -252,6 +253,38 @@ class Reconciler:
         message = f"the operator cannot reconcile this GpuTraining ({summary}); it retries on every change"
         self._status.emit(tracked.body, Event("Warning", "ReconcileError", message), self.clock())
 
+    def _write_status(
+        self,
+        tracked: Tracked,
+        previous: GpuTrainingStatus | None,
+        observation: Observation,
+        thresholds: Thresholds,
+    ) -> bool:
+        """Whether a status was written; the GpuTraining kept as the write's reply gave it."""
+        written = self._status.write(tracked.body, previous, observation, thresholds)
+        if written is None:
+            return False
+        if written.body is not None and newer(written.body, tracked.body):
+            tracked.body = written.body
+        return True
+
+    def _finished_and_gone(
+        self, tracked: Tracked, previous: GpuTrainingStatus | None, training: GpuTraining, api: JobApi
+    ) -> bool:
+        """Whether this GpuTraining finished with a job that is gone since.
+
+        Unseen is not gone: after a restart the GpuTraining's event can come before its job's,
+        so the job is asked for once before it counts as deleted.
+        """
+        if previous is None or previous.phase not in TERMINAL_PHASES or tracked.child is not None:
+            return False
+        if previous.pytorch_job is None and previous.train_job is None:
+            return False
+        if not tracked.child_gone:
+            tracked.child = self._children.find_ours(training, api)
+            tracked.child_gone = tracked.child is None
+        return tracked.child_gone
+
     def _reconcile(self, tracked: Tracked) -> str:
         meta = tracked.body.get("metadata") or {}
         if meta.get("deletionTimestamp"):
@@ -266,7 +299,7 @@ class Reconciler:
             observation = Observation(
                 now=now, generation=generation, workers_total=0, gpus=0, invalid_spec=view.invalid
             )
-            self._status.write(tracked, previous, observation, _NO_ALARMS)
+            self._write_status(tracked, previous, observation, _NO_ALARMS)
             return "invalid"
         spec = view.training.spec
         api, choice = self._backend(tracked, previous, view.training)
@@ -277,38 +310,49 @@ class Reconciler:
                 now=now, generation=generation, workers_total=spec.workers, gpus=spec.total_gpus,
                 backend_unavailable=(choice.reason, choice.message),
             )  # fmt: skip
-            return "status" if self._status.write(tracked, previous, observation, _NO_ALARMS) else "waiting"
-        if self._children.finished_and_gone(tracked, previous, view.training, api):
+            return "status" if self._write_status(tracked, previous, observation, _NO_ALARMS) else "waiting"
+        if self._finished_and_gone(tracked, previous, view.training, api):
             observation = Observation(
                 now=now, generation=generation, workers_total=spec.workers, gpus=spec.total_gpus,
                 job_api=api.facts, job_deleted=True,
             )  # fmt: skip
-            return "status" if self._status.write(tracked, previous, observation, _NO_ALARMS) else "finished"
+            return "status" if self._write_status(tracked, previous, observation, _NO_ALARMS) else "finished"
 
         if derive.stopped(previous):
             # Failed for good, its job stopped: nothing is made or patched again; a spec edit is
             # only acknowledged (observedGeneration).
             observation = Observation(now=now, generation=generation, workers_total=spec.workers,
                                       gpus=spec.total_gpus, job_api=api.facts)  # fmt: skip
-            return "status" if self._status.write(tracked, previous, observation, _NO_ALARMS) else "finished"
+            return "status" if self._write_status(tracked, previous, observation, _NO_ALARMS) else "finished"
 
         objects = view.objects(api, self.settings.trainer_image, self.report_endpoint)
-        outcome, conflict = self._children.ensure(tracked, view.training, api, objects)
+        ensured = self._children.ensure(tracked.child, view.training, api, objects)
+        tracked.child, outcome, conflict = ensured.child, ensured.outcome, ensured.conflict
         if previous is None and conflict is None:
             key = key_of(tracked.body)
             self._jobs_first.done(key)
             if self._jobs_first.leave_for_later(key, tracked.first_seen):
                 tracked.status_later = True  # written once no other training waits for its job
                 return "later" if outcome == "unchanged" else outcome
-        if conflict is None and self._children.wake(tracked, api, now) and outcome == "unchanged":
-            outcome = "woken"
+        if (
+            conflict is None
+            and tracked.child is not None
+            and wake_due(tracked.child, tracked.woken_at, api, now)
+        ):
+            woken = self._children.wake(tracked.child, api, now)
+            tracked.woken_at = now  # or gone already: its DELETED event follows
+            if woken is not None:
+                tracked.child = woken
+                outcome = "woken" if outcome == "unchanged" else outcome
         observation = self._observe(tracked, previous, view, api, choice, conflict, now, generation)
         stop = derive.stop_for(observation)
         if stop is not None and observation.job_stopped is None:
             # Stopped before Failed is written, and the job annotated with why: a stop that fails
             # (raises) leaves the training active for the next tick; a status write that fails
             # after it finds the annotation next time.
-            if self._children.stop(tracked, view.training, api, stop):
+            stopped = self._children.stop(tracked.child, view.training, api, stop) if tracked.child else None
+            if stopped is not None:
+                tracked.child = stopped
                 observation = dataclasses.replace(observation, job_stopped=stop)
                 outcome = "stopped"
             else:  # it cannot be stopped: said as a restart, as before (Restarting, the pod's line)
@@ -320,7 +364,7 @@ class Reconciler:
             underutilized_percent=self.settings.underutilized_percent,
             underutilized_seconds=self.settings.underutilized_seconds,
         )
-        wrote = self._status.write(tracked, previous, observation, thresholds)
+        wrote = self._write_status(tracked, previous, observation, thresholds)
         return outcome if outcome != "unchanged" or not wrote else "status"
 
     def _observe(
@@ -341,7 +385,7 @@ class Reconciler:
         if (
             child is not None
             and observe.finished(api.conditions(child))
-            and (previous is None or previous.phase not in ("Succeeded", "Failed"))
+            and (previous is None or previous.phase not in TERMINAL_PHASES)
         ):
             tracked.reports = self.reports.of(key_of(tracked.body))  # the last, sent as the code ended
             if not any(p.result for p in tracked.pods):
@@ -398,7 +442,7 @@ class Reconciler:
             choice = registry.choose(spec.backend, self._served(), registry.gaps(spec))
             api = registry.APIS[choice.backend] if choice.backend is not None else None
         queue = spec.scheduling.queue_name
-        finished = previous is not None and previous.phase in ("Succeeded", "Failed")
+        finished = previous is not None and previous.phase in TERMINAL_PHASES
         # Asked only before its job is made (last, so discovery is asked only then): a job once
         # made stays Kueue's, whatever befalls Kueue.
         if (
@@ -420,14 +464,14 @@ class Reconciler:
         with self._leading_lock:
             self._leading = (leading, time.monotonic())
         items = [(key, tracked) for key, tracked in self._table.items() if leading(key[0])]
-        active: dict[str, list[tuple[Key, Tracked]]] = {}
+        active: dict[str, list[tuple[TrainingKey, Tracked]]] = {}
         for key, tracked in items:
             if tracked.child is not None and tracked.phase in _ACTIVE_PHASES:
                 active.setdefault(key[0], []).append((key, tracked))
         observed = self._pods.observe(
             {namespace: [key[1] for key, _ in group] for namespace, group in active.items()}
         )
-        new_pods: set[Key] = set()
+        new_pods: set[TrainingKey] = set()
         for namespace, group in active.items():
             in_namespace = observed.get(namespace)
             if in_namespace is None:
@@ -445,7 +489,7 @@ class Reconciler:
             # A finished job changes only on an event (a spec edit, a deletion), which
             # reconciles it anyway, or at its TTL; everything else may need time (Stalled) or a
             # retry.
-            if tracked.phase not in ("Succeeded", "Failed"):
+            if tracked.phase not in TERMINAL_PHASES:
                 reports = self.reports.of(key)
                 if self._quiet(tracked, reports, key in new_pods):
                     continue
@@ -473,7 +517,7 @@ class Reconciler:
     def _wake_due(self, tracked: Tracked) -> bool:
         child = tracked.child
         api = registry.of_kind(child.get("kind")) if child is not None else None
-        return api is not None and wake_due(tracked, api, self.clock())
+        return api is not None and wake_due(child, tracked.woken_at, api, self.clock())
 
     # -- introspection (probes, tests) ----------------------------------------------------
 

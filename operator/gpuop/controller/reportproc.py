@@ -31,9 +31,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Final, Literal
 
-from gpuop.observing.endpoint import Key, Limits, ReportBook, ReportServer
+from gpuop.api.identity import TrainingKey
+from gpuop.observing.endpoint import Limits, ReportBook, ReportServer
 from gpuop.observing.records import ReceivedReport
 
 log = logging.getLogger(__name__)
@@ -42,12 +43,64 @@ START_SECONDS: Final = 60.0  # a spawn imports the operator's modules: seconds o
 _RESTART_BACKOFF: Final = (1.0, 2.0, 5.0, 10.0, 30.0)
 
 
-class ReportStartError(Exception):
-    """The endpoint could not start; ``what`` is "port", "tls" or "process", the message why."""
+# What kept the endpoint from starting: its port (taken, or not ours to bind), its serving
+# certificate, or its process (it did not start, or could not log in).
+StartFailure = Literal["port", "tls", "process"]
 
-    def __init__(self, what: str, message: str) -> None:
+
+class ReportStartError(Exception):
+    """The endpoint could not start; ``what`` says which part failed, the message why."""
+
+    def __init__(self, what: StartFailure, message: str) -> None:
         super().__init__(message)
-        self.what = what
+        self.what: StartFailure = what
+
+
+# What the child sends the parent over their pipe (pickled): one class per kind of message.
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The child listens on ``port``: its first message, or else :class:`StartFailed`."""
+
+    port: int
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    """The child could not start and exits: the parent raises it as a ReportStartError."""
+
+    what: StartFailure
+    message: str
+
+
+@dataclass(frozen=True)
+class Reported:
+    """A report the child accepted, for the parent's book."""
+
+    key: TrainingKey
+    received: ReceivedReport
+
+
+@dataclass(frozen=True)
+class RequestCounted:
+    """One request the endpoint answered: its outcome and how long it took, for the metrics."""
+
+    outcome: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ApiCalled:
+    """One call the child made to the API server (a TokenReview, a pod read), for the metrics."""
+
+    verb: str
+    resource: str
+    status: int
+    seconds: float
+
+
+ChildMessage = Ready | StartFailed | Reported | RequestCounted | ApiCalled
 
 
 @dataclass(frozen=True)
@@ -121,16 +174,18 @@ class ReportProcess:
             ours.close()
             raise ReportStartError("process", f"its process did not start within {START_SECONDS:g}s")
         try:
-            said = ours.recv()
+            said: ChildMessage = ours.recv()
         except EOFError:
             ours.close()
             code = process.wait()
             raise ReportStartError("process", f"its process exited at start (code {code})") from None
-        if said[0] != "ready":
+        if not isinstance(said, Ready):
             ours.close()
             process.wait()
-            raise ReportStartError(said[1], said[2])
-        self.port = int(said[1])
+            if isinstance(said, StartFailed):
+                raise ReportStartError(said.what, said.message)
+            raise ReportStartError("process", f"its process said {said!r} before it was ready")
+        self.port = said.port
         self._process, self._conn = process, ours
 
     def _read_forever(self) -> None:
@@ -139,19 +194,22 @@ class ReportProcess:
             conn = self._conn
             assert conn is not None
             try:
-                message = conn.recv()
+                message: ChildMessage = conn.recv()
             except (EOFError, OSError):
                 if self._closing.is_set():
                     return
                 failures = self._restart(failures)
                 continue
             failures = 0
-            if message[0] == "report":
-                self.book.put(message[1], message[2])
-            elif message[0] == "count":
-                self.counted(message[1], message[2])
-            elif message[0] == "api":
-                self.api_request(*message[1:])
+            match message:
+                case Reported(key, received):
+                    self.book.put(key, received)
+                case RequestCounted(outcome, seconds):
+                    self.counted(outcome, seconds)
+                case ApiCalled(verb, resource, status, seconds):
+                    self.api_request(verb, resource, status, seconds)
+                case Ready() | StartFailed():
+                    pass  # said once, at start, and read there
 
     def _restart(self, failures: int) -> int:
         assert self._process is not None
@@ -188,11 +246,11 @@ class ReportProcess:
 class _Forwarded:
     """The child's book: each report goes to the parent, whose book the reconciler reads."""
 
-    def __init__(self, send: Callable[[tuple[Any, ...]], None]) -> None:
+    def __init__(self, send: Callable[[ChildMessage], None]) -> None:
         self._send = send
 
-    def put(self, key: Key, received: ReceivedReport) -> None:
-        self._send(("report", key, received))
+    def put(self, key: TrainingKey, received: ReceivedReport) -> None:
+        self._send(Reported(key, received))
 
 
 def _child(config: ReportConfig, fd: int, parent: int) -> None:
@@ -214,7 +272,7 @@ def _child(config: ReportConfig, fd: int, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     lock = threading.Lock()
 
-    def send(message: tuple[Any, ...]) -> None:
+    def send(message: ChildMessage) -> None:
         with lock:  # a Connection is not safe for concurrent senders
             try:
                 conn.send(message)
@@ -224,21 +282,23 @@ def _child(config: ReportConfig, fd: int, parent: int) -> None:
     try:
         kube = Kube.login()
     except LoginError as exc:  # the parent logged in the same way a moment ago: rare
-        send(("failed", "process", str(exc)))
+        send(StartFailed("process", str(exc)))
         return
-    kube.requests.listeners.append(lambda *request: send(("api", *request)))
+    kube.requests.listeners.append(
+        lambda verb, resource, status, seconds: send(ApiCalled(verb, resource, status, seconds))
+    )
     try:
         server = ReportServer(
             ClusterGate(kube, config.limits), _Forwarded(send),
-            lambda outcome, seconds: send(("count", outcome, seconds)),
+            lambda outcome, seconds: send(RequestCounted(outcome, seconds)),
             port=config.port, tls_dir=config.tls_dir,
         )  # fmt: skip
     except (OSError, ssl.SSLError) as exc:
         port_taken = isinstance(exc, OSError) and exc.errno in (errno.EADDRINUSE, errno.EACCES)
-        send(("failed", "port" if port_taken else "tls", str(exc)))
+        send(StartFailed("port" if port_taken else "tls", str(exc)))
         return
     server.start()
-    send(("ready", server.port))
+    send(Ready(server.port))
     while not stop.wait(1.0):
         if os.getppid() != parent:  # reparented: the operator died without closing us
             break
@@ -246,4 +306,8 @@ def _child(config: ReportConfig, fd: int, parent: int) -> None:
 
 
 if __name__ == "__main__":  # started by ReportProcess._spawn
-    _child(*ReportConfig.from_json(sys.argv[1]))
+    # The child runs the module imported by its name, not this __main__ copy of it: a message
+    # is pickled by its class's module and name, which the parent knows only under that name.
+    from gpuop.controller import reportproc
+
+    reportproc._child(*reportproc.ReportConfig.from_json(sys.argv[1]))

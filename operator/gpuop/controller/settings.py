@@ -17,6 +17,7 @@ import click
 
 from gpuop.api.identity import DEFAULT_TRAINER_IMAGE
 
+# What every gpuop option's variable starts with (the CLI's other commands' too).
 ENV_PREFIX: Final = "GPUOP_"
 ScrapeVia = Literal["auto", "pod-ip", "proxy"]
 GpuMetrics = Literal["none", "dcgm-exporter", "prometheus"]

@@ -3,7 +3,8 @@
 The status is derived (:func:`gpuop.observing.derive.derive_status`) and patched only when it
 differs from the one last written, so an unchanged training costs no write. Events are posted
 off the reconcile's thread: they are best effort, and a burst of new GpuTrainings should get
-its jobs before its "created" Events.
+its jobs before its "created" Events. The writer keeps no training's state: it returns the
+GpuTraining as its patch left it, for the reconcile to keep.
 """
 
 from __future__ import annotations
@@ -11,17 +12,25 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from gpuop.api.status import GpuTrainingStatus, status_patch
 from gpuop.controller.kube import ApiError, Kube
-from gpuop.controller.table import Tracked, key_of, newer
+from gpuop.controller.table import key_of
 from gpuop.controller.telemetry import OperatorMetrics
 from gpuop.observing.derive import derive_status, events
 from gpuop.observing.records import Event, Observation, Thresholds
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Written:
+    """A status patched: the GpuTraining as the patch's reply gave it (None: deleted meanwhile)."""
+
+    body: dict[str, Any] | None
 
 
 class StatusWriter:
@@ -38,26 +47,24 @@ class StatusWriter:
 
     def write(
         self,
-        tracked: Tracked,
+        body: dict[str, Any],
         previous: GpuTrainingStatus | None,
         observation: Observation,
         thresholds: Thresholds,
-    ) -> bool:
-        """Whether a status was written."""
+    ) -> Written | None:
+        """Derive the status of the GpuTraining ``body`` (its status as decoded: ``previous``)
+        and patch it when it differs; None when it does not."""
         new = derive_status(previous, observation, thresholds)
         patch = status_patch(previous, new)
         if patch is None:
-            return False
-        namespace, name = key_of(tracked.body)
+            return None
+        namespace, name = key_of(body)
         updated = self.kube.patch_training_status(namespace, name, patch)
         self.metrics.status_patches.inc()
-        if updated is None:  # deleted meanwhile
-            return True
-        if newer(updated, tracked.body):
-            tracked.body = updated
-        for event in events(previous, new):
-            self.emit(updated, event, observation.now)
-        return True
+        if updated is not None:  # not deleted meanwhile
+            for event in events(previous, new):
+                self.emit(updated, event, observation.now)
+        return Written(updated)
 
     def emit(self, training: dict[str, Any], event: Event, now: datetime) -> None:
         """Post an event off the reconcile's thread. Once the operator is stopping (SIGTERM: the

@@ -17,6 +17,7 @@ from typing import Any
 
 from gpuop._kits.schema import SpecError
 from gpuop.api.fixed import fixed_spec_changes
+from gpuop.api.identity import TrainingKey
 from gpuop.api.spec import GpuTraining, parse
 from gpuop.api.status import GpuTrainingStatus, status_from_json
 from gpuop.backends import registry
@@ -25,10 +26,8 @@ from gpuop.backends.registry import JobApi
 from gpuop.observing import observe
 from gpuop.observing.records import PodObservation, ReceivedReport
 
-Key = tuple[str, str]  # (namespace, name)
 
-
-def key_of(obj: Mapping[str, Any], name: str | None = None) -> Key:
+def key_of(obj: Mapping[str, Any], name: str | None = None) -> TrainingKey:
     """An object's (namespace, name), or its namespace with ``name`` (a child's parent)."""
     meta = obj.get("metadata") or {}
     return str(meta.get("namespace") or "default"), str(name or meta.get("name"))
@@ -46,10 +45,11 @@ def newer(candidate: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
     return not (a.isdigit() and b.isdigit() and int(a) < int(b))
 
 
-@dataclass(frozen=True)
+@dataclass
 class SpecView:
     """What one generation of a GpuTraining's spec yields: parsed (or why not), rendered per
-    backend when first asked, and the fixed fields changed since each child was made."""
+    backend when first asked, and the fixed fields changed since each child was made. Its
+    first three fields never change; the two memos fill as they are asked for."""
 
     version: tuple[str, int] | None  # uid, metadata.generation (None: not cacheable)
     training: GpuTraining | None
@@ -154,25 +154,25 @@ class Table:
     """Every tracked GpuTraining by key. Thread-safe; each entry has its own lock as well."""
 
     def __init__(self) -> None:
-        self._entries: dict[Key, Tracked] = {}
+        self._entries: dict[TrainingKey, Tracked] = {}
         self._lock = threading.Lock()
 
-    def get(self, key: Key) -> Tracked | None:
+    def get(self, key: TrainingKey) -> Tracked | None:
         with self._lock:
             return self._entries.get(key)
 
-    def get_or_add(self, key: Key, body: dict[str, Any]) -> Tracked:
+    def get_or_add(self, key: TrainingKey, body: dict[str, Any]) -> Tracked:
         with self._lock:
             tracked = self._entries.get(key)
             if tracked is None:
                 tracked = self._entries[key] = Tracked(body=body)
             return tracked
 
-    def forget(self, key: Key) -> None:
+    def forget(self, key: TrainingKey) -> None:
         with self._lock:
             self._entries.pop(key, None)
 
-    def items(self) -> list[tuple[Key, Tracked]]:
+    def items(self) -> list[tuple[TrainingKey, Tracked]]:
         with self._lock:
             return list(self._entries.items())
 

@@ -35,10 +35,11 @@ from prometheus_client import (
     start_http_server,
 )
 
+from gpuop.api.identity import TrainingKey
 from gpuop.api.status import PHASES
 
 if TYPE_CHECKING:
-    from gpuop.controller.table import Key, Tracked
+    from gpuop.controller.table import Tracked
 
 # The conditions exported per training: the two alarms the chart's alerts are made of. A fixed
 # set, so two series per training at most.
@@ -215,14 +216,14 @@ class OperatorMetrics:
             [*_TRAINING, "model"],
             registry=self.registry,
         )
-        self._billed: dict[Key, _Billed] = {}
+        self._billed: dict[TrainingKey, _Billed] = {}
         self._shown: dict[Gauge, set[tuple[str, ...]]] = {}
 
     def api_request(self, verb: str, resource: str, status: int, seconds: float) -> None:
         self.api_requests.labels(verb=verb, resource=resource, code=str(status)).inc()
         self.api_latency.labels(verb=verb, resource=resource).observe(seconds)
 
-    def observe_trainings(self, trainings: Iterable[tuple[Key, Tracked]], now: datetime) -> None:
+    def observe_trainings(self, trainings: Iterable[tuple[TrainingKey, Tracked]], now: datetime) -> None:
         """Every figure per namespace and per training, from the trainings this replica serves as
         of this tick (a standby's table is stale: its figures would add to the active replica's
         in a sum over pods, so a replica shows only what it leads)."""
@@ -233,7 +234,7 @@ class OperatorMetrics:
             shown.setdefault(gauge, set()).add(labels)
 
         counts: dict[str, dict[str, int]] = {}
-        seen: set[Key] = set()
+        seen: set[TrainingKey] = set()
         for key, tracked in trainings:
             namespace, name = key
             body = tracked.body
@@ -296,7 +297,9 @@ class OperatorMetrics:
                 count,
             )
 
-    def _bill(self, key: Key, body: Mapping[str, Any], status: Mapping[str, Any], now: datetime) -> None:
+    def _bill(
+        self, key: TrainingKey, body: Mapping[str, Any], status: Mapping[str, Any], now: datetime
+    ) -> None:
         """Add to its namespace's GPU-hours what a training has held since the last tick."""
         uid = str((body.get("metadata") or {}).get("uid"))
         hours = _billable_hours(status, now)

@@ -2,7 +2,7 @@
 
 It reuses every piece the operator uses except the cluster: the spec model, the trainer's
 environment from :func:`gpuop.backends.pod.trainer_env`, the progress-report endpoint
-(:mod:`gpuop.local.reporting`), the metrics scrape and the status derivation. Only "create a
+(:mod:`gpuop.local.runreports`), the metrics scrape and the status derivation. Only "create a
 PyTorchJob" becomes "start torchrun here" -- or, for a spec with its own ``command``, "run
 that command with the environment a pod of the job would have" (torchrun's PET_* variables,
 the rendezvous address), as the training-operator would start it in the container.
@@ -31,7 +31,7 @@ from gpuop._kits.schema import encode
 from gpuop.api.spec import GpuTraining
 from gpuop.api.status import TIME_FORMAT, GpuTrainingStatus, format_eta
 from gpuop.backends.pod import trainer_env
-from gpuop.local import processes, reporting
+from gpuop.local import processes, runreports
 from gpuop.observing.derive import derive_status, parse_time
 from gpuop.observing.records import JobCondition, Observation, PodObservation, ReceivedReport, Thresholds
 from gpuop.observing.scrape import TrainerMetrics, parse_metrics
@@ -411,7 +411,7 @@ def execute(
         run.termination_log.unlink(missing_ok=True)  # a stale record must not pass for this run's
         namespace = run.training.namespace or "default"
         endpoint = held.enter_context(
-            reporting.serving(namespace, run.training.name, run.workdir / run.training.name, LOCAL_POD)
+            runreports.serving(namespace, run.training.name, run.workdir / run.training.name, LOCAL_POD)
         )
         started = _now()
         env = run.environment(endpoint.env)
@@ -487,16 +487,16 @@ def fetch_dataset(run: LocalRun, env: Mapping[str, str], log: TextIO | None) -> 
 
 
 def _latest_figures(
-    run: LocalRun, endpoint: reporting.LocalEndpoint, points: list[HistoryPoint]
+    run: LocalRun, endpoint: runreports.LocalEndpoint, points: list[HistoryPoint]
 ) -> TrainerMetrics | None:
     """The run's figures now: its code's latest report (appended to ``points`` when new), else
     the built-in trainer's metrics endpoint (an older trainer that does not report)."""
     received = endpoint.latest()
     if received is not None:
-        point = reporting.history_point(received)
+        point = runreports.history_point(received)
         if point is not None and (not points or points[-1].time != point.time):
             points.append(point)
-        return reporting.as_metrics(received.report)
+        return runreports.as_metrics(received.report)
     if run.custom:
         return None
     metrics = scrape(run.metrics_port)

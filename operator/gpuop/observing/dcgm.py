@@ -36,10 +36,11 @@ FB_TOTAL: Final = "DCGM_FI_DEV_FB_TOTAL"  # MiB; some setups only
 FIELDS: Final = (GPU_UTIL, GR_ENGINE_ACTIVE, FB_USED, FB_FREE, FB_TOTAL)
 EXPORTER_PORT: Final = 9400
 
+# The most one scraped answer may hold: a dcgm-exporter's page or a Prometheus query's answer.
 # A node with 8 GPUs and the default ~40 fields serves about 30 KiB; with the profiling
 # fields, MIG (up to 7 instances a GPU) and pod labels, a few hundred KiB. 4 MiB leaves an
 # order of magnitude over that and bounds what one answer can hold in memory.
-MAX_BODY_BYTES: Final = 4 * 1024 * 1024
+MAX_SCRAPE_BYTES: Final = 4 * 1024 * 1024
 # Parsing is what costs: ~0.5 us a character in the worst case (measured: lines full of
 # escaped quotes, 2 s for 4 MiB). The lines of the five fields read here are ~10 KiB on a
 # typical 8-GPU node, ~270 KiB at most (16 GPUs x 7 MIG instances x 5 fields x ~500 B), so
@@ -86,11 +87,11 @@ class GpuSample:
 def parse_exposition(text: str) -> tuple[GpuSample, ...]:
     """The GPUs in a dcgm-exporter's Prometheus text exposition, with the values of FIELDS.
 
-    ValueError for a body over MAX_BODY_BYTES, or whose lines of FIELDS are over
+    ValueError for a body over MAX_SCRAPE_BYTES, or whose lines of FIELDS are over
     MAX_READ_BYTES; lines of other metrics, comments and unreadable lines are skipped.
     """
-    if len(text) > MAX_BODY_BYTES:
-        raise ValueError(f"dcgm-exporter response over {MAX_BODY_BYTES} bytes; not read")
+    if len(text) > MAX_SCRAPE_BYTES:
+        raise ValueError(f"dcgm-exporter response over {MAX_SCRAPE_BYTES} bytes; not read")
     # Only the lines of FIELDS reach the parser (a regex match each, ~0.2 us a line): the
     # exporter's other fields are most of its body (~80% with its default counters).
     # Comments are dropped too: a TYPE line cannot turn a gauge into a counter ("_total").
@@ -115,10 +116,10 @@ def parse_exposition(text: str) -> tuple[GpuSample, ...]:
 
 def parse_query_result(body: str) -> tuple[GpuSample, ...]:
     """The GPUs in a Prometheus ``/api/v1/query`` answer (an instant vector of FIELDS'
-    series, as :func:`prometheus_queries` asks). ValueError for a body over MAX_BODY_BYTES
+    series, as :func:`prometheus_queries` asks). ValueError for a body over MAX_SCRAPE_BYTES
     or one that is not a successful vector answer; an unreadable result is skipped."""
-    if len(body) > MAX_BODY_BYTES:
-        raise ValueError(f"query response over {MAX_BODY_BYTES} bytes; not read")
+    if len(body) > MAX_SCRAPE_BYTES:
+        raise ValueError(f"query response over {MAX_SCRAPE_BYTES} bytes; not read")
     try:
         answer = json.loads(body)
     except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." nested past the stack

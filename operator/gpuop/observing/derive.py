@@ -19,6 +19,7 @@ from typing import Any, Final
 
 from gpuop.api.identity import FETCH_CONTAINER
 from gpuop.api.status import (
+    TERMINAL_PHASES,
     TIME_FORMAT,
     Condition,
     ConditionStatus,
@@ -69,7 +70,6 @@ _JOB_PHASES: Final[tuple[Phase, ...]] = (
     "Running",
     "Created",
 )
-_TERMINAL: Final = ("Succeeded", "Failed")
 # Phases whose pods hold their GPUs: what gpuHours counts. Created (pods starting, perhaps not
 # yet placed), Queued and Suspended (no pods) do not.
 _HOLDING_GPUS: Final[tuple[Phase, ...]] = ("Running", "Restarting")
@@ -220,7 +220,8 @@ def stop_for(obs: Observation) -> tuple[str, str, str] | None:
     by name. The reconciler stops the job (:func:`stopped` then holds) before this is written."""
     if obs.job_stopped is not None:
         return obs.job_stopped  # stopped already (its annotation), whatever its pods say now
-    if obs.job_name is None or any(c.type in _TERMINAL and c.status == "True" for c in obs.job_conditions):
+    finished = any(c.type in TERMINAL_PHASES and c.status == "True" for c in obs.job_conditions)
+    if obs.job_name is None or finished:
         return None
     # Only this job's pods: one of an older job of the name (deleted and applied again, its pods
     # still going) is older than the job.
@@ -357,7 +358,7 @@ def derive_status(
 ) -> GpuTrainingStatus:
     """The status to write. Returns ``previous`` itself when nothing meaningful changed."""
     now = _stamp(obs.now)
-    if obs.job_deleted and previous is not None and previous.phase in _TERMINAL:
+    if obs.job_deleted and previous is not None and previous.phase in TERMINAL_PHASES:
         return _job_deleted_after_finishing(previous, obs, now)
     if stopped(previous):
         assert previous is not None
@@ -384,7 +385,7 @@ def derive_status(
     if previous is not None and candidate == previous:
         return previous
     phase = moment.phase
-    terminal = phase in _TERMINAL
+    terminal = phase in TERMINAL_PHASES
     hours, counted_at = _gpu_hours(before, obs, phase, candidate.completion_time, now)
     if hours is None and terminal and candidate.start_time is not None:
         hours = 0.0  # it ran, perhaps between two looks (a short local run): none held since
@@ -436,14 +437,14 @@ def _job_conditions(m: _Moment, wanted: list[Condition]) -> str:
     if said is not None:
         wanted.append(said)
         message = said.message
-    fetching = sorted(p.name for p in obs.pods if p.fetching_dataset) if phase not in _TERMINAL else []
+    fetching = sorted(p.name for p in obs.pods if p.fetching_dataset) if phase not in TERMINAL_PHASES else []
     if fetching:
         # Named up to three (1,024 pods' names would pass the message's bound and fail the write).
         who = ", ".join(fetching[:3]) + (f" and {len(fetching) - 3} more" if len(fetching) > 3 else "")
         wanted.append(m.condition("FetchingDataset", "True", "CopyingDataset", (
             f"{who} copy spec.dataset.uri into the dataset path before training "
             f"(kubectl logs {fetching[0]} -c {FETCH_CONTAINER} shows its progress)")))  # fmt: skip
-    blocked = _cannot_start(obs) if phase not in _TERMINAL else None
+    blocked = _cannot_start(obs) if phase not in TERMINAL_PHASES else None
     if blocked is not None:
         wanted.append(m.condition("PodsNotStarting", "True", *blocked))
         message = blocked[1]
@@ -501,7 +502,7 @@ def _status(m: _Moment, wanted: list[Condition], message: str) -> GpuTrainingSta
     start = obs.job_start_time or before.start_time
     if start is None and phase in ("Running", "Restarting"):
         start = now
-    terminal = phase in _TERMINAL
+    terminal = phase in TERMINAL_PHASES
     return GpuTrainingStatus(
         phase=phase,
         conditions=_merge_conditions(before.conditions, wanted, set(_CLEARABLE), now),
@@ -531,7 +532,7 @@ def _gpu_hours(
     hours = before.gpu_hours
     counted = before.gpu_hours_counted_at
     if before.phase in _HOLDING_GPUS and counted is not None and obs.gpus:
-        end = completion if phase in _TERMINAL and completion is not None else now
+        end = completion if phase in TERMINAL_PHASES and completion is not None else now
         held = max(0.0, (parse_time(end) - parse_time(counted)).total_seconds())
         hours = round((hours or 0.0) + obs.gpus * held / 3600, 4)
     if phase in _HOLDING_GPUS and hours is None:

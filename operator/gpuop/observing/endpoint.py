@@ -7,7 +7,7 @@ checks is cheapest first and nothing a client sends can cost more than its bound
 
 1. the path names one GpuTraining (404), a bearer token is given (401), and the token has not
    sent more than its rate (429) -- before any work on the API server's side;
-2. Content-Length is given and within :data:`gpuop.observing.reports.MAX_BODY_BYTES` (411, 413),
+2. Content-Length is given and within :data:`gpuop.observing.reports.MAX_REPORT_BYTES` (411, 413),
    and the whole request arrives within a deadline (a client that sends a byte a second is cut
    off, not waited for);
 3. the gate says which pod of that training the token speaks for (401, 403; 503 when it cannot
@@ -29,7 +29,6 @@ import http.server
 import json
 import logging
 import os
-import re
 import socket
 import ssl
 import threading
@@ -42,25 +41,19 @@ from pathlib import Path
 from typing import Any, Final, Protocol
 
 from gpuop._kits import deadlines
-from gpuop.api.identity import GROUP, PLURAL, VERSION
+from gpuop.api.identity import TrainingKey, report_path_training
 from gpuop.observing.records import ReceivedReport
-from gpuop.observing.reports import MAX_BODY_BYTES, ReportError, parse_report
+from gpuop.observing.reports import MAX_REPORT_BYTES, ReportError, parse_report
 
 log = logging.getLogger(__name__)
 
-Key = tuple[str, str]  # (namespace, GpuTraining name)
-
-# gpuop.api.identity.REPORT_PATH, read back.
-_PATH: Final = re.compile(
-    rf"^/apis/{re.escape(GROUP)}/{VERSION}/namespaces/([a-z0-9-]{{1,63}})/{PLURAL}/([a-z0-9.-]{{1,253}})/status$"
-)
 # The files of the serving certificate (a kubernetes.io/tls Secret mounted as a directory,
 # with the CA that signed it, as cert-manager and the chart write them).
 TLS_CERT: Final = "tls.crt"
 TLS_KEY: Final = "tls.key"
 TLS_CA: Final = "ca.crt"
 # What a refused request's unread body may cost to read and drop before its socket is closed.
-_DRAINED_BYTES: Final = 16 * MAX_BODY_BYTES
+_DRAINED_BYTES: Final = 16 * MAX_REPORT_BYTES
 
 
 @dataclass(frozen=True)
@@ -83,9 +76,9 @@ class ReportBook:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._reports: dict[Key, dict[str, ReceivedReport]] = {}
+        self._reports: dict[TrainingKey, dict[str, ReceivedReport]] = {}
 
-    def put(self, key: Key, received: ReceivedReport) -> None:
+    def put(self, key: TrainingKey, received: ReceivedReport) -> None:
         """Keep a pod's report, over what its earlier ones said (:meth:`TrainerReport.over`)."""
         with self._lock:
             pods = self._reports.setdefault(key, {})
@@ -94,11 +87,11 @@ class ReportBook:
                 received = dataclasses.replace(received, report=received.report.over(earlier.report))
             pods[received.pod] = received
 
-    def of(self, key: Key) -> tuple[ReceivedReport, ...]:
+    def of(self, key: TrainingKey) -> tuple[ReceivedReport, ...]:
         with self._lock:
             return tuple(self._reports.get(key, {}).values())
 
-    def forget(self, key: Key) -> None:
+    def forget(self, key: TrainingKey) -> None:
         with self._lock:
             self._reports.pop(key, None)
 
@@ -114,7 +107,7 @@ class RefusalError(Exception):
 class Book(Protocol):
     """Where accepted reports go: a :class:`ReportBook`, or a pipe to the process that has one."""
 
-    def put(self, key: Key, received: ReceivedReport) -> None: ...
+    def put(self, key: TrainingKey, received: ReceivedReport) -> None: ...
 
 
 class Gate(Protocol):
@@ -124,7 +117,7 @@ class Gate(Protocol):
 
     limits: Limits
 
-    def authenticate(self, key: Key, token: str) -> str: ...
+    def authenticate(self, key: TrainingKey, token: str) -> str: ...
 
     def close(self) -> None: ...
 
@@ -139,11 +132,11 @@ class RateLimiter:
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # token hash -> (tokens, at)
 
     @staticmethod
-    def target(path: str) -> Key:
-        match = _PATH.match(path.split("?", 1)[0])
-        if match is None:
+    def target(path: str) -> TrainingKey:
+        key = report_path_training(path.split("?", 1)[0])
+        if key is None:
             raise RefusalError(404, "not_found", "no such report path")
-        return match.group(1), match.group(2)
+        return key
 
     @staticmethod
     def token(authorization: str | None) -> str:
@@ -376,8 +369,8 @@ def _handler(server: ReportServer) -> type[http.server.BaseHTTPRequestHandler]:
             # ASCII digits only: "²" is a digit to isdigit() and no number to int().
             if not (length.isascii() and length.isdigit()):
                 raise RefusalError(411, "no_length", "Content-Length is required")
-            if int(length) > MAX_BODY_BYTES:
-                raise RefusalError(413, "too_large", f"body over {MAX_BODY_BYTES} bytes")
+            if int(length) > MAX_REPORT_BYTES:
+                raise RefusalError(413, "too_large", f"body over {MAX_REPORT_BYTES} bytes")
             body = self.rfile.read(int(length))
             self._body_read = True
             if len(body) != int(length):

@@ -24,11 +24,11 @@ from gpuop.api.identity import (
     TRAINING_LABEL,
     TRAINJOB_CONTAINER,
 )
+from gpuop.api.status import TERMINAL_PHASES
 from gpuop.observing.records import JobCondition, PodObservation, QueueState
 from gpuop.observing.scrape import GpuFigures, TrainerMetrics
 from gputrain.contract import Result
 
-_TERMINAL = ("Succeeded", "Failed")
 _TRAINERS = (PYTORCHJOB_CONTAINER, TRAINJOB_CONTAINER)  # the trainer container's name, per backend
 
 
@@ -51,13 +51,13 @@ def conditions_of(job: Mapping[str, Any] | None) -> tuple[JobCondition, ...]:
 
 def finished(conditions: Sequence[JobCondition]) -> bool:
     """Whether a job's conditions (in the PyTorchJob's terms) say it ended, either way."""
-    return any(c.type in _TERMINAL and c.status == "True" for c in conditions)
+    return any(c.type in TERMINAL_PHASES and c.status == "True" for c in conditions)
 
 
 def finished_at(conditions: Sequence[JobCondition]) -> str | None:
     """When the job's Succeeded or Failed condition turned True, if one has."""
     return next(
-        (c.last_transition_time for c in conditions if c.type in _TERMINAL and c.status == "True"), None
+        (c.last_transition_time for c in conditions if c.type in TERMINAL_PHASES and c.status == "True"), None
     )
 
 

@@ -30,7 +30,7 @@ from gpuop.api.status import TIME_FORMAT, Activity
 
 # A report with 256 metrics of 64-character values is about 30 KiB of JSON; 64 KiB leaves room
 # for long names and whitespace and still bounds what one request costs the operator to read.
-MAX_BODY_BYTES: Final = 64 * 1024
+MAX_REPORT_BYTES: Final = 64 * 1024
 # Kubeflow's API bounds (TrainJob status.trainerStatus): at most 256 metrics, values as strings
 # of at most 64 characters. A name has no bound there; 128 covers "eval/accuracy_top5"-style keys.
 MAX_METRICS: Final = 256
@@ -122,8 +122,8 @@ class TrainerReport:
 def parse_report(body: bytes) -> TrainerReport:
     """The figures of one POSTed body; ReportError (413 or 400) when it breaks a bound or is
     not a ``trainerStatus`` report."""
-    if len(body) > MAX_BODY_BYTES:
-        raise ReportError(413, f"body over {MAX_BODY_BYTES} bytes")
+    if len(body) > MAX_REPORT_BYTES:
+        raise ReportError(413, f"body over {MAX_REPORT_BYTES} bytes")
     try:
         # parse_constant refuses NaN and Infinity; a number too large for a float (1e400) comes
         # back as inf and is refused below with the other values out of range.

@@ -1,4 +1,5 @@
-"""``gpuop run``'s progress-report endpoint: the operator's, on loopback, for one run.
+"""A ``gpuop run``'s progress reports: the operator's endpoint, on loopback, for the one run,
+and what the reports it receives become (the progress bar's figures, the run's history).
 
 The run's processes get Kubeflow's three variables as they would in a pod, so Hugging Face's
 KubeflowCallback, the Kubeflow SDK and ``gpureport`` report to it with no change: plain HTTP on
@@ -16,8 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuop.api.identity import REPORT_PATH, REPORT_TOKEN_ENV, REPORT_URL_ENV
-from gpuop.observing.endpoint import Key, Limits, RefusalError, ReportBook, ReportServer
+from gpuop.api.identity import REPORT_TOKEN_ENV, REPORT_URL_ENV, TrainingKey, report_path
+from gpuop.observing.endpoint import Limits, RefusalError, ReportBook, ReportServer
 from gpuop.observing.records import ReceivedReport
 from gpuop.observing.reports import TrainerReport
 from gpuop.observing.scrape import TrainerMetrics
@@ -27,11 +28,11 @@ from gputrain.contract import HistoryPoint
 class LocalGate:
     """Accepts the run's own token, for its own training, as its one pod."""
 
-    def __init__(self, key: Key, token: str, pod: str) -> None:
+    def __init__(self, key: TrainingKey, token: str, pod: str) -> None:
         self.key, self.token, self.pod = key, token, pod
         self.limits = Limits()
 
-    def authenticate(self, key: Key, token: str) -> str:
+    def authenticate(self, key: TrainingKey, token: str) -> str:
         if key != self.key or not hmac.compare_digest(token.encode(), self.token.encode()):
             raise RefusalError(401, "unauthenticated", "not this run's token")
         return self.pod
@@ -46,7 +47,7 @@ class LocalEndpoint:
 
     env: dict[str, str]
     book: ReportBook
-    key: Key
+    key: TrainingKey
 
     def latest(self) -> ReceivedReport | None:
         return max(self.book.of(self.key), key=lambda r: r.received_at, default=None)
@@ -66,7 +67,7 @@ def serving(namespace: str, name: str, run_dir: Path, pod: str) -> Iterator[Loca
     server = ReportServer(LocalGate(key, token, pod), book, port=0, tls_dir=None, host="127.0.0.1")
     server.start()
     try:
-        url = f"http://127.0.0.1:{server.port}{REPORT_PATH.format(namespace=namespace, name=name)}"
+        url = f"http://127.0.0.1:{server.port}{report_path(namespace, name)}"
         yield LocalEndpoint({REPORT_URL_ENV: url, REPORT_TOKEN_ENV: str(token_file)}, book, key)
     finally:
         server.close()

@@ -611,7 +611,7 @@ def test_no_token_goes_over_plain_http_but_to_this_machine(token: Path, make_rep
         [sent] = plain.received()
         assert sent.headers["authorization"] == "Bearer token-1"
         remote = make_reporter({URL_ENV: "http://trainer-status.example:8443/status", TOKEN_ENV: str(token)})
-        assert remote._token() is None
+        assert remote._endpoint._token() is None
     finally:
         plain.stop()
 

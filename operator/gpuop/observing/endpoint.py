@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, cast
 
 from gpuop._kits import deadlines
 from gpuop.api.identity import TrainingKey, report_path_training
@@ -188,7 +188,8 @@ class ReportServer:
         self._open: dict[Any, threading.Thread] = {}
         self._open_lock = threading.Lock()
         self._closing = False
-        self._httpd = _Server((host, port), _handler(self))
+        self._httpd = _Server((host, port), ReportRequest)
+        self._httpd.reports = self
         # After the bind, so that a taken port leaks no thread.
         self.deadlines = deadlines.Deadlines("report-deadlines")
         self._thread: threading.Thread | None = None
@@ -251,145 +252,148 @@ class ReportServer:
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
+    reports: ReportServer  # whose requests it serves (ReportRequest reads it)
 
 
-def _handler(server: ReportServer) -> type[http.server.BaseHTTPRequestHandler]:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        server_version = "gpuop-reports"
-        sys_version = ""
+class ReportRequest(http.server.BaseHTTPRequestHandler):
+    """One connection to the endpoint: at most one report, under one deadline."""
 
-        def setup(self) -> None:
-            self._slot = server._slots.acquire(blocking=False)
-            self._release = self._slot
-            self.connection_before_wrap = self.request
-            limits = server.gate.limits
-            # One deadline for the whole request: a per-read timeout alone lets a client that
-            # sends a byte a second hold a thread forever.
-            self._deadline = server.deadlines.after(limits.request_seconds, self.cut_off)
-            if not server.opened(self):
-                self.cut_off()  # closing: answer nobody
-            self._wrapped = False
+    protocol_version = "HTTP/1.1"
+    server_version = "gpuop-reports"
+    sys_version = ""
+
+    def setup(self) -> None:
+        self.reports: ReportServer = cast(_Server, self.server).reports
+        self._slot = self.reports._slots.acquire(blocking=False)
+        self._release = self._slot
+        self.connection_before_wrap = self.request
+        limits = self.reports.gate.limits
+        # One deadline for the whole request: a per-read timeout alone lets a client that
+        # sends a byte a second hold a thread forever.
+        self._deadline = self.reports.deadlines.after(limits.request_seconds, self.cut_off)
+        if not self.reports.opened(self):
+            self.cut_off()  # closing: answer nobody
+        self._wrapped = False
+        try:
+            self.request = self.reports.wrap(self.request)
+            self._wrapped = self.request is not self.connection_before_wrap
+        except (OSError, ssl.SSLError) as exc:  # the certificate went missing: answer nobody
+            log.error("report endpoint: no TLS for a connection: %s", exc)
+            self._slot, self._release = False, self._slot
+        self.request.settimeout(limits.request_seconds)
+        super().setup()
+
+    def cut_off(self) -> None:
+        # The TCP socket's shutdown, not SSLSocket.shutdown(), which also drops the TLS
+        # object under the handler thread (a handshake not yet begun would then raise
+        # AttributeError rather than read the end of the connection).
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(self.request, socket.SHUT_RDWR)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        except OSError:
+            pass
+        finally:
+            self.reports.deadlines.cancel(self._deadline)
+            self.reports.closed(self)
+            if self._wrapped:  # the server closes the plain socket it accepted, not this one
+                self.request.close()
+            if self._release:
+                self.reports._slots.release()
+
+    def handle(self) -> None:
+        if not self._slot:
+            return  # over the connection bound (or no certificate): closed unanswered
+        try:
+            if self._wrapped:
+                self.request.do_handshake()
+        except ssl.SSLError as exc:  # a client without our CA, or not speaking TLS at all
+            self.reports.say_once(self.client_address[0], "tls", f"TLS handshake failed: {exc.reason or exc}")
+            self.reports.counted("tls", 0.0)
+            return
+        except OSError:
+            return  # cut off or reset before the handshake ended: nothing to answer
+        with contextlib.suppress(OSError):  # cut off or reset: nothing to answer
+            super().handle()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("report endpoint: " + format, *args)
+
+    def do_POST(self) -> None:
+        started = time.monotonic()
+        self.close_connection = True  # one report per connection: clients send every 5 s
+        who = self.client_address[0]
+        outcome, status, document = "accepted", 200, {}
+        self._body_read = False
+        try:
+            key = RateLimiter.target(self.path)
+            token = RateLimiter.token(self.headers.get("Authorization"))
+            who = f"{self.client_address[0]} ({key[0]}/{key[1]})"
+            self.reports.rate.admit(token)
+            body = self._body()
+            pod = self.reports.gate.authenticate(key, token)
+            who = f"pod {key[0]}/{pod}"
             try:
-                self.request = server.wrap(self.request)
-                self._wrapped = self.request is not self.connection_before_wrap
-            except (OSError, ssl.SSLError) as exc:  # the certificate went missing: answer nobody
-                log.error("report endpoint: no TLS for a connection: %s", exc)
-                self._slot, self._release = False, self._slot
-            self.request.settimeout(limits.request_seconds)
-            super().setup()
+                report = parse_report(body)
+            except ReportError as exc:
+                raise RefusalError(exc.status, "invalid", str(exc)) from None
+            self.reports.book.put(
+                key, ReceivedReport(pod=pod, report=report, received_at=self.reports.clock())
+            )
+        except RefusalError as refusal:
+            outcome, status, document = refusal.outcome, refusal.status, {"error": str(refusal)}
+            self.reports.say_once(who, refusal.outcome, f"{refusal.status} {refusal}")
+        finally:
+            # Counted before the answer goes out: once a client has its answer, the
+            # operator's metrics show it. Counted after, a client could read its answer
+            # and the metrics before this thread counted it (a test did, once in ~1,700).
+            self.reports.counted(outcome, time.monotonic() - started)
+        self._answer(status, document)
+        self._drain()
 
-        def cut_off(self) -> None:
-            # The TCP socket's shutdown, not SSLSocket.shutdown(), which also drops the TLS
-            # object under the handler thread (a handshake not yet begun would then raise
-            # AttributeError rather than read the end of the connection).
-            with contextlib.suppress(OSError):
-                socket.socket.shutdown(self.request, socket.SHUT_RDWR)
+    def _drain(self) -> None:
+        """Read and drop the body a refusal did not need (at most _DRAINED_BYTES, within
+        the deadline) before the socket is closed: closed with unread data, it is reset,
+        and the reset can reach the client before it has read the answer."""
+        if self._body_read:
+            return
+        length = (self.headers.get("Content-Length") or "").strip()
+        if length.isascii() and length.isdigit() and int(length) <= _DRAINED_BYTES:
+            with contextlib.suppress(OSError, ValueError):
+                self.rfile.read(int(length))
 
-        def finish(self) -> None:
-            try:
-                super().finish()
-            except OSError:
-                pass
-            finally:
-                server.deadlines.cancel(self._deadline)
-                server.closed(self)
-                if self._wrapped:  # the server closes the plain socket it accepted, not this one
-                    self.request.close()
-                if self._release:
-                    server._slots.release()
+    def do_GET(self) -> None:
+        self.close_connection = True
+        self._answer(405, {"error": "POST a trainerStatus report"})
 
-        def handle(self) -> None:
-            if not self._slot:
-                return  # over the connection bound (or no certificate): closed unanswered
-            try:
-                if self._wrapped:
-                    self.request.do_handshake()
-            except ssl.SSLError as exc:  # a client without our CA, or not speaking TLS at all
-                server.say_once(self.client_address[0], "tls", f"TLS handshake failed: {exc.reason or exc}")
-                server.counted("tls", 0.0)
-                return
-            except OSError:
-                return  # cut off or reset before the handshake ended: nothing to answer
-            with contextlib.suppress(OSError):  # cut off or reset: nothing to answer
-                super().handle()
+    def _body(self) -> bytes:
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            raise RefusalError(411, "no_length", "Content-Length is required")
+        length = (self.headers.get("Content-Length") or "").strip()
+        # ASCII digits only: "²" is a digit to isdigit() and no number to int().
+        if not (length.isascii() and length.isdigit()):
+            raise RefusalError(411, "no_length", "Content-Length is required")
+        if int(length) > MAX_REPORT_BYTES:
+            raise RefusalError(413, "too_large", f"body over {MAX_REPORT_BYTES} bytes")
+        body = self.rfile.read(int(length))
+        self._body_read = True
+        if len(body) != int(length):
+            raise RefusalError(400, "truncated", "the body ended early")
+        return body
 
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug("report endpoint: " + format, *args)
-
-        def do_POST(self) -> None:
-            started = time.monotonic()
-            self.close_connection = True  # one report per connection: clients send every 5 s
-            who = self.client_address[0]
-            outcome, status, document = "accepted", 200, {}
-            self._body_read = False
-            try:
-                key = RateLimiter.target(self.path)
-                token = RateLimiter.token(self.headers.get("Authorization"))
-                who = f"{self.client_address[0]} ({key[0]}/{key[1]})"
-                server.rate.admit(token)
-                body = self._body()
-                pod = server.gate.authenticate(key, token)
-                who = f"pod {key[0]}/{pod}"
-                try:
-                    report = parse_report(body)
-                except ReportError as exc:
-                    raise RefusalError(exc.status, "invalid", str(exc)) from None
-                server.book.put(key, ReceivedReport(pod=pod, report=report, received_at=server.clock()))
-            except RefusalError as refusal:
-                outcome, status, document = refusal.outcome, refusal.status, {"error": str(refusal)}
-                server.say_once(who, refusal.outcome, f"{refusal.status} {refusal}")
-            finally:
-                # Counted before the answer goes out: once a client has its answer, the
-                # operator's metrics show it. Counted after, a client could read its answer
-                # and the metrics before this thread counted it (a test did, once in ~1,700).
-                server.counted(outcome, time.monotonic() - started)
-            self._answer(status, document)
-            self._drain()
-
-        def _drain(self) -> None:
-            """Read and drop the body a refusal did not need (at most _DRAINED_BYTES, within
-            the deadline) before the socket is closed: closed with unread data, it is reset,
-            and the reset can reach the client before it has read the answer."""
-            if self._body_read:
-                return
-            length = (self.headers.get("Content-Length") or "").strip()
-            if length.isascii() and length.isdigit() and int(length) <= _DRAINED_BYTES:
-                with contextlib.suppress(OSError, ValueError):
-                    self.rfile.read(int(length))
-
-        def do_GET(self) -> None:
-            self.close_connection = True
-            self._answer(405, {"error": "POST a trainerStatus report"})
-
-        def _body(self) -> bytes:
-            if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-                raise RefusalError(411, "no_length", "Content-Length is required")
-            length = (self.headers.get("Content-Length") or "").strip()
-            # ASCII digits only: "²" is a digit to isdigit() and no number to int().
-            if not (length.isascii() and length.isdigit()):
-                raise RefusalError(411, "no_length", "Content-Length is required")
-            if int(length) > MAX_REPORT_BYTES:
-                raise RefusalError(413, "too_large", f"body over {MAX_REPORT_BYTES} bytes")
-            body = self.rfile.read(int(length))
-            self._body_read = True
-            if len(body) != int(length):
-                raise RefusalError(400, "truncated", "the body ended early")
-            return body
-
-        def _answer(self, status: int, document: dict[str, Any]) -> None:
-            data = json.dumps(document).encode()
-            try:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.send_header("Connection", "close")
-                self.end_headers()
-                self.wfile.write(data)
-            except OSError:
-                pass  # the client left
-
-    return Handler
+    def _answer(self, status: int, document: dict[str, Any]) -> None:
+        data = json.dumps(document).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:
+            pass  # the client left
 
 
 class _Certificates:

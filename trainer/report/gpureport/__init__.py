@@ -44,17 +44,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import http.client
-import ipaddress
 import json
 import logging
 import os
-import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 from gpureport._bounds import (
     CHECKPOINT_STEP,
@@ -67,6 +63,7 @@ from gpureport._bounds import (
     uri_piece_names,
     whole_seconds,
 )
+from gpureport._sending import Endpoint
 
 __all__ = [
     "CHECKPOINT_STEP",
@@ -118,19 +115,16 @@ class Reporter:
         self.ca_file = env.get(CA_ENV) or None
         self.token_file = env.get(TOKEN_ENV) or None
         self.min_interval = min_interval
-        self.request_timeout = request_timeout
         self.final_timeout = final_timeout
-        self.token_ttl = token_ttl
         # A refused report (429, 5xx, no connection) is tried again this often, after 1 s, 2 s,
         # 4 s, ... (at most min_interval apart), while no newer report replaces it.
         self.retries, self.retry_delay = retries, retry_delay
         self._clock = clock
-        rank = env.get("RANK", "").strip()
-        self._scheme, self._host, self._port, self._path = _endpoint(self.url)
+        # The sender thread's own.
+        self._endpoint = Endpoint(self.url, self.ca_file, self.token_file, request_timeout=request_timeout,
+                                  token_ttl=token_ttl, clock=clock)  # fmt: skip
         # Rank 0 alone speaks for the job: the other ranks' figures are the same run's.
-        self.enabled = bool(self._host) and rank in ("", "0")
-        # A token is a credential: over plain http it goes to this machine only.
-        self._sends_token = self._scheme == "https" or _is_loopback(self._host)
+        self.enabled = self._endpoint.usable and env.get("RANK", "").strip() in ("", "0")
 
         # Guarded by _changed: the throttle, the ETA's baseline, the waiting report, the
         # sequence numbers of the last report queued and the last one the sender settled.
@@ -152,13 +146,15 @@ class Reporter:
         self._pause_reports = float(PAUSE_BURST)
         self._pause_reports_at: float | None = None
 
-        # The sender thread's own.
-        self._ssl_context: ssl.SSLContext | None = None
-        self._token_cache: tuple[float, str] | None = None  # (clock when read, token)
-        self._failing = False
-        self._retryable = False  # whether the last failure may pass if tried again
-        self.delivered = 0  # reports the server answered 200
-        self.failures = 0  # reports it did not (or never got), and token files that could not be read
+    @property
+    def delivered(self) -> int:
+        """Reports the server answered 200."""
+        return self._endpoint.delivered
+
+    @property
+    def failures(self) -> int:
+        """Reports it did not (or never got), and token files that could not be read."""
+        return self._endpoint.failures
 
     # -------------------------------------------------------------------------------------
     # What the training code calls
@@ -455,10 +451,10 @@ class Reporter:
                     return  # closed, and nothing left to send
                 sequence, body = self._pending
                 self._pending = None
-            ok = self._post(body)
+            ok = self._endpoint.post(body)
             delay = self.retry_delay
             for _ in range(self.retries):
-                if ok or not self._retryable:
+                if ok or not self._endpoint.retryable:
                     break
                 # A report the server refused for now (429: past its rate, as a pause right after
                 # a checkpoint and a step report can be; 5xx; no connection) is sent again unless
@@ -467,109 +463,17 @@ class Reporter:
                     self._changed.wait_for(lambda: self._pending is not None, timeout=delay)
                     if self._pending is not None:
                         break
-                ok = self._post(body)
+                ok = self._endpoint.post(body)
                 delay = min(2 * delay, self.min_interval or delay)
             with self._changed:
                 self._settled, self._settled_ok = sequence, ok
                 self._changed.notify_all()
-
-    def _post(self, body: bytes) -> bool:
-        """One POST on a new connection (one per min_interval: a TLS handshake every 5 s costs
-        less than keeping a connection the server may drop). Never raises."""
-        connection: http.client.HTTPConnection | None = None
-        try:
-            headers = {"Content-Type": "application/json", "Accept": "application/json"}
-            token = self._token()
-            if token:
-                headers["Authorization"] = "Bearer " + token
-            # http.client, not urllib: no proxy from the environment (the server is in the
-            # cluster or on this machine) and no redirects, which would carry the token along.
-            if self._scheme == "https":
-                context = self._ssl_context or ssl.create_default_context(cafile=self.ca_file)
-                self._ssl_context = context
-                connection = http.client.HTTPSConnection(
-                    self._host, self._port, timeout=self.request_timeout, context=context
-                )
-            else:
-                connection = http.client.HTTPConnection(self._host, self._port, timeout=self.request_timeout)
-            connection.request("POST", self._path, body=body, headers=headers)
-            response = connection.getresponse()
-            answer = response.read(512)
-        except Exception as exc:  # OSError, ssl.SSLError, http.client.HTTPException, ...
-            # A server whose certificate does not verify will not next time either.
-            self._retryable = not isinstance(exc, ssl.SSLCertVerificationError)
-            return self._failed(f"{type(exc).__name__}: {exc}")
-        finally:
-            if connection is not None:
-                connection.close()
-        self._retryable = response.status == 429 or response.status >= 500
-        if response.status != 200:
-            if response.status == 401:
-                self._token_cache = None  # re-read at once: the kubelet may have rotated it
-            return self._failed(f"HTTP {response.status} {answer[:200]!r}")
-        self.delivered += 1
-        if self._failing:
-            self._failing = False
-            log.debug("gpureport: reports reach %s again", self.url)
-        return True
-
-    def _failed(self, why: str) -> bool:
-        # Said once per run of failures: an endpoint that is down would otherwise fill the
-        # training log every 5 s.
-        self.failures += 1
-        if not self._failing:
-            self._failing = True
-            log.debug("gpureport: cannot report to %s: %s (said once until one goes through)", self.url, why)
-        return False
-
-    def _token(self) -> str | None:
-        """The bearer token, re-read every ``token_ttl`` seconds (the kubelet rotates the file
-        well before it expires; a 401 drops the cached one)."""
-        if self.token_file is None or not self._sends_token:
-            return None
-        now = self._clock()
-        if self._token_cache is not None and now - self._token_cache[0] < self.token_ttl:
-            return self._token_cache[1]
-        try:
-            with open(self.token_file, encoding="utf-8") as handle:
-                token = handle.read().strip()
-        except (OSError, ValueError) as exc:
-            self._failed(f"cannot read the token at {self.token_file}: {exc}")
-            return None
-        self._token_cache = (now, token)
-        return token
 
 
 def _body(status: dict[str, Any]) -> bytes:
     """A report's body: ``status`` as the protocol's trainerStatus, stamped with the time now."""
     status["lastUpdatedTime"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return json.dumps({"trainerStatus": status}, allow_nan=False, separators=(",", ":")).encode()
-
-
-# -----------------------------------------------------------------------------------------
-# Where reports go
-
-
-def _endpoint(url: str) -> tuple[str, str, int | None, str]:
-    """(scheme, host, port, path of the request); the host is "" when the URL cannot be used."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        return "", "", None, ""
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return "", "", None, ""
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    return parts.scheme, parts.hostname, port, path
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 # -----------------------------------------------------------------------------------------

@@ -302,7 +302,7 @@ def test_suspended_mid_run_its_pods_go_and_it_resumes_from_the_checkpoint_in_the
         lambda: not chain.names(plane, "pods", f"training.kubeflow.org/job-name={name}"),
         timeout=60,
     )
-    gone_at = time.monotonic()  # its trainers' last reports sent: the stall clock's last start
+    gone_at = time.monotonic()  # the last moment its trainers could report before the resume
     saved = max(chain.bucket_steps(s3, name))
     gate.release()  # the resumed pods' trainers train on (SIGTERM let the deleted ones go)
     chain.hold_pause(plane, name, gone_at)

@@ -166,7 +166,7 @@ def test_kueue_preempts_a_lower_priority_training_and_the_operator_lets_it_wait_
         return not chain.pods_of(plane, low)
 
     wait_for(f"{low}'s pods gone", gone, timeout=90)
-    gone_at = time.monotonic()  # its trainers' last reports sent: the stall clock's last start
+    gone_at = time.monotonic()  # the last moment its trainers could report before the resume
     saved = max(chain.bucket_steps(s3, low))
     # While it waits, evicted, status says how fresh its last checkpoint is: the newest one saved
     # (the one its SIGTERM'd trainer wrote, when its save beat the grace period).

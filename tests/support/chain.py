@@ -117,7 +117,7 @@ PAUSE_STALL_SECONDS = 60
 
 def hold_pause(plane: ControlPlane, name: str, since: float) -> None:
     """Keep the pause going until :data:`PAUSE_STALL_SECONDS` and a margin have passed since
-    ``since`` (monotonic: when its pods were gone, their last report sent). Prints the
+    ``since`` (monotonic: when its pods were gone, the last moment they could report). Prints the
     progress its status shows then, which the stall clock is read from."""
     time.sleep(max(0.0, since + PAUSE_STALL_SECONDS + 10 - time.monotonic()))
     progress = ((get(plane, "gtr", name) or {}).get("status") or {}).get("progress")

@@ -64,7 +64,8 @@ class Children:
         self, child: dict[str, Any] | None, training: GpuTraining, api: JobApi, objects: list[dict[str, Any]]
     ) -> Ensured:
         """Create the job (after its companions) when ``child`` (the job as last seen) is None,
-        adopt ours, or refuse a stranger's; bring a running job's mutable fields to the spec's."""
+        adopt ours, or refuse a stranger's. Then :meth:`update`: two calls, so that a job made
+        here is kept by the reconcile even when its update fails."""
         uid = training.uid
         namespace, name = objects[-1]["metadata"].get("namespace") or "default", training.name
         for obj in objects:
@@ -87,18 +88,26 @@ class Children:
             # Forget it: a stranger may not carry our label, so no event would say it left;
             # each tick asks again (409 + GET) until the name is free.
             return Ensured("conflict", None, conflict(api.kind, name))
-        if not observe.finished(api.conditions(child)) and observe.job_stop(child) is None:
-            # With a queue, suspend is Kueue's: undoing its suspension would release queued and
-            # preempted jobs. A job the operator stopped for good stays as it is.
-            owned_by_kueue = training.spec.scheduling.queue_name is not None
-            patch = api.mutable_patch(desired, child, skip=("suspend",) if owned_by_kueue else ())
-            if patch is not None:
-                child = observe.slim_job(
-                    self.kube.patch_object(api.api_version, api.plural, namespace, name, patch)
-                )
-                log.info("gputraining %s/%s: updated the %s: %s", namespace, name, api.kind, patch)
-                outcome = "updated" if outcome == "unchanged" else outcome
         return Ensured(outcome, child)
+
+    def update(
+        self, child: dict[str, Any], training: GpuTraining, api: JobApi, desired: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Bring our running job's mutable fields to the spec's (``desired``, as rendered); the
+        job as patched, or None when nothing was to change."""
+        if observe.finished(api.conditions(child)) or observe.job_stop(child) is not None:
+            return None  # a job the operator stopped for good stays as it is
+        # With a queue, suspend is Kueue's: undoing its suspension would release queued and
+        # preempted jobs.
+        owned_by_kueue = training.spec.scheduling.queue_name is not None
+        patch = api.mutable_patch(desired, child, skip=("suspend",) if owned_by_kueue else ())
+        if patch is None:
+            return None
+        namespace, name = desired["metadata"].get("namespace") or "default", training.name
+        patched = self.kube.patch_object(api.api_version, api.plural, namespace, name, patch)
+        updated = observe.slim_job(patched)
+        log.info("gputraining %s/%s: updated the %s: %s", namespace, name, api.kind, patch)
+        return updated
 
     def stop(
         self, child: dict[str, Any], training: GpuTraining, api: JobApi, why: tuple[str, str, str]

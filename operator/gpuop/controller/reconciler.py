@@ -328,6 +328,11 @@ class Reconciler:
         objects = view.objects(api, self.settings.trainer_image, self.report_endpoint)
         ensured = self._children.ensure(tracked.child, view.training, api, objects)
         tracked.child, outcome, conflict = ensured.child, ensured.outcome, ensured.conflict
+        if tracked.child is not None:
+            updated = self._children.update(tracked.child, view.training, api, objects[-1])
+            if updated is not None:
+                tracked.child = updated
+                outcome = "updated" if outcome == "unchanged" else outcome
         if previous is None and conflict is None:
             key = key_of(tracked.body)
             self._jobs_first.done(key)

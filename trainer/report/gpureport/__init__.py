@@ -147,6 +147,16 @@ class Reporter:
         self._pause_reports_at: float | None = None
 
     @property
+    def request_timeout(self) -> float:
+        """Seconds one POST may take."""
+        return self._endpoint.request_timeout
+
+    @property
+    def token_ttl(self) -> float:
+        """Seconds a token read from its file is used before it is read again."""
+        return self._endpoint.token_ttl
+
+    @property
     def delivered(self) -> int:
         """Reports the server answered 200."""
         return self._endpoint.delivered

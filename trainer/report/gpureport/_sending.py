@@ -1,7 +1,7 @@
 """Where one process's reports go, and one POST there: the URL, TLS, the bearer token.
 
-The :class:`~gpureport.Reporter` decides what to send and when; this is the sender thread's
-own, touched by no other thread.
+The :class:`~gpureport.Reporter` decides what to send and when; only its sender thread posts
+through this (its counters are read from any thread).
 """
 
 from __future__ import annotations

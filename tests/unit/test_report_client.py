@@ -814,10 +814,13 @@ def test_the_built_in_trainer_reports_its_intervals_and_its_end(tmp_path: Path, 
     # Its evaluation and its checkpoint saves are pauses, each one said then ended (issue 28). One
     # over before the sender took its start is not said at all (latest wins): the digits
     # model's evaluation is, here; its saves, which write files, are not.
+    # Its end is always said, so on a loaded machine an end may come alone (its start replaced
+    # in the queue); a start said is always followed by its end.
     paused = [s.metrics["activity"] for s in sent if "current_step" not in s.metrics]
     assert "saving" in paused, paused
-    assert set(paused[0::2]) <= {"evaluating", "saving"}, paused
-    assert paused[1::2] == ["training"] * (len(paused) // 2), paused
+    assert set(paused) <= {"evaluating", "saving", "training"}, paused
+    starts = [i for i, activity in enumerate(paused) if activity != "training"]
+    assert all(i + 1 < len(paused) and paused[i + 1] == "training" for i in starts), paused
     sent = [s for s in sent if "current_step" in s.metrics]
     assert len(sent) >= 2
     first, final = sent[0], sent[-1]

@@ -49,7 +49,7 @@ def conflict(kind: str, name: str) -> str:
 class Ensured:
     """What :meth:`Children.ensure` did, and the job as it left it."""
 
-    outcome: str  # "created", "adopted", "updated", "unchanged" or "conflict"
+    outcome: str  # "created", "adopted", "unchanged" or "conflict" (an update is update()'s)
     child: dict[str, Any] | None  # None: none made, or a stranger's name (forgotten)
     conflict: str | None = None  # why there is no job of ours, said in status
 
@@ -105,9 +105,8 @@ class Children:
             return None
         namespace, name = desired["metadata"].get("namespace") or "default", training.name
         patched = self.kube.patch_object(api.api_version, api.plural, namespace, name, patch)
-        updated = observe.slim_job(patched)
         log.info("gputraining %s/%s: updated the %s: %s", namespace, name, api.kind, patch)
-        return updated
+        return observe.slim_job(patched)
 
     def stop(
         self, child: dict[str, Any], training: GpuTraining, api: JobApi, why: tuple[str, str, str]

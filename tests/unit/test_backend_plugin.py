@@ -39,6 +39,7 @@ def test_a_registered_backend_runs_through_reconcile(toy: ToyJobApi) -> None:
     reconciler = Reconciler(store, OperatorSettings(peering_name=None), clock=lambda: next(clock))  # type: ignore[arg-type]
     try:
         reconciler.training_event("ADDED", store.get_training("default", "t") or {})
+        reconciler.run_pending()
         # Auto took the only API served; its companion was made first, the job last, ours.
         assert store.created == ["ToyConfig", "ToyJob"]
         job = store.job()
@@ -55,6 +56,7 @@ def test_a_registered_backend_runs_through_reconcile(toy: ToyJobApi) -> None:
         # Its state, read by the backend, becomes the phase; its start time, status's.
         job["status"] = {"state": "Running", "began": "2026-11-23T10:00:05Z"}
         reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
+        reconciler.run_pending()
         status = store.trainings[("default", "t")]["status"]
         assert (status["phase"], status["message"]) == ("Running", "ToyJob t is running")
         assert status["startTime"] == "2026-11-23T10:00:05Z"
@@ -64,6 +66,7 @@ def test_a_registered_backend_runs_through_reconcile(toy: ToyJobApi) -> None:
         training["spec"]["runPolicy"] = {"suspend": True}
         training["metadata"]["generation"] = 2
         reconciler.training_event("MODIFIED", store._stamp(copy.deepcopy(training)))
+        reconciler.run_pending()
         assert store.job()["spec"]["paused"] is True
 
         writes = store.status_writes
@@ -73,6 +76,7 @@ def test_a_registered_backend_runs_through_reconcile(toy: ToyJobApi) -> None:
         job = store.job()
         job["status"] = {"state": "Done", "began": "2026-11-23T10:00:05Z", "since": "2026-11-23T10:00:30Z"}
         reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
+        reconciler.run_pending()
         status = store.trainings[("default", "t")]["status"]
         assert status["phase"] == "Succeeded"
         assert status["completionTime"] == "2026-11-23T10:00:30Z"
@@ -129,21 +133,26 @@ def test_reports_reach_status_once_a_tick_not_on_every_event(toy: ToyJobApi) -> 
     key = ("default", "t")
     try:
         reconciler.training_event("ADDED", store.get_training(*key) or {})
+        reconciler.run_pending()
         job = store.job()
         job["status"] = {"state": "Running", "began": "2026-11-23T10:00:05Z"}
         reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
+        reconciler.run_pending()
 
         book.put(key, _report(10, 25))
         reconciler.tick()
+        reconciler.run_pending()
         assert store.trainings[key]["status"]["progress"]["step"] == 10
         writes = store.status_writes
 
         book.put(key, _report(20, 50))  # between two ticks
         reconciler.training_event("MODIFIED", store.get_training(*key) or {})  # our own write, echoed
+        reconciler.run_pending()
         assert store.status_writes == writes
         assert store.trainings[key]["status"]["progress"]["step"] == 10
 
         reconciler.tick()
+        reconciler.run_pending()
         assert store.status_writes == writes + 1
         assert store.trainings[key]["status"]["progress"]["step"] == 20
 
@@ -151,6 +160,7 @@ def test_reports_reach_status_once_a_tick_not_on_every_event(toy: ToyJobApi) -> 
         job = store.job()
         job["status"] = {"state": "Done", "began": "2026-11-23T10:00:05Z", "since": "2026-11-23T10:00:30Z"}
         reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
+        reconciler.run_pending()
         status = store.trainings[key]["status"]
         assert status["phase"] == "Succeeded"
         assert (status["progress"]["step"], status["progress"]["percent"]) == (40, 100)
@@ -182,35 +192,46 @@ def test_the_tick_passes_over_a_quiet_created_training_and_not_over_what_changed
     reconciler.reconcile = lambda k: reconciled.append(reconcile(k)) or reconciled[-1]  # type: ignore[method-assign]
     try:
         reconciler.training_event("ADDED", store.get_training(*key) or {})
+        reconciler.run_pending()
         assert store.trainings[key]["status"]["phase"] == "Created"
         reconciled.clear()
         reconciler.tick()
+        reconciler.run_pending()
         reconciler.tick()
+        reconciler.run_pending()
         assert reconciled == []
 
         book.put(key, _report(0, 0))  # its code says something: seen at the next tick
         reconciler.tick()
+        reconciler.run_pending()
         assert len(reconciled) == 1
         reconciler.tick()
+        reconciler.run_pending()
         assert len(reconciled) == 1
 
         store.fail = True  # a report whose status write fails: the next tick tries again
         book.put(key, _report(5, 10))
         reconciler.tick()
+        reconciler.run_pending()
         assert reconciled[-1] == "error"
         reconciler.tick()
+        reconciler.run_pending()
         assert reconciled[-1] != "error"
         assert store.trainings[key]["status"]["progress"]["step"] == 5
         count = len(reconciled)
         reconciler.tick()
+        reconciler.run_pending()
         assert len(reconciled) == count
 
         job = store.job()
         job["status"] = {"state": "Running", "began": "2026-11-23T10:00:05Z"}
         reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
+        reconciler.run_pending()
         count = len(reconciled)
         reconciler.tick()
+        reconciler.run_pending()
         reconciler.tick()
+        reconciler.run_pending()
         assert len(reconciled) == count + 2  # Running: the clock may raise Stalled
     finally:
         reconciler.close()
@@ -243,6 +264,7 @@ def test_a_queued_training_on_a_cluster_without_kueue_says_so_at_once_and_gets_i
     reconciler = Reconciler(store, OperatorSettings(peering_name=None), clock=lambda: next(clock))  # type: ignore[arg-type]
     try:
         reconciler.training_event("ADDED", store.get_training("default", "t") or {})
+        reconciler.run_pending()
         assert store.created == []
         status = store.trainings[("default", "t")]["status"]
         waiting = next(c for c in status["conditions"] if c["type"] == "BackendUnavailable")
@@ -294,9 +316,11 @@ def test_a_clock_the_controller_sleeps_through_wakes_it_when_due_and_again_only_
     def at(seconds: int) -> None:
         now[0] = datetime(2026, 11, 24, 10, 0, 0, tzinfo=UTC) + timedelta(seconds=seconds)
         reconciler.tick()
+        reconciler.run_pending()
 
     try:
         reconciler.training_event("ADDED", store.get_training("default", "t") or {})
+        reconciler.run_pending()
         job = store.job()
         job["status"] = {
             "state": "Running",
@@ -304,6 +328,7 @@ def test_a_clock_the_controller_sleeps_through_wakes_it_when_due_and_again_only_
             "wakeAt": "2026-11-24T10:00:20Z",
         }
         reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
+        reconciler.run_pending()
         at(10)
         assert store.annotated == []
         at(20)
@@ -319,6 +344,7 @@ def test_a_clock_the_controller_sleeps_through_wakes_it_when_due_and_again_only_
         job["status"] = {"state": "Done", "began": "2026-11-24T10:00:00Z", "since": "2026-11-24T10:01:00Z",
                          "wakeAt": "2026-11-24T10:03:00Z"}  # fmt: skip
         reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
+        reconciler.run_pending()
         assert store.trainings[("default", "t")]["status"]["phase"] == "Succeeded"
         writes = store.status_writes
         at(120)

@@ -192,6 +192,7 @@ def test_the_floors_make_the_very_writes_the_operator_makes(bench: ModuleType) -
     reconciler = Reconciler(store, OperatorSettings(peering_name=None), clock=lambda: now)  # type: ignore[arg-type]
     try:
         reconciler.training_event("ADDED", copy.deepcopy(body))
+        reconciler.run_pending()
     finally:
         reconciler.close()  # posts its Event
     job, status, event = bench.operator_writes(body, now)

@@ -1,7 +1,9 @@
 """A burst of new trainings: every job before any status, and no reconcile for an echo.
 
 Through the real Reconciler on the toy backend's in-memory store (support.toyjob), with watch
-events delivered as Kopf delivers them: the training's, then the job's once it exists.
+events delivered as Kopf delivers them: the training's, then the job's once it exists. Tests
+that need two trainings in flight at once start the reconciler's workers; the others work its
+queue in the test's own thread (run_pending).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import contextlib
 import copy
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 import pytest
 
 from gpuop.controller import jobsfirst
+from gpuop.controller.jobsfirst import JobsFirst
 from gpuop.controller.reconciler import Reconciler
 from gpuop.controller.settings import OperatorSettings
 from support.specs import minimal
@@ -59,19 +62,48 @@ def test_the_echo_of_our_own_writes_is_not_reconciled_and_news_is(toy: ToyJobApi
     reconciler = _reconciler(store)
     try:
         reconciler.training_event("ADDED", _add(store, "t"))
+        reconciler.run_pending()
         assert store.trainings[("default", "t")]["status"]["phase"] == "Created"  # alone: at once
         before, writes = _reconciles(reconciler), store.status_writes
 
         reconciler.job_event("ADDED", _job_of(store, "t"))  # the job we made, as its watch shows it
         reconciler.training_event("MODIFIED", store.get_training("default", "t") or {})  # our status
+        assert reconciler.queued() == 0  # not even queued
+        reconciler.run_pending()
         assert _reconciles(reconciler) == before
         assert store.status_writes == writes
 
         job = store.job()
         job["status"] = {"state": "Running", "began": "2026-11-25T10:00:00Z"}
         reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))  # news: reconciled
+        reconciler.run_pending()
         assert sum(_reconciles(reconciler).values()) == sum(before.values()) + 1
         assert store.trainings[("default", "t")]["status"]["phase"] == "Running"
+    finally:
+        reconciler.close()
+
+
+def test_an_echo_that_comes_while_its_reconcile_still_runs_is_put_down_when_taken(toy: ToyJobApi) -> None:
+    """The event is queued (the reconcile it echoes has not said what it saw yet), and the key,
+    taken after that reconcile, is found to hold nothing new."""
+    store = Store()
+    reconciler = _reconciler(store)
+    try:
+        reconciler.training_event("ADDED", _add(store, "t"))
+        key = ("default", "t")
+        taken = reconciler._queue.take_ready()
+        assert taken == key
+        assert reconciler.reconcile(key) == "created"
+        tracked = reconciler._table.get(key)
+        assert tracked is not None
+        done, tracked.reconciled = tracked.reconciled, None  # as it was before that reconcile ended
+        reconciler.training_event("MODIFIED", store.get_training(*key) or {})  # our status, echoed
+        assert reconciler.queued() == 0  # held back: a worker has the key
+        tracked.reconciled = done
+        reconciler._queue.done(key)  # the reconcile ends: the key is queued again behind it
+        before = _reconciles(reconciler)
+        assert reconciler.run_pending() == 1
+        assert _reconciles(reconciler) == before  # taken, and put down unreconciled
     finally:
         reconciler.close()
 
@@ -92,12 +124,20 @@ class _HeldStore(Store):
         return super().create_object(obj, plural)
 
 
-def _wait_for_status(store: Store, name: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 10
-    while "status" not in store.trainings[("default", name)] and time.monotonic() < deadline:
+def _eventually(what: Callable[[], object], seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not what():
+        assert time.monotonic() < deadline, "not within 10 s"
         time.sleep(0.01)
-    status: dict[str, Any] = store.trainings[("default", name)]["status"]
+
+
+def _status(store: Store, name: str) -> dict[str, Any] | None:
+    status: dict[str, Any] | None = store.trainings[("default", name)].get("status")
     return status
+
+
+def _job_made(store: Store, name: str) -> bool:
+    return any(o["kind"] == "ToyJob" and o["metadata"]["name"] == name for o in store.objects.values())
 
 
 @dataclass
@@ -107,24 +147,22 @@ class _Burst:
     store: _HeldStore
     reconciler: Reconciler
     fast: dict[str, Any]
-    slow: threading.Thread
 
     def release(self) -> None:
         self.store.release.set()
-        self.slow.join(10)
 
 
 @contextlib.contextmanager
 def _slow_waits_for_its_job() -> Iterator[_Burst]:
-    """A burst in which "slow" waits for its job (its reconcile held in the create) while the
-    test delivers "fast"'s events; everything released and closed afterwards."""
+    """A burst in which "slow" waits for its job (a worker held in its create) while the test
+    delivers "fast"'s events to the other worker; everything released and closed afterwards."""
     store = _HeldStore(held="slow")
     reconciler = _reconciler(store)
     slow_body, fast_body = _add(store, "slow"), _add(store, "fast")
-    slow = threading.Thread(target=reconciler.training_event, args=("ADDED", slow_body))
-    burst = _Burst(store, reconciler, fast_body, slow)
+    burst = _Burst(store, reconciler, fast_body)
+    reconciler.start(workers=2)
     try:
-        slow.start()
+        reconciler.training_event("ADDED", slow_body)
         assert store.reached.wait(10)  # "slow" is waiting for its job
         yield burst
     finally:
@@ -136,16 +174,18 @@ def test_while_others_wait_for_their_jobs_a_first_status_is_written_once_none_wa
     with _slow_waits_for_its_job() as burst:
         store, reconciler = burst.store, burst.reconciler
         reconciler.training_event("ADDED", burst.fast)
+        _eventually(lambda: _reconciles(reconciler).get("created") == 1)
         assert _job_of(store, "fast")["metadata"]["ownerReferences"][0]["uid"] == "u-fast"
-        assert "status" not in store.trainings[("default", "fast")]  # its job first, not its status
+        assert _status(store, "fast") is None  # its job first, not its status
         reconciler.job_event("ADDED", _job_of(store, "fast"))  # its job's event: "slow" still waits
-        assert "status" not in store.trainings[("default", "fast")]
+        assert reconciler.queued() == 1  # "fast" at its deadline, and nothing more
+        assert _status(store, "fast") is None
 
         burst.release()
         # The last of the burst to get its job: nobody waits, so its status is written at once,
-        # and the one left for later by the pool, with no event needed.
-        assert store.trainings[("default", "slow")]["status"]["phase"] == "Created"
-        assert _wait_for_status(store, "fast")["phase"] == "Created"
+        # and the one left for later is queued again, with no event needed.
+        _eventually(lambda: (_status(store, "slow") or {}).get("phase") == "Created")
+        _eventually(lambda: (_status(store, "fast") or {}).get("phase") == "Created")
         assert _reconciles(reconciler).get("created") == 2
     assert store.events == ["ToyJobCreated", "ToyJobCreated"]  # one each, the deferred one too
 
@@ -154,8 +194,8 @@ def test_while_its_first_status_waits_only_a_spec_edit_or_a_lost_job_reconciles_
     toy: ToyJobApi,
 ) -> None:
     """Its job's echo and its controller's updates are left to the reconcile that writes the first
-    status (it sees them then), and so is the tick; a spec edit is applied at once. In a burst those
-    events each cost a reconcile that did nothing (1.6-1.8 a training, bench/operator_scale.py)."""
+    status (it sees them then), and so is the tick; a spec edit is worked as it comes. In a burst
+    those events each cost a reconcile that did nothing (1.6-1.8 a training, bench/operator_scale.py)."""
     with _slow_waits_for_its_job() as burst:
         store, reconciler = burst.store, burst.reconciler
         real = reconciler.reconcile
@@ -163,11 +203,12 @@ def test_while_its_first_status_waits_only_a_spec_edit_or_a_lost_job_reconciles_
 
         def recording(key: tuple[str, str]) -> str:
             asked.append(key[1])
-            return "held" if key[1] == "slow" else real(key)  # "slow"'s lock is held in its create
+            return real(key)
 
         reconciler.reconcile = recording  # type: ignore[method-assign]
         reconciler.training_event("ADDED", burst.fast)
-        assert "status" not in store.trainings[("default", "fast")]  # left for later
+        _eventually(lambda: _job_made(store, "fast") and reconciler.queued() == 1)  # its deadline
+        assert _status(store, "fast") is None  # left for later
         reconciler.job_event("ADDED", _job_of(store, "fast"))  # the echo of its create
         assert asked == ["fast"]
 
@@ -175,50 +216,30 @@ def test_while_its_first_status_waits_only_a_spec_edit_or_a_lost_job_reconciles_
             k for k, o in store.objects.items() if o["metadata"]["name"] == "fast" and o["kind"] == "ToyJob"
         )
         reconciler.job_event("DELETED", store.objects.pop(lost))
+        _eventually(lambda: lost in store.objects)  # made again
+        _eventually(lambda: len(asked) == 2)
         assert asked == ["fast", "fast"]
-        assert lost in store.objects  # made again at once
 
         job = store.objects[lost]
         job["status"] = {"state": "Running", "began": "2026-11-25T10:00:00Z"}
         reconciler.job_event("MODIFIED", copy.deepcopy(store._stamp(job)))  # its controller's news
-        reconciler.tick()
-        assert asked == ["fast", "fast", "slow"]  # the tick's only for "slow"
+        reconciler.tick()  # queues "slow" alone, which a worker has: held back
+        time.sleep(0.2)
+        assert asked == ["fast", "fast"]
 
         edited = store.trainings[("default", "fast")]
         edited["metadata"]["generation"] = 2
         edited["spec"]["runPolicy"] = {"suspend": True}
         reconciler.training_event("MODIFIED", copy.deepcopy(store._stamp(edited)))
-        assert asked[-1] == "fast"
-        assert store.objects[lost]["spec"]["paused"] is True  # patched while "slow" still waits
-        assert "status" not in store.trainings[("default", "fast")]
+        _eventually(lambda: store.objects[lost]["spec"]["paused"] is True)  # patched while "slow" waits
+        assert asked == ["fast", "fast", "fast"]
+        assert _status(store, "fast") is None
 
         burst.release()
-        status = _wait_for_status(store, "fast")  # by the pool, with all it was not reconciled for
-        assert status["observedGeneration"] == 2
+        # Queued again once none waits, and written with all it was not reconciled for.
+        _eventually(lambda: (_status(store, "fast") or {}).get("observedGeneration") == 2)
+        status = _status(store, "fast") or {}
         assert status["phase"] == "Running"
-
-
-def test_a_first_status_whose_hand_over_was_lost_is_written_by_the_tick_past_its_deadline(
-    toy: ToyJobApi,
-) -> None:
-    """Events and the tick leave a waiting first status to its hand-over only until its deadline:
-    a hand-over lost (forgotten by a DELETED of an older object of that name, handled at the same
-    time in another thread) must not leave the status unwritten for good. Its deadline is moved
-    into the past rather than waited for: no timer of the test's races the reconciler's."""
-    with _slow_waits_for_its_job() as burst:
-        store, reconciler = burst.store, burst.reconciler
-        real = reconciler.reconcile
-        reconciler.reconcile = lambda key: "held" if key[1] == "slow" else real(key)  # type: ignore[method-assign]
-        reconciler.training_event("ADDED", burst.fast)
-        reconciler._jobs_first.forget(("default", "fast"))  # its hand-over lost
-        reconciler.tick()
-        assert "status" not in store.trainings[("default", "fast")]  # before its deadline: left alone
-        tracked = reconciler._table.get(("default", "fast"))
-        assert tracked is not None
-        tracked.first_seen -= jobsfirst.AT_MOST  # its deadline has passed
-        reconciler.tick()
-        assert store.trainings[("default", "fast")]["status"]["phase"] == "Created"
-        assert burst.slow.is_alive()  # "slow" still waits for its job: none but the tick wrote it
 
 
 def test_a_first_status_is_left_for_later_only_so_long(
@@ -228,7 +249,9 @@ def test_a_first_status_is_left_for_later_only_so_long(
     monkeypatch.setattr(jobsfirst, "AT_MOST", 0.0)
     with _slow_waits_for_its_job() as burst:
         burst.reconciler.training_event("ADDED", burst.fast)
-        assert burst.store.trainings[("default", "fast")]["status"]["phase"] == "Created"  # at once
+        # At once, in the reconcile that made its job (counted as that reconcile returns).
+        _eventually(lambda: _reconciles(burst.reconciler) == {"created": 1})
+        assert _status(burst.store, "fast") is not None
 
 
 def test_a_training_slow_to_get_its_job_holds_anothers_first_status_only_so_long(
@@ -238,10 +261,11 @@ def test_a_training_slow_to_get_its_job_holds_anothers_first_status_only_so_long
     monkeypatch.setattr(jobsfirst, "AT_MOST", 2.0)  # long enough for "fast"'s reconcile on a loaded machine
     with _slow_waits_for_its_job() as burst:
         burst.reconciler.training_event("ADDED", burst.fast)
-        assert "status" not in burst.store.trainings[("default", "fast")]  # left for later
-        assert _wait_for_status(burst.store, "fast")["phase"] == "Created"
-        assert burst.slow.is_alive()  # "slow" still waits for its job
-        assert "status" not in burst.store.trainings[("default", "slow")]
+        _eventually(lambda: _job_made(burst.store, "fast"))
+        assert _status(burst.store, "fast") is None  # left for later
+        _eventually(lambda: (_status(burst.store, "fast") or {}).get("phase") == "Created")
+        assert not burst.store.release.is_set()  # "slow" still waits for its job
+        assert _status(burst.store, "slow") is None
 
 
 class _EditedMeanwhileStore(Store):
@@ -269,12 +293,15 @@ def test_a_spec_edited_while_our_status_write_was_on_its_way_is_reconciled(toy: 
     try:
         store.edit_on_next_status = True
         reconciler.training_event("ADDED", _add(store, "t"))
+        assert reconciler.run_pending() == 2  # the reply brought the edit: queued again at once
         assert store.edit_event is not None
-        assert store.trainings[("default", "t")]["status"]["observedGeneration"] == 1
-        reconciler.training_event("MODIFIED", store.edit_event)  # older than our status write's reply
         status = store.trainings[("default", "t")]["status"]
         assert status["observedGeneration"] == 2
         assert status["workers"]["total"] == 3
+        writes = store.status_writes
+        reconciler.training_event("MODIFIED", store.edit_event)  # older than our status write's reply
+        reconciler.run_pending()
+        assert store.status_writes == writes
     finally:
         reconciler.close()
 
@@ -285,10 +312,12 @@ def test_a_late_deleted_event_of_an_older_object_of_that_name_leaves_the_new_one
     try:
         old = _add(store, "t")
         reconciler.training_event("ADDED", old)
+        reconciler.run_pending()
         renewed = copy.deepcopy(old)
         renewed["metadata"]["uid"] = "u-t-2"  # deleted and created again under the same name
         store.trainings[("default", "t")] = store._stamp(renewed)
         reconciler.training_event("ADDED", store.get_training("default", "t") or {})
+        reconciler.run_pending()
         reconciler.training_event("DELETED", old)  # the old one's deletion, seen last
         assert reconciler.tracked() == 1
         reconciler.training_event("DELETED", store.get_training("default", "t") or {})
@@ -297,62 +326,26 @@ def test_a_late_deleted_event_of_an_older_object_of_that_name_leaves_the_new_one
         reconciler.close()
 
 
-def test_statuses_left_for_later_are_handed_over_as_each_comes_due_and_all_once_none_waits(
+def test_statuses_left_for_later_are_all_queued_once_none_waits_and_each_only_so_long(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """JobsFirst alone: the soonest first while some still wait, none that was forgotten, and every
-    one left at once when the last waiting training gets its job."""
+    """JobsFirst alone: a status is left only while another training waits for its job, and only
+    until its deadline or a new generation of its spec; the last one waiting settles them all."""
     monkeypatch.setattr(jobsfirst, "AT_MOST", 10.0)
-    handed: list[tuple[str, str]] = []
-    gate = jobsfirst.JobsFirst(handed.append, workers=1)
-    try:
-        gate.waits(("ns", "waiting"))
-        now = time.monotonic()
-        with gate._lock:  # the hand-over thread sees all four calls at once, however slow the machine
-            assert gate.leave_for_later(("ns", "late"), now - 5.0)  # due in 5 s
-            assert gate.leave_for_later(("ns", "soon"), now - 9.5)  # due in 0.5 s
-            assert gate.leave_for_later(("ns", "gone"), now - 9.6)  # due in 0.4 s, but forgotten first
-            gate.forget(("ns", "gone"))
-        deadline = time.monotonic() + 3.0
-        while not handed and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.2)
-        assert handed == [("ns", "soon")]
-        gate.done(("ns", "waiting"))  # nobody waits now: the rest at once, not in 5 s
-        deadline = time.monotonic() + 2.0
-        while len(handed) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert handed == [("ns", "soon"), ("ns", "late")]
-        assert not gate.leave_for_later(("ns", "alone"), time.monotonic())  # none waits: written now
-    finally:
-        gate.close()
-
-
-def test_a_status_left_for_later_twice_is_handed_over_once_and_the_hand_over_goes_on(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Its job's own event reconciles a training again, which leaves its status for later a second
-    time with the same deadline: handed over twice, the thread handing them over once died."""
-    monkeypatch.setattr(jobsfirst, "AT_MOST", 10.0)
-    handed: list[tuple[str, str]] = []
-    gate = jobsfirst.JobsFirst(handed.append, workers=1)
-
-    def handed_over(count: int) -> None:
-        deadline = time.monotonic() + 3.0
-        while len(handed) < count and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.2)  # and nothing more after it
-
-    try:
-        gate.waits(("ns", "waiting"))
-        first_seen = time.monotonic() - 9.5  # due in 0.5 s
-        with gate._lock:  # both before the hand-over thread looks, however slow the machine
-            assert gate.leave_for_later(("ns", "twice"), first_seen)
-            assert gate.leave_for_later(("ns", "twice"), first_seen)
-        handed_over(1)
-        assert handed == [("ns", "twice")]
-        assert gate.leave_for_later(("ns", "next"), time.monotonic() - 9.5)
-        handed_over(2)
-        assert handed == [("ns", "twice"), ("ns", "next")]
-    finally:
-        gate.close()
+    gate = JobsFirst()
+    now = time.monotonic()
+    assert gate.leave_for_later(("ns", "alone"), now, 1) is None  # none waits: written now
+    gate.awaits(("ns", "waiting"))
+    gate.awaits(("ns", "late"))
+    wait = gate.leave_for_later(("ns", "late"), now - 5.0, 1)
+    assert wait is not None
+    assert 4.0 < wait <= 5.0  # queued again at its deadline
+    assert gate.leave_for_later(("ns", "past"), now - 10.0, 1) is None  # its time is up
+    assert gate.leave_for_later(("ns", "edited"), now, 1) is not None
+    assert gate.waits(("ns", "late"), 1)
+    assert not gate.waits(("ns", "edited"), 2)  # a new spec is worked at once
+    assert not gate.waits(("ns", "edited"), 1)  # and is no longer left
+    assert gate.settled(("ns", "other")) == []  # "waiting" still waits
+    assert gate.forget(("ns", "waiting")) == [("ns", "late")]  # the last one waiting is gone
+    assert not gate.waits(("ns", "late"), 1)
+    assert gate.settled(("ns", "late")) == []  # handed over once

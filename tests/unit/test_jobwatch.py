@@ -290,19 +290,23 @@ def test_a_standby_keeps_its_jobs_up_to_date_but_reconciles_none(
         body["metadata"] |= {"name": "t", "namespace": "default", "uid": "u-t", "generation": 1}
         store.trainings[("default", "t")] = store._stamp(copy.deepcopy(body))
         reconciler.training_event("ADDED", store.get_training("default", "t") or {})
+        reconciler.run_pending()
         job = store.job()
         assert store.trainings[("default", "t")]["status"]["phase"] == "Created"
         writes = store.status_writes
 
         reconciler.tick()  # read while leading
+        reconciler.run_pending()
         leads["default"] = False  # then outranked: that reading is stale at once here (fresh for 0 s)
         job["status"] = {"state": "Running", "began": "2026-11-25T10:00:00Z"}
         reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
+        reconciler.run_pending()
         assert store.status_writes == writes
         assert reconciler._table.get(("default", "t")).child["status"]["state"] == "Running"  # type: ignore[union-attr]
 
         leads["default"] = True
         reconciler.tick()  # taken over: the tick reconciles with the job as last seen
+        reconciler.run_pending()
         assert store.trainings[("default", "t")]["status"]["phase"] == "Running"
     finally:
         reconciler.close()

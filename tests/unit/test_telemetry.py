@@ -322,20 +322,25 @@ def test_the_reconcilers_tick_sets_them_for_the_namespaces_it_leads(toy: ToyJobA
     )
     try:
         reconciler.training_event("ADDED", store.get_training("team-a", "t") or {})
+        reconciler.run_pending()
         job = store.job()
         job["status"] = {"state": "Running", "began": _stamp(0)}
         reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
+        reconciler.run_pending()
         reconciler.tick()
+        reconciler.run_pending()
         assert _value(metrics, "gpuop_trainings", namespace="team-a", phase="Running") == 1
         phase = _value(metrics, "gpuop_training_phase", namespace="team-a", gputraining="t", phase="Running")
         assert phase == 1
         assert _value(metrics, "gpuop_gpu_hours_total", namespace="team-a") == 0
         now[0] = _at(1800)
         reconciler.tick()
+        reconciler.run_pending()
         # 8 GPUs x 30 min
         assert _value(metrics, "gpuop_gpu_hours_total", namespace="team-a") == pytest.approx(4.0)
         leading[0] = False
         reconciler.tick()
+        reconciler.run_pending()
         assert _series(metrics, "gpuop_trainings") == {}
         assert _series(metrics, "gpuop_training_phase") == {}
         assert _value(metrics, "gpuop_gpu_hours_total", namespace="team-a") == pytest.approx(4.0)

@@ -296,6 +296,7 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
     signals = asyncio.create_task(_take_over_signals(ready, stop, retries))
     jobs_stop = asyncio.create_task(_close_when_stopping(stop, jobs))
     try:
+        reconciler.start()
         jobs.start()
         await kopf.operator(
             registry=registry,
@@ -391,8 +392,8 @@ def run_operator(settings: OperatorSettings) -> int:
     if not settings.verbose:
         # Kopf logs every handler call at INFO: a line per watch event is noise at scale.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    # Connections for Kopf's handler threads, the job events' pool (jobwatch), the first-status
-    # pool (jobsfirst) and the scrape tick's pod reads, each up to max_workers at once, the 8
+    # Connections for the reconcile workers, Kopf's handler threads, the job events' pool
+    # (jobwatch) and the scrape tick's pod reads, each up to max_workers at once, the 8
     # Event posters (statuswriter), the tick, and the jobs' watches, one per job API and
     # namespace: a pool smaller than that opens and drops a TLS connection per request beyond
     # it in a burst.

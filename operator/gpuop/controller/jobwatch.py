@@ -15,8 +15,10 @@ Each job API (and each watched namespace) has a thread of its own here that:
   installed later is found without a restart) or may not be read (RBAC being rolled out).
 
 Events are handed, in the order they came, to :class:`Serial`: one job's events run one at a
-time and in order, on a pool, as Kopf ran them, so a reconcile that waits on the API server
-holds neither the stream nor another training.
+time and in order, on a pool, as Kopf ran them. Handling one only keeps the job and queues its
+training (the reconciler's work queue), but may ask the API server first (which namespaces this
+replica leads; after a DELETED, whether the training is still there), and that wait must hold
+neither the stream nor another training.
 """
 
 from __future__ import annotations

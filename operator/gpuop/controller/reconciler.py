@@ -4,14 +4,18 @@ Level-triggered on purpose. Every call looks at the latest GpuTraining, its job 
 as last seen, and makes the cluster match; it never asks "what changed since the last
 event". So a restarted operator, a lost watch event or a failed request all heal the same
 way: the next call (the next event, or the scrape tick every few seconds) does the work, and
-a call with nothing new costs no write at all. An event that brings no object newer than the
-last finished reconcile saw (the echo of our own write) is not even a call: what it could
-change is in those objects, and what changes outside them (pods, reports, the clock) is the
-tick's. That is also why Kopf's change-tracking
+a call with nothing new costs no write at all. That is also why Kopf's change-tracking
 handlers are not used: they persist a diff base in every object (one more write per job) and
-re-run on.create against stale bodies after a restart. Nor is an event a call while the
-training's first status waits (jobsfirst), except a spec edit or its job's deletion: the
-reconcile that writes that status sees it.
+re-run on.create against stale bodies after a restart.
+
+One way in: every source of work only adds the training's key to the work queue
+(:mod:`~gpuop.controller.workqueue`): Kopf's events of the trainings, the job watch's events, the
+scrape tick, the first statuses left for later (:mod:`~gpuop.controller.jobsfirst`) and the
+retries after an error. Workers take the keys; one training is never worked by two at once.
+A key taken with nothing new since its last reconcile (:meth:`Reconciler._has_news`: the echo
+of our own write, a job event while its first status waits) is put down without a reconcile;
+the tick's keys are always worked, since what it brings (pods, reports, the clock) is not in
+the objects' versions.
 
 This module only sequences. The decisions live in pure modules (:mod:`gpuop.api.spec`,
 :mod:`gpuop.backends`, :mod:`gpuop.observing`); the calls to the API server in
@@ -26,7 +30,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -37,15 +41,16 @@ from gpuop.api.status import TERMINAL_PHASES, GpuTrainingStatus
 from gpuop.backends import registry
 from gpuop.backends.pod import ReportEndpoint
 from gpuop.backends.registry import Choice, JobApi
-from gpuop.controller import jobsfirst
 from gpuop.controller.children import Children, wake_due
 from gpuop.controller.discovery import ServedBackends
+from gpuop.controller.jobsfirst import JobsFirst
 from gpuop.controller.kube import ApiError, Kube
 from gpuop.controller.pods import PodReader
 from gpuop.controller.settings import OperatorSettings
 from gpuop.controller.statuswriter import StatusWriter
-from gpuop.controller.table import SpecView, Table, Tracked, key_of, newer
+from gpuop.controller.table import SpecView, Table, Tracked, key_of
 from gpuop.controller.telemetry import OperatorMetrics
+from gpuop.controller.workqueue import WorkQueue
 from gpuop.observing import derive, observe
 from gpuop.observing.endpoint import ReportBook
 from gpuop.observing.records import Event, Observation, ReceivedReport, Thresholds
@@ -60,8 +65,10 @@ _QUIET_PHASES: Final = ("Created", "Suspended")
 _NO_ALARMS: Final = Thresholds(stall_timeout_seconds=0)
 # Seconds a reading of which namespaces this replica leads gates its job events (_leads). Kopf
 # pauses its watch of the trainings as soon as a peer outranks this replica; a job event may
-# still be reconciled here that long after. Each reading is a GET per watched namespace.
+# still be queued here that long after. Each reading is a GET per watched namespace.
 LEADERSHIP_FRESH_SECONDS: Final = 2.0
+# Seconds close() waits for the workers to finish the reconciles they are in.
+CLOSE_SECONDS: Final = 5.0
 
 
 def _uid(body: dict[str, Any]) -> str | None:
@@ -73,20 +80,12 @@ def _generation(body: dict[str, Any]) -> object:
     return (body.get("metadata") or {}).get("generation")
 
 
-def _first_status_waits(tracked: Tracked) -> bool:
-    """Whether a reconcile that writes the training's first status is on its way (jobsfirst), so
-    that its events and the tick may leave everything to it. Only until its deadline: past it
-    they reconcile again, so a status whose hand-over was lost (a DELETED of an older object of
-    that name forgetting it, a hand-over thread gone) is written all the same."""
-    return tracked.status_later and time.monotonic() < jobsfirst.deadline(tracked.first_seen)
-
-
 def _now() -> datetime:
     return datetime.now(UTC)
 
 
 class Reconciler:
-    """The one reconcile routine over the state table, and the tick. Thread-safe."""
+    """The work queue into the one reconcile routine, its workers, and the tick. Thread-safe."""
 
     def __init__(
         self,
@@ -115,10 +114,71 @@ class Reconciler:
         # Where trainers report (rendered into their pods), and what they reported so far.
         self.report_endpoint = report_endpoint
         self.reports = reports or ReportBook()
-        # In a burst of new trainings, every job before any first status (jobsfirst's docstring).
-        self._jobs_first = jobsfirst.JobsFirst(self.reconcile, settings.max_workers)
+        self._queue: WorkQueue[TrainingKey] = WorkQueue()
+        # Keys the tick queued: worked even with no news in the objects' versions.
+        self._ticked: set[TrainingKey] = set()
+        self._ticked_lock = threading.Lock()
+        self._jobs_first = JobsFirst()
+        self._workers: list[threading.Thread] = []
+        self.metrics.queue_depth.set_function(self.queued)
 
-    # -- watch events ---------------------------------------------------------------------
+    # -- the queue and its workers ----------------------------------------------------------
+
+    def start(self, workers: int | None = None) -> None:
+        """Start the workers (settings.max_workers of them): until then keys only queue up
+        (:meth:`run_pending` works them in the caller's thread)."""
+        for index in range(workers or self.settings.max_workers):
+            worker = threading.Thread(target=self._work_forever, name=f"reconcile-{index}", daemon=True)
+            worker.start()
+            self._workers.append(worker)
+
+    def _work_forever(self) -> None:
+        while (key := self._queue.get()) is not None:
+            try:
+                self._work(key)
+            except Exception:  # a defect outside the reconcile's own guard: this key, not the worker
+                log.exception("working %s/%s", key[0], key[1])
+            finally:
+                self._queue.done(key)
+
+    def run_pending(self) -> int:
+        """Work every key that is ready now, in the caller's thread; how many were taken. For a
+        reconciler without workers (tests, one-shot tools)."""
+        taken = 0
+        while (key := self._queue.take_ready()) is not None:
+            taken += 1
+            try:
+                self._work(key)
+            finally:
+                self._queue.done(key)
+        return taken
+
+    def _work(self, key: TrainingKey) -> None:
+        tracked = self._table.get(key)
+        try:
+            with self._ticked_lock:
+                ticked = key in self._ticked
+                self._ticked.discard(key)
+            if tracked is not None and (ticked or self._has_news(key, tracked)):
+                self.reconcile(key)
+        finally:
+            self._queue_all(self._jobs_first.settled(key))
+
+    def _queue_all(self, keys: Iterable[TrainingKey]) -> None:
+        for key in keys:
+            self._queue.add(key)
+
+    def _has_news(self, key: TrainingKey, tracked: Tracked) -> bool:
+        """Whether a reconcile could see anything its last one did not: the GpuTraining or its
+        job changed since (not our own write echoed), and its first status is not left for
+        later with the very spec it was left with (that reconcile will see the rest). Asked as
+        an event comes, and again as its key is taken, since the event may have come while the
+        reconcile that made the change was still running."""
+        if tracked.child is not None and self._jobs_first.waits(key, _generation(tracked.body)):
+            return False
+        return tracked.versions() != tracked.reconciled
+
+    # -- watch events: keep what they tell, queue the key --------------------------------------
 
     def training_event(self, event_type: str | None, body: dict[str, Any]) -> None:
         key = key_of(body)
@@ -128,23 +188,15 @@ class Reconciler:
                 return  # an older object of that name: the one re-created since stays
             self._table.forget(key)
             self.reports.forget(key)
-            self._jobs_first.forget(key)
+            self._queue_all(self._jobs_first.forget(key))
             return
         tracked = self._table.get_or_add(key, body)
-        with tracked.lock:
-            generation = _generation(tracked.body)
-            if _uid(tracked.body) != _uid(body):
-                tracked.body, tracked.child, tracked.pods = body, None, ()  # re-created under the same name
-                tracked.status_later, tracked.first_seen = False, time.monotonic()
-            elif newer(body, tracked.body):
-                tracked.body = body
-            if tracked.versions() == tracked.reconciled:
-                return  # our own write echoed, or an older event: nothing the last reconcile did not see
-            if _first_status_waits(tracked) and _generation(tracked.body) == generation:
-                return  # its first status is on its way (jobsfirst), and that reconcile sees this too
-            if tracked.child is None:
-                self._jobs_first.waits(key)
-        self.reconcile(key)
+        tracked.see_training(body)
+        if not self._has_news(key, tracked):
+            return
+        if tracked.child is None:
+            self._jobs_first.awaits(key)
+        self._queue.add(key)
 
     def job_event(self, event_type: str | None, body: dict[str, Any]) -> None:
         parent = observe.training_of(body)
@@ -152,36 +204,22 @@ class Reconciler:
             return
         key = key_of(body, parent)
         tracked = self._table.get(key)
-        if tracked is None:  # its GpuTraining's own event will come and reconcile
+        if tracked is None:  # its GpuTraining's own event will come and queue it
             return
-        with tracked.lock:
-            known = tracked.child
-            if event_type == "DELETED":
-                tracked.child, tracked.pods = None, ()
-            elif tracked.child is None or newer(body, tracked.child):
-                tracked.child, tracked.child_gone = observe.slim_job(body), False
-            if event_type != "DELETED" and (
-                # The job we made or patched, echoed: the reconcile that did it saw all of it (a
-                # job we made is known as sent: a webhook's defaults make it news here).
-                (tracked.versions() == tracked.reconciled and tracked.child == known)
-                # Or its first status is on its way (jobsfirst), and the reconcile that writes it
-                # sees this job as it is then. Each of these events left the status for later
-                # again: 1.6-1.8 reconciles a training for nothing in a burst of 1,000
-                # (bench/operator_scale.py, docs/benchmarks.md).
-                or _first_status_waits(tracked)
-            ):
-                return
+        tracked.see_job(event_type, body)
+        if not self._has_news(key, tracked):
+            return  # the job we made or patched, echoed, or its first status waits
         if not self._leads(key[0]):
             return  # a standby only keeps what it knows up to date, for when it takes over
         if event_type == "DELETED" and not self._still_there(key):
             return  # the garbage collector took it with its GpuTraining: do not re-create it
-        self.reconcile(key)
+        self._queue.add(key)
 
     def _leads(self, namespace: str) -> bool:
         """Whether this replica is the active one in ``namespace``: the jobs' watch, unlike Kopf's
         of the trainings, runs on a standby too. Read at most every :data:`LEADERSHIP_FRESH_SECONDS`
         (a peering object per watched namespace), so a replica that was outranked stops
-        reconciling job events within that, where Kopf pauses its watch of the trainings."""
+        queueing job events within that, where Kopf pauses its watch of the trainings."""
         with self._leading_lock:
             leading, read_at = self._leading
             if leading is None or time.monotonic() - read_at > LEADERSHIP_FRESH_SECONDS:
@@ -207,37 +245,40 @@ class Reconciler:
     # -- the reconcile --------------------------------------------------------------------
 
     def reconcile(self, key: TrainingKey) -> str:
-        """Make one GpuTraining's world match its spec; returns what it did (for metrics, tests)."""
+        """Make one GpuTraining's world match its spec; returns what it did (for metrics, tests).
+        Only ever called for one key by one worker at a time (the work queue)."""
         tracked = self._table.get(key)
         if tracked is None:
-            self._jobs_first.done(key)
             return "gone"
         started = time.monotonic()
-        with tracked.lock:
-            try:
-                tracked.status_later = False
-                generation = _generation(tracked.body)
-                outcome = self._reconcile(tracked)
-                tracked.failure = None
-                # Done unless its first status waits for later, or our own write's reply brought
-                # a spec edited meanwhile (its event, older than that reply, would be dropped).
-                edited = _generation(tracked.body) != generation
-                tracked.reconciled = None if tracked.status_later or edited else tracked.versions()
-            except ApiError as exc:
-                # Already retried with backoff; the next event or tick tries again.
-                tracked.reconciled = None
-                self.metrics.errors.inc()
-                log.warning("gputraining %s/%s: %s; will retry", key[0], key[1], exc)
-                outcome = "error"
-            except Exception as exc:
-                # A defect, or an input nothing upstream caught: it stops this GpuTraining, never
-                # the others, and is said once (with the traceback) and on the object itself.
-                tracked.reconciled = None
-                self.metrics.errors.inc()
-                outcome = "error"
-                self._report_failure(tracked, exc)
-            finally:
-                self._jobs_first.done(key)  # its job made, or it could not be: it waits no more
+        tracked.begin()
+        try:
+            generation = _generation(tracked.body)
+            outcome = self._reconcile(tracked)
+            tracked.failure = None
+            self._queue.forget(key)
+            # Done unless its first status waits for later, or our own write's reply brought a
+            # spec edited meanwhile (its event, older than that reply, would be taken for an echo).
+            edited = _generation(tracked.body) != generation
+            later = self._jobs_first.waits(key, _generation(tracked.body))
+            tracked.reconciled = None if later or edited else tracked.seen_versions
+            if edited:
+                self._queue.add(key)
+        except ApiError as exc:
+            # Already retried with backoff within the call; the key comes back after its own.
+            tracked.reconciled = None
+            self.metrics.errors.inc()
+            delay = self._queue.retry(key)
+            log.warning("gputraining %s/%s: %s; will retry in %gs", key[0], key[1], exc, delay)
+            outcome = "error"
+        except Exception as exc:
+            # A defect, or an input nothing upstream caught: it stops this GpuTraining, never
+            # the others, and is said once (with the traceback) and on the object itself.
+            tracked.reconciled = None
+            self.metrics.errors.inc()
+            outcome = "error"
+            self._report_failure(tracked, exc)
+            self._queue.retry(key)
         self.metrics.duration.observe(time.monotonic() - started)
         self.metrics.reconciles.labels(outcome=outcome).inc()
         return outcome
@@ -264,8 +305,8 @@ class Reconciler:
         written = self._status.write(tracked.body, previous, observation, thresholds)
         if written is None:
             return False
-        if written.body is not None and newer(written.body, tracked.body):
-            tracked.body = written.body
+        if written.body is not None:
+            tracked.keep_training(written.body)
         return True
 
     def _finished_and_gone(
@@ -281,7 +322,7 @@ class Reconciler:
         if previous.pytorch_job is None and previous.train_job is None:
             return False
         if not tracked.child_gone:
-            tracked.child = self._children.find_ours(training, api)
+            tracked.keep_job(self._children.find_ours(training, api))
             tracked.child_gone = tracked.child is None
         return tracked.child_gone
 
@@ -327,17 +368,18 @@ class Reconciler:
 
         objects = view.objects(api, self.settings.trainer_image, self.report_endpoint)
         ensured = self._children.ensure(tracked.child, view.training, api, objects)
-        tracked.child, outcome, conflict = ensured.child, ensured.outcome, ensured.conflict
+        outcome, conflict = ensured.outcome, ensured.conflict
+        tracked.keep_job(ensured.child)
         if tracked.child is not None:
             updated = self._children.update(tracked.child, view.training, api, objects[-1])
             if updated is not None:
-                tracked.child = updated
+                tracked.keep_job(updated)
                 outcome = "updated" if outcome == "unchanged" else outcome
         if previous is None and conflict is None:
             key = key_of(tracked.body)
-            self._jobs_first.done(key)
-            if self._jobs_first.leave_for_later(key, tracked.first_seen):
-                tracked.status_later = True  # written once no other training waits for its job
+            wait = self._jobs_first.leave_for_later(key, tracked.first_seen, meta.get("generation"))
+            if wait is not None:  # written once no other training waits for its job, or then
+                self._queue.add_after(key, wait)
                 return "later" if outcome == "unchanged" else outcome
         if (
             conflict is None
@@ -347,7 +389,7 @@ class Reconciler:
             woken = self._children.wake(tracked.child, api, now)
             tracked.woken_at = now  # or gone already: its DELETED event follows
             if woken is not None:
-                tracked.child = woken
+                tracked.keep_job(woken)
                 outcome = "woken" if outcome == "unchanged" else outcome
         observation = self._observe(tracked, previous, view, api, choice, conflict, now, generation)
         stop = derive.stop_for(observation)
@@ -357,7 +399,7 @@ class Reconciler:
             # after it finds the annotation next time.
             stopped = self._children.stop(tracked.child, view.training, api, stop) if tracked.child else None
             if stopped is not None:
-                tracked.child = stopped
+                tracked.keep_job(stopped)
                 observation = dataclasses.replace(observation, job_stopped=stop)
                 outcome = "stopped"
             else:  # it cannot be stopped: said as a restart, as before (Restarting, the pod's line)
@@ -460,8 +502,8 @@ class Reconciler:
     # -- the tick: scrape running jobs, retry what failed ---------------------------------
 
     def tick(self) -> None:
-        """Scrape every active job's pods into its status; reconcile everything else again,
-        but a training that nothing could have changed since its last reconcile (:meth:`_quiet`).
+        """Scrape every active job's pods; queue every training for a reconcile, but one that
+        nothing could have changed since its last reconcile (:meth:`_quiet`).
 
         One pod list per namespace per tick, however many jobs it holds.
         """
@@ -488,9 +530,10 @@ class Reconciler:
                         if pods != tracked.pods:
                             new_pods.add(key)
                         tracked.pods = pods
+        due: list[TrainingKey] = []
         for key, tracked in items:
-            if _first_status_waits(tracked):
-                continue  # the reconcile that writes its first status is on its way (jobsfirst)
+            if self._jobs_first.waits(key, _generation(tracked.body)):
+                continue  # the reconcile that writes its first status is queued (jobsfirst)
             # A finished job changes only on an event (a spec edit, a deletion), which
             # reconciles it anyway, or at its TTL; everything else may need time (Stalled) or a
             # retry.
@@ -499,9 +542,12 @@ class Reconciler:
                 if self._quiet(tracked, reports, key in new_pods):
                     continue
                 tracked.reports = reports
-                self.reconcile(key)
+                due.append(key)
             elif self._wake_due(tracked):  # a finished job's TTL, which no event announces
-                self.reconcile(key)
+                due.append(key)
+        with self._ticked_lock:
+            self._ticked.update(due)
+        self._queue_all(due)
         # Only what this replica serves: a standby's table is stale, and its counts would add
         # to the active replica's in a sum over pods.
         self.metrics.observe_trainings(items, self.clock())
@@ -529,7 +575,16 @@ class Reconciler:
     def tracked(self) -> int:
         return len(self._table)
 
+    def queued(self) -> int:
+        """Keys waiting for a worker, now or at a later time."""
+        return len(self._queue) + self._queue.delayed()
+
     def close(self) -> None:
-        self._jobs_first.close()
+        """Stop the workers once the reconciles they are in are over (keys still queued are
+        dropped: a replica that takes over reconciles every training anyway)."""
+        self._queue.shut_down()
+        deadline = time.monotonic() + CLOSE_SECONDS
+        for worker in self._workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
         self._pods.close()
         self._status.close()

@@ -46,7 +46,7 @@ class OperatorSettings:
     health_port: int = 8081  # 0 disables /healthz
     log_format: Literal["text", "json"] = "text"
     verbose: bool = False
-    max_workers: int = 16  # threads for the blocking API calls of concurrent reconciles
+    max_workers: int = 16  # reconcile workers, and the size of each other pool of API calls
     underutilized_percent: float = 30.0
     underutilized_seconds: int = 600
     # The progress-report endpoint (Kubeflow's trainerStatus protocol). Off without a URL: the
@@ -230,7 +230,8 @@ def operator_options(command: F) -> F:
         _option(
             "--max-workers",
             "MAX_WORKERS",
-            "Threads for concurrent API calls.",
+            "Reconcile workers: trainings reconciled at once (and the threads of each other pool "
+            "of API calls).",
             default=str(d.max_workers),
             show_default=True,
         ),

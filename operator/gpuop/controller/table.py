@@ -1,9 +1,17 @@
 """The operator's state table: what it last saw of each GpuTraining and its children.
 
-One :class:`Tracked` entry per GpuTraining, each with a lock of its own so that reconciles of
-different trainings run side by side while one training's are never interleaved. Each entry
-keeps its parsed spec per generation (:class:`SpecView`), since a job's life runs dozens of
-reconciles (watch events, ticks) over the same few generations.
+One :class:`Tracked` entry per GpuTraining. Two kinds of writer meet in it, on separate fields:
+
+- the watches (Kopf's events of the trainings, the job watch) keep the latest GpuTraining and
+  job seen, through :meth:`Tracked.see_training` and :meth:`Tracked.see_job`, under the entry's
+  lock, which is held for those few lines only, never across an API call;
+- the reconcile owns everything else, and is never run for one training by two workers at once
+  (:mod:`gpuop.controller.workqueue`). What its own writes return (the job it made, the status it
+  patched) it keeps with :meth:`Tracked.keep_training` and :meth:`Tracked.keep_job`, which never
+  put back an older object than a watch brought meanwhile.
+
+Each entry keeps its parsed spec per generation (:class:`SpecView`), since a job's life runs
+dozens of reconciles (watch events, ticks) over the same few generations.
 """
 
 from __future__ import annotations
@@ -31,6 +39,15 @@ def key_of(obj: Mapping[str, Any], name: str | None = None) -> TrainingKey:
     """An object's (namespace, name), or its namespace with ``name`` (a child's parent)."""
     meta = obj.get("metadata") or {}
     return str(meta.get("namespace") or "default"), str(name or meta.get("name"))
+
+
+def _uid(obj: Mapping[str, Any]) -> str | None:
+    uid = (obj.get("metadata") or {}).get("uid")
+    return str(uid) if uid else None
+
+
+def _version(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("resourceVersion", ""))
 
 
 def newer(candidate: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
@@ -92,12 +109,22 @@ class Tracked:
     body: dict[str, Any]
     child: dict[str, Any] | None = None
     pods: tuple[PodObservation, ...] = ()
+    # Guards body and child against a watch and the reconcile writing them at once.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    # Counts the job watch's changes of child; what the running reconcile began with (begin()).
+    # A job the reconcile keeps replaces a child the watch changed meanwhile only when newer: a
+    # DELETED seen mid-reconcile is not undone by the job that reconcile had in hand.
+    child_seen: int = 0
+    child_seen_at_begin: int = 0
+    # The versions of the GpuTraining and job the running reconcile has seen: as it began, then
+    # as its own writes returned them. What it ends with becomes `reconciled`; a watch event
+    # that came meanwhile is not in it, so the key that event queued is worked, not dropped.
+    seen_versions: tuple[str, str] = ("", "")
     # The training code's reports as of the last tick (or its end). Not the live book: every
     # status write comes back as a watch event, and a reconcile of it that read the reports
     # arrived meanwhile would write again within milliseconds (seen at N=100 in
     # bench/report_scale.py); read once a tick, reports cost one write per tick at most.
     reports: tuple[ReceivedReport, ...] = ()
-    lock: threading.Lock = field(default_factory=threading.Lock)
     view: SpecView | None = None
     failure: str | None = None  # the last unexpected error, said once
     child_gone: bool = False  # asked for and not found, after the training finished
@@ -105,21 +132,70 @@ class Tracked:
     # The versions() a reconcile last finished with: a watch event that brings no newer object
     # (the echo of our own status write or job create) has nothing to reconcile.
     reconciled: tuple[str, str] | None = None
-    # Its first status left for later by the last reconcile (gpuop.controller.jobsfirst), and
-    # when it was first seen (how long that may be).
-    status_later: bool = False
+    # When it was first seen (monotonic): how long its first status may be left for later
+    # (gpuop.controller.jobsfirst).
     first_seen: float = field(default_factory=time.monotonic)
     # The status last decoded and the very document it came from. Every event and write brings
     # a new document; the tick's reconcile of an unchanged training does not, and decoding it
     # was half of that reconcile's CPU (0.36 of 0.64 s for 1,000 trainings, cProfile).
     decoded_status: tuple[object, GpuTrainingStatus | None] = (object(), None)
 
+    # -- the watches' side ------------------------------------------------------------------
+
+    def see_training(self, body: dict[str, Any]) -> None:
+        """A watch event's GpuTraining: kept unless older than the one known; a new object
+        under the same name (another uid) starts over."""
+        with self.lock:
+            if _uid(self.body) != _uid(body):
+                self.body, self.child, self.pods = body, None, ()
+                self.child_seen += 1
+                self.first_seen = time.monotonic()
+            elif newer(body, self.body):
+                self.body = body
+
+    def see_job(self, event_type: str | None, job: dict[str, Any]) -> bool:
+        """A watch event of this training's job; whether it told anything not known."""
+        with self.lock:
+            known = self.child
+            if event_type == "DELETED":
+                self.child, self.pods = None, ()
+            elif known is None or newer(job, known):
+                self.child = observe.slim_job(job)
+            if self.child is not known:
+                self.child_seen += 1
+            return self.child != known
+
+    # -- the reconcile's side ------------------------------------------------------------
+
+    def begin(self) -> None:
+        """A reconcile starts from what the watches have told so far."""
+        with self.lock:
+            self.child_seen_at_begin = self.child_seen
+            self.seen_versions = self.versions()
+
+    def keep_training(self, body: dict[str, Any]) -> None:
+        """The GpuTraining as one of our writes returned it, unless a watch brought a newer one."""
+        with self.lock:
+            self.seen_versions = (_version(body), self.seen_versions[1])
+            if _uid(body) == _uid(self.body) and newer(body, self.body):
+                self.body = body
+
+    def keep_job(self, job: dict[str, Any] | None) -> None:
+        """The job as the reconcile's own call left it (made, patched, looked up), unless the
+        job watch told something since this reconcile began that is not older."""
+        with self.lock:
+            self.seen_versions = (self.seen_versions[0], _version(job) if job is not None else "")
+            if self.child_seen == self.child_seen_at_begin or (
+                job is not None
+                and self.child is not None
+                and _uid(job) == _uid(self.child)
+                and newer(job, self.child)
+            ):
+                self.child = job
+
     def versions(self) -> tuple[str, str]:
         """The resourceVersions of the GpuTraining and its job as last seen ("" for no job)."""
-        child = (self.child or {}).get("metadata") or {}
-        return str((self.body.get("metadata") or {}).get("resourceVersion", "")), str(
-            child.get("resourceVersion", "")
-        )
+        return _version(self.body), _version(self.child) if self.child is not None else ""
 
     @property
     def phase(self) -> str | None:

@@ -91,7 +91,14 @@ class OperatorMetrics:
         )
         self.errors = Counter(
             "gpuop_reconcile_errors_total",
-            "Reconciles that failed on an API error after retries (retried on the next event or tick).",
+            "Reconciles that failed (an API error after retries, or a defect); each is retried after "
+            "a backoff of its own, doubling from 0.5 s up to 60 s.",
+            registry=self.registry,
+        )
+        self.queue_depth = Gauge(
+            "gpuop_workqueue_depth",
+            "GpuTrainings waiting for a reconcile: queued now, or at a later time (a first status's "
+            "deadline, a retry's backoff).",
             registry=self.registry,
         )
         self.duration = Histogram(

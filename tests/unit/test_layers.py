@@ -65,8 +65,9 @@ def test_an_upward_import_breaks_the_contract(tree: Path, module: str, line: str
 
 
 # The modules that may write a training's state (gpuop.controller.table.Tracked): the table,
-# which defines it, and the reconcile, which applies what the others return.
-STATE_OWNERS = ("table.py", "reconciler.py")
+# which defines it (and the watches' two fields), and the reconcile, which applies what the
+# others return: its routine (sync.py) and what wraps it, the tick included (reconciler.py).
+STATE_OWNERS = ("table.py", "reconciler.py", "sync.py")
 
 
 def _state_writes(source: str) -> list[str]:

@@ -108,6 +108,38 @@ def test_an_echo_that_comes_while_its_reconcile_still_runs_is_put_down_when_take
         reconciler.close()
 
 
+def test_a_first_status_handed_back_waits_behind_a_training_that_arrives_after_it(toy: ToyJobApi) -> None:
+    """A burst's statuses, handed back when its last job is made, hold up no job of a training
+    that arrives meanwhile: the job is what starts the work."""
+    store = Store()
+    reconciler = _reconciler(store)
+    real = reconciler.reconcile
+    asked: list[str] = []
+
+    def recording(key: tuple[str, str]) -> str:
+        asked.append(key[1])
+        return real(key)
+
+    reconciler.reconcile = recording  # type: ignore[method-assign]
+    try:
+        reconciler.training_event("ADDED", _add(store, "a"))
+        reconciler.training_event("ADDED", _add(store, "b"))
+        queue = reconciler._queue
+        for _ in range(2):  # "a" makes its job and leaves its status ("b" waits); "b" does both
+            key = queue.take_ready()
+            assert key is not None
+            reconciler._work(key)
+            queue.done(key)
+        assert _status(store, "a") is None
+        assert _status(store, "b") is not None
+        reconciler.training_event("ADDED", _add(store, "c"))  # arrives as "a"'s status is handed back
+        reconciler.run_pending()
+        assert asked == ["a", "b", "c", "a"]
+        assert (_status(store, "a") or {}).get("phase") == "Created"
+    finally:
+        reconciler.close()
+
+
 class _HeldStore(Store):
     """A store whose create of one training's job waits until the test lets it go."""
 

@@ -150,6 +150,69 @@ def test_a_worker_blocked_in_get_takes_a_key_held_back_from_another_when_it_is_d
     assert getter.result == "a"
 
 
+# -- the low lane -----------------------------------------------------------------------------
+
+
+def _drain(queue: WorkQueue[str]) -> list[str]:
+    taken = []
+    while (key := queue.take_ready()) is not None:
+        taken.append(key)
+        queue.done(key)
+    return taken
+
+
+def test_a_key_added_low_comes_out_after_every_key_added_plainly_even_later_ones() -> None:
+    queue: WorkQueue[str] = WorkQueue()
+    queue.add_low("status-1")
+    queue.add("job-1")
+    queue.add_low("status-2")
+    queue.add("job-2")
+
+    assert len(queue) == 4
+    assert _drain(queue) == ["job-1", "job-2", "status-1", "status-2"]
+
+
+def test_a_key_added_low_then_plainly_moves_up_and_comes_out_once() -> None:
+    queue: WorkQueue[str] = WorkQueue()
+    queue.add_low("a")
+    queue.add("b")
+    queue.add("a")
+    queue.add_low("a")  # already queued, and up: stays up
+
+    assert _drain(queue) == ["b", "a"]
+
+
+def test_a_key_added_low_while_a_worker_has_it_is_queued_low_when_it_is_done() -> None:
+    queue: WorkQueue[str] = WorkQueue()
+    queue.add("a")
+    assert queue.take_ready() == "a"
+    queue.add_low("a")
+    queue.add("b")
+
+    assert queue.take_ready() == "b"
+    assert queue.take_ready() is None  # "a" is worked
+    queue.done("a")
+    queue.add("c")
+    assert _drain(queue) == ["c", "a"]
+    queue.done("b")
+
+
+def test_a_low_entry_left_behind_by_a_move_up_never_hands_a_worked_key_to_a_second_worker() -> None:
+    """The move-up leaves "a"'s first entry in the low lane; "a" is taken from the plain lane and,
+    while worked, added low again: the old entry must not hand it out a second time."""
+    queue: WorkQueue[str] = WorkQueue()
+    queue.add_low("a")
+    queue.add("a")
+    assert queue.take_ready() == "a"
+    queue.add_low("a")
+
+    assert queue.take_ready() is None
+    queue.done("a")
+    assert queue.take_ready() == "a"
+    queue.done("a")
+    assert queue.take_ready() is None
+
+
 # -- delays -----------------------------------------------------------------------------------
 
 

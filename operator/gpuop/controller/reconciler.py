@@ -155,11 +155,13 @@ class Reconciler:
             if tracked is not None and (ticked or self._has_news(key, tracked)):
                 self.reconcile(key)
         finally:
-            self._queue_all(self._jobs_first.settled(key))
+            self._queue_statuses(self._jobs_first.settled(key))
 
-    def _queue_all(self, keys: Iterable[TrainingKey]) -> None:
+    def _queue_statuses(self, keys: Iterable[TrainingKey]) -> None:
+        """First statuses left for later, handed back: behind every training that waits for
+        its job, even one that arrives after them."""
         for key in keys:
-            self._queue.add(key)
+            self._queue.add_low(key)
 
     def _has_news(self, key: TrainingKey, tracked: Tracked) -> bool:
         """Whether a reconcile could see anything its last one did not: the GpuTraining or its
@@ -182,7 +184,7 @@ class Reconciler:
             self._table.forget(key)
             self.reports.forget(key)
             self._queue.forget(key)  # its retry backoff
-            self._queue_all(self._jobs_first.forget(key))
+            self._queue_statuses(self._jobs_first.forget(key))
             return
         tracked = self._table.get_or_add(key, body)
         tracked.see_training(body)
@@ -335,7 +337,8 @@ class Reconciler:
                 due.append(key)
         with self._ticked_lock:
             self._ticked.update(due)
-        self._queue_all(due)
+        for key in due:
+            self._queue.add(key)
         # Only what this replica serves: a standby's table is stale, and its counts would add
         # to the active replica's in a sum over pods.
         self.metrics.observe_trainings(items, self.clock())

@@ -12,9 +12,10 @@ reconcile them. Three properties make the reconcile simple to reason about:
 - **clocks are delays**: :meth:`add_after` puts a key in after a time (a deadline, a retry), and
   :meth:`retry` does so with a per-key exponential backoff that :meth:`forget` resets.
 
-Keys come out in the order they went in (a FIFO), so a key re-added while it is worked waits
-behind every key added before: what leaves a burst's first statuses until every job of it is
-made (:mod:`gpuop.controller.reconciler`).
+Keys come out in the order they went in (a FIFO). A key added with :meth:`add_low` comes out
+only when no key added with :meth:`add` is ready: a burst's first statuses, handed back once
+every job of it is made (:mod:`gpuop.controller.jobsfirst`), must not hold up the jobs of the
+trainings that arrive after them.
 """
 
 from __future__ import annotations
@@ -44,7 +45,11 @@ class WorkQueue(Generic[K]):
         self._retry_max = retry_max
         self._cond = threading.Condition()
         self._ready: collections.deque[K] = collections.deque()
-        self._dirty: set[K] = set()  # added and not yet taken: in _ready, or held back while worked
+        # Keys added with add_low: taken when _ready is empty. A key moved up by add() stays
+        # here too, and is skipped when met (its entry in _low_keys is gone).
+        self._ready_low: collections.deque[K] = collections.deque()
+        self._low_keys: set[K] = set()
+        self._dirty: set[K] = set()  # added and not yet taken: ready, or held back while worked
         self._processing: set[K] = set()  # taken by a worker, not yet done
         # Keys to add later: the soonest time each is due (monotonic), and a heap of the same;
         # heap entries whose time is no longer the key's are stale and dropped when met.
@@ -61,13 +66,32 @@ class WorkQueue(Generic[K]):
         with self._cond:
             self._add(key)
 
+    def add_low(self, key: K) -> None:
+        """Queue ``key`` behind every key added with :meth:`add`, even those added after it."""
+        with self._cond:
+            if self._shutting_down or key in self._dirty:
+                return
+            self._dirty.add(key)
+            self._low_keys.add(key)
+            if key not in self._processing:
+                self._ready_low.append(key)
+                self._cond.notify()
+
     def _add(self, key: K) -> None:
-        if self._shutting_down or key in self._dirty:
+        if self._shutting_down:
             return
-        self._dirty.add(key)
-        if key not in self._processing:
-            self._ready.append(key)
-            self._cond.notify()
+        if key in self._dirty:
+            if key not in self._low_keys:
+                return
+            self._low_keys.discard(key)  # moved up: its entry in _ready_low is skipped
+            if key in self._processing:
+                return
+        else:
+            self._dirty.add(key)
+            if key in self._processing:
+                return
+        self._ready.append(key)
+        self._cond.notify()
 
     def add_after(self, key: K, seconds: float) -> None:
         """Queue ``key`` in ``seconds``; an earlier time already asked for stays."""
@@ -125,12 +149,18 @@ class WorkQueue(Generic[K]):
 
     def _take_ready(self) -> K | None:
         self._promote_due(time.monotonic())
-        if not self._ready:
-            return None
-        key = self._ready.popleft()
-        self._dirty.discard(key)
-        self._processing.add(key)
-        return key
+        while self._ready or self._ready_low:
+            if self._ready:
+                key = self._ready.popleft()
+            else:
+                key = self._ready_low.popleft()
+                if key not in self._low_keys or key in self._processing:
+                    continue  # moved up by add() and queued there, or an entry left by that
+                self._low_keys.discard(key)
+            self._dirty.discard(key)
+            self._processing.add(key)
+            return key
+        return None
 
     def _promote_due(self, now: float) -> None:
         while self._delayed and self._delayed[0][0] <= now:
@@ -144,7 +174,7 @@ class WorkQueue(Generic[K]):
         with self._cond:
             self._processing.discard(key)
             if key in self._dirty:
-                self._ready.append(key)
+                (self._ready_low if key in self._low_keys else self._ready).append(key)
                 self._cond.notify()
 
     # -- the rest -------------------------------------------------------------------------
@@ -158,7 +188,7 @@ class WorkQueue(Generic[K]):
     def __len__(self) -> int:
         """Keys ready to be worked now (not those delayed or held back while worked)."""
         with self._cond:
-            return len(self._ready)
+            return len(self._dirty - self._processing)
 
     def delayed(self) -> int:
         """Keys waiting for their time (add_after, retry)."""

@@ -140,6 +140,53 @@ def test_a_first_status_handed_back_waits_behind_a_training_that_arrives_after_i
         reconciler.close()
 
 
+def test_a_first_status_handed_back_while_the_reconcile_that_left_it_still_runs_is_written(
+    toy: ToyJobApi,
+) -> None:
+    """The reconcile that left it for later keeps that decision: the hand-back that comes before
+    it ends (the last other training got its job meanwhile) must find the key still to do."""
+    store = Store()
+    reconciler = _reconciler(store)
+    left = reconciler._first_status_later
+
+    def left_then_handed_back(tracked: Any, generation: object) -> bool:
+        leaves = left(tracked, generation)
+        if tracked.body["metadata"]["name"] == "a":  # "b" gets its job at this moment, elsewhere
+            reconciler._queue_statuses(reconciler._jobs_first.settled(("default", "b")))
+        return leaves
+
+    reconciler._first_status_later = left_then_handed_back  # type: ignore[method-assign]
+    reconciler._sync._first_status_later = left_then_handed_back
+    try:
+        reconciler.training_event("ADDED", _add(store, "a"))
+        reconciler.training_event("ADDED", _add(store, "b"))
+        reconciler.run_pending()
+        assert (_status(store, "a") or {}).get("phase") == "Created"
+        assert (_status(store, "b") or {}).get("phase") == "Created"
+    finally:
+        reconciler.close()
+
+
+def test_a_key_queued_while_leading_is_put_down_once_a_peer_leads(toy: ToyJobApi) -> None:
+    leading = [True]
+    store = Store()
+    reconciler = Reconciler(
+        store,  # type: ignore[arg-type]
+        OperatorSettings(peering_name=None),
+        clock=lambda: datetime(2026, 11, 25, 10, tzinfo=UTC),
+        leadership=lambda: lambda _namespace: leading[0],
+    )
+    try:
+        reconciler.training_event("ADDED", _add(store, "t"))  # Kopf delivered it while leading
+        leading[0] = False
+        reconciler._leading = (None, 0.0)  # read again at once, not 2 s later
+        reconciler.run_pending()
+        assert _reconciles(reconciler) == {}
+        assert not _job_made(store, "t")
+    finally:
+        reconciler.close()
+
+
 class _HeldStore(Store):
     """A store whose create of one training's job waits until the test lets it go."""
 

@@ -341,6 +341,19 @@ def test_forget_starts_a_keys_next_retry_from_the_base_again() -> None:
     assert queue.retry("b") == 20.0  # another key's forget leaves this one's backoff
 
 
+def test_forget_drops_a_retry_the_key_waits_for_so_a_later_delay_is_kept() -> None:
+    """A key worked without error must not keep its old retry time, which would win over the
+    later time asked for next (a first status's deadline)."""
+    queue: WorkQueue[str] = WorkQueue(retry_base=60.0)
+    queue.retry("a")
+    queue.forget("a")
+    assert queue.delayed() == 0
+
+    queue.add_after("a", 0.05)
+
+    assert queue.get(timeout=PATIENCE) == "a"
+
+
 def test_a_retried_key_comes_out_after_its_backoff() -> None:
     queue: WorkQueue[str] = WorkQueue(retry_base=0.05, retry_max=1.0)
     asked = time.monotonic()
@@ -391,6 +404,17 @@ def test_shut_down_wakes_a_blocked_get_with_none() -> None:
 
     assert all(getter.join() for getter in getters), "a blocked get() was not woken by shut_down()"
     assert [getter.result for getter in getters] == [None, None, None]
+
+
+def test_keys_still_queued_at_shut_down_are_not_handed_out() -> None:
+    queue: WorkQueue[str] = WorkQueue()
+    queue.add("a")
+    queue.add_low("b")
+
+    queue.shut_down()
+
+    assert queue.get(timeout=0.1) is None
+    assert queue.take_ready() is None
 
 
 def test_adds_after_shut_down_are_ignored() -> None:

@@ -251,11 +251,13 @@ def build_registry(
     return registry
 
 
-async def _close_when_stopping(stop: asyncio.Event, jobs: jobwatch.JobWatch) -> None:
-    """The jobs' watch ends as the operator begins to stop, not after Kopf has left its peering:
-    a replica that takes over then must not meet this one's reconciles of job events."""
+async def _close_when_stopping(stop: asyncio.Event, jobs: jobwatch.JobWatch, reconciler: Reconciler) -> None:
+    """The jobs' watch and the reconcile workers end as the operator begins to stop, not after
+    Kopf has left its peering: a replica that takes over then must not meet this one's
+    reconciles."""
     await stop.wait()
     await asyncio.to_thread(jobs.close)
+    await asyncio.to_thread(reconciler.stop)
 
 
 async def _tick_forever(reconciler: Reconciler, interval: float) -> None:
@@ -294,7 +296,7 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
     ticker = asyncio.create_task(_tick_forever(reconciler, settings.scrape_interval_seconds))
     peering_warnings = asyncio.create_task(_warn_while_peering_missing(kube, settings))
     signals = asyncio.create_task(_take_over_signals(ready, stop, retries))
-    jobs_stop = asyncio.create_task(_close_when_stopping(stop, jobs))
+    jobs_stop = asyncio.create_task(_close_when_stopping(stop, jobs, reconciler))
     try:
         reconciler.start()
         jobs.start()
@@ -392,11 +394,11 @@ def run_operator(settings: OperatorSettings) -> int:
     if not settings.verbose:
         # Kopf logs every handler call at INFO: a line per watch event is noise at scale.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    # Connections for the reconcile workers, Kopf's handler threads, the job events' pool
-    # (jobwatch) and the scrape tick's pod reads, each up to max_workers at once, the 8
-    # Event posters (statuswriter), the tick, and the jobs' watches, one per job API and
-    # namespace: a pool smaller than that opens and drops a TLS connection per request beyond
-    # it in a burst.
+    # Connections for the reconcile workers, the job events' pool (jobwatch: leadership and
+    # a DELETED's check) and the scrape tick's pod reads, each up to max_workers at once, as
+    # many again to spare, the 8 Event posters (statuswriter), the tick, and the jobs' watches,
+    # one per job API and namespace: a pool smaller than that opens and drops a TLS connection
+    # per request beyond it in a burst.
     streams = len(APIS) * max(1, len(settings.namespaces))  # each holds its connection
     kube = Kube.login(pool_size=settings.max_workers * 4 + 10 + streams)
     log.info(

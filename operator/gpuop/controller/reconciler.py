@@ -152,7 +152,9 @@ class Reconciler:
             with self._ticked_lock:
                 ticked = key in self._ticked
                 self._ticked.discard(key)
-            if tracked is not None and (ticked or self._has_news(key, tracked)):
+            # A standby keeps its table, and reconciles nothing: a key it queued as leader (an
+            # event, a retry, a deadline) is put down once a peer outranks it.
+            if tracked is not None and (ticked or self._has_news(key, tracked)) and self._leads(key[0]):
                 self.reconcile(key)
         finally:
             self._queue_statuses(self._jobs_first.settled(key))
@@ -248,16 +250,19 @@ class Reconciler:
             return "gone"
         started = time.monotonic()
         tracked.begin()
+        tracked.status_left_for = None
         try:
             generation = _generation(tracked.body)
             outcome = self._sync.run(tracked)
             tracked.failure = None
-            self._queue.forget(key)
+            self._queue.forget(key)  # its backoff, and a retry it waited for
+            if tracked.status_left_for is not None:  # queued again at its deadline at the latest
+                self._queue.add_after(key, tracked.status_left_for)
             # Done unless its first status waits for later, or our own write's reply brought a
             # spec edited meanwhile (its event, older than that reply, would be taken for an echo).
             edited = _generation(tracked.body) != generation
-            later = self._jobs_first.waits(key, _generation(tracked.body))
-            tracked.reconciled = None if later or edited else tracked.seen_versions
+            left = tracked.status_left_for is not None
+            tracked.reconciled = None if left or edited else tracked.seen_versions
             if edited:
                 self._queue.add(key)
         except ApiError as exc:
@@ -283,11 +288,8 @@ class Reconciler:
         """Whether a new training's first status, its job made, waits for the other jobs of a
         burst (jobsfirst); its key is queued again at its deadline, or once none waits."""
         key = key_of(tracked.body)
-        wait = self._jobs_first.leave_for_later(key, tracked.first_seen, generation)
-        if wait is None:
-            return False
-        self._queue.add_after(key, wait)
-        return True
+        tracked.status_left_for = self._jobs_first.leave_for_later(key, tracked.first_seen, generation)
+        return tracked.status_left_for is not None
 
     # -- the tick: scrape running jobs, retry what failed ---------------------------------
 
@@ -338,7 +340,11 @@ class Reconciler:
         with self._ticked_lock:
             self._ticked.update(due)
         for key in due:
-            self._queue.add(key)
+            entry = self._table.get(key)
+            if entry is not None and entry.phase is None:
+                self._queue.add_low(key)  # a first status: behind any training waiting for its job
+            else:
+                self._queue.add(key)
         # Only what this replica serves: a standby's table is stale, and its counts would add
         # to the active replica's in a sum over pods.
         self.metrics.observe_trainings(items, self.clock())
@@ -370,12 +376,16 @@ class Reconciler:
         """Keys waiting for a worker, now or at a later time."""
         return len(self._queue) + self._queue.delayed()
 
-    def close(self) -> None:
-        """Stop the workers once the reconciles they are in are over (keys still queued are
-        dropped: a replica that takes over reconciles every training anyway)."""
+    def stop(self) -> None:
+        """Stop the workers once the reconciles they are in are over; keys still queued are
+        dropped (a replica that takes over reconciles every training anyway). Again is harmless."""
         self._queue.shut_down()
         deadline = time.monotonic() + CLOSE_SECONDS
         for worker in self._workers:
             worker.join(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        """:meth:`stop`, then the pools the reconcile calls through."""
+        self.stop()
         self._pods.close()
         self._status.close()

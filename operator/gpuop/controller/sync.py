@@ -76,7 +76,10 @@ class TrainingSync:
             return
         tracked.failure = summary
         log.exception("gputraining %s/%s: reconcile failed; other trainings go on", namespace, name)
-        message = f"the operator cannot reconcile this GpuTraining ({summary}); it retries on every change"
+        message = (
+            f"the operator cannot reconcile this GpuTraining ({summary}); it retries after a growing "
+            "pause, and on every change"
+        )
         self._status.emit(tracked.body, Event("Warning", "ReconcileError", message), self.clock())
 
     def _write_status(
@@ -156,8 +159,10 @@ class TrainingSync:
         ensured = self._children.ensure(tracked.child, view.training, api, objects)
         outcome, conflict = ensured.outcome, ensured.conflict
         tracked.keep_job(ensured.child)
-        if tracked.child is not None:
-            updated = self._children.update(tracked.child, view.training, api, objects[-1])
+        # Each use reads tracked.child once: the job watch may set it (to None, on a DELETED)
+        # between two reads.
+        if (child := tracked.child) is not None:
+            updated = self._children.update(child, view.training, api, objects[-1])
             if updated is not None:
                 tracked.keep_job(updated)
                 outcome = "updated" if outcome == "unchanged" else outcome
@@ -169,10 +174,10 @@ class TrainingSync:
             return "later" if outcome == "unchanged" else outcome
         if (
             conflict is None
-            and tracked.child is not None
-            and wake_due(tracked.child, tracked.woken_at, api, now)
+            and (child := tracked.child) is not None
+            and wake_due(child, tracked.woken_at, api, now)
         ):
-            woken = self._children.wake(tracked.child, api, now)
+            woken = self._children.wake(child, api, now)
             tracked.woken_at = now  # or gone already: its DELETED event follows
             if woken is not None:
                 tracked.keep_job(woken)
@@ -183,7 +188,8 @@ class TrainingSync:
             # Stopped before Failed is written, and the job annotated with why: a stop that fails
             # (raises) leaves the training active for the next tick; a status write that fails
             # after it finds the annotation next time.
-            stopped = self._children.stop(tracked.child, view.training, api, stop) if tracked.child else None
+            child = tracked.child
+            stopped = self._children.stop(child, view.training, api, stop) if child is not None else None
             if stopped is not None:
                 tracked.keep_job(stopped)
                 observation = dataclasses.replace(observation, job_stopped=stop)
@@ -267,8 +273,8 @@ class TrainingSync:
         backend here can run it, or when it names a Kueue queue and the cluster serves no Kueue.
         """
         api = registry.recorded(previous)
-        if api is None and tracked.child is not None:
-            api = registry.of_kind(tracked.child.get("kind"))
+        if api is None and (child := tracked.child) is not None:
+            api = registry.of_kind(child.get("kind"))
         choice = None
         spec = training.spec
         if api is None:

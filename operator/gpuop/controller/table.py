@@ -4,7 +4,8 @@ One :class:`Tracked` entry per GpuTraining. Two kinds of writer meet in it, on s
 
 - the watches (Kopf's events of the trainings, the job watch) keep the latest GpuTraining and
   job seen, through :meth:`Tracked.see_training` and :meth:`Tracked.see_job`, under the entry's
-  lock, which is held for those few lines only, never across an API call;
+  lock, which is held for those few lines only, never across an API call; the scrape tick keeps
+  the pods it listed and the reports it read;
 - the reconcile owns everything else, and is never run for one training by two workers at once
   (:mod:`gpuop.controller.workqueue`). What its own writes return (the job it made, the status it
   patched) it keeps with :meth:`Tracked.keep_training` and :meth:`Tracked.keep_job`, which never
@@ -109,7 +110,8 @@ class Tracked:
     body: dict[str, Any]
     child: dict[str, Any] | None = None
     pods: tuple[PodObservation, ...] = ()
-    # Guards body and child against a watch and the reconcile writing them at once.
+    # Guards body, child and pods against a watch (or the tick) and the reconcile writing them
+    # at once.
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Counts the job watch's changes of child; what the running reconcile began with (begin()).
     # A job the reconcile keeps replaces a child the watch changed meanwhile only when newer: a
@@ -135,6 +137,9 @@ class Tracked:
     # When it was first seen (monotonic): how long its first status may be left for later
     # (gpuop.controller.jobsfirst).
     first_seen: float = field(default_factory=time.monotonic)
+    # Seconds until its deadline, when the running reconcile left its first status for later
+    # (None: it did not): the key is queued again then, and the reconcile is not done.
+    status_left_for: float | None = None
     # The status last decoded and the very document it came from. Every event and write brings
     # a new document; the tick's reconcile of an unchanged training does not, and decoding it
     # was half of that reconcile's CPU (0.36 of 0.64 s for 1,000 trainings, cProfile).
@@ -153,8 +158,8 @@ class Tracked:
             elif newer(body, self.body):
                 self.body = body
 
-    def see_job(self, event_type: str | None, job: dict[str, Any]) -> bool:
-        """A watch event of this training's job; whether it told anything not known."""
+    def see_job(self, event_type: str | None, job: dict[str, Any]) -> None:
+        """A watch event of this training's job: kept unless older than the one known."""
         with self.lock:
             known = self.child
             if event_type == "DELETED":
@@ -163,7 +168,6 @@ class Tracked:
                 self.child = observe.slim_job(job)
             if self.child is not known:
                 self.child_seen += 1
-            return self.child != known
 
     # -- the reconcile's side ------------------------------------------------------------
 

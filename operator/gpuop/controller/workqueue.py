@@ -31,8 +31,9 @@ from typing import Final, Generic, TypeVar
 K = TypeVar("K", bound=Hashable)
 
 # A failed key's first retry comes after this, each further one after twice the last, up to
-# RETRY_MAX: an API server that answers again is used again within a second, and one that stays
-# down is asked about once a minute per training, not hammered.
+# RETRY_MAX: an API server that answers again is used again within a second. (The scrape tick
+# queues a failed training at each of its rounds as well, so the retries never space out
+# beyond the tick's interval.)
 RETRY_BASE: Final = 0.5
 RETRY_MAX: Final = 60.0
 
@@ -106,7 +107,8 @@ class WorkQueue(Generic[K]):
             soonest = self._delayed[0][0] if self._delayed else None
             heapq.heappush(self._delayed, (due, next(self._order), key))
             if soonest is None or due < soonest:
-                self._cond.notify()  # a worker waiting for the old soonest wakes for this one
+                # Every waiter: one that wakes at its own timeout instead would use up the call.
+                self._cond.notify_all()
 
     def retry(self, key: K) -> float:
         """Queue ``key`` again after its backoff, which doubles with each retry until
@@ -120,9 +122,11 @@ class WorkQueue(Generic[K]):
         return delay
 
     def forget(self, key: K) -> None:
-        """``key`` was worked without error: its next retry starts from the first backoff."""
+        """``key`` was worked without error: a retry it waits for is dropped, and its next one
+        starts from the first backoff."""
         with self._cond:
             self._failures.pop(key, None)
+            self._due_at.pop(key, None)  # its heap entry, now stale, is dropped when met
 
     # -- taking ---------------------------------------------------------------------------
 
@@ -132,8 +136,10 @@ class WorkQueue(Generic[K]):
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
+                if self._shutting_down:
+                    return None
                 key = self._take_ready()
-                if key is not None or self._shutting_down:
+                if key is not None:
                     return key
                 now = time.monotonic()
                 soonest = self._delayed[0][0] if self._delayed else None
@@ -143,9 +149,10 @@ class WorkQueue(Generic[K]):
                 self._cond.wait(max(0.0, min(waits)) if waits else None)
 
     def take_ready(self) -> K | None:
-        """The next key that is ready now, without waiting (None when none is)."""
+        """The next key that is ready now, without waiting (None when none is, or once shut
+        down)."""
         with self._cond:
-            return self._take_ready()
+            return None if self._shutting_down else self._take_ready()
 
     def _take_ready(self) -> K | None:
         self._promote_due(time.monotonic())
@@ -180,7 +187,8 @@ class WorkQueue(Generic[K]):
     # -- the rest -------------------------------------------------------------------------
 
     def shut_down(self) -> None:
-        """Wake every waiting worker with None; adds are ignored from now on."""
+        """Wake every waiting worker with None; no key is handed out and adds are ignored from
+        now on (keys still queued are dropped)."""
         with self._cond:
             self._shutting_down = True
             self._cond.notify_all()

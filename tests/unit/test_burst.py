@@ -51,6 +51,19 @@ def _reconciles(reconciler: Reconciler) -> dict[str, float]:
     }
 
 
+def _record_reconciles(reconciler: Reconciler) -> list[str]:
+    """The names of the trainings reconciled from now on, in order (the list fills as they are)."""
+    real = reconciler.reconcile
+    asked: list[str] = []
+
+    def recording(key: tuple[str, str]) -> str:
+        asked.append(key[1])
+        return real(key)
+
+    reconciler.reconcile = recording  # type: ignore[method-assign]
+    return asked
+
+
 def _job_of(store: Store, name: str) -> dict[str, Any]:
     return copy.deepcopy(
         next(o for o in store.objects.values() if o["kind"] == "ToyJob" and o["metadata"]["name"] == name)
@@ -113,14 +126,7 @@ def test_a_first_status_handed_back_waits_behind_a_training_that_arrives_after_i
     that arrives meanwhile: the job is what starts the work."""
     store = Store()
     reconciler = _reconciler(store)
-    real = reconciler.reconcile
-    asked: list[str] = []
-
-    def recording(key: tuple[str, str]) -> str:
-        asked.append(key[1])
-        return real(key)
-
-    reconciler.reconcile = recording  # type: ignore[method-assign]
+    asked = _record_reconciles(reconciler)
     try:
         reconciler.training_event("ADDED", _add(store, "a"))
         reconciler.training_event("ADDED", _add(store, "b"))
@@ -277,14 +283,7 @@ def test_while_its_first_status_waits_only_a_spec_edit_or_a_lost_job_reconciles_
     those events each cost a reconcile that did nothing (1.6-1.8 a training, bench/operator_scale.py)."""
     with _slow_waits_for_its_job() as burst:
         store, reconciler = burst.store, burst.reconciler
-        real = reconciler.reconcile
-        asked: list[str] = []
-
-        def recording(key: tuple[str, str]) -> str:
-            asked.append(key[1])
-            return real(key)
-
-        reconciler.reconcile = recording  # type: ignore[method-assign]
+        asked = _record_reconciles(reconciler)
         reconciler.training_event("ADDED", burst.fast)
         _eventually(lambda: _job_made(store, "fast") and reconciler.queued() == 1)  # its deadline
         assert _status(store, "fast") is None  # left for later

@@ -10,7 +10,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
 HELM := $(BIN)/helm
 CHART := charts/gpu-training-operator
 
-.PHONY: docs-tools version test check release registry-binaries cosign-binaries actionlint-binaries run lint typecheck imports unit crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries node-binaries images node min-versions cluster cluster-down monitoring-binaries objectstore-binaries
+.PHONY: docs-tools version test check release registry-binaries cosign-binaries actionlint-binaries run lint typecheck imports test-nodes test-rest crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries node-binaries images node min-versions cluster cluster-down monitoring-binaries objectstore-binaries
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,11 +25,34 @@ $(HELM): tests/support/tools/fetch_helm.py | $(STAMP)
 # the Go modules in tests/controlplane/ into ~/.cache/gpuop (once per machine; see the script).
 CONTROLPLANE := PYTHONPATH=tests $(BIN)/python -m support.plane.controlplane
 
-## test: set up .venv, helm and the Go-built binaries, run every check (lint, strict types, the
-## CRD is current, the operator's unit tests at the lowest versions it declares, pytest: unit,
-## chart, operator, trainer, the real control-plane suite, the real-node suite and the local
-## end-to-end chain)
-test: $(STAMP) $(HELM) controlplane-binaries monitoring-binaries objectstore-binaries registry-binaries cosign-binaries actionlint-binaries node-binaries images docs-tools lint typecheck imports crd min-versions unit
+## test: set up .venv and helm, then every check in two lanes at once (support.tools.lanes): the
+## nodes lane (the Go-built node, registry and images, then the real-node suite, the end-to-end
+## chain and the release, root) and the rest lane (lint, strict types, the layers, the CRD is
+## current, the unit tests at the lowest versions we declare, then the unit, chart, emulated,
+## monitoring, trainer and real control-plane suites). Each lane's log is in .test-logs/
+test: $(STAMP) $(HELM)
+	PYTHONPATH=tests $(BIN)/python -m support.tools.lanes --logs .test-logs \
+	  nodes="$(MAKE) --no-print-directory test-nodes" rest="$(MAKE) --no-print-directory test-rest"
+
+# The suites of each lane; tests/unit/test_lanes.py checks that every suite is in exactly one,
+# but the kind suite (tests/e2e), which is `make e2e`'s alone: on a machine with Docker it would
+# build images and a cluster for most of an hour. The real nodes need root and most of the
+# machine while a training's pods run, so their suites share one lane and one control plane.
+NODE_SUITES := tests/node tests/e2e_local tests/release
+# Those that need no Go-built server run while the rest lane's builds (cold) are still to come.
+REST_SUITES_FIRST := tests/unit tests/chart tests/emulated
+REST_SUITES_THEN := tests/trainer tests/monitoring tests/controlplane
+PYTEST_LANE := HELM=$(abspath $(HELM)) $(BIN)/pytest --durations=15
+
+## test-nodes: the nodes lane of `make test` alone (root)
+test-nodes: $(STAMP) $(HELM) node-binaries images registry-binaries cosign-binaries objectstore-binaries monitoring-binaries controlplane-binaries
+	$(PYTEST_LANE) $(NODE_SUITES)
+
+## test-rest: the rest lane of `make test` alone
+test-rest: $(STAMP) $(HELM) actionlint-binaries docs-tools lint typecheck imports crd min-versions
+	$(PYTEST_LANE) $(REST_SUITES_FIRST)
+	$(MAKE) --no-print-directory objectstore-binaries monitoring-binaries controlplane-binaries
+	$(PYTEST_LANE) $(REST_SUITES_THEN)
 
 ## check: the everyday loop: lint, strict types, the layers, the CRD is current, the unit tests
 ## (tests/unit; beside .venv it builds only actionlint, once, for the workflows' test)
@@ -132,11 +155,6 @@ crd: $(STAMP)
 	$(BIN)/gpuop crd --check crds/gputraining.yaml
 	$(BIN)/gpuop crd --check $(CHART)/files/gputraining.yaml
 	$(BIN)/gpuop crd -o markdown --check docs/api.md
-
-# The kind suite (marker e2e) is left to `make e2e`: on a machine with Docker it would build
-# images and a cluster for most of an hour.
-unit: $(STAMP) $(HELM)
-	HELM=$(abspath $(HELM)) $(BIN)/pytest -m "not e2e" --durations=25
 
 ## e2e-local: only the local end-to-end chain (tests/e2e_local; `make test` runs it too): the real
 ## control plane, two real nodes, Kubeflow's controllers and Kueue, the chart and the operator from its image

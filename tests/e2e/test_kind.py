@@ -2,8 +2,8 @@
 `kubectl apply -f examples/kind-cpu.yaml`, a real 2-pod DDP run to Succeeded, and deletion.
 
 Needs Docker, kind, kubectl and network access (Kubeflow's manifests); skips with the reason
-where any is missing, as on a laptop without Docker. Only `make e2e` runs it (`make test`
-deselects the e2e marker: a runner with Docker would otherwise build images for an hour); CI runs
+where any is missing, as on a laptop without Docker. Only `make e2e` runs it (no lane of `make
+test` names tests/e2e: a runner with Docker would otherwise build images for an hour); CI runs
 it in its own job.
 
 A cluster named `gpuop` that was already there is used and left in place; one this test created

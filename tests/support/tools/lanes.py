@@ -1,0 +1,169 @@
+"""`make test`'s two lanes, run at once: each a command (a sub-``make``) with its own output log.
+
+The suites that need the real nodes (root, two kubelets, the images; most of the time is spent
+waiting on pods) and the suites that need none (lint, types, the unit, trainer and control-plane
+tests) share nothing but the machine, so they overlap: the run costs the longer lane, not the sum.
+Cold, each lane builds what it needs first, and the builds they share are built once
+(:mod:`support.buildcache` locks per entry): the unit tests run while the nodes' builds run.
+
+The first lane is echoed as it runs; every lane is written to ``<logs>/<name>.log``. A lane that
+ends says so in one line at once, its log is printed whole at the end (so CI's log holds all of
+it), then one line per lane: its verdict and its time. Exits non-zero when any lane failed.
+SIGINT or SIGTERM is passed on to every lane's process group (pytest then tears its fixtures
+down: the nodes' mounts and processes), and a lane still there two minutes later is killed.
+
+    PYTHONPATH=tests python3 -m support.tools.lanes --logs .test-logs \\
+        cluster="make test-cluster" local="make test-local"
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Final
+
+# How long a lane that was asked to stop may take to tear down before it is killed: the chain's
+# teardown (two nodes, their pods and mounts) takes about a minute.
+STOP_GRACE_S: Final = 120.0
+
+
+@dataclass
+class Lane:
+    name: str
+    command: str
+    log: Path
+    echo: bool
+    process: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    ended: float | None = None
+    returncode: int | None = None
+    pump: threading.Thread | None = field(default=None, repr=False)
+
+    @property
+    def took(self) -> float:
+        return (self.ended if self.ended is not None else time.monotonic()) - self.started
+
+
+def parse_lane(text: str) -> tuple[str, str]:
+    name, sep, command = text.partition("=")
+    if not sep or not name.isidentifier() or not command.strip():
+        raise argparse.ArgumentTypeError(f"a lane is NAME=COMMAND, got {text!r}")
+    return name, command
+
+
+def clock(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes}m{secs:02d}s"
+
+
+def _pump(lane: Lane, out: IO[bytes]) -> None:
+    """Copy the lane's output to its log, and to our stdout for the echoed lane."""
+    assert lane.process is not None
+    assert lane.process.stdout is not None
+    pipe = lane.process.stdout.fileno()
+    with lane.log.open("wb") as log:
+        for chunk in iter(lambda: os.read(pipe, 65536), b""):  # what is there, not a full buffer
+            log.write(chunk)
+            log.flush()
+            if lane.echo:
+                out.write(chunk)
+                out.flush()
+
+
+def start(lane: Lane, out: IO[bytes]) -> None:
+    lane.log.parent.mkdir(parents=True, exist_ok=True)
+    lane.started = time.monotonic()
+    # A session of its own: a signal reaches the whole lane (make, pytest and what they started).
+    lane.process = subprocess.Popen(
+        ["bash", "-c", lane.command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    lane.pump = threading.Thread(target=_pump, args=(lane, out), name=f"lane-{lane.name}", daemon=True)
+    lane.pump.start()
+
+
+def _say(out: IO[bytes], line: str) -> None:
+    out.write(f"\n[lanes] {line}\n".encode())
+    out.flush()
+
+
+def _signal_all(lanes: list[Lane], signum: int) -> None:
+    for lane in lanes:
+        if lane.process is not None and lane.returncode is None:
+            with contextlib.suppress(ProcessLookupError):  # it ended since the last poll
+                os.killpg(lane.process.pid, signum)
+
+
+def run(lanes: list[Lane], out: IO[bytes]) -> int:
+    stopping: list[float] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        if not stopping:
+            stopping.append(time.monotonic())
+            _say(out, f"stopping every lane ({signal.Signals(signum).name})")
+        _signal_all(lanes, signal.SIGINT)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for lane in lanes:
+            start(lane, out)
+        running = list(lanes)
+        while running:
+            for lane in list(running):
+                assert lane.process is not None
+                code = lane.process.poll()
+                if code is None:
+                    continue
+                lane.returncode, lane.ended = code, time.monotonic()
+                running.remove(lane)
+                verdict = "passed" if code == 0 else f"FAILED (exit {code})"
+                _say(out, f"lane {lane.name} {verdict} in {clock(lane.took)}; its log: {lane.log}")
+            if stopping and time.monotonic() - stopping[0] > STOP_GRACE_S:
+                _signal_all(running, signal.SIGKILL)
+            time.sleep(0.5)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    for lane in lanes:
+        if lane.pump is not None:
+            lane.pump.join()
+    for lane in lanes:
+        if not lane.echo:
+            out.write(f"\n{'=' * 30} lane {lane.name}: {lane.command} {'=' * 30}\n".encode())
+            out.write(lane.log.read_bytes())
+    out.write(b"\n")
+    for lane in lanes:
+        verdict = "passed" if lane.returncode == 0 else f"FAILED (exit {lane.returncode})"
+        out.write(f"[lanes] {lane.name:<10} {verdict:<18} {clock(lane.took)}\n".encode())
+    out.flush()
+    return 0 if all(lane.returncode == 0 for lane in lanes) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--logs", type=Path, required=True, help="the folder each lane's log is written to")
+    parser.add_argument("lanes", nargs="+", type=parse_lane, metavar="NAME=COMMAND",
+                        help="the first is echoed as it runs")  # fmt: skip
+    args = parser.parse_args(argv)
+    names = [name for name, _ in args.lanes]
+    if len(set(names)) != len(names):
+        parser.error(f"two lanes share a name: {names}")
+    lanes = [
+        Lane(name, command, args.logs / f"{name}.log", echo=index == 0)
+        for index, (name, command) in enumerate(args.lanes)
+    ]
+    for lane in lanes:
+        print(f"[lanes] {lane.name}: {shlex.join(['bash', '-c', lane.command])} -> {lane.log}", flush=True)
+    return run(lanes, sys.stdout.buffer)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""`make test`'s lanes: every suite runs in exactly one, and the driver that runs them at once
+reports each lane's verdict, fails when any lane fails and stops them all when it is stopped."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from support.paths import ROOT
+from support.tools import lanes
+
+LANE_LISTS = ("NODE_SUITES", "REST_SUITES_FIRST", "REST_SUITES_THEN")
+# `make e2e`'s alone: the kind suite needs Docker, and a runner with it would spend an hour.
+NOT_IN_MAKE_TEST = {"tests/e2e"}
+
+
+def _make_variable(name: str) -> list[str]:
+    found = re.search(rf"^{name} := (.*)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert found, f"the Makefile defines no {name}"
+    return found.group(1).split()
+
+
+def test_every_suite_runs_in_exactly_one_lane() -> None:
+    suites = {
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "tests").iterdir()
+        if path.is_dir() and any(path.rglob("test_*.py"))
+    }
+    listed = [suite for name in LANE_LISTS for suite in _make_variable(name)]
+    assert len(listed) == len(set(listed)), f"a suite in two lanes: {sorted(listed)}"
+    assert set(listed) == suites - NOT_IN_MAKE_TEST
+
+
+def _driver(tmp_path: Path, *specs: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "support.tools.lanes", "--logs", str(tmp_path / "logs"), *specs],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def test_a_failing_lane_fails_the_run_and_every_lane_is_reported_and_logged(tmp_path: Path) -> None:
+    driver = _driver(tmp_path, "first=echo from-first", "second=echo from-second; exit 3")
+    out, _ = driver.communicate(timeout=60)
+    assert driver.returncode == 1, out
+    assert re.search(r"\[lanes\] first +passed", out), out
+    assert re.search(r"\[lanes\] second +FAILED \(exit 3\)", out), out
+    assert (tmp_path / "logs" / "first.log").read_text() == "from-first\n"
+    assert (tmp_path / "logs" / "second.log").read_text() == "from-second\n"
+    # the second lane is not echoed as it runs, but its log is printed whole at the end
+    header = "lane second: echo from-second; exit 3 ="
+    assert header in out, out
+    assert "from-second\n" in out.split(header, 1)[1], out
+
+
+def test_lanes_run_at_once(tmp_path: Path) -> None:
+    """Each lane waits for the other's mark: run one after another, neither would finish."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    wait_for = "for i in $(seq 100); do [ -e {mark} ] && exit 0; sleep 0.1; done; exit 1"
+    first = f"touch {marks}/a; " + wait_for.format(mark=marks / "b")
+    second = f"touch {marks}/b; " + wait_for.format(mark=marks / "a")
+    driver = _driver(tmp_path, f"a={first}", f"b={second}")
+    out, _ = driver.communicate(timeout=60)
+    assert driver.returncode == 0, out
+
+
+def test_all_passing_lanes_pass(tmp_path: Path) -> None:
+    driver = _driver(tmp_path, "only=true", "other=true")
+    out, _ = driver.communicate(timeout=60)
+    assert driver.returncode == 0, out
+
+
+def test_a_stopped_run_stops_every_lane_with_sigint_so_pytest_tears_down(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    # a lane that says when it is interrupted, as pytest does when it tears its fixtures down
+    lane = f"trap 'echo interrupted; exit 7' INT; touch {ready}-$LANE; while true; do sleep 0.1; done"
+    driver = _driver(tmp_path, f"one=LANE=one; {lane}", f"two=LANE=two; {lane}")
+    deadline = time.monotonic() + 30
+    while not all(Path(f"{ready}-{n}").exists() for n in ("one", "two")):
+        assert time.monotonic() < deadline, "the lanes never started"
+        time.sleep(0.05)
+    driver.send_signal(signal.SIGTERM)
+    out, _ = driver.communicate(timeout=30)
+    assert driver.returncode == 1, out
+    assert "stopping every lane (SIGTERM)" in out
+    for name in ("one", "two"):
+        assert (tmp_path / "logs" / f"{name}.log").read_text().strip() == "interrupted"
+        assert re.search(rf"\[lanes\] {name} +FAILED \(exit 7\)", out), out
+
+
+def test_a_lane_is_name_equals_command() -> None:
+    assert lanes.parse_lane("rest=make test-rest") == ("rest", "make test-rest")
+    for bad in ("make test-rest", "=make", "two words=make", "name="):
+        with pytest.raises(argparse.ArgumentTypeError, match="NAME=COMMAND"):
+            lanes.parse_lane(bad)
+
+
+def test_clock() -> None:
+    assert lanes.clock(0) == "0m00s"
+    assert lanes.clock(3725.4) == "62m05s"

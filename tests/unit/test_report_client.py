@@ -502,10 +502,15 @@ def test_a_server_that_never_answers_does_not_slow_the_caller(
         started = time.perf_counter()
         reporter.report(step=step, total_steps=200, loss=0.5)
         calls.append(time.perf_counter() - started)
-    assert max(calls) < 0.05, sorted(calls)[-5:]  # each is about 0.05 ms
+    # Each is about 0.05 ms. A call that waited on the network would wait at least the request
+    # timeout, and so would every call after it; on a loaded machine (make test runs two lanes
+    # at once) a call may lose the CPU for tens of milliseconds, which is not waiting.
+    assert sorted(calls)[len(calls) // 2] < 0.005, sorted(calls)[-5:]
+    assert max(calls) < 0.3, sorted(calls)[-5:]
     started = time.perf_counter()
     assert not reporter.finish(step=200, total_steps=200)  # never answered
-    assert time.perf_counter() - started < 1.0 + 0.5
+    # final_timeout and a margin for that load; the retries' backoff (1, 2, 4, 5 s) it does not wait
+    assert time.perf_counter() - started < 1.0 + 1.0
     assert server.arrived.get(timeout=5)  # the requests did go out
 
 

@@ -1,10 +1,11 @@
 """`make test`'s two lanes, run at once: each a command (a sub-``make``) with its own output log.
 
-The suites that need the real nodes (root, two kubelets, the images; most of the time is spent
-waiting on pods) and the suites that need none (lint, types, the unit, trainer and control-plane
-tests) share nothing but the machine, so they overlap: the run costs the longer lane, not the sum.
-Cold, each lane builds what it needs first, and the builds they share are built once
-(:mod:`support.buildcache` locks per entry): the unit tests run while the nodes' builds run.
+The suites that need the real nodes (root, two kubelets, the images) and the suites that need
+none (lint, types, the unit and control-plane tests) share nothing but the machine, so they
+overlap: the run costs the longer lane, not the sum (which lane holds which suite, and why, is
+the Makefile's). Cold, each lane builds what it needs first, and the builds they share are
+built once (:mod:`support.buildcache` locks per entry): the unit tests run while the nodes'
+builds run.
 
 The first lane is echoed as it runs; every lane is written to ``<logs>/<name>.log``. A lane that
 ends says so in one line at once, its log is printed whole at the end (so CI's log holds all of

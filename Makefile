@@ -38,10 +38,9 @@ test: $(STAMP) $(HELM)
 # but the kind suite (tests/e2e), which is `make e2e`'s alone: on a machine with Docker it would
 # build images and a cluster for most of an hour. The real nodes need root and most of the
 # machine while a training's pods run, so their suites share one lane and one control plane.
-# The trainer suite is theirs too, run before the chain: its DDP runs take both cores, and the
-# chain's timing (a resumed pod's first step within its stall timeout) does not survive them
-# beside it (measured: a false Stalled and a resume past its 240 s). The rest is light beside
-# the real-node suite.
+# The trainer suite is theirs too, run before the chain: its DDP runs take both cores, and beside
+# them the chain's resumed pods can miss their stall timeout (a false Stalled) and its waits for
+# a training's end. The rest is light beside the real-node suite.
 NODE_SUITES := tests/node tests/trainer tests/e2e_local tests/release
 # Those that need no Go-built server run while the rest lane's builds (cold) are still to come.
 REST_SUITES_FIRST := tests/unit tests/chart tests/emulated

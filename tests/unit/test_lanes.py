@@ -9,13 +9,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from support.paths import ROOT
 from support.tools import lanes
+from support.waiting import wait_for
 
 LANE_LISTS = ("NODE_SUITES", "REST_SUITES_FIRST", "REST_SUITES_THEN")
 # `make e2e`'s alone: the kind suite needs Docker, and a runner with it would spend an hour.
@@ -84,10 +84,8 @@ def test_a_stopped_run_stops_every_lane_with_sigint_so_pytest_tears_down(tmp_pat
     # a lane that says when it is interrupted, as pytest does when it tears its fixtures down
     lane = f"trap 'echo interrupted; exit 7' INT; touch {ready}-$LANE; while true; do sleep 0.1; done"
     driver = _driver(tmp_path, f"one=LANE=one; {lane}", f"two=LANE=two; {lane}")
-    deadline = time.monotonic() + 30
-    while not all(Path(f"{ready}-{n}").exists() for n in ("one", "two")):
-        assert time.monotonic() < deadline, "the lanes never started"
-        time.sleep(0.05)
+    wait_for("both lanes started", lambda: all(Path(f"{ready}-{n}").exists() for n in ("one", "two")),
+             timeout=30, every=0.05)  # fmt: skip
     driver.send_signal(signal.SIGTERM)
     out, _ = driver.communicate(timeout=30)
     assert driver.returncode == 1, out

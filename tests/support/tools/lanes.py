@@ -14,7 +14,7 @@ SIGINT or SIGTERM is passed on to every lane's process group (pytest then tears 
 down: the nodes' mounts and processes), and a lane still there two minutes later is killed.
 
     PYTHONPATH=tests python3 -m support.tools.lanes --logs .test-logs \\
-        cluster="make test-cluster" local="make test-local"
+        nodes="make test-nodes" rest="make test-rest"
 """
 
 from __future__ import annotations
@@ -59,6 +59,10 @@ def parse_lane(text: str) -> tuple[str, str]:
     if not sep or not name.isidentifier() or not command.strip():
         raise argparse.ArgumentTypeError(f"a lane is NAME=COMMAND, got {text!r}")
     return name, command
+
+
+def verdict(returncode: int | None) -> str:
+    return "passed" if returncode == 0 else f"FAILED (exit {returncode})"
 
 
 def clock(seconds: float) -> str:
@@ -125,8 +129,7 @@ def run(lanes: list[Lane], out: IO[bytes]) -> int:
                     continue
                 lane.returncode, lane.ended = code, time.monotonic()
                 running.remove(lane)
-                verdict = "passed" if code == 0 else f"FAILED (exit {code})"
-                _say(out, f"lane {lane.name} {verdict} in {clock(lane.took)}; its log: {lane.log}")
+                _say(out, f"lane {lane.name} {verdict(code)} in {clock(lane.took)}; its log: {lane.log}")
             if stopping and time.monotonic() - stopping[0] > STOP_GRACE_S:
                 _signal_all(running, signal.SIGKILL)
             time.sleep(0.5)
@@ -142,8 +145,7 @@ def run(lanes: list[Lane], out: IO[bytes]) -> int:
             out.write(lane.log.read_bytes())
     out.write(b"\n")
     for lane in lanes:
-        verdict = "passed" if lane.returncode == 0 else f"FAILED (exit {lane.returncode})"
-        out.write(f"[lanes] {lane.name:<10} {verdict:<18} {clock(lane.took)}\n".encode())
+        out.write(f"[lanes] {lane.name:<10} {verdict(lane.returncode):<18} {clock(lane.took)}\n".encode())
     out.flush()
     return 0 if all(lane.returncode == 0 for lane in lanes) else 1
 

@@ -153,10 +153,12 @@ typecheck: $(STAMP)
 imports: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 
-## crd: fail when crds/gputraining.yaml, the chart's copy or docs/api.md is not what the spec model generates
+## crd: fail when crds/gputraining.yaml, the chart's copy, its backends' RBAC rules or docs/api.md is not what
+## the spec model and the backends generate
 crd: $(STAMP)
 	$(BIN)/gpuop crd --check crds/gputraining.yaml
 	$(BIN)/gpuop crd --check $(CHART)/files/gputraining.yaml
+	$(BIN)/gpuop crd -o rbac --check $(CHART)/files/backend-rules.yaml
 	$(BIN)/gpuop crd -o markdown --check docs/api.md
 
 ## e2e-local: only the local end-to-end chain (tests/e2e_local; `make test` runs it too): the real
@@ -201,10 +203,11 @@ version:
 run: $(STAMP)
 	$(BIN)/gpuop run -f examples/local-digits.yaml
 
-## crds: regenerate crds/gputraining.yaml, the chart's copy and docs/api.md from the spec model
+## crds: regenerate crds/gputraining.yaml, the chart's copy, its backends' RBAC rules and docs/api.md
 crds: $(STAMP)
 	$(BIN)/gpuop crd > crds/gputraining.yaml
 	cp crds/gputraining.yaml $(CHART)/files/gputraining.yaml
+	$(BIN)/gpuop crd -o rbac > $(CHART)/files/backend-rules.yaml
 	$(BIN)/gpuop crd -o markdown > docs/api.md
 
 clean:

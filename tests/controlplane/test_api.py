@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from gpuop._kits.schema import SpecError, encode
-from gpuop.api.spec import JobBackend, parse, trainjob_gaps
-from gpuop.backends.registry import render_job
+from gpuop.api.spec import parse
+from gpuop.backends.registry import APIS, gaps, render_job
 from support.fixtures import installed_crds
 from support.plane import controlplane
 from support.plane.cluster import KUBEFLOW_CRD, OUR_CRD, PEERING_CRDS, TRAINER_CRDS, Api, install_crds
@@ -172,15 +172,13 @@ def test_each_example_is_stored_with_the_defaults_parse_computes(
     api.delete("gputrainings", body["metadata"]["name"], namespace)
 
 
-def _server_accepts_what_each_example_renders(
-    example: Path, backend: JobBackend, plane: ControlPlane
-) -> None:
+def _server_accepts_what_each_example_renders(example: Path, backend: str, plane: ControlPlane) -> None:
     """Created server-side (dry run) with kubectl's strict field validation against the real
     Kubeflow CRDs. What a TrainJob cannot carry is refused before rendering."""
     body = load_example(example)
     body["metadata"] |= {"namespace": "ml", "uid": "9b2f4c1e-0d7a-4a8e-9a51-3f0c6a2b7d10"}
     training = parse(body)
-    if backend == "trainjob" and trainjob_gaps(training.spec):
+    if gaps(training.spec).get(backend):
         with pytest.raises(SpecError):
             render_job(training, backend, default_image="example.com/trainer:1")
         return
@@ -246,7 +244,7 @@ def test_each_examples_pods_meet_the_pod_security_level_the_docs_state(
     body = load_example(example)
     body["metadata"] |= {"namespace": "ml", "uid": "9b2f4c1e-0d7a-4a8e-9a51-3f0c6a2b7d10"}
     training = parse(body)
-    backends: list[JobBackend] = ["pytorchjob"] + ([] if trainjob_gaps(training.spec) else ["trainjob"])
+    backends = [backend for backend in APIS if backend not in gaps(training.spec)]
     specs = [s for b in backends for o in render_job(training, b, default_image="t:1") for s in _pod_specs(o)]
     assert specs
     lowest = set()

@@ -19,7 +19,7 @@ from typing import Any, Final
 import yaml
 
 from gpuop.api.spec import parse
-from gpuop.backends.registry import JobApi
+from gpuop.backends.contract import JobApi
 from gputrain.contract import complete_checkpoint_step
 from support import oci
 from support.node.images import full_reference

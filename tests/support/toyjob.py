@@ -11,8 +11,9 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, Final
 
-from gpuop.api.spec import GpuTraining, GpuTrainingSpec
+from gpuop.api.spec import GpuTraining, SpecGap
 from gpuop.backends import pod
+from gpuop.backends.contract import AccessRule
 from gpuop.controller.kube import ApiError
 from gpuop.observing import observe
 from gpuop.observing.records import JobCondition, JobKind
@@ -25,18 +26,25 @@ class ToyJobApi:
     state is one word and whose only mutable field is ``spec.paused``."""
 
     backend: Final = "toyjob"
+    summary: Final = "a toy's ToyJob"
     api_version: Final = TOY_API
     kind: Final = "ToyJob"
     plural: Final = "toyjobs"
     installed_by: Final = "the toy controller"
-    facts: Final = JobKind("toyjob", "ToyJob", None, ("runPolicy.suspend", "stallTimeoutSeconds"))
+    facts: Final = JobKind("toyjob", TOY_API, "ToyJob", None, ("runPolicy.suspend", "stallTimeoutSeconds"))
     companion_plurals: Final = {"ToyConfig": "toyconfigs"}
+    gaps: Final = (
+        SpecGap(
+            "toyjob", ".elastic", "has(self.elastic)", lambda s: s.elastic is not None, "toys do not stretch"
+        ),
+    )
+    access: Final = (
+        AccessRule("toy.example.com", ("toyjobs",), ("get", "list", "watch", "create", "patch"), "ToyJobs"),
+        AccessRule("toy.example.com", ("toyconfigs",), ("get", "create"), "The ToyConfig of each ToyJob"),
+    )
 
     def served(self, resources: Callable[[str], frozenset[str]]) -> bool:
         return {"toyjobs", "toyconfigs"} <= resources(TOY_API)
-
-    def spec_gaps(self, spec: GpuTrainingSpec) -> tuple[str, ...]:
-        return ("spec.elastic",) if spec.elastic is not None else ()
 
     def render(
         self, training: GpuTraining, *, default_image: str, reports: pod.ReportEndpoint | None = None

@@ -1,6 +1,7 @@
 """A third job API is one class and one registry entry: a toy backend, registered for each test, runs
 through the real Reconciler (choose, render with a companion, create, read its conditions,
-suspension and times, patch, derive status, events) with nothing else changed.
+suspension and times, patch, derive status, events) with nothing else changed, and is in the
+CRD (its name, its refusals) and the chart's RBAC as generated.
 
 The Kubernetes API is a small in-memory store (support.toyjob, with the toy): what is under
 test is that the reconciler asks the backend and never branches on which one it is.
@@ -16,7 +17,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+import yaml
 
+from gpuop._kits.schema import SpecError
+from gpuop.api.crd import build_crd
 from gpuop.backends import registry
 from gpuop.controller import discovery
 from gpuop.controller.kube import ApiError
@@ -60,6 +64,10 @@ def test_a_registered_backend_runs_through_reconcile(toy: ToyJobApi) -> None:
         status = store.trainings[("default", "t")]["status"]
         assert (status["phase"], status["message"]) == ("Running", "ToyJob t is running")
         assert status["startTime"] == "2026-11-23T10:00:05Z"
+        # The job, named in status: no field of its own (those are the deprecated ones).
+        assert status["job"] == {"apiVersion": "toy.example.com/v1", "kind": "ToyJob", "name": "t"}
+        assert "pytorchJob" not in status
+        assert "trainJob" not in status
 
         # A spec change reaches the job through the backend's patch.
         training = store.trainings[("default", "t")]
@@ -95,6 +103,38 @@ def test_auto_passes_over_a_backend_that_cannot_carry_the_spec(toy: ToyJobApi) -
         "Kubeflow training-operator v1 or Kubeflow Trainer v2, or drop those fields"
     )
     assert registry.choose("auto", frozenset({"toyjob", "trainjob"}), spec_gaps).backend == "trainjob"
+
+
+def test_its_name_and_refusals_are_in_the_crd_and_its_access_in_the_charts_rbac(toy: ToyJobApi) -> None:
+    """What the CRD and the chart say of the backends comes from the registry: a new one is in
+    spec.backend's enum and description, its refusals are the CRD's rules and ``gpuop
+    validate``'s, and the chart grants what it does to its objects."""
+    crd = build_crd(registry.summaries(), registry.all_gaps())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert spec["properties"]["backend"]["enum"] == ["auto", "pytorchjob", "trainjob", "toyjob"]
+    assert "toyjob: a toy's ToyJob." in spec["properties"]["backend"]["description"]
+    rule = {"rule": "self.backend != 'toyjob' || !(has(self.elastic))",
+            "message": "cannot be used with backend toyjob: toys do not stretch", "fieldPath": ".elastic"}  # fmt: skip
+    assert rule in spec["x-kubernetes-validations"]
+    body = minimal(backend="toyjob", elastic={"maxWorkers": 2})
+    with pytest.raises(SpecError) as refused:
+        registry.parse_training(body)
+    assert str(refused.value) == "spec.elastic: cannot be used with backend toyjob: toys do not stretch"
+    assert registry.parse_training(minimal(backend="toyjob")).spec.backend == "toyjob"
+    rules = yaml.safe_load(registry.rbac_rules_yaml())
+    assert rules[-2:] == [
+        {"apiGroups": ["toy.example.com"], "resources": ["toyjobs"], "verbs": ["get", "list", "watch", "create", "patch"]},
+        {"apiGroups": ["toy.example.com"], "resources": ["toyconfigs"], "verbs": ["get", "create"]},
+    ]  # fmt: skip
+    assert "# The ToyConfig of each ToyJob (backend toyjob)" in registry.rbac_rules_yaml()
+
+
+def test_a_backend_the_operator_does_not_have_is_refused_naming_the_choices() -> None:
+    with pytest.raises(SpecError) as refused:
+        registry.parse_training(minimal(backend="toyjob"))
+    assert str(refused.value) == 'spec.backend: must be one of auto, pytorchjob, trainjob (got "toyjob")'
+    choice = registry.choose("toyjob", frozenset({"pytorchjob"}), {})
+    assert (choice.backend, choice.reason) == (None, "Unsupported")
 
 
 def _report(step: int, percent: int) -> ReceivedReport:

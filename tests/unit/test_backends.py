@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from gpuop.api.spec import JobBackend
 from gpuop.backends.pytorchjob import PYTORCHJOB
 from gpuop.backends.registry import Choice, choose
 from gpuop.backends.trainjob import TRAINJOB
@@ -16,12 +15,12 @@ from gpuop.observing import observe
 from gpuop.observing.derive import derive_status, events
 from gpuop.observing.records import JobCondition, Observation, Thresholds
 
-BOTH: frozenset[JobBackend] = frozenset({"pytorchjob", "trainjob"})
-V1: frozenset[JobBackend] = frozenset({"pytorchjob"})
-V2: frozenset[JobBackend] = frozenset({"trainjob"})
-NONE: frozenset[JobBackend] = frozenset()
+BOTH: frozenset[str] = frozenset({"pytorchjob", "trainjob"})
+V1: frozenset[str] = frozenset({"pytorchjob"})
+V2: frozenset[str] = frozenset({"trainjob"})
+NONE: frozenset[str] = frozenset()
 
-CHOICES: list[tuple[str, str, frozenset[JobBackend], tuple[str, ...], JobBackend | None, str]] = [
+CHOICES: list[tuple[str, str, frozenset[str], tuple[str, ...], str | None, str]] = [
     ("auto on both prefers v1", "auto", BOTH, (), "pytorchjob", "Auto"),
     ("auto on v1", "auto", V1, ("spec.elastic",), "pytorchjob", "Auto"),
     ("auto on v2", "auto", V2, (), "trainjob", "Auto"),
@@ -42,9 +41,9 @@ CHOICES: list[tuple[str, str, frozenset[JobBackend], tuple[str, ...], JobBackend
 )
 def test_choose(
     requested: Any,
-    served: frozenset[JobBackend],
+    served: frozenset[str],
     gaps: tuple[str, ...],
-    backend: JobBackend | None,
+    backend: str | None,
     reason: str,
 ) -> None:
     choice = choose(requested, served, {"trainjob": gaps})

@@ -33,8 +33,11 @@ from support.tools.operator_args import parse_operator_args
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
 
-def _pod(**status: Any) -> dict[str, Any]:
-    return {"metadata": {"name": "p", "labels": {"gpuop.io/gputraining": "t"}}, "status": status}
+def _pod(trainer: str = "pytorch", **status: Any) -> dict[str, Any]:
+    """A training pod whose trainer container is ``trainer``, as its template names it."""
+    annotations = {"kubectl.kubernetes.io/default-container": trainer}
+    return {"metadata": {"name": "p", "labels": {"gpuop.io/gputraining": "t"}, "annotations": annotations},
+            "status": status}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -80,12 +83,24 @@ def test_pod_readings(pod: dict[str, Any], ip: str | None, ready: bool, message:
 def test_an_oom_kill_of_the_trainer_is_read_with_its_memory_limit(
     containers: list[dict[str, Any]], oom_killed: bool
 ) -> None:
-    pod = _pod(phase="Running", containerStatuses=containers)
+    pod = _pod(containers[-1]["name"], phase="Running", containerStatuses=containers)
     pod["spec"] = {"containers": [{"name": "sidecar", "resources": {"limits": {"memory": "1Gi"}}},
                                   {"name": containers[-1]["name"], "resources": {"limits": {"memory": "2Gi"}}}]}  # fmt: skip
     seen = observe.pod_observation(pod, None)
     assert (seen.oom_killed, seen.memory_limit) == (oom_killed, "2Gi")
     assert observe.pod_observation(_pod(phase="Running"), None).memory_limit is None
+
+
+def test_a_pod_without_the_trainers_name_has_its_first_container_read_as_the_trainer() -> None:
+    """A pod made before its template named the trainer (each backend renders the trainer first)."""
+    statuses = [{"name": "side", "state": {"terminated": {"reason": "OOMKilled"}}},
+                {"name": "pytorch", "state": {"terminated": {"reason": "OOMKilled"}}}]  # fmt: skip
+    pod = {"metadata": {"name": "p"}, "status": {"phase": "Running", "containerStatuses": statuses},
+           "spec": {"containers": [{"name": "pytorch", "resources": {"limits": {"memory": "2Gi"}}}, {"name": "side"}]}}  # fmt: skip
+    seen = observe.pod_observation(pod, None)
+    assert (seen.oom_killed, seen.memory_limit) == (True, "2Gi")
+    pod["spec"]["containers"].reverse()
+    assert observe.pod_observation(pod, None).memory_limit is None  # "side" has none
 
 
 def test_job_readings() -> None:

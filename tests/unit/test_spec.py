@@ -11,14 +11,18 @@ import pytest
 from gpuop._kits.schema import SpecError
 from gpuop.api.fixed import fixed_spec, fixed_spec_changes, fixed_spec_record
 from gpuop.api.runspec import Dataset, Model, Training
-from gpuop.api.spec import TRAINJOB_GAPS, GpuTrainingSpec, parse
+from gpuop.api.spec import GpuTrainingSpec, parse
+from gpuop.backends.registry import parse_training
+from gpuop.backends.trainjob import GAPS as TRAINJOB_GAPS
 from gputrain.contract import DATASET_NAMES, MODEL_NAMES, PRECISIONS
 from support.specs import minimal
 
 
 def problems(body: dict[str, Any]) -> list[str]:
+    """What `gpuop validate` and the operator refuse in ``body``: the spec model's rules and the
+    backends' (a field a backend cannot carry)."""
     with pytest.raises(SpecError) as caught:
-        parse(body)
+        parse_training(body)
     return [str(p) for p in caught.value.problems]
 
 

@@ -12,9 +12,10 @@ import yaml
 
 from gpuop._kits.schema import SpecError
 from gpuop.api.fixed import fixed_spec_changes
-from gpuop.api.spec import parse, trainjob_gaps
+from gpuop.api.spec import parse
 from gpuop.backends import pod as render
 from gpuop.backends.pytorchjob import render_pytorchjob
+from gpuop.backends.registry import gaps
 from gpuop.backends.trainjob import render_runtime, render_trainjob
 from gputrain.contract import METRICS_PORT, TERMINATION_LOG
 from support.paths import REFERENCE, ROOT
@@ -70,7 +71,7 @@ def test_examples_are_valid_on_trainer_v2(example: Path) -> None:
 @pytest.mark.parametrize(("example", "field"), sorted(REFUSED.items()))
 def test_examples_trainer_v2_cannot_run_are_refused_naming_the_field(example: str, field: str) -> None:
     training = parse(load_example(EXAMPLES[[p.name for p in EXAMPLES].index(example)]))
-    assert field in trainjob_gaps(training.spec)
+    assert field in gaps(training.spec)["trainjob"]
     with pytest.raises(SpecError) as refused:
         render_trainjob(training)
     assert str(refused.value).startswith(f"{field}: cannot be used with backend trainjob: ")

@@ -39,7 +39,7 @@ def openapi_schema(cls: type, description: str) -> dict[str, Any]:
                 schema["default"] = default
         elif slot.default is dataclasses.MISSING and not slot.optional:
             required.append(slot.key)
-        rules = [_cel(rule) for rule in slot.doc.rules]
+        rules = [cel_rule(rule) for rule in slot.doc.rules]
         if rules:
             schema["x-kubernetes-validations"] = rules
         properties[slot.key] = schema
@@ -51,7 +51,7 @@ def openapi_schema(cls: type, description: str) -> dict[str, Any]:
     }
     if required:
         schema["required"] = required
-    rules = [_cel(rule) for rule in class_rules(cls)]
+    rules = [cel_rule(rule) for rule in class_rules(cls)]
     if rules:
         schema["x-kubernetes-validations"] = rules
     return schema
@@ -110,7 +110,8 @@ def _value_schema(hint: Any, doc: FieldDoc, description: str) -> dict[str, Any]:
     return schema
 
 
-def _cel(rule: Rule) -> dict[str, str]:
+def cel_rule(rule: Rule) -> dict[str, str]:
+    """A rule as the CRD says it: x-kubernetes-validations' entry."""
     out = {"rule": rule.cel, "message": rule.cel_message}
     if rule.field:
         out["fieldPath"] = rule.field

@@ -6,13 +6,14 @@ and the Helm chart need no Python; ``make test`` fails when the file is stale.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import yaml
 
-from gpuop._kits.openapi import openapi_schema
+from gpuop._kits.openapi import cel_rule, openapi_schema
 from gpuop.api.identity import GROUP, KIND, PLURAL, VERSION
-from gpuop.api.spec import MUTABLE_SPEC_FIELDS, NAME_RULES, GpuTrainingSpec
+from gpuop.api.spec import AUTO_BACKEND, MUTABLE_SPEC_FIELDS, NAME_RULES, GpuTrainingSpec, SpecGap
 from gpuop.api.status import GpuTrainingStatus
 
 SHORT_NAME: Final = "gtr"
@@ -58,7 +59,7 @@ _PRINTER_COLUMNS: Final = [
         "type": "string",
         "jsonPath": ".status.backend",
         "priority": 1,
-        "description": "The Kubeflow API the training runs on.",
+        "description": "The job API the training runs on.",
     },
     {
         "name": "Queue",
@@ -112,10 +113,21 @@ def immutability_rules(spec_properties: dict[str, Any]) -> list[dict[str, str]]:
     ]
 
 
-def build_crd() -> dict[str, Any]:
-    """The CRD as a dict."""
+def _backend_field(field: dict[str, Any], backends: Mapping[str, str]) -> None:
+    """spec.backend: an enum of the backends (and auto), each said in the description."""
+    field.pop("pattern", None)
+    field["enum"] = [AUTO_BACKEND, *backends]
+    field["description"] += " " + "; ".join(f"{name}: {summary}" for name, summary in backends.items()) + "."
+
+
+def build_crd(backends: Mapping[str, str], gaps: Sequence[SpecGap]) -> dict[str, Any]:
+    """The CRD as a dict. ``backends``: each backend's name and what it is, in ``auto``'s order;
+    ``gaps``: the fields each refuses (both from :mod:`gpuop.backends.registry`)."""
     spec = openapi_schema(GpuTrainingSpec, "What to train, on how many GPUs, and how.")
-    spec.setdefault("x-kubernetes-validations", []).extend(immutability_rules(spec["properties"]))
+    _backend_field(spec["properties"]["backend"], backends)
+    rules = spec.setdefault("x-kubernetes-validations", [])
+    rules.extend(cel_rule(gap.rule()) for gap in gaps)
+    rules.extend(immutability_rules(spec["properties"]))
     root = {
         "type": "object",
         "description": (
@@ -171,6 +183,6 @@ def build_crd() -> dict[str, Any]:
     }
 
 
-def crd_yaml() -> str:
-    """The CRD file's exact text."""
-    return HEADER + yaml.safe_dump(build_crd(), sort_keys=False, width=100, allow_unicode=True)
+def crd_yaml(backends: Mapping[str, str], gaps: Sequence[SpecGap]) -> str:
+    """The CRD file's exact text (:func:`build_crd`'s arguments)."""
+    return HEADER + yaml.safe_dump(build_crd(backends, gaps), sort_keys=False, width=100, allow_unicode=True)

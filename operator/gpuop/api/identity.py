@@ -87,19 +87,12 @@ def report_ca_config_map(name: str) -> str:
 GPU_RESOURCE: Final = "nvidia.com/gpu"
 EFA_RESOURCE: Final = "vpc.amazonaws.com/efa"
 
-# Kubeflow's training-operator v1.
-PYTORCHJOB_API_VERSION: Final = "kubeflow.org/v1"
-PYTORCHJOB_KIND: Final = "PyTorchJob"
-PYTORCHJOB_CONTAINER: Final = "pytorch"  # the training-operator finds its container by this name
 # The dataset step's init container (spec.dataset.uri): observe reads its state by this name.
 FETCH_CONTAINER: Final = "fetch-dataset"
-
-# Kubeflow Trainer v2.
-TRAINER_GROUP: Final = "trainer.kubeflow.org"
-TRAINJOB_API_VERSION: Final = f"{TRAINER_GROUP}/v1alpha1"
-TRAINJOB_KIND: Final = "TrainJob"
-RUNTIME_KIND: Final = "TrainingRuntime"
-TRAINJOB_CONTAINER: Final = "node"  # the torch runtime's trainer container, which TrainJob fields override
+# Each backend names its trainer container its own way (its controller looks for that name);
+# every pod template carries the name in Kubernetes' annotation for it, which `kubectl logs`
+# and `kubectl exec` also read, so that nothing but the backend knows the name.
+DEFAULT_CONTAINER_ANNOTATION: Final = "kubectl.kubernetes.io/default-container"
 
 # Kueue.
 KUEUE_QUEUE_LABEL: Final = "kueue.x-k8s.io/queue-name"

@@ -51,66 +51,44 @@ NAME_PATTERN: Final = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 # would need new pods, and the CRD's transition rules refuse the change.
 MUTABLE_SPEC_FIELDS: Final = ("runPolicy", "stallTimeoutSeconds")
 
-Backend = Literal["auto", "pytorchjob", "trainjob"]
-JobBackend = Literal["pytorchjob", "trainjob"]  # what auto resolves to
+# spec.backend: "auto", or the name of one of the operator's backends (gpuop.backends), which
+# are above this layer: the CRD's enum of them, and each one's refusals (SpecGap), are added
+# where the CRD is generated, from the backends' registry.
+AUTO_BACKEND: Final = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
-class _TrainJobGap:
-    """A spec field a Kubeflow Trainer v2 TrainJob cannot carry per job (v2.3.0)."""
+class SpecGap:
+    """A spec field that one backend's job cannot carry: the CRD refuses the field with that
+    backend (a CEL rule), ``auto`` passes that backend over for a spec that uses it, and
+    rendering for it refuses the spec. Each backend declares its own (``JobApi.gaps``)."""
 
+    backend: str
     field: str  # relative to spec, as the CRD's fieldPath wants it
     cel: str  # true when the spec uses the field
     used: Callable[[GpuTrainingSpec], bool]
     why: str
 
     @property
+    def path(self) -> str:
+        return f"spec{self.field}"
+
+    @property
     def refusal(self) -> str:
-        return f"cannot be used with backend trainjob: {self.why}"
+        return f"cannot be used with backend {self.backend}: {self.why}"
 
     def rule(self) -> Rule:
+        """The CRD's rule: the field is not used with this backend."""
         return Rule(
-            cel=f"self.backend != 'trainjob' || !({self.cel})",
+            cel=f"self.backend != '{self.backend}' || !({self.cel})",
             message=self.refusal,
-            check=lambda s: {} if s.backend == "trainjob" and self.used(s) else None,
+            check=lambda s: {} if s.backend == self.backend and self.used(s) else None,
             field=self.field,
         )
 
-
-# What neither a TrainJob nor the TrainingRuntime made for it can say (Trainer v2.3.0).
-TRAINJOB_GAPS: Final = (
-    _TrainJobGap(
-        ".elastic", "has(self.elastic)", lambda s: s.elastic is not None,
-        "Trainer v2 has no elastic PyTorch yet; use backend pytorchjob or drop elastic",
-    ),
-    _TrainJobGap(
-        ".scheduling.gang", "self.scheduling.gang", lambda s: s.scheduling.gang,
-        "Trainer v2 gangs pods through a podGroupPolicy plugin chosen per cluster; use backend "
-        "pytorchjob, or Kueue (scheduling.queueName), which admits the job whole",
-    ),
-    _TrainJobGap(
-        ".runPolicy.ttlSecondsAfterFinished", "has(self.runPolicy.ttlSecondsAfterFinished)",
-        lambda s: s.run_policy.ttl_seconds_after_finished is not None,
-        "a TrainJob has no time-to-live (its JobSet's would delete the pods, not the TrainJob); use "
-        "backend pytorchjob or drop it",
-    ),
-    _TrainJobGap(
-        ".runPolicy.cleanPodPolicy", "self.runPolicy.cleanPodPolicy != 'Running'",
-        lambda s: s.run_policy.clean_pod_policy != "Running",
-        "a TrainJob's JobSet deletes its running pods when it ends and keeps the finished ones, as "
-        "cleanPodPolicy Running; use backend pytorchjob or drop it",
-    ),
-)  # fmt: skip
-
-
-def trainjob_gaps(spec: GpuTrainingSpec) -> tuple[str, ...]:
-    """The fields this spec uses that a TrainJob cannot carry, e.g. ``spec.elastic``."""
-    return tuple(f"spec{gap.field}" for gap in TRAINJOB_GAPS if gap.used(spec))
-
-
-def trainjob_problems(spec: GpuTrainingSpec) -> list[Problem]:
-    """:func:`trainjob_gaps` with the reason and the fix, one line each."""
-    return [Problem(f"spec{gap.field}", gap.refusal) for gap in TRAINJOB_GAPS if gap.used(spec)]
+    def problem(self, spec: GpuTrainingSpec) -> Problem | None:
+        """The refusal, as a spec problem, when ``spec`` uses the field (whatever its backend)."""
+        return Problem(self.path, self.refusal) if self.used(spec) else None
 
 
 # Each check returns None when its rule holds, else what fills its message (Rule).
@@ -172,12 +150,15 @@ def _efa_needs_profile(s: GpuTrainingSpec) -> Mapping[str, str] | None:
 class GpuTrainingSpec:
     """What to train, on how many GPUs, and how."""
 
-    backend: Backend = api_field(
-        "The Kubeflow API that runs the training: pytorchjob (the v1 training-operator's "
-        "PyTorchJob), trainjob (Kubeflow Trainer v2's TrainJob, against the operator's "
-        "ClusterTrainingRuntime), or auto: what the cluster serves, PyTorchJob when it serves "
-        "both. Chosen once, when the job is made; status.backend says which and why.",
-        default="auto",
+    # The CRD lists the backends (an enum) and says what each is: gpuop.api.crd.build_crd.
+    backend: str = api_field(
+        "The job API that runs the training, or auto: the first the cluster serves, in the "
+        "order below, that can carry the spec. Chosen once, when the job is made; status.backend "
+        "says which and why.",
+        default=AUTO_BACKEND,
+        max_length=63,
+        pattern=r"^[a-z][a-z0-9]*$",
+        pattern_hint="auto or a backend name such as pytorchjob",
     )
     image: str | None = api_field(
         "Container image of the trainer. Defaults to the operator's configured trainer image.",
@@ -322,7 +303,6 @@ class GpuTrainingSpec:
             check=_one_store_secret,
             field=".output.secretName",
         ),
-        *(gap.rule() for gap in TRAINJOB_GAPS),
     )
 
     @property

@@ -215,6 +215,15 @@ class GpuUsage:
 
 
 @api_object
+class JobReference:
+    """The object a training's backend made to run it."""
+
+    api_version: str = api_field("Its apiVersion, e.g. kubeflow.org/v1.", max_length=253)
+    kind: str = api_field("Its kind, e.g. PyTorchJob.", max_length=63)
+    name: str = api_field("Its name, in the GpuTraining's namespace.", max_length=253)
+
+
+@api_object
 class GpuTrainingStatus:
     """What the operator observed."""
 
@@ -233,18 +242,29 @@ class GpuTrainingStatus:
     # A name, not an enum: the operator writes it from its backends (gpuop.backends), and a
     # status must still read back after a backend is added or retired.
     backend: str | None = api_field(
-        "The Kubeflow API the training runs on (pytorchjob or trainjob), chosen once when its "
+        "The job API the training runs on (a spec.backend value other than auto), chosen once when its "
         "job is made (the BackendSelected condition says why).",
         default=None,
         max_length=63,
         pattern=r"^[a-z][a-z0-9]*$",
         pattern_hint="a backend name such as pytorchjob",
     )
+    job: JobReference | None = api_field(
+        "The object that runs the training (a PyTorchJob, a TrainJob: its backend's job), once made.",
+        default=None,
+    )
+    # Written beside job through 0.1.x, for the dashboards and scripts that read them.
     pytorch_job: str | None = api_field(
-        "Name of the PyTorchJob that runs the training (backend pytorchjob).", default=None, max_length=253
+        "Deprecated, removed in 0.2.0: read job.name. Name of the PyTorchJob that runs the training "
+        "(backend pytorchjob).",
+        default=None,
+        max_length=253,
     )
     train_job: str | None = api_field(
-        "Name of the TrainJob that runs the training (backend trainjob).", default=None, max_length=253
+        "Deprecated, removed in 0.2.0: read job.name. Name of the TrainJob that runs the training "
+        "(backend trainjob).",
+        default=None,
+        max_length=253,
     )
     workers: WorkerCounts | None = api_field("Worker pods ready and asked for.", default=None)
     progress: ProgressStatus | None = api_field("Training progress.", default=None)
@@ -276,6 +296,11 @@ class GpuTrainingStatus:
         max_length=64,
     )
     message: str | None = api_field("The latest notable event, for people.", default=None, max_length=32768)
+
+    @property
+    def job_name(self) -> str | None:
+        """The name of the training's job, from a status of this release or an older one."""
+        return self.job.name if self.job is not None else self.pytorch_job or self.train_job
 
 
 @api_object

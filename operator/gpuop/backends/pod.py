@@ -18,6 +18,7 @@ from gpuop.api.fixed import fixed_spec_record
 from gpuop.api.identity import (
     API_VERSION,
     CREATED_FROM_ANNOTATION,
+    DEFAULT_CONTAINER_ANNOTATION,
     EFA_RESOURCE,
     FETCH_CONTAINER,
     GPU_RESOURCE,
@@ -511,7 +512,11 @@ def pod_template(
         pod["initContainers"] = [fetch]
     pod["containers"] = [container]
     pod["volumes"] = volumes(spec)[0] + ([report_volume(reports)[0]] if reports is not None else [])
-    return {"metadata": pod_metadata(name, spec), "spec": pod}
+    metadata = pod_metadata(name, spec)
+    # The trainer's name, for observe and for `kubectl logs`: each backend names it its own way.
+    annotations = {**metadata.get("annotations", {}), DEFAULT_CONTAINER_ANNOTATION: container["name"]}
+    metadata["annotations"] = annotations
+    return {"metadata": metadata, "spec": pod}
 
 
 def kubeflow_backoff_limit(restarts: int, pods: int) -> int:

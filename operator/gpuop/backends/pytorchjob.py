@@ -12,18 +12,17 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any, Final
 
-from gpuop.api.identity import (
-    DEFAULT_TRAINER_IMAGE,
-    PYTORCHJOB_API_VERSION,
-    PYTORCHJOB_CONTAINER,
-    PYTORCHJOB_KIND,
-)
+from gpuop.api.identity import DEFAULT_TRAINER_IMAGE
 from gpuop.api.spec import MUTABLE_SPEC_FIELDS, GpuTraining, GpuTrainingSpec
 from gpuop.backends import pod
+from gpuop.backends.contract import AccessRule
 from gpuop.observing import observe
 from gpuop.observing.records import JobCondition, JobKind
 from gputrain.contract import METRICS_PORT, METRICS_PORT_NAME, RENDEZVOUS_PORT, RENDEZVOUS_PORT_NAME
 
+PYTORCHJOB_API_VERSION: Final = "kubeflow.org/v1"
+PYTORCHJOB_KIND: Final = "PyTorchJob"
+PYTORCHJOB_CONTAINER: Final = "pytorch"  # the training-operator finds its container by this name
 # The fields of a running PyTorchJob the training-operator acts on when they change.
 MUTABLE_RUN_POLICY: Final = ("suspend", "activeDeadlineSeconds", "ttlSecondsAfterFinished", "backoffLimit")
 # The variables the training-operator v1.9.4 adds to every container of the job's pods (its
@@ -157,21 +156,26 @@ def render_pytorchjob(
 
 
 class PyTorchJobApi:
-    """The PyTorchJob as a backend (:class:`gpuop.backends.registry.JobApi`)."""
+    """The PyTorchJob as a backend (:class:`gpuop.backends.contract.JobApi`)."""
 
     backend: Final = "pytorchjob"
+    summary: Final = "the v1 training-operator's PyTorchJob"
     api_version: Final = PYTORCHJOB_API_VERSION
     kind: Final = PYTORCHJOB_KIND
     plural: Final = "pytorchjobs"
     installed_by: Final = "the Kubeflow training-operator v1"
-    facts: Final = JobKind(backend, PYTORCHJOB_KIND, "pytorch_job", MUTABLE_SPEC_FIELDS)
+    facts: Final = JobKind(
+        backend, PYTORCHJOB_API_VERSION, PYTORCHJOB_KIND, "pytorch_job", MUTABLE_SPEC_FIELDS
+    )
     companion_plurals: Final[Mapping[str, str]] = {}
+    gaps: Final = ()  # the GpuTraining API was made on it: it carries every field
+    access: Final = (
+        AccessRule("kubeflow.org", ("pytorchjobs",), ("get", "list", "watch", "create", "patch"),
+                   "PyTorchJobs: created, read after a 409 (adopt or NameConflict), runPolicy patched"),
+    )  # fmt: skip
 
     def served(self, resources: Callable[[str], frozenset[str]]) -> bool:
         return self.plural in resources(self.api_version)
-
-    def spec_gaps(self, spec: GpuTrainingSpec) -> tuple[str, ...]:
-        return ()  # the GpuTraining API was made on it: it carries every field
 
     def controller_env(self, spec: GpuTrainingSpec) -> frozenset[str]:
         return ELASTIC_JOB_ENV if spec.elastic is not None else FIXED_JOB_ENV

@@ -16,87 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
+from gpuop._kits.schema import Problem, SpecError
 from gpuop.api.identity import KUEUE_API_VERSIONS
-from gpuop.api.spec import GpuTraining, GpuTrainingSpec
+from gpuop.api.spec import AUTO_BACKEND, GpuTraining, GpuTrainingSpec, SpecGap, parse
 from gpuop.api.status import GpuTrainingStatus
+from gpuop.backends.contract import JobApi
 from gpuop.backends.pod import ReportEndpoint, report_ca_object
 from gpuop.backends.pytorchjob import PYTORCHJOB
 from gpuop.backends.trainjob import TRAINJOB
-from gpuop.observing.records import JobCondition, JobKind
-
-
-class JobApi(Protocol):
-    """One job API a training can run on: where it lives, how a training becomes its objects,
-    and how its job is read and changed."""
-
-    @property
-    def backend(self) -> str: ...  # spec.backend and status.backend say this
-    @property
-    def api_version(self) -> str: ...
-    @property
-    def kind(self) -> str: ...
-    @property
-    def plural(self) -> str: ...
-    @property
-    def installed_by(self) -> str: ...  # what to install, in the message when it is missing
-    @property
-    def facts(self) -> JobKind: ...  # what status says of it
-    @property
-    def companion_plurals(
-        self,
-    ) -> Mapping[str, str]: ...  # kind -> plural, for what render makes before the job
-
-    def served(self, resources: Callable[[str], frozenset[str]]) -> bool:
-        """Whether the cluster serves it, given discovery (apiVersion -> resource plurals)."""
-        ...
-
-    def spec_gaps(self, spec: GpuTrainingSpec) -> tuple[str, ...]:
-        """The spec's fields it cannot carry (``auto`` passes it over for them)."""
-        ...
-
-    def controller_env(self, spec: GpuTrainingSpec) -> frozenset[str]:
-        """The variables its controller adds to the trainer container of such a spec's pods
-        (never rendered by us): what a ``$(VAR)`` in the spec may name besides its own env."""
-        ...
-
-    def render(
-        self, training: GpuTraining, *, default_image: str, reports: ReportEndpoint | None = None
-    ) -> list[dict[str, Any]]:
-        """The objects to create, in creation order, the job last; with ``reports``, its pods
-        report progress to that endpoint."""
-        ...
-
-    def conditions(self, job: Mapping[str, Any] | None) -> tuple[JobCondition, ...]:
-        """The job's state as conditions in the PyTorchJob's terms (status derives from those)."""
-        ...
-
-    def suspended(self, job: Mapping[str, Any] | None) -> bool:
-        """Whether the job's spec says suspended (Kueue's hold, or the user's)."""
-        ...
-
-    def times(self, job: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
-        """When the job started and finished, as far as it says."""
-        ...
-
-    def mutable_patch(
-        self, desired: Mapping[str, Any], child: Mapping[str, Any], skip: tuple[str, ...] = ()
-    ) -> dict[str, Any] | None:
-        """The merge patch bringing a made job's mutable fields to ``desired``'s, but ``skip``."""
-        ...
-
-    def suspend_patch(self) -> dict[str, Any]:
-        """The merge patch that suspends a made job: its controller deletes the job's pods."""
-        ...
-
-    def wake_times(self, job: Mapping[str, Any] | None) -> tuple[datetime, ...]:
-        """When its controller must act on the job by the clock alone (a deadline, a TTL) and is
-        known to sleep through it unless the job changes: the operator touches the job then.
-        Empty for a controller that keeps its own clocks."""
-        ...
-
 
 # In the order ``auto`` prefers them: a cluster that still runs the v1 training-operator was
 # set up for it (its gang scheduler, its quotas).
@@ -119,7 +48,66 @@ def served(resources: Callable[[str], frozenset[str]]) -> frozenset[str]:
 
 def gaps(spec: GpuTrainingSpec) -> dict[str, tuple[str, ...]]:
     """Per backend, the spec's fields it cannot carry (none: every one can run it)."""
-    return {name: found for name, api in APIS.items() if (found := api.spec_gaps(spec))}
+    found = {name: tuple(gap.path for gap in api.gaps if gap.used(spec)) for name, api in APIS.items()}
+    return {name: fields for name, fields in found.items() if fields}
+
+
+def spec_problems(spec: GpuTrainingSpec) -> list[Problem]:
+    """What the CRD's backend rules refuse in ``spec``: a backend this operator does not have,
+    or a field its explicit backend cannot carry. (``parse`` checks every other rule; these
+    live with the backends, above the API's layer.)"""
+    if spec.backend == AUTO_BACKEND:
+        return []
+    api = APIS.get(spec.backend)
+    if api is None:
+        names = ", ".join(backend_names())
+        return [Problem("spec.backend", f'must be one of {names} (got "{spec.backend}")')]
+    return [problem for gap in api.gaps if (problem := gap.problem(spec)) is not None]
+
+
+def parse_training(body: Mapping[str, Any]) -> GpuTraining:
+    """A GpuTraining checked against every rule its CRD has: :func:`gpuop.api.spec.parse`'s, and
+    the backends' (:func:`spec_problems`); raises SpecError listing them."""
+    training = parse(body)
+    if problems := spec_problems(training.spec):
+        raise SpecError(problems)
+    return training
+
+
+def backend_names() -> tuple[str, ...]:
+    """spec.backend's values, as the CRD's enum lists them."""
+    return (AUTO_BACKEND, *APIS)
+
+
+def all_gaps() -> tuple[SpecGap, ...]:
+    """Every backend's refusals, for the CRD's rules."""
+    return tuple(gap for api in APIS.values() for gap in api.gaps)
+
+
+def summaries() -> dict[str, str]:
+    """Each backend's name and what it is, in ``auto``'s order: the CRD's enum and description."""
+    return {name: api.summary for name, api in APIS.items()}
+
+
+RBAC_HEADER: Final = (
+    "# Generated by `gpuop crd -o rbac` from the backends in operator/gpuop/backends/ (each one's\n"
+    "# `access`): what the operator does to the jobs it makes. Do not edit: run `make crds`.\n"
+)
+
+
+def rbac_rules_yaml() -> str:
+    """The chart's RBAC rules for every backend's objects (files/backend-rules.yaml), a YAML
+    list that the chart's Role or ClusterRole takes whole, each rule under its reason."""
+    lines = [RBAC_HEADER]
+    for api in APIS.values():
+        for rule in api.access:
+            lines.append(
+                f"# {rule.why} (backend {api.backend})\n"
+                f"- apiGroups: [{rule.api_group}]\n"
+                f"  resources: [{', '.join(rule.resources)}]\n"
+                f"  verbs: [{', '.join(rule.verbs)}]\n"
+            )
+    return "".join(lines)
 
 
 def without_kueue(api: JobApi, queue_name: str) -> Choice:
@@ -146,7 +134,10 @@ def choose(requested: str, served: frozenset[str], spec_gaps: Mapping[str, tuple
     ``served``: the backends the cluster serves. ``spec_gaps``: per backend, the spec's fields
     it cannot carry (:func:`gaps`); an explicit backend never has any, the CRD refuses them.
     """
-    if requested != "auto":
+    if requested != AUTO_BACKEND:
+        if requested not in APIS:  # the CRD's enum refuses it; a spec from elsewhere may not
+            return Choice(None, "Unsupported", f"spec.backend is {requested!r}, which is not one of "
+                          f"{', '.join(backend_names())}: set one of them")  # fmt: skip
         return _requested(APIS[requested], served)
     present = [api for api in APIS.values() if api.backend in served]
     fitting = [api for api in present if not spec_gaps.get(api.backend)]

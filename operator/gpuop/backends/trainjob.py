@@ -18,7 +18,7 @@ runtime is fixed once made, like the GpuTraining's fixed fields.
 
 What Trainer v2 adds to the container and so must not be rendered here:
 :data:`CONTROLLER_ENV` (torchrun reads them), and the trainer port 29500. What neither object
-can carry is refused by the spec model (:data:`gpuop.api.spec.TRAINJOB_GAPS`).
+can carry is refused by the CRD and at rendering (:data:`GAPS`).
 """
 
 from __future__ import annotations
@@ -29,20 +29,20 @@ from datetime import datetime
 from typing import Any, Final
 
 from gpuop._kits.schema import SpecError
-from gpuop.api.identity import (
-    DEFAULT_TRAINER_IMAGE,
-    RUNTIME_KIND,
-    TRAINER_GROUP,
-    TRAINJOB_API_VERSION,
-    TRAINJOB_CONTAINER,
-    TRAINJOB_KIND,
-)
-from gpuop.api.spec import GpuTraining, GpuTrainingSpec, trainjob_gaps, trainjob_problems
+from gpuop.api.identity import DEFAULT_TRAINER_IMAGE
+from gpuop.api.spec import GpuTraining, GpuTrainingSpec, SpecGap
 from gpuop.backends import pod
+from gpuop.backends.contract import AccessRule
 from gpuop.observing import observe
 from gpuop.observing.records import JobCondition, JobKind
 from gputrain.contract import METRICS_PORT, METRICS_PORT_NAME
 
+BACKEND: Final = "trainjob"  # spec.backend's name for it
+TRAINER_GROUP: Final = "trainer.kubeflow.org"
+TRAINJOB_API_VERSION: Final = f"{TRAINER_GROUP}/v1alpha1"
+TRAINJOB_KIND: Final = "TrainJob"
+RUNTIME_KIND: Final = "TrainingRuntime"
+TRAINJOB_CONTAINER: Final = "node"  # the torch runtime's trainer container, which TrainJob fields override
 # The variables Trainer v2.3's torch plugin adds to the trainer container: a $(VAR) in a spec's
 # command, args or env may name them; the e2e chain checks them on the real pods.
 CONTROLLER_ENV: Final = frozenset(
@@ -64,8 +64,34 @@ def _launch(spec: GpuTrainingSpec) -> tuple[list[str], list[str] | None]:
     return ["torchrun"], ["-m", "gputrain"]
 
 
+# What neither a TrainJob nor the TrainingRuntime made for it can say (Trainer v2.3.0).
+GAPS: Final = (
+    SpecGap(
+        BACKEND, ".elastic", "has(self.elastic)", lambda s: s.elastic is not None,
+        "Trainer v2 has no elastic PyTorch yet; use backend pytorchjob or drop elastic",
+    ),
+    SpecGap(
+        BACKEND, ".scheduling.gang", "self.scheduling.gang", lambda s: s.scheduling.gang,
+        "Trainer v2 gangs pods through a podGroupPolicy plugin chosen per cluster; use backend "
+        "pytorchjob, or Kueue (scheduling.queueName), which admits the job whole",
+    ),
+    SpecGap(
+        BACKEND, ".runPolicy.ttlSecondsAfterFinished", "has(self.runPolicy.ttlSecondsAfterFinished)",
+        lambda s: s.run_policy.ttl_seconds_after_finished is not None,
+        "a TrainJob has no time-to-live (its JobSet's would delete the pods, not the TrainJob); use "
+        "backend pytorchjob or drop it",
+    ),
+    SpecGap(
+        BACKEND, ".runPolicy.cleanPodPolicy", "self.runPolicy.cleanPodPolicy != 'Running'",
+        lambda s: s.run_policy.clean_pod_policy != "Running",
+        "a TrainJob's JobSet deletes its running pods when it ends and keeps the finished ones, as "
+        "cleanPodPolicy Running; use backend pytorchjob or drop it",
+    ),
+)  # fmt: skip
+
+
 def _refuse_gaps(spec: GpuTrainingSpec) -> None:
-    problems = trainjob_problems(spec)
+    problems = [problem for gap in GAPS if (problem := gap.problem(spec)) is not None]
     if problems:
         raise SpecError(problems)
 
@@ -193,23 +219,28 @@ def _trainjob_conditions(job: Mapping[str, Any]) -> tuple[JobCondition, ...]:
 
 
 class TrainJobApi:
-    """The TrainJob as a backend (:class:`gpuop.backends.registry.JobApi`)."""
+    """The TrainJob as a backend (:class:`gpuop.backends.contract.JobApi`)."""
 
-    backend: Final = "trainjob"
+    backend: Final = BACKEND
     api_version: Final = TRAINJOB_API_VERSION
     kind: Final = TRAINJOB_KIND
     plural: Final = "trainjobs"
+    summary: Final = "Kubeflow Trainer v2's TrainJob, on a TrainingRuntime made for it"
     installed_by: Final = "Kubeflow Trainer v2"
-    facts: Final = JobKind(backend, TRAINJOB_KIND, "train_job", TRAINJOB_MUTABLE_FIELDS)
+    facts: Final = JobKind(backend, TRAINJOB_API_VERSION, TRAINJOB_KIND, "train_job", TRAINJOB_MUTABLE_FIELDS)
     # Made before the TrainJob, whose webhook wants its runtime to exist.
     companion_plurals: Final[Mapping[str, str]] = {RUNTIME_KIND: RUNTIME_PLURAL}
+    gaps: Final = GAPS
+    access: Final = (
+        AccessRule(TRAINER_GROUP, ("trainjobs",), ("get", "list", "watch", "create", "patch"),
+                   "TrainJobs: created, read after a 409 (adopt or NameConflict), suspend patched"),
+        AccessRule(TRAINER_GROUP, (RUNTIME_PLURAL,), ("get", "create"),
+                   "The TrainingRuntime made for each TrainJob: created before it, read after a 409"),
+    )  # fmt: skip
 
     def served(self, resources: Callable[[str], frozenset[str]]) -> bool:
         """Only beside its TrainingRuntime (one API group, one request)."""
         return {self.plural, RUNTIME_PLURAL} <= resources(self.api_version)
-
-    def spec_gaps(self, spec: GpuTrainingSpec) -> tuple[str, ...]:
-        return trainjob_gaps(spec)
 
     def controller_env(self, spec: GpuTrainingSpec) -> frozenset[str]:
         return CONTROLLER_ENV

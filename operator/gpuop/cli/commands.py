@@ -26,8 +26,8 @@ from gpuop._kits.schema import SpecError
 from gpuop.api.apidoc import api_reference
 from gpuop.api.crd import build_crd, crd_yaml
 from gpuop.api.identity import DEFAULT_TRAINER_IMAGE, PACKAGE_VERSION
-from gpuop.api.spec import GpuTraining, parse, warnings
-from gpuop.backends.registry import APIS, render_job
+from gpuop.api.spec import GpuTraining, warnings
+from gpuop.backends.registry import APIS, all_gaps, parse_training, rbac_rules_yaml, render_job, summaries
 from gpuop.cli.documents import Document, DocumentError, read_documents
 from gpuop.controller.settings import ENV_PREFIX, SettingsError, from_options, operator_options
 from gputrain.contract import EXIT_INTERRUPTED, EXIT_PREEMPTED
@@ -82,7 +82,7 @@ def _load(paths: Sequence[str]) -> list[tuple[Document, GpuTraining]]:
             continue
         for document in documents:
             try:
-                parsed.append((document, parse(document.data)))
+                parsed.append((document, parse_training(document.data)))
             except SpecError as exc:
                 # In the order of the file, the way people read and fix it.
                 located = sorted(
@@ -292,11 +292,17 @@ def operator(**values: Any) -> int:
 
 
 @cli.command()
-@_output("yaml", "markdown")
+@_output("yaml", "markdown", "rbac")
 @_option("--check", metavar="FILE", help="Instead, fail when FILE differs from it.")
 def crd(output: str, check: str | None) -> int:
-    """Print the GpuTraining CRD generated from the spec model (markdown: the API reference)."""
-    expected = crd_yaml() if output == "yaml" else api_reference(build_crd())
+    """Print the GpuTraining CRD generated from the spec model and the backends (markdown: the API
+    reference; rbac: the chart's RBAC rules for the backends' jobs)."""
+    if output == "rbac":
+        expected = rbac_rules_yaml()
+    elif output == "yaml":
+        expected = crd_yaml(summaries(), all_gaps())
+    else:
+        expected = api_reference(build_crd(summaries(), all_gaps()))
     if check is None:
         sys.stdout.write(expected)
         return EXIT_OK

@@ -18,7 +18,7 @@ from typing import Any, Final
 from gpuop.api.identity import WOKEN_AT_ANNOTATION
 from gpuop.api.spec import GpuTraining
 from gpuop.backends import registry
-from gpuop.backends.registry import JobApi
+from gpuop.backends.contract import JobApi
 from gpuop.controller.kube import ApiError, Kube
 from gpuop.observing import observe
 

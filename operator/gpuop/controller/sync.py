@@ -22,8 +22,9 @@ from gpuop.api.spec import GpuTraining
 from gpuop.api.spec import warnings as spec_warnings
 from gpuop.api.status import TERMINAL_PHASES, GpuTrainingStatus
 from gpuop.backends import registry
+from gpuop.backends.contract import JobApi
 from gpuop.backends.pod import ReportEndpoint
-from gpuop.backends.registry import Choice, JobApi
+from gpuop.backends.registry import Choice
 from gpuop.controller.children import Children, wake_due
 from gpuop.controller.discovery import ServedBackends
 from gpuop.controller.kube import Kube
@@ -107,7 +108,7 @@ class TrainingSync:
         """
         if previous is None or previous.phase not in TERMINAL_PHASES or tracked.child is not None:
             return False
-        if previous.pytorch_job is None and previous.train_job is None:
+        if previous.job_name is None:
             return False
         if not tracked.child_gone:
             tracked.keep_job(self._children.find_ours(training, api))

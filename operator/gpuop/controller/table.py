@@ -27,11 +27,11 @@ from typing import Any
 from gpuop._kits.schema import SpecError
 from gpuop.api.fixed import fixed_spec_changes
 from gpuop.api.identity import TrainingKey
-from gpuop.api.spec import GpuTraining, parse
+from gpuop.api.spec import GpuTraining
 from gpuop.api.status import GpuTrainingStatus, status_from_json
 from gpuop.backends import registry
+from gpuop.backends.contract import JobApi
 from gpuop.backends.pod import ReportEndpoint
-from gpuop.backends.registry import JobApi
 from gpuop.observing import observe
 from gpuop.observing.records import PodObservation, ReceivedReport
 
@@ -222,7 +222,7 @@ class Tracked:
         if version is not None and self.view is not None and self.view.version == version:
             return self.view
         try:
-            view = SpecView(version, parse(self.body), None)
+            view = SpecView(version, registry.parse_training(self.body), None)
         except SpecError as exc:
             view = SpecView(version, None, "; ".join(str(p) for p in exc.problems))
         if version is not None:

@@ -25,6 +25,7 @@ from gpuop.api.status import (
     ConditionStatus,
     GpuTrainingStatus,
     GpuUsage,
+    JobReference,
     Phase,
     ProgressStatus,
     WorkerCounts,
@@ -113,7 +114,7 @@ def _job_deleted_after_finishing(
     kind = _kind(obs)
     deleted = Condition(
         type="JobDeleted", status="True", reason=f"{kind}Deleted",
-        message=f"{kind} {previous.pytorch_job or previous.train_job} was deleted after the training "
+        message=f"{kind} {previous.job_name} was deleted after the training "
         "finished (Kubeflow's runPolicy.ttlSecondsAfterFinished, or by hand); it is not made again, and "
         "this status keeps the result",
         last_transition_time=now, observed_generation=obs.generation,
@@ -298,12 +299,18 @@ def _mutable_fields(obs: Observation) -> tuple[str, ...]:
     return tuple(f"spec.{f}" for f in (obs.job_api.mutable_fields if obs.job_api is not None else ()))
 
 
-def _job_names(obs: Observation) -> dict[str, str | None]:
-    """The status fields that name the job: the backend's own, the others unset."""
-    names: dict[str, str | None] = {"pytorch_job": None, "train_job": None}
-    if obs.job_api is not None and obs.job_api.status_field is not None:
-        names[obs.job_api.status_field] = obs.job_name
-    return names
+def _job_reference(obs: Observation) -> JobReference | None:
+    """status.job: the job, once made."""
+    if obs.job_api is None or obs.job_name is None:
+        return None
+    return JobReference(api_version=obs.job_api.api_version, kind=obs.job_api.kind, name=obs.job_name)
+
+
+def _deprecated_job_field(obs: Observation) -> dict[str, str | None]:
+    """The backend's deprecated field that names the job (status.pytorchJob, status.trainJob)."""
+    if obs.job_api is None or obs.job_api.status_field is None:
+        return {}
+    return {obs.job_api.status_field: obs.job_name}
 
 
 def _backend_selected(before: GpuTrainingStatus, obs: Observation) -> tuple[str, str] | None:
@@ -508,7 +515,8 @@ def _status(m: _Moment, wanted: list[Condition], message: str) -> GpuTrainingSta
         conditions=_merge_conditions(before.conditions, wanted, set(_CLEARABLE), now),
         observed_generation=obs.generation,
         backend=obs.job_api.backend if obs.job_api is not None else before.backend,
-        **_job_names(obs),
+        job=_job_reference(obs),
+        **_deprecated_job_field(obs),
         workers=WorkerCounts(ready=sum(1 for p in obs.pods if p.ready and p.phase == "Running"),
                              total=obs.workers_total),
         progress=m.progress,

@@ -18,18 +18,15 @@ from typing import Any, Final
 
 from gpuop.api.identity import (
     CREATED_FROM_ANNOTATION,
+    DEFAULT_CONTAINER_ANNOTATION,
     FETCH_CONTAINER,
-    PYTORCHJOB_CONTAINER,
     STOPPED_ANNOTATION,
     TRAINING_LABEL,
-    TRAINJOB_CONTAINER,
 )
 from gpuop.api.status import TERMINAL_PHASES
 from gpuop.observing.records import JobCondition, PodObservation, QueueState
 from gpuop.observing.scrape import GpuFigures, TrainerMetrics
 from gputrain.contract import Result
-
-_TRAINERS = (PYTORCHJOB_CONTAINER, TRAINJOB_CONTAINER)  # the trainer container's name, per backend
 
 
 def conditions_of(job: Mapping[str, Any] | None) -> tuple[JobCondition, ...]:
@@ -195,11 +192,24 @@ def pod_ip(pod: Mapping[str, Any]) -> str | None:
     return ip if isinstance(ip, str) and ip and status.get("phase") == "Running" else None
 
 
-def _trainer_entry(containers: Any) -> Mapping[str, Any]:
+def _trainer_name(pod: Mapping[str, Any]) -> str | None:
+    """The trainer container's name: the pod template's annotation for it; for a pod without one,
+    its first container (every backend renders the trainer first, and alone)."""
+    metadata = pod.get("metadata") or {}
+    named = (metadata.get("annotations") or {}).get(DEFAULT_CONTAINER_ANNOTATION)
+    if isinstance(named, str):
+        return named
+    containers = (pod.get("spec") or {}).get("containers") or ()
+    first = containers[0] if containers and isinstance(containers[0], Mapping) else {}
+    return first.get("name") if isinstance(first.get("name"), str) else None
+
+
+def _trainer_entry(containers: Any, name: str | None) -> Mapping[str, Any]:
     """The trainer container's entry of a pod's list of containers (``spec.containers``) or
-    their statuses (``status.containerStatuses``): {} when there is none."""
+    their statuses (``status.containerStatuses``): the one named ``name`` (no name known: the
+    first); {} when there is none."""
     for container in containers or ():
-        if isinstance(container, Mapping) and container.get("name") in _TRAINERS:
+        if isinstance(container, Mapping) and (name is None or container.get("name") == name):
             return container
     return {}
 
@@ -307,7 +317,7 @@ def created_at(obj: Mapping[str, Any] | None) -> str | None:
 
 def _memory_limit(pod: Mapping[str, Any]) -> str | None:
     """The trainer container's memory limit, as its spec says it."""
-    container = _trainer_entry((pod.get("spec") or {}).get("containers"))
+    container = _trainer_entry((pod.get("spec") or {}).get("containers"), _trainer_name(pod))
     limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")
     return str(limit) if isinstance(limit, (str, int)) else None
 
@@ -321,7 +331,7 @@ def pod_observation(
     ready = any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ()
     )
-    trainer = _trainer_entry(status.get("containerStatuses"))
+    trainer = _trainer_entry(status.get("containerStatuses"), _trainer_name(pod))
     fetch = _fetch_entry(status.get("initContainerStatuses"))
     restarts = trainer.get("restartCount")
     started = ((trainer.get("state") or {}).get("running") or {}).get("startedAt")

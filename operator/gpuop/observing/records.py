@@ -20,8 +20,9 @@ class JobKind:
     """What status says of the job API a training runs on (its backend's: :mod:`gpuop.backends`)."""
 
     backend: str  # status.backend
-    kind: str  # the job's kind, in condition reasons and messages
-    status_field: str | None  # the GpuTrainingStatus field that names the job, if it has one
+    api_version: str  # status.job.apiVersion
+    kind: str  # the job's kind, in condition reasons and messages (status.job.kind)
+    status_field: str | None  # the deprecated GpuTrainingStatus field that names the job, if any
     mutable_fields: tuple[str, ...]  # spec fields that may change once the job is made
 
 

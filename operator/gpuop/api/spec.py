@@ -10,7 +10,7 @@ server applies the same defaults and CEL rules.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, Final, Literal
 
@@ -89,6 +89,17 @@ class SpecGap:
     def problem(self, spec: GpuTrainingSpec) -> Problem | None:
         """The refusal, as a spec problem, when ``spec`` uses the field (whatever its backend)."""
         return Problem(self.path, self.refusal) if self.used(spec) else None
+
+
+def gap_problems(gaps: Iterable[SpecGap], spec: GpuTrainingSpec) -> list[Problem]:
+    """The refusals among ``gaps`` that ``spec`` meets, one problem each."""
+    return [problem for gap in gaps if (problem := gap.problem(spec)) is not None]
+
+
+def refuse_gaps(gaps: Iterable[SpecGap], spec: GpuTrainingSpec) -> None:
+    """Raise SpecError naming each field among ``gaps`` that ``spec`` uses (a backend's render)."""
+    if problems := gap_problems(gaps, spec):
+        raise SpecError(problems)
 
 
 # Each check returns None when its rule holds, else what fills its message (Rule).

@@ -20,7 +20,7 @@ from typing import Any, Final
 
 from gpuop._kits.schema import Problem, SpecError
 from gpuop.api.identity import KUEUE_API_VERSIONS
-from gpuop.api.spec import AUTO_BACKEND, GpuTraining, GpuTrainingSpec, SpecGap, parse
+from gpuop.api.spec import AUTO_BACKEND, GpuTraining, GpuTrainingSpec, SpecGap, gap_problems, parse
 from gpuop.api.status import GpuTrainingStatus
 from gpuop.backends.contract import JobApi
 from gpuop.backends.pod import ReportEndpoint, report_ca_object
@@ -62,7 +62,7 @@ def spec_problems(spec: GpuTrainingSpec) -> list[Problem]:
     if api is None:
         names = ", ".join(backend_names())
         return [Problem("spec.backend", f'must be one of {names} (got "{spec.backend}")')]
-    return [problem for gap in api.gaps if (problem := gap.problem(spec)) is not None]
+    return gap_problems(api.gaps, spec)
 
 
 def parse_training(body: Mapping[str, Any]) -> GpuTraining:

@@ -28,9 +28,8 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, Final
 
-from gpuop._kits.schema import SpecError
 from gpuop.api.identity import DEFAULT_TRAINER_IMAGE
-from gpuop.api.spec import GpuTraining, GpuTrainingSpec, SpecGap
+from gpuop.api.spec import GpuTraining, GpuTrainingSpec, SpecGap, refuse_gaps
 from gpuop.backends import pod
 from gpuop.backends.contract import AccessRule
 from gpuop.observing import observe
@@ -90,12 +89,6 @@ GAPS: Final = (
 )  # fmt: skip
 
 
-def _refuse_gaps(spec: GpuTrainingSpec) -> None:
-    problems = [problem for gap in GAPS if (problem := gap.problem(spec)) is not None]
-    if problems:
-        raise SpecError(problems)
-
-
 def render_runtime(
     training: GpuTraining,
     *,
@@ -104,7 +97,7 @@ def render_runtime(
 ) -> dict[str, Any]:
     """The TrainingRuntime of one GpuTraining's TrainJob; raises SpecError for what it cannot say."""
     spec = training.spec
-    _refuse_gaps(spec)
+    refuse_gaps(GAPS, spec)
     name = training.name
     ports = [{"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"}]
     # The TrainJob's trainer overrides image, command, args, env and resources; they are
@@ -159,7 +152,7 @@ def render_trainjob(
 ) -> dict[str, Any]:
     """The TrainJob of a GpuTraining, on the runtime :func:`render_runtime` makes for it."""
     spec = training.spec
-    _refuse_gaps(spec)
+    refuse_gaps(GAPS, spec)
     command, args = _launch(spec)
     trainer: dict[str, Any] = {"image": spec.image or default_image, "command": command}
     if args is not None:

@@ -315,9 +315,9 @@ def created_at(obj: Mapping[str, Any] | None) -> str | None:
     return stamp if isinstance(stamp, str) else None
 
 
-def _memory_limit(pod: Mapping[str, Any]) -> str | None:
-    """The trainer container's memory limit, as its spec says it."""
-    container = _trainer_entry((pod.get("spec") or {}).get("containers"), _trainer_name(pod))
+def _memory_limit(pod: Mapping[str, Any], trainer: str | None) -> str | None:
+    """The ``trainer`` container's memory limit, as the pod's spec says it."""
+    container = _trainer_entry((pod.get("spec") or {}).get("containers"), trainer)
     limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")
     return str(limit) if isinstance(limit, (str, int)) else None
 
@@ -331,7 +331,8 @@ def pod_observation(
     ready = any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ()
     )
-    trainer = _trainer_entry(status.get("containerStatuses"), _trainer_name(pod))
+    trainer_name = _trainer_name(pod)
+    trainer = _trainer_entry(status.get("containerStatuses"), trainer_name)
     fetch = _fetch_entry(status.get("initContainerStatuses"))
     restarts = trainer.get("restartCount")
     started = ((trainer.get("state") or {}).get("running") or {}).get("startedAt")
@@ -345,7 +346,7 @@ def pod_observation(
         restarts=restarts if isinstance(restarts, int) else 0,
         trainer_started_at=started if isinstance(started, str) else None,
         oom_killed=_oom_killed(trainer),
-        memory_limit=_memory_limit(pod),
+        memory_limit=_memory_limit(pod, trainer_name),
         cannot_start=_cannot_start(trainer) or _fetch_failed(fetch) or _cannot_start(fetch),
         fetching_dataset=_fetching(fetch),
         needs_fix=_needs_fix(trainer) or (_needs_fix(fetch) if _fetching(fetch) else None),

@@ -135,6 +135,7 @@ def test_a_backend_the_operator_does_not_have_is_refused_naming_the_choices() ->
     assert str(refused.value) == 'spec.backend: must be one of auto, pytorchjob, trainjob (got "toyjob")'
     choice = registry.choose("toyjob", frozenset({"pytorchjob"}), {})
     assert (choice.backend, choice.reason) == (None, "Unsupported")
+    assert choice.message == str(refused.value)  # the same line, wherever it is said
 
 
 def _report(step: int, percent: int) -> ReceivedReport:

@@ -60,9 +60,13 @@ def spec_problems(spec: GpuTrainingSpec) -> list[Problem]:
         return []
     api = APIS.get(spec.backend)
     if api is None:
-        names = ", ".join(backend_names())
-        return [Problem("spec.backend", f'must be one of {names} (got "{spec.backend}")')]
+        return [_unknown(spec.backend)]
     return gap_problems(api.gaps, spec)
+
+
+def _unknown(backend: str) -> Problem:
+    """A spec.backend this operator does not have (the CRD's enum refuses it)."""
+    return Problem("spec.backend", f'must be one of {", ".join(backend_names())} (got "{backend}")')
 
 
 def parse_training(body: Mapping[str, Any]) -> GpuTraining:
@@ -136,8 +140,7 @@ def choose(requested: str, served: frozenset[str], spec_gaps: Mapping[str, tuple
     """
     if requested != AUTO_BACKEND:
         if requested not in APIS:  # the CRD's enum refuses it; a spec from elsewhere may not
-            return Choice(None, "Unsupported", f"spec.backend is {requested!r}, which is not one of "
-                          f"{', '.join(backend_names())}: set one of them")  # fmt: skip
+            return Choice(None, "Unsupported", str(_unknown(requested)))
         return _requested(APIS[requested], served)
     present = [api for api in APIS.values() if api.backend in served]
     fitting = [api for api in present if not spec_gaps.get(api.backend)]

@@ -386,6 +386,70 @@ def test_a_trainjob_training_as_the_charts_service_account(
              and api.get("trainingruntimes", "tj", NAMESPACE) is None, timeout=60)  # fmt: skip
 
 
+def test_a_job_training_as_the_charts_service_account(
+    plane: ControlPlane, api: Api, suite_chart: Installed, fresh_operator: OperatorProcess
+) -> None:
+    """backend job: the headless Service, then the Indexed Job, made by the chart's
+    ServiceAccount and run by the real Job controller (the plane's controller-manager; no node
+    runs here, so its pods stay Pending); suspend and the deadline patched through and acted on
+    by that controller; names taken by strangers refused; the GC takes both with the
+    GpuTraining. (tests/e2e_local trains on it, on real nodes.)"""
+    fresh_operator.start()
+    plane.kubectl("create", "-f", "-", input=json.dumps(training("bj", backend="job")))
+    job = wait_for("the Job", lambda: api.get("jobs", "bj", NAMESPACE), timeout=60)
+    service = api.get("services", "bj", NAMESPACE)
+    assert service is not None
+    uid = api.get("gputrainings", "bj", NAMESPACE)["metadata"]["uid"]
+    assert [o["uid"] for o in job["metadata"]["ownerReferences"]] == [uid]
+    assert [o["uid"] for o in service["metadata"]["ownerReferences"]] == [uid]
+    assert service["spec"]["clusterIP"] == "None"
+    selector = "batch.kubernetes.io/job-name=bj"
+    pods = wait_for(
+        "the Job controller's pods", lambda: len(p := api.list("pods", NAMESPACE, selector)) == 2 and p
+    )
+    # Each pod's host is <job>-<index> under the Service: worker 0's name is the rendezvous.
+    assert sorted((p["spec"]["hostname"], p["spec"]["subdomain"]) for p in pods) == [
+        ("bj-0", "bj"),
+        ("bj-1", "bj"),
+    ]
+    status = wait_for("Created", lambda: (s := _status(api, "bj")).get("phase") == "Created" and s)
+    assert (status["backend"], status["job"]) == (
+        "job",
+        {"apiVersion": "batch/v1", "kind": "Job", "name": "bj"},
+    )
+    assert not {"pytorchJob", "trainJob"} & status.keys()  # the deprecated fields name Kubeflow jobs only
+
+    _set_suspend(plane, "bj", True)
+    wait_for("Suspended by the Job controller", lambda: _phase(api, "bj", "Suspended"), timeout=60)
+    wait_for("its pods deleted", lambda: api.list("pods", NAMESPACE, selector) == [], timeout=60)
+    _set_suspend(plane, "bj", False)
+    wait_for("its pods made again", lambda: len(api.list("pods", NAMESPACE, selector)) == 2, timeout=60)
+    plane.kubectl("patch", "gtr", "bj", "-n", NAMESPACE, "--type=merge",
+                  "-p", '{"spec": {"runPolicy": {"activeDeadlineSeconds": 1}}}')  # fmt: skip
+    wait_for("Failed past its deadline", lambda: _phase(api, "bj", "Failed"), timeout=60)
+    reasons = [c.get("reason") for c in api.get("jobs", "bj", NAMESPACE)["status"]["conditions"]]
+    assert "DeadlineExceeded" in reasons
+
+    # Names taken by strangers, either object: refused, never touched.
+    for kind, name in (("jobs", "taken-job"), ("services", "taken-svc")):
+        stranger = render_job(parse(training(name, backend="job")), "job", default_image="x")
+        api.create(kind, next(o for o in stranger if o["kind"].lower() + "s" == kind), NAMESPACE)
+        plane.kubectl("create", "-f", "-", input=json.dumps(training(name, backend="job")))
+    for name, kind in (("taken-job", "Job"), ("taken-svc", "Service")):
+        conflict = wait_for(f"{name}'s NameConflict", lambda n=name: next(
+            (c for c in _status(api, n).get("conditions", []) if c["type"] == "NameConflict"), None), timeout=30)  # fmt: skip
+        assert conflict["message"].startswith(f"a {kind} named {name} already exists and is not owned")
+    assert api.get("jobs", "taken-svc", NAMESPACE) is None  # no Job beside a stranger's Service
+    # kubectl deletes a Job's pods with it (a bare DELETE of a batch/v1 Job orphans them).
+    plane.kubectl("delete", "job", "taken-job", "-n", NAMESPACE)
+    plane.kubectl("delete", "service", "taken-svc", "-n", NAMESPACE)
+
+    assert _forbidden(plane, suite_chart) == []
+    plane.kubectl("delete", "gtr", "bj", "-n", NAMESPACE)
+    wait_for("the Job and its Service garbage-collected", lambda: api.get("jobs", "bj", NAMESPACE) is None
+             and api.get("services", "bj", NAMESPACE) is None, timeout=60)  # fmt: skip
+
+
 def test_a_call_outside_the_charts_rules_is_refused_by_the_real_authorizer(
     plane: ControlPlane, api: Api, suite_chart: Installed, fresh_operator: OperatorProcess
 ) -> None:

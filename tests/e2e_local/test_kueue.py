@@ -1,9 +1,9 @@
-"""The real Kueue v0.16.2 (controller and webhooks) in front of both backends: a second
-training held Queued until the first has finished (on Trainer v2's TrainJob), and a
-lower-priority one preempted, left waiting and resumed from its checkpoint (on the PyTorchJob).
-Each of Kueue's two job integrations is met once, by the scenario that stops and starts that
-backend's job the most; the operator's side of both is the same code, whose backend-specific
-parts (suspend, conditions) the unit and control-plane suites cover for both. Kueue runs for this
+"""The real Kueue v0.16.2 (controller and webhooks) in front of every backend: a second
+training held Queued until the first has finished (on Trainer v2's TrainJob and on a plain
+Job), and a lower-priority one preempted, left waiting and resumed from its checkpoint (on the
+PyTorchJob). Each of Kueue's three job integrations is met once, by the scenario that stops and
+starts that backend's job the most; the operator's side of all is the same code, whose
+backend-specific parts (suspend, conditions) the unit and control-plane suites cover for each. Kueue runs for this
 module alone (its ``queueing`` fixture), so its webhooks see no other module's jobs.
 """
 
@@ -30,15 +30,15 @@ KUEUE_CHAIN = ("nodes", "kubeflow", "trainer_v2", "queueing", "operator")
 
 
 @pytest.mark.usefixtures(*KUEUE_CHAIN)
-@pytest.mark.parametrize("backend", ["trainjob"])
+@pytest.mark.parametrize("backend", ["trainjob", "job"])
 def test_kueue_holds_the_second_training_queued_until_the_first_finishes(
     plane: ControlPlane, claims: Claims, timelines: list[chain.Timeline], tmp_path: Path, backend: str
 ) -> None:
     """The real Kueue v0.16.2 with a ClusterQueue whose quota fits one kind-cpu training (2 pods
     of 1 CPU and 1 GiB): the first is admitted and runs; the second waits Queued, with Kueue's
     own reason, and no pod, until the first has finished; then it is admitted and runs. The
-    operator never resumes a job Kueue holds. On either backend, through Kueue's own PyTorchJob
-    and TrainJob integrations."""
+    operator never resumes a job Kueue holds. Through Kueue's own TrainJob and batch/v1 Job
+    integrations."""
     queue = f"team-{backend}"
     for obj in kueue.queues(queue, chain.NAMESPACE, {"cpu": "2", "memory": "2Gi"}):
         plane.kubectl("apply", "-f", "-", input=json.dumps(obj))

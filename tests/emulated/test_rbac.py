@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from gpuop.backends.registry import APIS
 from support.emulator.cluster import JOBS, Cluster, stranger_job
 from support.samples import RUNNING
 from support.specs import training
@@ -85,6 +86,20 @@ def _allows(rule: dict[str, Any], request: Request) -> bool:
     )
 
 
+# What the chart grants for the backends the scenario does not run (registry: each one's access).
+OTHER_BACKENDS_RULES = frozenset(
+    (rule.api_group, rule.resources, rule.verbs)
+    for name, api in APIS.items()
+    if name != "pytorchjob"
+    for rule in api.access
+)
+
+
+def _rule_of(rule: dict[str, Any]) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    (group,) = rule["apiGroups"]
+    return group, tuple(rule["resources"]), tuple(rule["verbs"])
+
+
 def _check(requests: set[Request], granted: list[tuple[str | None, dict[str, Any]]]) -> None:
     def allowed(request: Request) -> bool:
         namespace = request[3]
@@ -94,12 +109,13 @@ def _check(requests: set[Request], granted: list[tuple[str | None, dict[str, Any
 
     refused = sorted(r for r in requests if not allowed(r))
     assert refused == [], f"the operator asked for what the chart does not grant: {refused}"
-    # The emulator serves no Trainer v2 or Kueue API, so their rules go unused here; the real
-    # control plane's audit-log test (tests/controlplane/test_operator.py) proves them used.
+    # The scenario runs a PyTorchJob, and the emulator serves no Kueue API, so the other
+    # backends' rules and Kueue's go unused here; the real control plane's audit-log tests
+    # (tests/controlplane/test_operator.py) prove them used.
     unused = sorted(
         (rule["apiGroups"][0], resource, verb)
         for scope, rule in granted
-        if rule["apiGroups"] not in (["trainer.kubeflow.org"], ["kueue.x-k8s.io"])
+        if rule["apiGroups"] != ["kueue.x-k8s.io"] and _rule_of(rule) not in OTHER_BACKENDS_RULES
         for resource in rule["resources"]
         for verb in rule["verbs"]
         if not any(

@@ -4,7 +4,8 @@ Kubernetes expands ``$(VAR)`` in command and args from the container's env, and 
 value from the entries before it; a name it cannot find stays literally ``$(VAR)``: torchrun
 then gets ``--master-addr=$(MASTER_ADDR)`` and waits for a host of that name. The env of the
 pods is ours (rendered) plus what the backend's controller adds (``controller_env``: the
-training-operator's MASTER_* and PET_*, Trainer v2's PET_* only). The controllers' sets are
+training-operator's MASTER_* and PET_*, Trainer v2's PET_* only; the Job backend renders its
+own, the Job controller adds none we read). The controllers' sets are
 checked on their real pods in tests/e2e_local/test_examples.py.
 """
 
@@ -18,6 +19,7 @@ import pytest
 
 from gpuop.api.spec import parse
 from gpuop.backends.contract import JobApi
+from gpuop.backends.job import JOB
 from gpuop.backends.pytorchjob import PYTORCHJOB
 from gpuop.backends.registry import gaps
 from gpuop.backends.trainjob import TRAINJOB
@@ -32,7 +34,7 @@ def references(text: str) -> set[str]:
     return set(VAR.findall(text.replace("$$", "")))
 
 
-BACKENDS: dict[str, JobApi] = {"pytorchjob": PYTORCHJOB, "trainjob": TRAINJOB}
+BACKENDS: dict[str, JobApi] = {"pytorchjob": PYTORCHJOB, "trainjob": TRAINJOB, "job": JOB}
 
 
 def trainer_containers(api: JobApi, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -41,6 +43,9 @@ def trainer_containers(api: JobApi, body: dict[str, Any]) -> list[dict[str, Any]
     if api is TRAINJOB:
         runtime, job = objects
         return [merged_pod_template(job, runtime)["spec"]["containers"][0]]
+    if api is JOB:
+        _service, job = objects
+        return [job["spec"]["template"]["spec"]["containers"][0]]
     (job,) = objects
     return [
         replica["template"]["spec"]["containers"][0]
@@ -78,7 +83,7 @@ def test_every_variable_an_example_uses_is_defined_in_that_backends_pods(example
     assert undefined(BACKENDS[backend], load_example(example)) == set()
 
 
-def test_both_backends_take_every_example_they_can_carry() -> None:
+def test_every_backend_takes_every_example_it_can_carry() -> None:
     assert {b for _, b in CASES} == set(BACKENDS)
     assert len(CASES) > len(EXAMPLES)  # most examples run on both
 
@@ -91,6 +96,8 @@ def test_both_backends_take_every_example_they_can_carry() -> None:
         (["--master-addr=$(PET_MASTER_ADDR)"], "trainjob", set()),
         (["--master-addr=$(PET_MASTER_ADDR)"], "pytorchjob", set()),
         (["--out=$(NOWHERE)"], "pytorchjob", {"NOWHERE"}),
+        (["--master-addr=$(MASTER_ADDR)"], "job", set()),  # rendered before the spec's own
+        (["--out=$(NOWHERE)"], "job", {"NOWHERE"}),
         (["$$(MASTER_ADDR) is escaped"], "trainjob", set()),  # a literal $(MASTER_ADDR)
     ],
 )

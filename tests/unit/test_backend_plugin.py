@@ -54,7 +54,7 @@ def test_a_registered_backend_runs_through_reconcile(toy: ToyJobApi) -> None:
         selected = next(c for c in status["conditions"] if c["type"] == "BackendSelected")
         assert (
             selected["message"]
-            == "spec.backend is auto; the cluster serves ToyJob and no PyTorchJob or TrainJob"
+            == "spec.backend is auto; the cluster serves ToyJob and no PyTorchJob or TrainJob or Job"
         )
 
         # Its state, read by the backend, becomes the phase; its start time, status's.
@@ -68,6 +68,15 @@ def test_a_registered_backend_runs_through_reconcile(toy: ToyJobApi) -> None:
         assert status["job"] == {"apiVersion": "toy.example.com/v1", "kind": "ToyJob", "name": "t"}
         assert "pytorchJob" not in status
         assert "trainJob" not in status
+
+        # Another controller's job that copied our labels (a TrainJob's JobSet makes batch/v1
+        # Jobs so) is not the training's: every backend names its job after the training.
+        foreign = copy.deepcopy(job)
+        foreign["metadata"] |= {"name": "t-node-0-0", "uid": "u-other"}
+        foreign |= {"apiVersion": "batch/v1", "kind": "Job", "status": {}}
+        reconciler.job_event("ADDED", store._stamp(foreign))
+        reconciler.run_pending()
+        assert store.trainings[("default", "t")]["status"]["phase"] == "Running"
 
         # A spec change reaches the job through the backend's patch.
         training = store.trainings[("default", "t")]
@@ -100,7 +109,7 @@ def test_auto_passes_over_a_backend_that_cannot_carry_the_spec(toy: ToyJobApi) -
     assert (choice.backend, choice.reason) == (None, "Unsupported")
     assert choice.message == (
         "the cluster serves only ToyJob (the toy controller), which cannot carry spec.elastic: install the "
-        "Kubeflow training-operator v1 or Kubeflow Trainer v2, or drop those fields"
+        "Kubeflow training-operator v1 or Kubeflow Trainer v2 or Kubernetes' batch/v1 API, or drop those fields"
     )
     assert registry.choose("auto", frozenset({"toyjob", "trainjob"}), spec_gaps).backend == "trainjob"
 
@@ -111,7 +120,7 @@ def test_its_name_and_refusals_are_in_the_crd_and_its_access_in_the_charts_rbac(
     validate``'s, and the chart grants what it does to its objects."""
     crd = build_crd(registry.summaries(), registry.all_gaps())
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    assert spec["properties"]["backend"]["enum"] == ["auto", "pytorchjob", "trainjob", "toyjob"]
+    assert spec["properties"]["backend"]["enum"] == ["auto", "pytorchjob", "trainjob", "job", "toyjob"]
     assert "toyjob: a toy's ToyJob." in spec["properties"]["backend"]["description"]
     rule = {"rule": "self.backend != 'toyjob' || !(has(self.elastic))",
             "message": "cannot be used with backend toyjob: toys do not stretch", "fieldPath": ".elastic"}  # fmt: skip
@@ -132,7 +141,7 @@ def test_its_name_and_refusals_are_in_the_crd_and_its_access_in_the_charts_rbac(
 def test_a_backend_the_operator_does_not_have_is_refused_naming_the_choices() -> None:
     with pytest.raises(SpecError) as refused:
         registry.parse_training(minimal(backend="toyjob"))
-    assert str(refused.value) == 'spec.backend: must be one of auto, pytorchjob, trainjob (got "toyjob")'
+    assert str(refused.value) == 'spec.backend: must be one of auto, pytorchjob, trainjob, job (got "toyjob")'
     choice = registry.choose("toyjob", frozenset({"pytorchjob"}), {})
     assert (choice.backend, choice.reason) == (None, "Unsupported")
     assert choice.message == str(refused.value)  # the same line, wherever it is said

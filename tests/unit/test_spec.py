@@ -12,6 +12,7 @@ from gpuop._kits.schema import SpecError
 from gpuop.api.fixed import fixed_spec, fixed_spec_changes, fixed_spec_record
 from gpuop.api.runspec import Dataset, Model, Training
 from gpuop.api.spec import GpuTrainingSpec, parse
+from gpuop.backends.job import GAPS as JOB_GAPS
 from gpuop.backends.registry import parse_training
 from gpuop.backends.trainjob import GAPS as TRAINJOB_GAPS
 from gputrain.contract import DATASET_NAMES, MODEL_NAMES, PRECISIONS
@@ -121,6 +122,10 @@ def test_custom_command_needs_no_dataset() -> None:
 TRAINJOB_REFUSES: dict[str, str] = {
     gap.field.rsplit(".", 1)[1]: f"spec{gap.field}: cannot be used with backend trainjob: {gap.why}"
     for gap in TRAINJOB_GAPS
+}
+JOB_REFUSES: dict[str, str] = {
+    gap.field.rsplit(".", 1)[1]: f"spec{gap.field}: cannot be used with backend job: {gap.why}"
+    for gap in JOB_GAPS
 }
 # Refused by gpuop's parse (so by `gpuop validate`, and by the operator as InvalidSpec) but
 # admitted by the CRD's schema: the API server would refuse these later, at the job or its pods.
@@ -398,7 +403,7 @@ BAD_SPECS: list[tuple[str, dict[str, Any], list[str]]] = [
     (
         "bad backend",
         {"backend": "tfjob"},
-        ['spec.backend: must be one of auto, pytorchjob, trainjob (got "tfjob")'],
+        ['spec.backend: must be one of auto, pytorchjob, trainjob, job (got "tfjob")'],
     ),
     (
         "elastic on trainjob",
@@ -409,6 +414,13 @@ BAD_SPECS: list[tuple[str, dict[str, Any], list[str]]] = [
         ],
     ),
     ("gang on trainjob", {"backend": "trainjob", "scheduling": {"gang": True}}, [TRAINJOB_REFUSES["gang"]]),
+    ("elastic on job", {"backend": "job", "elastic": {"maxWorkers": 2}}, [JOB_REFUSES["elastic"]]),
+    ("gang on job", {"backend": "job", "scheduling": {"gang": True}}, [JOB_REFUSES["gang"]]),
+    (
+        "clean pod policy on job",
+        {"backend": "job", "runPolicy": {"cleanPodPolicy": "All"}},
+        [JOB_REFUSES["cleanPodPolicy"]],
+    ),
     (
         "ttl on trainjob",
         {"backend": "trainjob", "runPolicy": {"ttlSecondsAfterFinished": 60}},

@@ -1,7 +1,8 @@
 """The job APIs a GpuTraining can run on, one interface, and which one a training gets. Pure.
 
 Two generations of Kubeflow run PyTorch jobs: the v1 training-operator's ``PyTorchJob``
-(legacy, no longer maintained, still on most clusters) and Trainer v2's ``TrainJob``. Each is
+(legacy, no longer maintained, still on most clusters) and Trainer v2's ``TrainJob``; where
+neither is installed, a plain Indexed ``Job`` runs them (:mod:`gpuop.backends.job`). Each is
 a :class:`JobApi`, in a module of its own; :data:`APIS` lists them in the order ``auto``
 prefers them, and a new one is one module and one line here. Nothing outside this package
 branches on which backend a training has: the controller asks its ``JobApi``.
@@ -23,13 +24,15 @@ from gpuop.api.identity import KUEUE_API_VERSIONS
 from gpuop.api.spec import AUTO_BACKEND, GpuTraining, GpuTrainingSpec, SpecGap, gap_problems, parse
 from gpuop.api.status import GpuTrainingStatus
 from gpuop.backends.contract import JobApi
+from gpuop.backends.job import JOB
 from gpuop.backends.pod import ReportEndpoint, report_ca_object
 from gpuop.backends.pytorchjob import PYTORCHJOB
 from gpuop.backends.trainjob import TRAINJOB
 
 # In the order ``auto`` prefers them: a cluster that still runs the v1 training-operator was
-# set up for it (its gang scheduler, its quotas).
-APIS: Final[dict[str, JobApi]] = {api.backend: api for api in (PYTORCHJOB, TRAINJOB)}
+# set up for it (its gang scheduler, its quotas); a plain Job, which every cluster serves, is
+# what is left where neither Kubeflow is installed.
+APIS: Final[dict[str, JobApi]] = {api.backend: api for api in (PYTORCHJOB, TRAINJOB, JOB)}
 
 
 @dataclass(frozen=True)
@@ -105,9 +108,10 @@ def rbac_rules_yaml() -> str:
     lines = [RBAC_HEADER]
     for api in APIS.values():
         for rule in api.access:
+            group = rule.api_group or '""'  # the core group, whose name is empty
             lines.append(
                 f"# {rule.why} (backend {api.backend})\n"
-                f"- apiGroups: [{rule.api_group}]\n"
+                f"- apiGroups: [{group}]\n"
                 f"  resources: [{', '.join(rule.resources)}]\n"
                 f"  verbs: [{', '.join(rule.verbs)}]\n"
             )

@@ -198,7 +198,9 @@ class Reconciler:
 
     def job_event(self, event_type: str | None, body: dict[str, Any]) -> None:
         parent = observe.training_of(body)
-        if parent is None:
+        if parent is None or (body.get("metadata") or {}).get("name") != parent:
+            # Every backend names its job after the training; a job named otherwise is another
+            # controller's that copied our labels (a TrainJob's JobSet makes batch/v1 Jobs).
             return
         key = key_of(body, parent)
         tracked = self._table.get(key)

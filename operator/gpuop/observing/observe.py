@@ -133,7 +133,7 @@ def stop_annotation(stop: tuple[str, str, str]) -> dict[str, str]:
 
 
 def slim_job(job: Mapping[str, Any]) -> dict[str, Any]:
-    """What the operator keeps of a PyTorchJob between reconciles: the fields the functions
+    """What the operator keeps of a job between reconciles: the fields the functions
     here and the runPolicy patch read. A stored job is ~25 KB of JSON with its pod template
     and managedFields, ~200 KB as Python objects; the table holds one per GpuTraining
     (measured at 1,000 jobs against a real API server: 311 MB peak RSS before, see
@@ -151,7 +151,7 @@ def slim_job(job: Mapping[str, Any]) -> dict[str, Any]:
         "kind": job.get("kind"),
         "metadata": kept,
         # Copies (a runPolicy is a few fields): a job just made is the operator's cached render.
-        "spec": {key: copy.deepcopy(spec[key]) for key in _KEPT_SPEC if key in spec},
+        "spec": {key: copy.deepcopy(value) for key, value in spec.items() if _small(value)},
         "status": job.get("status") or {},
     }
 
@@ -165,9 +165,31 @@ _KEPT_METADATA = (
     "ownerReferences",
     "creationTimestamp",
 )
-# What the operator may patch: a PyTorchJob's runPolicy, a TrainJob's suspend (and its
-# activeDeadlineSeconds, immutable there, to say when a change was not applied).
-_KEPT_SPEC = ("runPolicy", "suspend", "activeDeadlineSeconds")
+# Of a job's spec the operator keeps the small fields, whatever the backend: those it patches
+# and reads (a PyTorchJob's runPolicy, a TrainJob's or a Job's suspend and deadline) are all
+# small, and the big ones (pod templates, a TrainJob's trainer with its env) are what cost.
+_SMALL_SPEC_VALUES = 16
+
+
+def _small(value: Any, budget: int = _SMALL_SPEC_VALUES) -> bool:
+    """Whether ``value`` holds at most ``budget`` values (scalars, lists, mappings), however nested."""
+    return _values(value, budget) <= budget
+
+
+def _values(value: Any, budget: int) -> int:
+    """How many values ``value`` is and holds, counting no further than past ``budget``."""
+    if isinstance(value, Mapping):
+        items: Any = value.values()
+    elif isinstance(value, list):
+        items = value
+    else:
+        return 1
+    count = 1
+    for item in items:
+        if count > budget:
+            break
+        count += _values(item, budget - count)
+    return count
 
 
 def owner_uid(obj: Mapping[str, Any]) -> str | None:

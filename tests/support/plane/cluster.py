@@ -57,6 +57,7 @@ PATHS: Final = {
     "namespaces": "/api/v1",
     "services": "/api/v1",
     "deployments": "/apis/apps/v1",
+    "jobs": "/apis/batch/v1",
     "clusterroles": "/apis/rbac.authorization.k8s.io/v1",
     "clusterrolebindings": "/apis/rbac.authorization.k8s.io/v1",
     "customresourcedefinitions": "/apis/apiextensions.k8s.io/v1",

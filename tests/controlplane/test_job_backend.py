@@ -46,7 +46,9 @@ def test_auto_takes_a_job_where_the_cluster_serves_no_kubeflow(
             "spec.backend is auto; the cluster serves Job and no PyTorchJob or TrainJob",
         )
         selector = "batch.kubernetes.io/job-name=plain"
-        wait_for("the Job controller's pods", lambda: len(api.list("pods", selector=selector)) == 2, timeout=60)
+        wait_for(
+            "the Job controller's pods", lambda: len(api.list("pods", selector=selector)) == 2, timeout=60
+        )
         bare.kubectl("delete", "gtr", "plain")
         wait_for("the Job and its Service garbage-collected", lambda: api.get("jobs", "plain") is None
                  and api.get("services", "plain") is None, timeout=60)  # fmt: skip

@@ -321,6 +321,21 @@ def _trainjob_status(api: Api, name: str, conditions: dict[str, str], ready: int
     api.patch_status("trainjobs", name, status, NAMESPACE)
 
 
+def _strangers_names_refused(plane: ControlPlane, api: Api, backend: str, taken: dict[str, str]) -> None:
+    """For each name -> kind of ``taken``: that object made by a stranger (not owned by any
+    GpuTraining), then a training of that name on ``backend``, which is refused with
+    NameConflict and never touches the stranger's object."""
+    for name, kind in taken.items():
+        stranger = render_job(parse(training(name, backend=backend)), backend, default_image="x")
+        plural = kind.lower() + "s"
+        api.create(plural, next(o for o in stranger if o["kind"] == kind), NAMESPACE)
+        plane.kubectl("create", "-f", "-", input=json.dumps(training(name, backend=backend)))
+    for name, kind in taken.items():
+        conflict = wait_for(f"{name}'s NameConflict", lambda n=name: next(
+            (c for c in _status(api, n).get("conditions", []) if c["type"] == "NameConflict"), None), timeout=30)  # fmt: skip
+        assert conflict["message"].startswith(f"a {kind} named {name} already exists and is not owned")
+
+
 def test_a_trainjob_training_as_the_charts_service_account(
     plane: ControlPlane, api: Api, suite_chart: Installed, fresh_operator: OperatorProcess
 ) -> None:
@@ -367,15 +382,7 @@ def test_a_trainjob_training_as_the_charts_service_account(
     status = wait_for("Succeeded", lambda: (s := _status(api, "tj")).get("phase") == "Succeeded" and s)
     assert status["completionTime"]
 
-    # Names taken by strangers, either object: refused, never touched.
-    for kind, name in (("trainjobs", "taken"), ("trainingruntimes", "taken-rt")):
-        stranger = render_job(parse(training(name, backend="trainjob")), "trainjob", default_image="x")
-        api.create(kind, next(o for o in stranger if o["kind"].lower() + "s" == kind), NAMESPACE)
-        plane.kubectl("create", "-f", "-", input=json.dumps(training(name, backend="trainjob")))
-    for name, kind in (("taken", "TrainJob"), ("taken-rt", "TrainingRuntime")):
-        conflict = wait_for(f"{name}'s NameConflict", lambda n=name: next(
-            (c for c in _status(api, n).get("conditions", []) if c["type"] == "NameConflict"), None), timeout=30)  # fmt: skip
-        assert conflict["message"].startswith(f"a {kind} named {name} already exists and is not owned")
+    _strangers_names_refused(plane, api, "trainjob", {"taken": "TrainJob", "taken-rt": "TrainingRuntime"})
     assert api.get("trainjobs", "taken-rt", NAMESPACE) is None  # no TrainJob on a stranger's runtime
     api.delete("trainjobs", "taken", NAMESPACE)
     api.delete("trainingruntimes", "taken-rt", NAMESPACE)
@@ -430,15 +437,7 @@ def test_a_job_training_as_the_charts_service_account(
     reasons = [c.get("reason") for c in api.get("jobs", "bj", NAMESPACE)["status"]["conditions"]]
     assert "DeadlineExceeded" in reasons
 
-    # Names taken by strangers, either object: refused, never touched.
-    for kind, name in (("jobs", "taken-job"), ("services", "taken-svc")):
-        stranger = render_job(parse(training(name, backend="job")), "job", default_image="x")
-        api.create(kind, next(o for o in stranger if o["kind"].lower() + "s" == kind), NAMESPACE)
-        plane.kubectl("create", "-f", "-", input=json.dumps(training(name, backend="job")))
-    for name, kind in (("taken-job", "Job"), ("taken-svc", "Service")):
-        conflict = wait_for(f"{name}'s NameConflict", lambda n=name: next(
-            (c for c in _status(api, n).get("conditions", []) if c["type"] == "NameConflict"), None), timeout=30)  # fmt: skip
-        assert conflict["message"].startswith(f"a {kind} named {name} already exists and is not owned")
+    _strangers_names_refused(plane, api, "job", {"taken-job": "Job", "taken-svc": "Service"})
     assert api.get("jobs", "taken-svc", NAMESPACE) is None  # no Job beside a stranger's Service
     # kubectl deletes a Job's pods with it (a bare DELETE of a batch/v1 Job orphans them).
     plane.kubectl("delete", "job", "taken-job", "-n", NAMESPACE)

@@ -79,6 +79,19 @@ def test_the_kind_cpu_example_trains_to_succeeded_on_a_plain_job(
              and not _job_pods(plane, "kind-cpu-job"), timeout=90)  # fmt: skip
 
 
+def _held_training(
+    plane: ControlPlane, claims: Claims, tmp_path: Path, timelines: list[chain.Timeline], name: str
+) -> tuple[chain.Gate, chain.Timeline]:
+    """The long kind example on a Job, its checkpoints on a claim, its stall timeout shorter
+    than the pauses the tests make (a stall clock that ran through one would raise Stalled), once
+    both ranks wait at the gate."""
+    gate = chain.gate(claims, f"{name}-checkpoints")
+    fields = {"backend": "job", "stallTimeoutSeconds": chain.PAUSE_STALL_SECONDS}
+    timelines.append(timeline := chain.start_long_training(plane, name, tmp_path, gate, **fields))
+    gate.wait_held(lambda: not {"Succeeded", "Failed"} & set(timeline.phases()))
+    return gate, timeline
+
+
 def test_a_killed_worker_restarts_the_whole_gang_from_its_checkpoint(
     plane: ControlPlane,
     nodes: Pool,
@@ -92,10 +105,7 @@ def test_a_killed_worker_restarts_the_whole_gang_from_its_checkpoint(
     the shared claim to Succeeded, never Stalled. No Job controller is told: the pods' restart
     policy and torchrun's rendezvous make the gang."""
     name = "gang"
-    gate = chain.gate(claims, f"{name}-checkpoints")
-    fields = {"backend": "job", "stallTimeoutSeconds": chain.PAUSE_STALL_SECONDS}
-    timelines.append(timeline := chain.start_long_training(plane, name, tmp_path, gate, **fields))
-    gate.wait_held(lambda: not {"Succeeded", "Failed"} & set(timeline.phases()))
+    gate, timeline = _held_training(plane, claims, tmp_path, timelines, name)
     saved = _claim_steps(gate, name)
     assert saved, "no checkpoint before the kill"
     killed = _job_pods(plane, name)[1]["metadata"]["name"]
@@ -126,10 +136,7 @@ def test_suspended_past_its_stall_timeout_it_resumes_from_the_checkpoint(
     period); held longer than the stall timeout, the training is Suspended and never Stalled;
     resumed, the Job's new pods go on from the checkpoint to Succeeded."""
     name = "paused-job"
-    gate = chain.gate(claims, f"{name}-checkpoints")
-    fields = {"backend": "job", "stallTimeoutSeconds": chain.PAUSE_STALL_SECONDS}
-    timelines.append(timeline := chain.start_long_training(plane, name, tmp_path, gate, **fields))
-    gate.wait_held(lambda: not {"Succeeded", "Failed"} & set(timeline.phases()))
+    gate, timeline = _held_training(plane, claims, tmp_path, timelines, name)
     suspend = '{"spec":{"runPolicy":{"suspend":%s}}}'
     plane.kubectl("patch", "gtr", name, "-n", chain.NAMESPACE, "--type=merge", "-p", suspend % "true")
     wait_for(f"{name} Suspended", lambda: chain.phase(plane, name) == "Suspended", timeout=60, every=0.5)

@@ -28,7 +28,6 @@ their clocks. What a Job cannot do is refused (:data:`GAPS`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, Final
@@ -190,27 +189,13 @@ _JOB_TYPES: Final = {
 
 
 def _job_conditions(job: Mapping[str, Any]) -> tuple[JobCondition, ...]:
-    """A Job's status as PyTorchJob conditions: it is created since it exists, and it runs
-    while one of its pods is ready (our pods have no readiness probe: ready is running)."""
-    out = [JobCondition(type="Created", status="True", reason="JobCreated")]
-    for c in observe.conditions_of(job):
-        kind = _JOB_TYPES.get(c.type)
-        if kind is not None and not any(o.type == kind and o.status == "True" for o in out):
-            out.append(dataclasses.replace(c, type=kind))
+    """A Job's status as PyTorchJob conditions: it runs while one of its pods is ready (our
+    pods have no readiness probe: ready is running)."""
     status = job.get("status") or {}
     ready = status.get("ready") if isinstance(status.get("ready"), int) else status.get("active")
     ready = ready if isinstance(ready, int) else 0
-    settled = any(c.status == "True" for c in out if c.type in ("Succeeded", "Failed", "Suspended"))
-    running = ready > 0 and not settled
-    out.append(
-        JobCondition(
-            type="Running",
-            status="True" if running else "False",
-            reason="PodsReady" if running else "PodsNotReady",
-            message=f"{ready} of {(job.get('spec') or {}).get('parallelism', '?')} pods ready",
-        )
-    )
-    return tuple(out)
+    of = f"{ready} of {(job.get('spec') or {}).get('parallelism', '?')} pods ready"
+    return observe.renamed_conditions(job, _JOB_TYPES, "JobCreated", ready, ("PodsReady", "PodsNotReady", of))
 
 
 class BatchJobApi:

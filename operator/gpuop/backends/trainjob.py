@@ -23,7 +23,6 @@ can carry is refused by the CRD and at rendering (:data:`GAPS`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, Final
@@ -189,26 +188,11 @@ def _trainjob_conditions(job: Mapping[str, Any]) -> tuple[JobCondition, ...]:
     """A TrainJob's status as PyTorchJob conditions. Trainer v2 has no Created or Running
     condition: the job exists, so it is created, and it runs while a child Job is ready (all its
     pods running), which ``status.jobsStatus`` counts."""
-    out = [JobCondition(type="Created", status="True", reason="TrainJobCreated")]
-    for c in observe.conditions_of(job):
-        kind = _TRAINJOB_TYPES.get(c.type)
-        if kind is not None:
-            out.append(dataclasses.replace(c, type=kind))
     jobs = [j for j in (job.get("status") or {}).get("jobsStatus") or () if isinstance(j, Mapping)]
     ready = sum(j.get("ready") or 0 for j in jobs if isinstance(j.get("ready"), int))
-    finished_or_suspended = any(
-        c.status == "True" for c in out if c.type in ("Succeeded", "Failed", "Suspended")
-    )
-    running = ready > 0 and not finished_or_suspended
-    out.append(
-        JobCondition(
-            type="Running",
-            status="True" if running else "False",
-            reason="JobsReady" if running else "JobsNotReady",
-            message=f"{ready} of {len(jobs)} child Jobs ready" if jobs else None,
-        )
-    )
-    return tuple(out)
+    of = f"{ready} of {len(jobs)} child Jobs ready" if jobs else ""
+    running = ("JobsReady", "JobsNotReady", of)
+    return observe.renamed_conditions(job, _TRAINJOB_TYPES, "TrainJobCreated", ready, running)
 
 
 class TrainJobApi:

@@ -11,6 +11,7 @@ are unit-tested on plain dicts. What differs between job kinds is read by each b
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
@@ -43,6 +44,28 @@ def conditions_of(job: Mapping[str, Any] | None) -> tuple[JobCondition, ...]:
                     last_transition_time=c.get("lastTransitionTime"),
                 )
             )
+    return tuple(out)
+
+
+def renamed_conditions(
+    job: Mapping[str, Any], types: Mapping[str, str], created: str, ready: int, running: tuple[str, str, str]
+) -> tuple[JobCondition, ...]:
+    """The conditions of a job whose controller writes neither Created nor Running, in the
+    PyTorchJob's terms: Created since it exists (reason ``created``); each of its conditions
+    that ``types`` names, renamed (the first True one of a type wins: a Job says
+    SuccessCriteriaMet, then Complete); Running while ``ready`` (pods or child jobs) is above 0
+    and it neither ended nor is suspended, ``running`` giving the reasons for True and False
+    and the message."""
+    out = [JobCondition(type="Created", status="True", reason=created)]
+    for c in conditions_of(job):
+        kind = types.get(c.type)
+        if kind is not None and not any(o.type == kind and o.status == "True" for o in out):
+            out.append(dataclasses.replace(c, type=kind))
+    settled = any(c.status == "True" for c in out if c.type in ("Succeeded", "Failed", "Suspended"))
+    is_running = ready > 0 and not settled
+    yes, no, message = running
+    status, reason = ("True", yes) if is_running else ("False", no)
+    out.append(JobCondition("Running", status, reason, message or None))
     return tuple(out)
 
 

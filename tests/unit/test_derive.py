@@ -18,7 +18,7 @@ from gpuop.api.status import (
     status_patch,
 )
 from gpuop.backends.pytorchjob import PYTORCHJOB
-from gpuop.observing import derive
+from gpuop.observing import diagnosis
 from gpuop.observing.derive import derive_status, events
 from gpuop.observing.records import (
     JobCondition,
@@ -964,7 +964,7 @@ def test_a_pod_down_after_a_failure_no_restart_mends_fails_the_training_and_stop
     )
     failed = derive_status(None, observe(30, pods=pods), THRESHOLDS)
     assert failed.phase == "Failed"
-    assert derive.stop_for(observe(30, pods=pods)) == ("demo-master-0", "CheckpointStorageFailed", line)
+    assert diagnosis.stop_for(observe(30, pods=pods)) == ("demo-master-0", "CheckpointStorageFailed", line)
     condition = next(c for c in failed.conditions if c.type == "Failed")
     assert (condition.status, condition.reason) == ("True", "CheckpointStorageFailed")
     assert (
@@ -983,7 +983,7 @@ def test_a_pod_down_after_a_failure_no_restart_mends_fails_the_training_and_stop
         ("Warning", "CheckpointStorageFailed"),
         ("Normal", "RestartCannotMend"),
     ]
-    assert derive.stopped(failed)
+    assert diagnosis.stopped(failed)
     suspended = (
         JobCondition("Created", "True"),
         JobCondition("Suspended", "True", "JobSuspended", "suspended"),
@@ -1009,14 +1009,16 @@ def test_a_finished_job_or_a_failure_a_restart_may_mend_is_not_stopped() -> None
     transient = (PodObservation("demo-master-0", "Running", restarts=1,
                                 result=Result("Failed", reason="CheckpointStorageFailed", message=line)),)  # fmt: skip
     assert derive_status(None, observe(30, pods=transient), THRESHOLDS).phase == "Restarting"
-    assert derive.stop_for(observe(30, pods=transient)) is None
+    assert diagnosis.stop_for(observe(30, pods=transient)) is None
     needs_fix = (PodObservation("demo-master-0", "Failed", needs_fix=("InvalidSettings", "bad")),)
     done = (
         JobCondition("Created", "True"),
         JobCondition("Failed", "True", "BackoffLimitExceeded", "too many"),
     )
-    assert derive.stop_for(observe(30, conditions=done, pods=needs_fix)) is None
-    assert not derive.stopped(derive_status(None, observe(30, conditions=done, pods=needs_fix), THRESHOLDS))
+    assert diagnosis.stop_for(observe(30, conditions=done, pods=needs_fix)) is None
+    assert not diagnosis.stopped(
+        derive_status(None, observe(30, conditions=done, pods=needs_fix), THRESHOLDS)
+    )
 
 
 def test_a_job_that_says_it_was_stopped_fails_the_training_whatever_its_pods_say_now() -> None:
@@ -1030,14 +1032,14 @@ def test_a_job_that_says_it_was_stopped_fails_the_training_whatever_its_pods_say
         JobCondition("Suspended", "True", "JobSuspended", "suspended"),
     )
     failed = derive_status(None, observe(30, conditions=suspended, job_stopped=why), THRESHOLDS)
-    assert (failed.phase, derive.stopped(failed)) == ("Failed", True)
+    assert (failed.phase, diagnosis.stopped(failed)) == ("Failed", True)
     assert next(c for c in failed.conditions if c.type == "Failed").message.startswith(
         f"pod demo-master-0's trainer failed: {why[2]}; "
     )
     old = (PodObservation("demo-master-0", "Running", needs_fix=("InvalidSettings", "bad"),
                           created_at="2026-11-21T11:59:00Z"),)  # fmt: skip
     fresh = observe(30, pods=old, job_created_at="2026-11-21T12:00:00Z")
-    assert derive.stop_for(fresh) is None
+    assert diagnosis.stop_for(fresh) is None
     assert derive_status(None, fresh, THRESHOLDS).phase == "Running"
     edited = derive_status(failed, observe(60, generation=2), THRESHOLDS)
     assert edited.observed_generation == 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any, Final, Literal, get_args
 
 from gpuop._kits.schema import SpecError, api_field, api_object, decode, encode
@@ -328,6 +329,11 @@ class CheckpointStatus:
 
 # How the status writes a moment: RFC 3339 in UTC, to the second (as Kubernetes' own).
 TIME_FORMAT: Final = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def parse_time(text: str) -> datetime:
+    """A time as the status writes it (:data:`TIME_FORMAT`), naive UTC."""
+    return datetime.strptime(text, TIME_FORMAT).replace(tzinfo=None)
 
 
 def format_eta(seconds: float | None) -> str | None:

@@ -111,7 +111,7 @@ class Children:
     def stop(
         self, child: dict[str, Any], training: GpuTraining, api: JobApi, why: tuple[str, str, str]
     ) -> dict[str, Any] | None:
-        """Stop the job for good, so that its pods go and free their GPUs (``why``: derive.stop_for):
+        """Stop the job for good, so that its pods go and free their GPUs (``why``: diagnosis.stop_for):
         suspended; under Kueue, whose suspend it is (it resumes an admitted job anyone else
         suspends), its Workload deactivated (spec.active false: Kueue evicts it, suspends the job
         and admits it no more). The job is annotated with ``why`` in the same patch as its suspend

@@ -32,7 +32,7 @@ from gpuop.controller.pods import PodReader
 from gpuop.controller.settings import OperatorSettings
 from gpuop.controller.statuswriter import StatusWriter
 from gpuop.controller.table import SpecView, Tracked, key_of
-from gpuop.observing import derive, observe
+from gpuop.observing import diagnosis, observe
 from gpuop.observing.endpoint import ReportBook
 from gpuop.observing.records import Event, Observation, Thresholds
 
@@ -149,7 +149,7 @@ class TrainingSync:
             )  # fmt: skip
             return "status" if self._write_status(tracked, previous, observation, _NO_ALARMS) else "finished"
 
-        if derive.stopped(previous):
+        if diagnosis.stopped(previous):
             # Failed for good, its job stopped: nothing is made or patched again; a spec edit is
             # only acknowledged (observedGeneration).
             observation = Observation(now=now, generation=generation, workers_total=spec.workers,
@@ -184,7 +184,7 @@ class TrainingSync:
                 tracked.keep_job(woken)
                 outcome = "woken" if outcome == "unchanged" else outcome
         observation = self._observe(tracked, previous, view, api, choice, conflict, now, generation)
-        stop = derive.stop_for(observation)
+        stop = diagnosis.stop_for(observation)
         if stop is not None and observation.job_stopped is None:
             # Stopped before Failed is written, and the job annotated with why: a stop that fails
             # (raises) leaves the training active for the next tick; a status write that fails

@@ -29,10 +29,10 @@ from typing import Any, Final, TextIO
 
 from gpuop._kits.schema import encode
 from gpuop.api.spec import GpuTraining
-from gpuop.api.status import TIME_FORMAT, GpuTrainingStatus, format_eta
+from gpuop.api.status import TIME_FORMAT, GpuTrainingStatus, format_eta, parse_time
 from gpuop.backends.pod import trainer_env
 from gpuop.local import processes, runreports
-from gpuop.observing.derive import derive_status, parse_time
+from gpuop.observing.derive import derive_status
 from gpuop.observing.records import JobCondition, Observation, PodObservation, ReceivedReport, Thresholds
 from gpuop.observing.scrape import TrainerMetrics, parse_metrics
 from gputrain.contract import (

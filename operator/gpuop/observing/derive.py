@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Final
+from typing import Final
 
 from gpuop.api.identity import FETCH_CONTAINER
 from gpuop.api.status import (
@@ -30,11 +30,10 @@ from gpuop.api.status import (
     ProgressStatus,
     WorkerCounts,
     condition_reason,
-    format_eta,
+    parse_time,
 )
-from gpuop.observing import figures
-from gpuop.observing.records import Event, Observation, PodObservation, Thresholds
-from gputrain.contract import STOPPED_BY_SIGNAL
+from gpuop.observing import alarms, diagnosis, figures
+from gpuop.observing.records import Event, Observation, Thresholds
 
 _ALARMS: Final = (
     "BackendUnavailable",
@@ -74,9 +73,6 @@ _JOB_PHASES: Final[tuple[Phase, ...]] = (
 # Phases whose pods hold their GPUs: what gpuHours counts. Created (pods starting, perhaps not
 # yet placed), Queued and Suspended (no pods) do not.
 _HOLDING_GPUS: Final[tuple[Phase, ...]] = ("Running", "Restarting")
-# The conditions of a pause: a training that runs again after one was neither stalled nor
-# underutilized while it waited (suspended, queued or preempted by Kueue).
-_PAUSES: Final = ("Suspended", "Queued")
 # Named in a message before any backend is chosen ("waiting for the PyTorchJob"): the one
 # a GpuTraining ran on before there were others.
 _DEFAULT_KIND: Final = "PyTorchJob"
@@ -84,15 +80,6 @@ _DEFAULT_KIND: Final = "PyTorchJob"
 
 def _stamp(moment: datetime) -> str:
     return moment.strftime(TIME_FORMAT)
-
-
-def parse_time(text: str) -> datetime:
-    """A time as the status writes it (:data:`TIME_FORMAT`), naive UTC."""
-    return datetime.strptime(text, TIME_FORMAT).replace(tzinfo=None)
-
-
-def _seconds_between(start: str, end: datetime) -> float:
-    return (end.replace(tzinfo=None) - parse_time(start)).total_seconds()
 
 
 def _phase(obs: Observation) -> Phase:
@@ -155,94 +142,6 @@ def _merge_conditions(
     return tuple(sorted(merged.values(), key=lambda c: (order.get(c.type, len(order)), c.type)))
 
 
-def _restart_note(obs: Observation, progress: ProgressStatus | None) -> tuple[str, str] | None:
-    """Why a running job is Restarting, if it is (reason, message): a pod's trainer container was
-    restarted in place and the training has not advanced since. Kubeflow says nothing then: with
-    restartPolicy OnFailure kubelet restarts the container and the job stays Running (seen on the
-    real training-operator), while every rank waits for the restarted one to load its checkpoint."""
-    advanced = progress.step_advanced_at if progress is not None else None
-    for pod in sorted(obs.pods, key=lambda p: p.name):
-        if pod.phase != "Running" or pod.restarts == 0:
-            continue
-        down = pod.trainer_started_at is None  # exited, waiting to be started again
-        if down or advanced is None or advanced < str(pod.trainer_started_at):
-            restarted = f"pod {pod.name}'s trainer restarted ({pod.restarts} so far)"
-            if pod.oom_killed:
-                return "OOMKilled", f"{restarted} after it {_out_of_memory(pod)}"
-            record = pod.result  # the last attempt's own word, when it left one (gputrain.contract)
-            if (
-                record is not None
-                and record.phase == "Failed"
-                and record.reason not in (None, *STOPPED_BY_SIGNAL)
-            ):
-                return record.reason, f"{restarted} after it failed: {record.message or record.reason}"
-            return "TrainerRestarted", f"{restarted}; waiting for training to resume"
-    return None
-
-
-def _out_of_memory(pod: PodObservation) -> str:
-    """What an OOM kill means, and the fix, after "pod X's trainer". The kernel kills a
-    container the moment its cgroup passes the limit, so the trainer writes no record and its
-    log ends mid-step: without this, a user sees a bare exit code 137 (or a job's backoff limit)."""
-    where = "the node's memory (no limit set)"
-    if pod.memory_limit:
-        where = f"its memory limit of {pod.memory_limit}"
-    return (
-        f"ran out of memory: the kernel killed it at {where} (OOMKilled). Raise spec.resources.memory, "
-        "or lower the batch size or the DataLoader workers; /dev/shm (spec.shmSize) counts toward "
-        "the same limit"
-    )
-
-
-def _cannot_start(obs: Observation) -> tuple[str, str] | None:
-    """Why a pod's trainer cannot start (reason, message), the first such pod by name: the
-    kubelet retries on its own, and says why only in the pod, where a training's owner does not
-    look. Each reason with what to change."""
-    pod = next((p for p in sorted(obs.pods, key=lambda p: p.name) if p.cannot_start), None)
-    if pod is None or pod.cannot_start is None:
-        return None
-    reason, said = pod.cannot_start
-    fix = "check spec.image and spec.imagePullSecrets"
-    if reason == "DatasetFetchFailed":
-        return reason, (f"pod {pod.name}'s dataset step cannot copy spec.dataset.uri: {said}; the kubelet "
-                        f"retries it (kubectl logs {pod.name} -c {FETCH_CONTAINER})")  # fmt: skip
-    if reason in ("CreateContainerConfigError", "CreateContainerError"):
-        fix = ("create what it names in the GpuTraining's namespace, or correct the name "
-               "(spec.checkpoint.secretName, spec.env)")  # fmt: skip
-    return reason, f"pod {pod.name}'s trainer cannot start: {said or reason}; {fix}"
-
-
-def stop_for(obs: Observation) -> tuple[str, str, str] | None:
-    """Why the training must stop for good, if it must (pod, reason, line): a pod's trainer, or
-    its dataset step, is down after a failure its own record says no restart mends (wrong
-    credentials, a missing bucket, bad settings; Result.permanent). Left to Kubeflow, its pods
-    would restart into it, on their GPUs, until the backoff limit (or forever, with none); a
-    Kubernetes Job's podFailurePolicy FailJob does the same for an exit code. The first such pod
-    by name. The reconciler stops the job (:func:`stopped` then holds) before this is written."""
-    if obs.job_stopped is not None:
-        return obs.job_stopped  # stopped already (its annotation), whatever its pods say now
-    finished = any(c.type in TERMINAL_PHASES and c.status == "True" for c in obs.job_conditions)
-    if obs.job_name is None or finished:
-        return None
-    # Only this job's pods: one of an older job of the name (deleted and applied again, its pods
-    # still going) is older than the job.
-    ours = (
-        p for p in obs.pods if not (p.created_at and obs.job_created_at and p.created_at < obs.job_created_at)
-    )
-    pod = next((p for p in sorted(ours, key=lambda p: p.name) if p.needs_fix), None)
-    if pod is None or pod.needs_fix is None:
-        return None
-    return pod.name, *pod.needs_fix
-
-
-def stopped(status: GpuTrainingStatus | None) -> bool:
-    """Whether the operator stopped this training's job for good (:func:`stop_for`): its status
-    stays as written then, and the job stays stopped."""
-    return status is not None and any(
-        c.type == "JobStopped" and c.status == "True" for c in status.conditions
-    )
-
-
 def _stop_conditions(m: _Moment, stop: tuple[str, str, str]) -> tuple[list[Condition], str]:
     """Failed with the pod's own reason and line, and JobStopped saying what the operator did."""
     pod, reason, line = stop
@@ -257,12 +156,6 @@ def _stop_conditions(m: _Moment, stop: tuple[str, str, str]) -> tuple[list[Condi
             "(Failed says how); it is not resumed")  # fmt: skip
     failed = m.condition("Failed", "True", reason, message)
     return [failed, m.condition("JobStopped", "True", "RestartCannotMend", said)], message
-
-
-def _oom_failure(obs: Observation) -> tuple[str, str] | None:
-    """A failed training's OOM kill, if a pod's trainer had one (the first pod by name)."""
-    pod = next((p for p in sorted(obs.pods, key=lambda p: p.name) if p.oom_killed), None)
-    return ("OOMKilled", f"pod {pod.name}'s trainer {_out_of_memory(pod)}") if pod is not None else None
 
 
 def _kueue_phase(obs: Observation, phase: Phase) -> Phase:
@@ -367,7 +260,7 @@ def derive_status(
     now = _stamp(obs.now)
     if obs.job_deleted and previous is not None and previous.phase in TERMINAL_PHASES:
         return _job_deleted_after_finishing(previous, obs, now)
-    if stopped(previous):
+    if diagnosis.stopped(previous):
         assert previous is not None
         # Failed for good, its job stopped: what Kubeflow says of the job since is our doing, and
         # a spec edit changes nothing (it is seen: observedGeneration follows).
@@ -375,12 +268,12 @@ def derive_status(
             return previous
         return dataclasses.replace(previous, observed_generation=obs.generation)
     phase = _kueue_phase(obs, _phase(obs))
-    stop = stop_for(obs)
+    stop = diagnosis.stop_for(obs)
     if stop is not None:
         phase = "Failed"
     before = previous or GpuTrainingStatus()
     progress = figures.progress(before.progress, obs, phase, now)
-    restart_note = _restart_note(obs, progress) if phase == "Running" else None
+    restart_note = diagnosis.restart_note(obs, progress) if phase == "Running" else None
     moment = _Moment(
         obs=obs, before=before, thresholds=thresholds, now=now,
         phase="Restarting" if restart_note is not None else phase, kind=_kind(obs), progress=progress,
@@ -451,7 +344,7 @@ def _job_conditions(m: _Moment, wanted: list[Condition]) -> str:
         wanted.append(m.condition("FetchingDataset", "True", "CopyingDataset", (
             f"{who} copy spec.dataset.uri into the dataset path before training "
             f"(kubectl logs {fetching[0]} -c {FETCH_CONTAINER} shows its progress)")))  # fmt: skip
-    blocked = _cannot_start(obs) if phase not in TERMINAL_PHASES else None
+    blocked = diagnosis.cannot_start(obs) if phase not in TERMINAL_PHASES else None
     if blocked is not None:
         wanted.append(m.condition("PodsNotStarting", "True", *blocked))
         message = blocked[1]
@@ -460,7 +353,8 @@ def _job_conditions(m: _Moment, wanted: list[Condition]) -> str:
         # its GPUs with no step, and would otherwise never alarm. Underutilized stays a verdict
         # on training: a restart's idle GPUs are the restart's, said by its own condition.
         gpu = m.gpu if phase == "Running" else None
-        wanted += _running_alarms(m.progress, gpu, m.thresholds, obs.now, m.condition, _resumed_at(m), phase)
+        resumed = alarms.resumed_at(m.before.conditions, m.now)
+        wanted += alarms.running_alarms(m.progress, gpu, m.thresholds, obs.now, m.condition, resumed, phase)
     if obs.spec_not_applied:
         wanted.append(
             m.condition(
@@ -481,7 +375,7 @@ def _phase_condition(m: _Moment, message: str) -> Condition | None:
     if phase == "Failed":
         record = figures.trainer_record(obs, "Failed")
         earlier = next((c for c in m.before.conditions if c.type == "Failed" and c.status == "True"), None)
-        oom = _oom_failure(obs)
+        oom = diagnosis.oom_failure(obs)
         if record is not None:
             reason, text = record.reason, record.message
         elif oom is not None:
@@ -546,79 +440,6 @@ def _gpu_hours(
     if phase in _HOLDING_GPUS and hours is None:
         hours = 0.0  # from the first moment it holds its GPUs (or runs, on none): 0, not absent
     return hours, now if phase in _HOLDING_GPUS else None
-
-
-def _resumed_at(m: _Moment) -> str | None:
-    """When the training last came out of a pause: now while the last status still says it is
-    paused, else the moment its pause condition turned False (kept in status, so an operator
-    that restarts knows it too); None if it never paused."""
-    ended = []
-    for c in m.before.conditions:
-        if c.type in _PAUSES:
-            if c.status == "True":
-                return m.now
-            if c.last_transition_time:
-                ended.append(c.last_transition_time)
-    return max(ended, default=None)
-
-
-def _running_alarms(
-    progress: ProgressStatus | None,
-    gpu: GpuUsage | None,
-    thresholds: Thresholds,
-    now: datetime,
-    condition: Any,
-    resumed_at: str | None,
-    phase: Phase,
-) -> list[Condition]:
-    """Stalled and Underutilized, each over the time the training has run since its last pause:
-    a pause is neither (its clocks are not reset in status, only read from the resume on)."""
-    alarms: list[Condition] = []
-    advanced = progress.step_advanced_at if progress is not None else None
-    if advanced is not None and resumed_at is not None:
-        advanced = max(advanced, resumed_at)
-    # While the code says it evaluates, saves, loads or compiles, no step is due: a long one is
-    # no stall. The price: a hang inside it is not Stalled either (Underutilized, on a GPU, and
-    # the chart's no-report alert still see it), until the code says it is training again.
-    paused = progress is not None and progress.activity is not None
-    if thresholds.stall_timeout_seconds and advanced is not None and not paused:
-        idle = _seconds_between(advanced, now)
-        if idle >= thresholds.stall_timeout_seconds:
-            step = progress.step if progress is not None and progress.step is not None else 0
-            when, likely = (
-                (
-                    " while restarting",
-                    "a pod that cannot come back (its node lost, a checkpoint that will not load)",
-                )
-                if phase == "Restarting"
-                else ("", "a hung NCCL collective or data loader")
-            )
-            alarms.append(
-                condition(
-                    "Stalled",
-                    "True",
-                    "NoProgress",
-                    f"step {step} has not advanced for {format_eta(idle)}{when} (stallTimeoutSeconds "
-                    f"{thresholds.stall_timeout_seconds}); {likely} is likely",
-                )
-            )
-    since = gpu.underutilized_since if gpu is not None else None
-    if since is not None and resumed_at is not None:
-        since = max(since, resumed_at)
-    if since is not None and _seconds_between(since, now) >= thresholds.underutilized_seconds:
-        assert gpu is not None
-        low_for = format_eta(_seconds_between(since, now))
-        alarms.append(
-            condition(
-                "Underutilized",
-                "True",
-                "LowGpuUtilization",
-                f"mean GPU utilization {gpu.utilization_percent:.0f}% for {low_for} (under "
-                f"{thresholds.underutilized_percent:.0f}%); the job is likely input-bound: raise "
-                "dataset.loaderWorkers or resources.cpu",
-            )
-        )
-    return alarms
 
 
 def events(previous: GpuTrainingStatus | None, new: GpuTrainingStatus) -> list[Event]:

@@ -215,7 +215,7 @@ def rendered_worker(
 def test_the_operators_worker_gets_the_dev_shm_it_meant_and_its_args_expanded(
     node: Node, node_api: Api, plane: ControlPlane, namespace: str, memory: str | None, expected: str
 ) -> None:
-    """The operator sizes /dev/shm (support: gpuop.backends.pod.shm_size_bytes) at most half the
+    """The operator sizes /dev/shm (support: gpuop.backends.nccl.shm_size_bytes) at most half the
     memory limit, so the kubelet's cap at min(sizeLimit, limit) never cuts it: the size in the
     pod is the size the operator rendered. And ``$(MASTER_ADDR)`` in its args is the kubelet's
     to expand from the env the training-operator adds."""

@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Any, Final
 
 from gpuop.api.spec import GpuTraining, SpecGap
-from gpuop.backends import pod
+from gpuop.backends import pod, reportwiring
 from gpuop.backends.contract import AccessRule
 from gpuop.controller.kube import ApiError
 from gpuop.observing import observe
@@ -47,7 +47,7 @@ class ToyJobApi:
         return {"toyjobs", "toyconfigs"} <= resources(TOY_API)
 
     def render(
-        self, training: GpuTraining, *, default_image: str, reports: pod.ReportEndpoint | None = None
+        self, training: GpuTraining, *, default_image: str, reports: reportwiring.ReportEndpoint | None = None
     ) -> list[dict[str, Any]]:
         config = {"apiVersion": TOY_API, "kind": "ToyConfig",
                   "metadata": pod.object_metadata(training, pod.labels(training.name)), "spec": {}}  # fmt: skip

@@ -15,7 +15,8 @@ from gpuop._kits.quantity import GI, MI
 from gpuop.api.fixed import fixed_spec
 from gpuop.api.identity import CREATED_FROM_ANNOTATION, DEFAULT_TRAINER_IMAGE
 from gpuop.api.spec import parse
-from gpuop.backends.pod import kubeflow_backoff_limit, shm_size_bytes, trainer_settings
+from gpuop.backends.nccl import shm_size_bytes
+from gpuop.backends.pod import kubeflow_backoff_limit, trainer_settings
 from gpuop.backends.pytorchjob import render_pytorchjob
 from gpuop.backends.registry import render_job
 from gputrain.contract import METRICS_PORT, TrainerSettings

@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from gpuop.api.spec import GpuTraining, GpuTrainingSpec, SpecGap
-from gpuop.backends.pod import ReportEndpoint
+from gpuop.backends.reportwiring import ReportEndpoint
 from gpuop.observing.records import JobCondition, JobKind
 
 

@@ -34,7 +34,7 @@ from typing import Any, Final
 
 from gpuop.api.identity import DEFAULT_TRAINER_IMAGE, TRAINING_LABEL
 from gpuop.api.spec import MUTABLE_SPEC_FIELDS, GpuTraining, GpuTrainingSpec, SpecGap, refuse_gaps
-from gpuop.backends import pod
+from gpuop.backends import pod, reportwiring
 from gpuop.backends.contract import AccessRule
 from gpuop.observing import observe
 from gpuop.observing.records import JobCondition, JobKind
@@ -132,13 +132,13 @@ def render_job(
     training: GpuTraining,
     *,
     default_image: str = DEFAULT_TRAINER_IMAGE,
-    reports: pod.ReportEndpoint | None = None,
+    reports: reportwiring.ReportEndpoint | None = None,
 ) -> dict[str, Any]:
     """The Indexed Job of a GpuTraining; raises SpecError for what it cannot say."""
     spec = training.spec
     refuse_gaps(GAPS, spec)
     name = training.name
-    training_reports = pod.training_reports(training, reports)
+    training_reports = reportwiring.training_reports(training, reports)
     ports = [
         {"name": RENDEZVOUS_PORT_NAME, "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"},
         {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"},
@@ -225,7 +225,7 @@ class BatchJobApi:
         return frozenset()  # the Job controller adds nothing we read; rank_env is rendered
 
     def render(
-        self, training: GpuTraining, *, default_image: str, reports: pod.ReportEndpoint | None = None
+        self, training: GpuTraining, *, default_image: str, reports: reportwiring.ReportEndpoint | None = None
     ) -> list[dict[str, Any]]:
         return [render_service(training), render_job(training, default_image=default_image, reports=reports)]
 

@@ -5,15 +5,16 @@ Nothing here talks to a cluster or reads the clock: the same GpuTraining always 
 same pod, byte for byte, which is what makes golden-file tests and idempotent
 create-or-adopt possible. The env part (:func:`trainer_env`) is also what the local run
 mode gives torchrun on a laptop. Each backend (:mod:`gpuop.backends.pytorchjob`,
-:mod:`gpuop.backends.trainjob`) wraps this pod in its own job.
+:mod:`gpuop.backends.trainjob`, :mod:`gpuop.backends.job`) wraps this pod in its own job. NCCL's
+settings and /dev/shm's size are :mod:`gpuop.backends.nccl`'s, the wiring to the report
+endpoint :mod:`gpuop.backends.reportwiring`'s.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Final
 
-from gpuop._kits.quantity import MI, format_bytes, parse_quantity
+from gpuop._kits.quantity import format_bytes, parse_quantity
 from gpuop.api.fixed import fixed_spec_record
 from gpuop.api.identity import (
     API_VERSION,
@@ -24,18 +25,14 @@ from gpuop.api.identity import (
     GPU_RESOURCE,
     KIND,
     KUEUE_QUEUE_LABEL,
-    REPORT_CA_ENV,
-    REPORT_MOUNT,
-    REPORT_TOKEN_ENV,
-    REPORT_URL_ENV,
     TRAINING_LABEL,
-    report_audience,
     report_ca_config_map,
-    report_path,
 )
 from gpuop.api.podspec import Toleration
 from gpuop.api.runspec import VolumeSource
 from gpuop.api.spec import GpuTraining, GpuTrainingSpec, dataset_secret, store_secret
+from gpuop.backends import nccl
+from gpuop.backends.reportwiring import ReportEndpoint, TrainingReports, report_env, report_volume
 from gputrain.contract import (
     METRICS_PORT,
     TERMINATION_LOG,
@@ -44,105 +41,7 @@ from gputrain.contract import (
 
 GPU_PRODUCT_LABEL: Final = "nvidia.com/gpu.product"
 _CREATED_FROM_MAX_BYTES: Final = 64 * 1024
-
-# NCCL environment per cloud network. Values a user sets in spec.nccl.env win.
-NCCL_PROFILES: Final[dict[str, dict[str, str]]] = {
-    "none": {},
-    # EFA through the aws-ofi-nccl plugin; RDMA reads on p4d/p5, fork-safe libfabric because
-    # DataLoader workers fork after NCCL initialised.
-    "eks-efa": {
-        "FI_PROVIDER": "efa",
-        "FI_EFA_USE_DEVICE_RDMA": "1",
-        "FI_EFA_FORK_SAFE": "1",
-        "NCCL_SOCKET_IFNAME": "^lo",
-    },
-    # Standard GKE pod networking: sockets over eth0, no InfiniBand to probe for.
-    "gke": {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "1"},
-    # AKS ND-series: InfiniBand for data, eth0 for bootstrap.
-    "aks-infiniband": {
-        "NCCL_IB_DISABLE": "0",
-        "NCCL_SOCKET_IFNAME": "eth0",
-        "NCCL_IB_PCI_RELAXED_ORDERING": "1",
-    },
-}
-
-# Bytes of one float32 sample as DataLoader workers hand it over through /dev/shm; an upper
-# bound for synthetic data, whose shape follows the model.
-_SAMPLE_BYTES: Final = {
-    "mnist": 1 * 28 * 28 * 4,
-    "digits": 1 * 8 * 8 * 4,
-    "cifar10": 3 * 32 * 32 * 4,
-    "imagefolder": 3 * 224 * 224 * 4,
-    "synthetic": 3 * 224 * 224 * 4,
-}
-_PREFETCH_FACTOR: Final = 2  # PyTorch's DataLoader default
-_NCCL_SHM_PER_PROCESS: Final = 64 * MI  # ~33 MiB per communicator; DDP may hold two
-_SHM_FLOOR: Final = 512 * MI
-_SHM_STEP: Final = 256 * MI
-
-
-@dataclass(frozen=True)
-class ReportEndpoint:
-    """The operator's progress-report endpoint as trainers reach it: a setting of the operator's
-    (its Service, its certificate), not of any spec."""
-
-    base_url: str  # https://<service>.<namespace>.svc:<port>, no trailing slash
-    ca_pem: str  # the CA that signed the endpoint's certificate
-
-
-@dataclass(frozen=True)
-class TrainingReports:
-    """Where one training's code sends its reports, and with what credentials."""
-
-    url: str
-    audience: str
-    ca_config_map: str
-
-
-# A token lives an hour, as Kubeflow's do; kubelet renews a projected token at 80% of its life,
-# so a long training always has a valid one and a leaked one is worth an hour at most.
-REPORT_TOKEN_SECONDS: Final = 3600
-_REPORT_VOLUME: Final = "gpuop-reports"
 DATA_VOLUME: Final = "data"  # the dataset's volume: its claim, or the dataset step's cache
-
-
-def training_reports(training: GpuTraining, endpoint: ReportEndpoint | None) -> TrainingReports | None:
-    if endpoint is None:
-        return None
-    namespace = training.namespace or "default"
-    path = report_path(namespace, training.name)
-    return TrainingReports(
-        url=f"{endpoint.base_url}{path}",
-        audience=report_audience(namespace, training.name),
-        ca_config_map=report_ca_config_map(training.name),
-    )
-
-
-def report_env(reports: TrainingReports) -> dict[str, str]:
-    """Kubeflow's three variables: Hugging Face's KubeflowCallback, the Kubeflow SDK and
-    gpureport find the endpoint by them, with no code of ours in the image."""
-    return {
-        REPORT_URL_ENV: reports.url,
-        REPORT_CA_ENV: f"{REPORT_MOUNT}/ca.crt",
-        REPORT_TOKEN_ENV: f"{REPORT_MOUNT}/token",
-    }
-
-
-def report_volume(reports: TrainingReports) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The projected volume of the report token (bound to the pod, this training's audience)
-    and the endpoint's CA, and its mount."""
-    volume = {
-        "name": _REPORT_VOLUME,
-        "projected": {
-            "sources": [
-                {"serviceAccountToken": {"audience": reports.audience,
-                                         "expirationSeconds": REPORT_TOKEN_SECONDS, "path": "token"}},
-                {"configMap": {"name": reports.ca_config_map,
-                               "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
-            ]
-        },
-    }  # fmt: skip
-    return volume, {"name": _REPORT_VOLUME, "mountPath": REPORT_MOUNT, "readOnly": True}
 
 
 def report_ca_object(training: GpuTraining, endpoint: ReportEndpoint) -> dict[str, Any]:
@@ -156,29 +55,6 @@ def report_ca_object(training: GpuTraining, endpoint: ReportEndpoint) -> dict[st
         "metadata": metadata,
         "data": {"ca.crt": endpoint.ca_pem},
     }
-
-
-def shm_size_bytes(spec: GpuTrainingSpec) -> int:
-    """The /dev/shm size for one worker pod.
-
-    The user's ``shmSize`` when given. Otherwise: per training process, the batches its
-    DataLoader workers keep in flight (workers x prefetch x batch x sample size, doubled for
-    headroom) plus NCCL's buffers; rounded up to 256Mi, at least 512Mi, at most half the
-    memory limit. A tmpfs only takes memory as it is written, so a generous limit is cheap,
-    while one too small kills the job with a bus error.
-    """
-    if spec.shm_size is not None:
-        return int(parse_quantity(spec.shm_size))
-    sample = _SAMPLE_BYTES[spec.dataset.name] if spec.dataset is not None else _SAMPLE_BYTES["synthetic"]
-    loader_workers = spec.dataset.loader_workers if spec.dataset is not None else 0
-    in_flight = loader_workers * _PREFETCH_FACTOR * spec.training.batch_size * sample * 2
-    nccl = _NCCL_SHM_PER_PROCESS if spec.uses_gpus else 0
-    wanted = max(_SHM_FLOOR, spec.processes_per_worker * (in_flight + nccl))
-    size = -(-wanted // _SHM_STEP) * _SHM_STEP
-    if spec.resources.memory is not None:
-        half = int(parse_quantity(spec.resources.memory)) // 2 // MI * MI
-        size = min(size, max(half, 64 * MI))
-    return size
 
 
 def trainer_settings(name: str, spec: GpuTrainingSpec) -> TrainerSettings:
@@ -215,23 +91,12 @@ def trainer_settings(name: str, spec: GpuTrainingSpec) -> TrainerSettings:
     )
 
 
-def nccl_env(spec: GpuTrainingSpec) -> dict[str, str]:
-    """NCCL variables: the profile's, then NCCL_DEBUG, then the user's overrides. None on CPU."""
-    if not spec.uses_gpus:
-        return {}
-    env = dict(NCCL_PROFILES[spec.nccl.profile])
-    if spec.nccl.debug:
-        env["NCCL_DEBUG"] = spec.nccl.debug
-    env.update(spec.nccl.env)
-    return env
-
-
 def trainer_env(
     name: str, spec: GpuTrainingSpec, reports: TrainingReports | None = None
 ) -> list[dict[str, Any]]:
     """The container's environment, in a fixed order: contract, NCCL, reports, runtime, user."""
     env: dict[str, str] = dict(trainer_settings(name, spec).to_env())
-    env.update(nccl_env(spec))
+    env.update(nccl.nccl_env(spec))
     if reports is not None:
         env.update(report_env(reports))
     user_names = {e.name for e in spec.env}
@@ -321,7 +186,7 @@ def _mount(name: str, path: str, claim: VolumeSource | None, read_only: bool = F
 
 def volumes(spec: GpuTrainingSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Volumes and the container's mounts: shm, checkpoints, output, and the dataset."""
-    shm = format_bytes(shm_size_bytes(spec))
+    shm = format_bytes(nccl.shm_size_bytes(spec))
     pod_volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
     places = [("output", spec.output.volume, spec.output.path)]

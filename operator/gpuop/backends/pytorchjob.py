@@ -16,6 +16,7 @@ from gpuop.api.identity import DEFAULT_TRAINER_IMAGE
 from gpuop.api.spec import MUTABLE_SPEC_FIELDS, GpuTraining, GpuTrainingSpec
 from gpuop.backends import pod
 from gpuop.backends.contract import AccessRule
+from gpuop.backends.reportwiring import ReportEndpoint, TrainingReports, training_reports
 from gpuop.observing import observe
 from gpuop.observing.records import JobCondition, JobKind
 from gputrain.contract import METRICS_PORT, METRICS_PORT_NAME, RENDEZVOUS_PORT, RENDEZVOUS_PORT_NAME
@@ -54,7 +55,7 @@ def _launch(spec: GpuTrainingSpec) -> tuple[list[str], list[str] | None]:
 
 
 def _pytorchjob_pod_template(
-    name: str, spec: GpuTrainingSpec, image: str, reports: pod.TrainingReports | None, fetch_image: str
+    name: str, spec: GpuTrainingSpec, image: str, reports: TrainingReports | None, fetch_image: str
 ) -> dict[str, Any]:
     """The pod template shared by Master and Worker."""
     ports = [
@@ -69,7 +70,7 @@ def _pytorchjob_pod_template(
 
 
 def _replica_specs(
-    name: str, spec: GpuTrainingSpec, image: str, reports: pod.TrainingReports | None, fetch_image: str
+    name: str, spec: GpuTrainingSpec, image: str, reports: TrainingReports | None, fetch_image: str
 ) -> dict[str, Any]:
     # OnFailure restarts the container inside the same pod, so a checkpoint on the default
     # emptyDir survives the restart. (ExitCode would re-create the pod and lose it; and under
@@ -124,7 +125,7 @@ def render_pytorchjob(
     training: GpuTraining,
     *,
     default_image: str = DEFAULT_TRAINER_IMAGE,
-    reports: pod.ReportEndpoint | None = None,
+    reports: ReportEndpoint | None = None,
 ) -> dict[str, Any]:
     """The PyTorchJob for a GpuTraining."""
     spec = training.spec
@@ -136,7 +137,7 @@ def render_pytorchjob(
         # The webhook forbids elasticPolicy.nProcPerNode beside this; we only set this one.
         "nprocPerNode": str(spec.processes_per_worker),
         "pytorchReplicaSpecs": _replica_specs(
-            name, spec, image, pod.training_reports(training, reports), pod.fetch_image(spec, default_image)
+            name, spec, image, training_reports(training, reports), pod.fetch_image(spec, default_image)
         ),
         "runPolicy": _run_policy(spec),
     }
@@ -181,7 +182,7 @@ class PyTorchJobApi:
         return ELASTIC_JOB_ENV if spec.elastic is not None else FIXED_JOB_ENV
 
     def render(
-        self, training: GpuTraining, *, default_image: str, reports: pod.ReportEndpoint | None = None
+        self, training: GpuTraining, *, default_image: str, reports: ReportEndpoint | None = None
     ) -> list[dict[str, Any]]:
         return [render_pytorchjob(training, default_image=default_image, reports=reports)]
 

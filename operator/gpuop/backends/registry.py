@@ -25,8 +25,9 @@ from gpuop.api.spec import AUTO_BACKEND, GpuTraining, GpuTrainingSpec, SpecGap, 
 from gpuop.api.status import GpuTrainingStatus
 from gpuop.backends.contract import JobApi
 from gpuop.backends.job import JOB
-from gpuop.backends.pod import ReportEndpoint, report_ca_object
+from gpuop.backends.pod import report_ca_object
 from gpuop.backends.pytorchjob import PYTORCHJOB
+from gpuop.backends.reportwiring import ReportEndpoint
 from gpuop.backends.trainjob import TRAINJOB
 
 # In the order ``auto`` prefers them: a cluster that still runs the v1 training-operator was

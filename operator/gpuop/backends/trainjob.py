@@ -29,7 +29,7 @@ from typing import Any, Final
 
 from gpuop.api.identity import DEFAULT_TRAINER_IMAGE
 from gpuop.api.spec import GpuTraining, GpuTrainingSpec, SpecGap, refuse_gaps
-from gpuop.backends import pod
+from gpuop.backends import pod, reportwiring
 from gpuop.backends.contract import AccessRule
 from gpuop.observing import observe
 from gpuop.observing.records import JobCondition, JobKind
@@ -92,7 +92,7 @@ def render_runtime(
     training: GpuTraining,
     *,
     default_image: str = DEFAULT_TRAINER_IMAGE,
-    reports: pod.ReportEndpoint | None = None,
+    reports: reportwiring.ReportEndpoint | None = None,
 ) -> dict[str, Any]:
     """The TrainingRuntime of one GpuTraining's TrainJob; raises SpecError for what it cannot say."""
     spec = training.spec
@@ -108,9 +108,9 @@ def render_runtime(
         container_name=TRAINJOB_CONTAINER,
         launch=_launch(spec),
         ports=ports,
-        reports=pod.training_reports(training, reports),
+        reports=reportwiring.training_reports(training, reports),
     )
-    template = pod.pod_template(name, spec, container, pod.training_reports(training, reports),
+    template = pod.pod_template(name, spec, container, reportwiring.training_reports(training, reports),
                                 fetch_image=pod.fetch_image(spec, default_image))  # fmt: skip
     template["spec"] = {"restartPolicy": "OnFailure", **template["spec"]}
     job: dict[str, Any] = {"template": template}
@@ -147,7 +147,7 @@ def render_trainjob(
     training: GpuTraining,
     *,
     default_image: str = DEFAULT_TRAINER_IMAGE,
-    reports: pod.ReportEndpoint | None = None,
+    reports: reportwiring.ReportEndpoint | None = None,
 ) -> dict[str, Any]:
     """The TrainJob of a GpuTraining, on the runtime :func:`render_runtime` makes for it."""
     spec = training.spec
@@ -158,7 +158,7 @@ def render_trainjob(
         trainer["args"] = args
     trainer.update(
         {
-            "env": pod.trainer_env(training.name, spec, pod.training_reports(training, reports)),
+            "env": pod.trainer_env(training.name, spec, reportwiring.training_reports(training, reports)),
             "numNodes": spec.workers,
             # Always set: left out, Trainer v2 starts one process per CPU core on a CPU job.
             "numProcPerNode": spec.processes_per_worker,
@@ -223,7 +223,7 @@ class TrainJobApi:
         return CONTROLLER_ENV
 
     def render(
-        self, training: GpuTraining, *, default_image: str, reports: pod.ReportEndpoint | None = None
+        self, training: GpuTraining, *, default_image: str, reports: reportwiring.ReportEndpoint | None = None
     ) -> list[dict[str, Any]]:
         return [
             render_runtime(training, default_image=default_image, reports=reports),

@@ -32,8 +32,8 @@ from typing import Any, Final
 import kopf
 
 from gpuop.api.identity import GROUP, PLURAL, VERSION
-from gpuop.backends.pod import ReportEndpoint
 from gpuop.backends.registry import APIS
+from gpuop.backends.reportwiring import ReportEndpoint
 from gpuop.controller import jobwatch, reportproc
 from gpuop.controller.kube import ApiError, Kube
 from gpuop.controller.reconciler import Reconciler

@@ -33,7 +33,7 @@ from typing import Any, Final
 from gpuop.api.identity import TrainingKey
 from gpuop.api.status import TERMINAL_PHASES
 from gpuop.backends import registry
-from gpuop.backends.pod import ReportEndpoint
+from gpuop.backends.reportwiring import ReportEndpoint
 from gpuop.controller.children import wake_due
 from gpuop.controller.jobsfirst import JobsFirst
 from gpuop.controller.kube import ApiError, Kube

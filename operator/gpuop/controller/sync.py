@@ -23,8 +23,8 @@ from gpuop.api.spec import warnings as spec_warnings
 from gpuop.api.status import TERMINAL_PHASES, GpuTrainingStatus
 from gpuop.backends import registry
 from gpuop.backends.contract import JobApi
-from gpuop.backends.pod import ReportEndpoint
 from gpuop.backends.registry import Choice
+from gpuop.backends.reportwiring import ReportEndpoint
 from gpuop.controller.children import Children, wake_due
 from gpuop.controller.discovery import ServedBackends
 from gpuop.controller.kube import Kube

@@ -31,7 +31,7 @@ from gpuop.api.spec import GpuTraining
 from gpuop.api.status import GpuTrainingStatus, status_from_json
 from gpuop.backends import registry
 from gpuop.backends.contract import JobApi
-from gpuop.backends.pod import ReportEndpoint
+from gpuop.backends.reportwiring import ReportEndpoint
 from gpuop.observing import observe
 from gpuop.observing.records import PodObservation, ReceivedReport
 

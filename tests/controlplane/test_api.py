@@ -174,7 +174,8 @@ def test_each_example_is_stored_with_the_defaults_parse_computes(
 
 def _server_accepts_what_each_example_renders(example: Path, backend: str, plane: ControlPlane) -> None:
     """Created server-side (dry run) with kubectl's strict field validation against the real
-    Kubeflow CRDs. What a TrainJob cannot carry is refused before rendering."""
+    Kubeflow CRDs (or Kubernetes' own Job and Service). What a backend cannot carry is refused
+    before rendering."""
     body = load_example(example)
     body["metadata"] |= {"namespace": "ml", "uid": "9b2f4c1e-0d7a-4a8e-9a51-3f0c6a2b7d10"}
     training = parse(body)
@@ -198,6 +199,13 @@ def test_each_example_renders_pytorchjobs_the_server_accepts(example: Path, plan
 def test_each_example_renders_trainjobs_the_server_accepts(example: Path, plane: ControlPlane) -> None:
     """Against Kubeflow Trainer v2.3.0's TrainingRuntime and TrainJob CRDs (the newest only: ONLY_ON)."""
     _server_accepts_what_each_example_renders(example, "trainjob", plane)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_each_example_renders_jobs_the_server_accepts(example: Path, plane: ControlPlane) -> None:
+    """The headless Service and the Indexed batch/v1 Job, on both ends of what we claim (the
+    Job's podReplacementPolicy is beta, on by default, from 1.29)."""
+    _server_accepts_what_each_example_renders(example, "job", plane)
 
 
 # The Pod Security Standards level each example's pods meet, as docs/operating.md states it:

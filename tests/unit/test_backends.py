@@ -3,17 +3,20 @@ and events that say so. Table-driven, no cluster."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
+from gpuop.api.spec import parse
 from gpuop.backends.pytorchjob import PYTORCHJOB
-from gpuop.backends.registry import Choice, choose
+from gpuop.backends.registry import APIS, Choice, choose, gaps, render_job
 from gpuop.backends.trainjob import TRAINJOB
 from gpuop.observing import observe
 from gpuop.observing.derive import derive_status, events
 from gpuop.observing.records import JobCondition, Observation, Thresholds
+from support.specs import minimal
 
 BOTH: frozenset[str] = frozenset({"pytorchjob", "trainjob"})
 V1: frozenset[str] = frozenset({"pytorchjob"})
@@ -111,6 +114,20 @@ def test_slim_job_keeps_what_the_patch_and_status_read() -> None:
     assert slim["kind"] == "TrainJob"
     assert slim["spec"] == {"suspend": True, "activeDeadlineSeconds": 5}
     assert "managedFields" not in slim["metadata"]
+
+
+def test_slim_job_keeps_every_backends_patched_fields_and_drops_the_pods() -> None:
+    """Whatever the backend: the fields its patch and status read stay (a gang's whole runPolicy
+    among them), the pod templates go."""
+    body = minimal(workers=3, runPolicy={"activeDeadlineSeconds": 60, "ttlSecondsAfterFinished": 9, "backoffLimit": 2},
+                   scheduling={"gang": True, "queueName": "q", "priorityClassName": "p"})  # fmt: skip
+    plain = minimal(runPolicy={"activeDeadlineSeconds": 60})  # for a backend that refuses the gang
+    for backend in APIS:
+        carried = plain if gaps(parse(body).spec).get(backend) else body
+        job = render_job(parse(carried), backend, default_image="t:1")[-1]
+        slim = observe.slim_job({**job, "status": {}})
+        assert APIS[backend].mutable_patch(job, slim) is None, backend
+        assert "template" not in json.dumps(slim["spec"]), backend
 
 
 NOW = datetime(2026, 11, 22, 10, 0, 0, tzinfo=UTC)

@@ -190,8 +190,11 @@ _KEPT_METADATA = (
 )
 # Of a job's spec the operator keeps the small fields, whatever the backend: those it patches
 # and reads (a PyTorchJob's runPolicy, a TrainJob's or a Job's suspend and deadline) are all
-# small, and the big ones (pod templates, a TrainJob's trainer with its env) are what cost.
-_SMALL_SPEC_VALUES = 16
+# small, and the big ones (pod templates, a TrainJob's trainer with its env) are what cost. The
+# bound is generous: a field it reads that grew past it (a runPolicy whose schedulingPolicy
+# lists many minResources) would look unset, and be patched on every reconcile; a pod template
+# holds hundreds of values.
+_SMALL_SPEC_VALUES = 64
 
 
 def _small(value: Any, budget: int = _SMALL_SPEC_VALUES) -> bool:

@@ -20,8 +20,8 @@ that is lost (evicted, its node gone) is replaced under the same index, hence th
 name, and ``podReplacementPolicy: Failed`` makes the replacement wait until the old pod is
 gone, so two pods never answer to one rank. The Job controller counts container restarts
 against ``backoffLimit`` as the training-operator does (:func:`pod.kubeflow_backoff_limit`);
-with no limit in the spec none is set (Kubernetes' default of 6 would fail a long training
-on its seventh restart, where Kubeflow's jobs retry without end). Suspend, Kueue,
+with no limit in the spec its largest value is set (Kubernetes' default of 6 would fail a long
+training on its seventh restart, where Kubeflow's jobs retry without end). Suspend, Kueue,
 activeDeadlineSeconds and ttlSecondsAfterFinished are the Job's own, and its controller keeps
 their clocks. What a Job cannot do is refused (:data:`GAPS`).
 """
@@ -99,19 +99,6 @@ def rank_env(name: str, spec: GpuTrainingSpec) -> list[dict[str, Any]]:
     ]
 
 
-def _launch(spec: GpuTrainingSpec) -> tuple[list[str], list[str] | None]:
-    """Command and args: torchrun takes the node count and rank from PET_*, the master here."""
-    if spec.command is not None:
-        return list(spec.command), list(spec.args) if spec.args is not None else None
-    return ["torchrun"], [
-        f"--nproc-per-node={spec.processes_per_worker}",
-        "--master-addr=$(MASTER_ADDR)",
-        "--master-port=$(MASTER_PORT)",
-        "-m",
-        "gputrain",
-    ]
-
-
 def render_service(training: GpuTraining) -> dict[str, Any]:
     """The headless Service that gives each pod of the Job its DNS name."""
     return {
@@ -144,8 +131,8 @@ def render_job(
         {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"},
     ]
     container = pod.trainer_container(
-        name, spec, spec.image or default_image, container_name=JOB_CONTAINER, launch=_launch(spec),
-        ports=ports, reports=training_reports,
+        name, spec, spec.image or default_image, container_name=JOB_CONTAINER,
+        launch=pod.torchrun_launch(spec), ports=ports, reports=training_reports,
     )  # fmt: skip
     container["env"] = rank_env(name, spec) + container["env"]
     template = pod.pod_template(

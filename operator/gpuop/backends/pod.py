@@ -334,6 +334,20 @@ def trainer_container(
     return container
 
 
+def torchrun_launch(spec: GpuTrainingSpec) -> tuple[list[str], list[str] | None]:
+    """Command and args of the training container where the job's pods meet at a master (a
+    PyTorchJob's, a Job's) or, elastic, at a c10d rendezvous; the spec's own command as it is.
+    torchrun reads the node count and rank from PET_NNODES and PET_NODE_RANK; the address is
+    given as MASTER_ADDR/MASTER_PORT, which Kubernetes expands from the container's env."""
+    if spec.command is not None:
+        return list(spec.command), list(spec.args) if spec.args is not None else None
+    args = [f"--nproc-per-node={spec.processes_per_worker}"]
+    if spec.elastic is None:
+        args += ["--master-addr=$(MASTER_ADDR)", "--master-port=$(MASTER_PORT)"]
+    args += ["-m", "gputrain"]
+    return ["torchrun"], args
+
+
 def pod_template(
     name: str,
     spec: GpuTrainingSpec,

@@ -40,20 +40,6 @@ ELASTIC_JOB_ENV: Final = frozenset({
 })  # fmt: skip
 
 
-def _launch(spec: GpuTrainingSpec) -> tuple[list[str], list[str] | None]:
-    """Command and args of the training container."""
-    if spec.command is not None:
-        return list(spec.command), list(spec.args) if spec.args is not None else None
-    args = [f"--nproc-per-node={spec.processes_per_worker}"]
-    if spec.elastic is None:
-        # The training-operator sets PET_NNODES and PET_NODE_RANK, which torchrun reads, but
-        # only MASTER_ADDR/MASTER_PORT for the address; Kubernetes expands $(VAR) from the
-        # container's environment.
-        args += ["--master-addr=$(MASTER_ADDR)", "--master-port=$(MASTER_PORT)"]
-    args += ["-m", "gputrain"]
-    return ["torchrun"], args
-
-
 def _pytorchjob_pod_template(
     name: str, spec: GpuTrainingSpec, image: str, reports: TrainingReports | None, fetch_image: str
 ) -> dict[str, Any]:
@@ -63,7 +49,7 @@ def _pytorchjob_pod_template(
         {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"},
     ]
     container = pod.trainer_container(
-        name, spec, image, container_name=PYTORCHJOB_CONTAINER, launch=_launch(spec), ports=ports,
+        name, spec, image, container_name=PYTORCHJOB_CONTAINER, launch=pod.torchrun_launch(spec), ports=ports,
         reports=reports,
     )  # fmt: skip
     return pod.pod_template(name, spec, container, reports, fetch_image=fetch_image)

@@ -212,12 +212,13 @@ def test_a_paced_loop_sends_each_body_no_sooner_than_its_slot(bench: ModuleType)
         sent.append((time.monotonic(), body))
 
     started = time.monotonic()
-    seconds = bench._create_all(create, list(range(20)), rate=100.0)
+    seconds = bench._create_all(create, list(range(20)), rate=20.0)
     assert sorted(body for _, body in sent) == list(range(20))
-    assert all(at - started >= body / 100.0 - 0.002 for at, body in sent), sent  # the clock's grain
-    assert 0.19 <= seconds < 1.0
+    assert all(at - started >= body / 20.0 - 0.002 for at, body in sent), sent  # the clock's grain
+    assert 0.95 <= seconds < 3.0
     sent.clear()
-    assert bench._create_all(create, list(range(20))) < 0.19
+    # Paced, the same would take 0.95 s; the rest is room for a loaded machine.
+    assert bench._create_all(create, list(range(20))) < 0.9
     assert sorted(body for _, body in sent) == list(range(20))
 
 

@@ -89,14 +89,15 @@ def test_a_tick_waits_one_scrape_timeout_however_many_namespaces() -> None:
     slow = [DribblingTrainer(SLOW_IP), DribblingTrainer(OTHER_SLOW_IP)]
     reader = PodReader(
         _Namespaces(),  # type: ignore[arg-type]
-        OperatorSettings(scrape_timeout_seconds=1.0, scrape_via="pod-ip"),
+        OperatorSettings(scrape_timeout_seconds=2.0, scrape_via="pod-ip"),
         OperatorMetrics(),
     )
     try:
         started = time.monotonic()
         observed = reader.observe({"team-a": ["slow"], "team-b": ["slow"]})
         took = time.monotonic() - started
-        assert 1.0 <= took < 1.9, took  # one deadline for both, not one a namespace (2 s)
+        # One deadline for both, not one a namespace (4 s); the rest is room for a loaded machine.
+        assert 2.0 <= took < 4.0, took
         assert [p.metrics for ns in ("team-a", "team-b") for p in (observed[ns] or {})["slow"] or ()] == [
             None,
             None,

@@ -383,7 +383,7 @@ def test_a_steady_reporter_waits_for_the_api_server_on_its_first_report_only() -
         for _ in range(3):
             began = time.monotonic()
             assert gate.authenticate((NS, "a"), token) == "a-0"
-            assert time.monotonic() - began < 1.0  # not held by the review under way
+            assert time.monotonic() - began < 3.0  # not held by the review under way (held for good)
         wait_for("the background review", lambda: kube.reviewed(token) == 2, timeout=5)
         kube.through.set()
         wait_for("the new verdict kept", lambda: verdict_times(gate)[1] > expires, timeout=5)
@@ -870,7 +870,7 @@ def test_a_slow_client_is_cut_off_at_the_deadline(serve: Callable[..., Served], 
             closed_after = time.monotonic() - started
             break
     assert closed_after is not None, "a client sending a byte every 0.5 s was never cut off"
-    assert closed_after < deadline + 1.0
+    assert closed_after < deadline + 3.0  # a byte every 0.5 s, and room for a loaded machine
     handler.join(timeout=2)
     assert not handler.is_alive()
     assert served.book.of((NS, "a")) == ()
@@ -881,7 +881,7 @@ def test_a_silent_connection_is_cut_off_at_the_deadline(serve: Callable[..., Ser
     with socket.create_connection(("127.0.0.1", served.server.port), timeout=5) as plain:
         started = time.monotonic()
         assert plain.recv(1) == b""  # no TLS handshake ever started: closed, not waited for
-        assert time.monotonic() - started < 0.5 + 1.0
+        assert time.monotonic() - started < 0.5 + 3.0  # not the client's 5 s
 
 
 def test_the_endpoint_sends_no_session_tickets(served: Served) -> None:
@@ -906,7 +906,7 @@ def test_connections_over_the_bound_are_closed_unanswered(
         started = time.monotonic()
         with pytest.raises((ssl.SSLError, ConnectionResetError)):  # not a timeout: closed at once
             served.connect(timeout=5).close()
-        assert time.monotonic() - started < 2
+        assert time.monotonic() - started < 4  # not the 5 s connect timeout
         # A held connection still gets its answer.
         held[0].sendall(head(path("a"), token, f"Content-Length: {len(REPORT)}") + REPORT)
         assert answer_of(held[0]) == 200

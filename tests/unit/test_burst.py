@@ -155,7 +155,7 @@ def test_a_first_status_handed_back_while_the_reconcile_that_left_it_still_runs_
     reconciler = _reconciler(store)
     left = reconciler._first_status_later
 
-    def left_then_handed_back(tracked: Any, generation: object) -> bool:
+    def left_then_handed_back(tracked: Any, generation: object) -> float | None:
         leaves = left(tracked, generation)
         if tracked.body["metadata"]["name"] == "a":  # "b" gets its job at this moment, elsewhere
             reconciler._queue_statuses(reconciler._jobs_first.settled(("default", "b")))

@@ -64,10 +64,10 @@ def test_an_upward_import_breaks_the_contract(tree: Path, module: str, line: str
     assert line.split()[-1] in done.stdout  # the report names the import
 
 
-# The modules that may write a training's state (gpuop.controller.table.Tracked): the table,
-# which defines it (and the watches' two fields), and the reconcile, which applies what the
-# others return: its routine (sync.py) and what wraps it, the tick included (reconciler.py).
-STATE_OWNERS = ("table.py", "reconciler.py", "sync.py")
+# The modules that may assign a training's state (gpuop.controller.table.Tracked): the table,
+# which defines it and whose see_* methods are the one way in for what was seen (the watches,
+# the tick), and the reconcile (sync.py), which applies what the others return.
+STATE_OWNERS = ("table.py", "sync.py")
 
 
 def _state_writes(source: str) -> list[str]:

@@ -1,5 +1,5 @@
 """Which job APIs the cluster serves, and whether it serves Kueue, from the API server's
-discovery, cached for a while.
+discovery, cached for a while; and so the job API a training runs on.
 
 Asked only while some training has no job yet (its backend is then chosen; a queued one needs
 Kueue), so a Kubeflow or Kueue installed meanwhile is found within :data:`DISCOVERY_TTL_SECONDS`.
@@ -10,10 +10,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Final, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 from gpuop.api.identity import KUEUE_API_VERSIONS
+from gpuop.api.spec import GpuTraining
+from gpuop.api.status import TERMINAL_PHASES, GpuTrainingStatus
 from gpuop.backends import registry
+from gpuop.backends.contract import JobApi
+from gpuop.backends.registry import Choice
 from gpuop.controller.kube import Kube
 
 # How long a discovery answer is trusted.
@@ -54,3 +58,29 @@ class ServedBackends:
 
     def __call__(self) -> frozenset[str]:
         return self._backends()
+
+    def backend_for(
+        self, training: GpuTraining, previous: GpuTrainingStatus | None, child: dict[str, Any] | None
+    ) -> tuple[JobApi | None, Choice | None]:
+        """The job API ``training`` runs on (its status ``previous``, its job ``child`` as last
+        seen), and the choice when it is made now.
+
+        Chosen once: a training whose status (or job) names its backend keeps it, whatever the
+        cluster serves since; a training on it never moves mid-run. None (and why) when no
+        backend here can run it, or when it names a Kueue queue and the cluster serves no Kueue.
+        """
+        api = registry.recorded(previous)
+        if api is None and child is not None:
+            api = registry.of_kind(child.get("kind"))
+        choice = None
+        spec = training.spec
+        if api is None:
+            choice = registry.choose(spec.backend, self(), registry.gaps(spec))
+            api = registry.APIS[choice.backend] if choice.backend is not None else None
+        queue = spec.scheduling.queue_name
+        finished = previous is not None and previous.phase in TERMINAL_PHASES
+        # Asked only before its job is made (last, so discovery is asked only then): a job once
+        # made stays Kueue's, whatever befalls Kueue.
+        if api is not None and queue is not None and child is None and not finished and not self.kueue():
+            return None, registry.without_kueue(api, queue)
+        return api, choice

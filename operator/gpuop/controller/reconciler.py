@@ -34,9 +34,10 @@ from gpuop.api.identity import TrainingKey
 from gpuop.api.status import TERMINAL_PHASES
 from gpuop.backends import registry
 from gpuop.backends.reportwiring import ReportEndpoint
+from gpuop.controller.apiclient import ApiError
 from gpuop.controller.children import wake_due
 from gpuop.controller.jobsfirst import JobsFirst
-from gpuop.controller.kube import ApiError, Kube
+from gpuop.controller.kube import Kube
 from gpuop.controller.pods import PodReader
 from gpuop.controller.settings import OperatorSettings
 from gpuop.controller.statuswriter import StatusWriter
@@ -245,53 +246,34 @@ class Reconciler:
     # -- the reconcile --------------------------------------------------------------------
 
     def reconcile(self, key: TrainingKey) -> str:
-        """Make one GpuTraining's world match its spec; returns what it did (for metrics, tests).
-        Only ever called for one key by one worker at a time (the work queue)."""
+        """Make one GpuTraining's world match its spec (:mod:`~gpuop.controller.sync`), and queue
+        its key as that asks; returns what it did (for metrics, tests). Only ever called for one
+        key by one worker at a time (the work queue)."""
         tracked = self._table.get(key)
         if tracked is None:
             return "gone"
         started = time.monotonic()
-        tracked.begin()
-        tracked.status_left_for = None
-        try:
-            generation = _generation(tracked.body)
-            outcome = self._sync.run(tracked)
-            tracked.failure = None
-            self._queue.forget(key)  # its backoff, and a retry it waited for
-            if tracked.status_left_for is not None:  # queued again at its deadline at the latest
-                self._queue.add_after(key, tracked.status_left_for)
-            # Done unless its first status waits for later, or our own write's reply brought a
-            # spec edited meanwhile (its event, older than that reply, would be taken for an echo).
-            edited = _generation(tracked.body) != generation
-            left = tracked.status_left_for is not None
-            tracked.reconciled = None if left or edited else tracked.seen_versions
-            if edited:
-                self._queue.add(key)
-        except ApiError as exc:
-            # Already retried with backoff within the call; the key comes back after its own.
-            tracked.reconciled = None
+        synced = self._sync.reconcile(tracked)
+        if synced.failed:
             self.metrics.errors.inc()
             delay = self._queue.retry(key)
-            log.warning("gputraining %s/%s: %s; will retry in %gs", key[0], key[1], exc, delay)
-            outcome = "error"
-        except Exception as exc:
-            # A defect, or an input nothing upstream caught: it stops this GpuTraining, never
-            # the others, and is said once (with the traceback) and on the object itself.
-            tracked.reconciled = None
-            self.metrics.errors.inc()
-            outcome = "error"
-            self._sync.report_failure(tracked, exc)
-            self._queue.retry(key)
+            if synced.api_error is not None:  # retried with backoff within the call already
+                log.warning("gputraining %s/%s: %s; will retry in %gs", key[0], key[1],
+                            synced.api_error, delay)  # fmt: skip
+        else:
+            self._queue.forget(key)  # its backoff, and a retry it waited for
+            if synced.again_in is not None:  # its first status: queued again by then at the latest
+                self._queue.add_after(key, synced.again_in)
+            if synced.again_now:
+                self._queue.add(key)
         self.metrics.duration.observe(time.monotonic() - started)
-        self.metrics.reconciles.labels(outcome=outcome).inc()
-        return outcome
+        self.metrics.reconciles.labels(outcome=synced.outcome).inc()
+        return synced.outcome
 
-    def _first_status_later(self, tracked: Tracked, generation: object) -> bool:
-        """Whether a new training's first status, its job made, waits for the other jobs of a
-        burst (jobsfirst); its key is queued again at its deadline, or once none waits."""
-        key = key_of(tracked.body)
-        tracked.status_left_for = self._jobs_first.leave_for_later(key, tracked.first_seen, generation)
-        return tracked.status_left_for is not None
+    def _first_status_later(self, tracked: Tracked, generation: object) -> float | None:
+        """Seconds a new training's first status, its job made, waits for the other jobs of a
+        burst (jobsfirst), or None: now. Its key is queued again by then, or once none waits."""
+        return self._jobs_first.leave_for_later(key_of(tracked.body), tracked.first_seen, generation)
 
     # -- the tick: scrape running jobs, retry what failed ---------------------------------
 
@@ -319,11 +301,8 @@ class Reconciler:
                 continue  # its pods could not be listed: what was seen stays
             for key, tracked in group:
                 pods = in_namespace.get(key[1])
-                if pods is not None:
-                    with tracked.lock:
-                        if pods != tracked.pods:
-                            new_pods.add(key)
-                        tracked.pods = pods
+                if pods is not None and tracked.see_pods(pods):
+                    new_pods.add(key)
         due: list[TrainingKey] = []
         for key, tracked in items:
             if self._jobs_first.waits(key, _generation(tracked.body)):
@@ -335,7 +314,7 @@ class Reconciler:
                 reports = self.reports.of(key)
                 if self._quiet(tracked, reports, key in new_pods):
                     continue
-                tracked.reports = reports
+                tracked.see_reports(reports)
                 due.append(key)
             elif self._wake_due(tracked):  # a finished job's TTL, which no event announces
                 due.append(key)

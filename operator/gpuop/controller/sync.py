@@ -7,7 +7,9 @@ stops it when due, derives the status from everything seen and patches it when i
 decisions are the pure modules' (:mod:`gpuop.api.spec`, :mod:`gpuop.backends`,
 :mod:`gpuop.observing`); the API calls go through :mod:`~gpuop.controller.children`,
 :mod:`~gpuop.controller.pods` and :mod:`~gpuop.controller.statuswriter`. What those return is
-kept in the training's table entry here and nowhere else.
+kept in the training's table entry here and nowhere else: this module is the one writer of a
+training's state (:class:`~gpuop.controller.table.Tracked`) besides the watches' own methods.
+What the reconcile asks of the work queue (a retry, a deadline) it returns as :class:`Synced`.
 """
 
 from __future__ import annotations
@@ -15,16 +17,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Final
+from typing import Any, Final
 
 from gpuop.api.spec import GpuTraining
 from gpuop.api.spec import warnings as spec_warnings
 from gpuop.api.status import TERMINAL_PHASES, GpuTrainingStatus
-from gpuop.backends import registry
 from gpuop.backends.contract import JobApi
 from gpuop.backends.registry import Choice
 from gpuop.backends.reportwiring import ReportEndpoint
+from gpuop.controller.apiclient import ApiError
 from gpuop.controller.children import Children, wake_due
 from gpuop.controller.discovery import ServedBackends
 from gpuop.controller.kube import Kube
@@ -40,6 +43,26 @@ log = logging.getLogger(__name__)
 
 _NO_ALARMS: Final = Thresholds(stall_timeout_seconds=0)
 
+# Whether a new training's first status waits for the other jobs of a burst: given the training
+# and the spec generation worked, the seconds it may wait (None: write it now).
+FirstStatusLater = Callable[[Tracked, object], float | None]
+
+
+@dataclass(frozen=True)
+class Synced:
+    """What one reconcile did, and what it asks of the work queue."""
+
+    outcome: str  # "created", "status", "unchanged", "error", ... (for the metrics and tests)
+    # Its first status was left for later: the key comes back within this many seconds.
+    again_in: float | None = None
+    again_now: bool = False  # the spec was edited while it ran: the key comes back at once
+    failed: bool = False  # the key comes back after its retry backoff
+    api_error: ApiError | None = None  # why, when the API server failed it (the caller says so)
+
+
+def _generation(body: dict[str, Any]) -> object:
+    return (body.get("metadata") or {}).get("generation")
+
 
 class TrainingSync:
     """The reconcile of one training at a time, and the API callers it needs."""
@@ -54,7 +77,7 @@ class TrainingSync:
         *,
         report_endpoint: ReportEndpoint | None,
         reports: ReportBook,
-        first_status_later: Callable[[Tracked, object], bool],
+        first_status_later: FirstStatusLater,
     ) -> None:
         self.kube = kube
         self.settings = settings
@@ -69,7 +92,34 @@ class TrainingSync:
         # worked; the reconciler queues it again then.
         self._first_status_later = first_status_later
 
-    def report_failure(self, tracked: Tracked, exc: Exception) -> None:
+    def reconcile(self, tracked: Tracked) -> Synced:
+        """Reconcile one training (its key worked by this caller alone), and remember what it saw.
+
+        A failure stops this GpuTraining, never the others: an API error (already retried
+        within the call) is handed back for a retry after the key's backoff; anything else, a
+        defect or an input nothing upstream caught, is said once with its traceback and on the
+        object itself, and retried the same way.
+        """
+        tracked.begin()
+        generation = _generation(tracked.body)
+        try:
+            synced = self.run(tracked)
+        except ApiError as exc:
+            tracked.reconciled = None
+            return Synced("error", failed=True, api_error=exc)
+        except Exception as exc:
+            tracked.reconciled = None
+            self._report_failure(tracked, exc)
+            return Synced("error", failed=True)
+        tracked.failure = None
+        # Done unless its first status waits for later, or our own write's reply brought a spec
+        # edited meanwhile (its event, older than that reply, would be taken for an echo).
+        edited = _generation(tracked.body) != generation
+        left = synced.again_in is not None
+        tracked.reconciled = None if left or edited else tracked.seen_versions
+        return dataclasses.replace(synced, again_now=edited)
+
+    def _report_failure(self, tracked: Tracked, exc: Exception) -> None:
         namespace, name = key_of(tracked.body)
         summary = f"{type(exc).__name__}: {exc}"[:500]
         if tracked.failure == summary:
@@ -115,15 +165,53 @@ class TrainingSync:
             tracked.child_gone = tracked.child is None
         return tracked.child_gone
 
-    def run(self, tracked: Tracked) -> str:
-        """Reconcile one training (its key worked by this caller alone); what it did."""
+    def run(self, tracked: Tracked) -> Synced:
+        """Observe, decide, act, write the status: one pass, for the state as last seen."""
         meta = tracked.body.get("metadata") or {}
         if meta.get("deletionTimestamp"):
-            return "deleting"  # the garbage collector removes the job; nothing to write
+            return Synced("deleting")  # the garbage collector removes the job; nothing to write
         previous = tracked.status()
         now = self.clock()
         generation = meta.get("generation") if isinstance(meta.get("generation"), int) else None
         view = tracked.spec_view()
+        settled = self._without_a_job(tracked, previous, view, now, generation)
+        if isinstance(settled, Synced):
+            return settled
+        api, choice = settled
+        assert view.training is not None  # _without_a_job settles a spec that did not parse
+        objects = view.objects(api, self.settings.trainer_image, self.report_endpoint)
+        outcome, conflict = self._make_and_patch(tracked, view.training, api, objects)
+        if previous is None and conflict is None:
+            later = self._first_status_later(tracked, meta.get("generation"))
+            if later is not None:
+                return Synced("later" if outcome == "unchanged" else outcome, again_in=later)
+        if conflict is None and self._wake_if_due(tracked, api, now):
+            outcome = "woken" if outcome == "unchanged" else outcome
+        observation = self._observe(tracked, previous, view, api, choice, conflict, now, generation)
+        stop = diagnosis.stop_for(observation)
+        if stop is not None and observation.job_stopped is None:
+            observation = self._stop(tracked, view.training, api, stop, observation)
+            outcome = "stopped" if observation.job_stopped is not None else outcome
+        spec = view.training.spec
+        thresholds = Thresholds(
+            stall_timeout_seconds=spec.stall_timeout_seconds,
+            underutilized_percent=self.settings.underutilized_percent,
+            underutilized_seconds=self.settings.underutilized_seconds,
+        )
+        wrote = self._write_status(tracked, previous, observation, thresholds)
+        return Synced(outcome if outcome != "unchanged" or not wrote else "status")
+
+    def _without_a_job(
+        self,
+        tracked: Tracked,
+        previous: GpuTrainingStatus | None,
+        view: SpecView,
+        now: datetime,
+        generation: int | None,
+    ) -> Synced | tuple[JobApi, Choice | None]:
+        """The reconcile of a training that gets no job made or patched (a spec that does not
+        parse, no backend to run it, finished with its job gone, failed for good), settled here
+        with its status alone; else the job API it runs on, and the choice made now."""
         if view.training is None:
             # Got past the CRD (applied before the CRD was upgraded, or CRD validation off).
             # Failed with the parser's words, once: the next call derives the same status.
@@ -131,81 +219,76 @@ class TrainingSync:
                 now=now, generation=generation, workers_total=0, gpus=0, invalid_spec=view.invalid
             )
             self._write_status(tracked, previous, observation, _NO_ALARMS)
-            return "invalid"
+            return Synced("invalid")
         spec = view.training.spec
-        api, choice = self._backend(tracked, previous, view.training)
+        api, choice = self._served.backend_for(view.training, previous, tracked.child)
+        facts: dict[str, Any] = {}
         if api is None:
             # No job API here can run it: said once in status, then only discovery is asked again.
             assert choice is not None
-            observation = Observation(
-                now=now, generation=generation, workers_total=spec.workers, gpus=spec.total_gpus,
-                backend_unavailable=(choice.reason, choice.message),
-            )  # fmt: skip
-            return "status" if self._write_status(tracked, previous, observation, _NO_ALARMS) else "waiting"
-        if self._finished_and_gone(tracked, previous, view.training, api):
-            observation = Observation(
-                now=now, generation=generation, workers_total=spec.workers, gpus=spec.total_gpus,
-                job_api=api.facts, job_deleted=True,
-            )  # fmt: skip
-            return "status" if self._write_status(tracked, previous, observation, _NO_ALARMS) else "finished"
-
-        if diagnosis.stopped(previous):
+            facts, quiet = {"backend_unavailable": (choice.reason, choice.message)}, "waiting"
+        elif self._finished_and_gone(tracked, previous, view.training, api):
+            facts, quiet = {"job_api": api.facts, "job_deleted": True}, "finished"
+        elif diagnosis.stopped(previous):
             # Failed for good, its job stopped: nothing is made or patched again; a spec edit is
             # only acknowledged (observedGeneration).
-            observation = Observation(now=now, generation=generation, workers_total=spec.workers,
-                                      gpus=spec.total_gpus, job_api=api.facts)  # fmt: skip
-            return "status" if self._write_status(tracked, previous, observation, _NO_ALARMS) else "finished"
+            facts, quiet = {"job_api": api.facts}, "finished"
+        else:
+            return api, choice
+        observation = Observation(
+            now=now, generation=generation, workers_total=spec.workers, gpus=spec.total_gpus, **facts
+        )
+        return Synced("status" if self._write_status(tracked, previous, observation, _NO_ALARMS) else quiet)
 
-        objects = view.objects(api, self.settings.trainer_image, self.report_endpoint)
-        ensured = self._children.ensure(tracked.child, view.training, api, objects)
-        outcome, conflict = ensured.outcome, ensured.conflict
+    def _make_and_patch(
+        self, tracked: Tracked, training: GpuTraining, api: JobApi, objects: list[dict[str, Any]]
+    ) -> tuple[str, str | None]:
+        """Make or adopt the job, then bring its mutable fields to the spec's; what was done, and
+        why there is no job of ours (a stranger holds its name), if so."""
+        ensured = self._children.ensure(tracked.child, training, api, objects)
+        outcome = ensured.outcome
         tracked.keep_job(ensured.child)
         # Each use reads tracked.child once: the job watch may set it (to None, on a DELETED)
         # between two reads.
         if (child := tracked.child) is not None:
-            updated = self._children.update(child, view.training, api, objects[-1])
+            updated = self._children.update(child, training, api, objects[-1])
             if updated is not None:
                 tracked.keep_job(updated)
                 outcome = "updated" if outcome == "unchanged" else outcome
-        if (
-            previous is None
-            and conflict is None
-            and self._first_status_later(tracked, meta.get("generation"))
-        ):
-            return "later" if outcome == "unchanged" else outcome
-        if (
-            conflict is None
-            and (child := tracked.child) is not None
-            and wake_due(child, tracked.woken_at, api, now)
-        ):
-            woken = self._children.wake(child, api, now)
-            tracked.woken_at = now  # or gone already: its DELETED event follows
-            if woken is not None:
-                tracked.keep_job(woken)
-                outcome = "woken" if outcome == "unchanged" else outcome
-        observation = self._observe(tracked, previous, view, api, choice, conflict, now, generation)
-        stop = diagnosis.stop_for(observation)
-        if stop is not None and observation.job_stopped is None:
-            # Stopped before Failed is written, and the job annotated with why: a stop that fails
-            # (raises) leaves the training active for the next tick; a status write that fails
-            # after it finds the annotation next time.
-            child = tracked.child
-            stopped = self._children.stop(child, view.training, api, stop) if child is not None else None
-            if stopped is not None:
-                tracked.keep_job(stopped)
-                observation = dataclasses.replace(observation, job_stopped=stop)
-                outcome = "stopped"
-            else:  # it cannot be stopped: said as a restart, as before (Restarting, the pod's line)
-                observation = dataclasses.replace(
-                    observation, pods=tuple(dataclasses.replace(p, needs_fix=None) for p in observation.pods)
-                )
-        thresholds = Thresholds(
-            stall_timeout_seconds=spec.stall_timeout_seconds,
-            underutilized_percent=self.settings.underutilized_percent,
-            underutilized_seconds=self.settings.underutilized_seconds,
+        return outcome, ensured.conflict
+
+    def _wake_if_due(self, tracked: Tracked, api: JobApi, now: datetime) -> bool:
+        """Touch the job when a clock its controller sleeps through has come; whether it was."""
+        child = tracked.child
+        if child is None or not wake_due(child, tracked.woken_at, api, now):
+            return False
+        woken = self._children.wake(child, api, now)
+        tracked.woken_at = now  # or gone already: its DELETED event follows
+        if woken is None:
+            return False
+        tracked.keep_job(woken)
+        return True
+
+    def _stop(
+        self,
+        tracked: Tracked,
+        training: GpuTraining,
+        api: JobApi,
+        stop: tuple[str, str, str],
+        observation: Observation,
+    ) -> Observation:
+        """Stop the job before Failed is written, annotated with why (``stop``): a stop that fails
+        (raises) leaves the training active for the next tick; a status write that fails after
+        it finds the annotation next time. The observation to derive the status from."""
+        child = tracked.child
+        stopped = self._children.stop(child, training, api, stop) if child is not None else None
+        if stopped is not None:
+            tracked.keep_job(stopped)
+            return dataclasses.replace(observation, job_stopped=stop)
+        # It cannot be stopped: said as a restart, as before (Restarting, the pod's line).
+        return dataclasses.replace(
+            observation, pods=tuple(dataclasses.replace(p, needs_fix=None) for p in observation.pods)
         )
-        wrote = self._write_status(tracked, previous, observation, thresholds)
-        return outcome if outcome != "unchanged" or not wrote else "status"
 
     def _observe(
         self,
@@ -227,9 +310,9 @@ class TrainingSync:
             and observe.finished(api.conditions(child))
             and (previous is None or previous.phase not in TERMINAL_PHASES)
         ):
-            tracked.reports = self.reports.of(key_of(tracked.body))  # the last, sent as the code ended
+            tracked.see_reports(self.reports.of(key_of(tracked.body)))  # the last, sent as the code ended
             if not any(p.result for p in tracked.pods):
-                tracked.pods = self._pods.final(training)
+                tracked.see_pods(self._pods.final(training))
         start, completion = api.times(child)
         queue = None
         suspended = api.suspended(child)
@@ -263,31 +346,3 @@ class TrainingSync:
             job_suspended=suspended,
             spec_warnings=tuple(str(w) for w in spec_warnings(spec)),
         )
-
-    def _backend(
-        self, tracked: Tracked, previous: GpuTrainingStatus | None, training: GpuTraining
-    ) -> tuple[JobApi | None, Choice | None]:
-        """The job API this training runs on, and the choice when it is made now.
-
-        Chosen once: a training whose status (or job) names its backend keeps it, whatever the
-        cluster serves since; a training on it never moves mid-run. None (and why) when no
-        backend here can run it, or when it names a Kueue queue and the cluster serves no Kueue.
-        """
-        api = registry.recorded(previous)
-        if api is None and (child := tracked.child) is not None:
-            api = registry.of_kind(child.get("kind"))
-        choice = None
-        spec = training.spec
-        if api is None:
-            choice = registry.choose(spec.backend, self._served(), registry.gaps(spec))
-            api = registry.APIS[choice.backend] if choice.backend is not None else None
-        queue = spec.scheduling.queue_name
-        finished = previous is not None and previous.phase in TERMINAL_PHASES
-        # Asked only before its job is made (last, so discovery is asked only then): a job once
-        # made stays Kueue's, whatever befalls Kueue.
-        if (
-            api is not None and queue is not None and tracked.child is None and not finished
-            and not self._served.kueue()
-        ):  # fmt: skip
-            return None, registry.without_kueue(api, queue)
-        return api, choice

@@ -2,14 +2,16 @@
 
 One :class:`Tracked` entry per GpuTraining. Two kinds of writer meet in it, on separate fields:
 
-- the watches (Kopf's events of the trainings, the job watch) keep the latest GpuTraining and
-  job seen, through :meth:`Tracked.see_training` and :meth:`Tracked.see_job`, under the entry's
-  lock, which is held for those few lines only, never across an API call; the scrape tick keeps
-  the pods it listed and the reports it read;
-- the reconcile owns everything else, and is never run for one training by two workers at once
-  (:mod:`gpuop.controller.workqueue`). What its own writes return (the job it made, the status it
-  patched) it keeps with :meth:`Tracked.keep_training` and :meth:`Tracked.keep_job`, which never
-  put back an older object than a watch brought meanwhile.
+- what was seen (the GpuTraining, its job, its pods, the reports) is written only through the
+  entry's ``see_*`` methods: by the watches (Kopf's events of the trainings, the job watch), the
+  scrape tick (the pods it listed, the reports it read) and the reconcile (the last reports and
+  pods of a job that just finished), under the entry's lock, which is held for those few lines
+  only, never across an API call;
+- the reconcile (:mod:`gpuop.controller.sync`, the only module that assigns these fields) owns
+  everything else, and is never run for one training by two workers at once
+  (:mod:`gpuop.controller.workqueue`). What its own writes return (the job it made, the status
+  it patched) it keeps with :meth:`Tracked.keep_training` and :meth:`Tracked.keep_job`, which
+  never put back an older object than a watch brought meanwhile.
 
 Each entry keeps its parsed spec per generation (:class:`SpecView`), since a job's life runs
 dozens of reconciles (watch events, ticks) over the same few generations.
@@ -110,8 +112,7 @@ class Tracked:
     body: dict[str, Any]
     child: dict[str, Any] | None = None
     pods: tuple[PodObservation, ...] = ()
-    # Guards body, child and pods against a watch (or the tick) and the reconcile writing them
-    # at once.
+    # Guards what was seen against a watch (or the tick) and the reconcile writing it at once.
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Counts the job watch's changes of child; what the running reconcile began with (begin()).
     # A job the reconcile keeps replaces a child the watch changed meanwhile only when newer: a
@@ -137,9 +138,6 @@ class Tracked:
     # When it was first seen (monotonic): how long its first status may be left for later
     # (gpuop.controller.jobsfirst).
     first_seen: float = field(default_factory=time.monotonic)
-    # Seconds until its deadline, when the running reconcile left its first status for later
-    # (None: it did not): the key is queued again then, and the reconcile is not done.
-    status_left_for: float | None = None
     # The status last decoded and the very document it came from. Every event and write brings
     # a new document; the tick's reconcile of an unchanged training does not, and decoding it
     # was half of that reconcile's CPU (0.36 of 0.64 s for 1,000 trainings, cProfile).
@@ -168,6 +166,19 @@ class Tracked:
                 self.child = observe.slim_job(job)
             if self.child is not known:
                 self.child_seen += 1
+
+    def see_pods(self, pods: tuple[PodObservation, ...]) -> bool:
+        """The job's pods as listed (by the tick, or read once more as it finished); whether
+        they differ from those known."""
+        with self.lock:
+            changed = pods != self.pods
+            self.pods = pods
+            return changed
+
+    def see_reports(self, reports: tuple[ReceivedReport, ...]) -> None:
+        """The training code's reports as read (by the tick, or once more as the job finished)."""
+        with self.lock:
+            self.reports = reports
 
     # -- the reconcile's side ------------------------------------------------------------
 

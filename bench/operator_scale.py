@@ -71,7 +71,8 @@ from gpuop.api.spec import warnings as spec_warnings
 from gpuop.api.status import status_patch
 from gpuop.backends import registry
 from gpuop.backends.pytorchjob import render_pytorchjob
-from gpuop.controller.kube import WRITE_VERBS, event_body
+from gpuop.controller.apiclient import WRITE_VERBS
+from gpuop.controller.kube import event_body
 from gpuop.observing.derive import derive_status, events
 from gpuop.observing.records import Observation, Thresholds
 

@@ -29,7 +29,8 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
 from gpuop.api.identity import TRAINING_LABEL, report_audience, report_path
-from gpuop.controller.kube import Backoff, Kube
+from gpuop.controller.apiclient import Backoff
+from gpuop.controller.kube import Kube
 from gpuop.controller.receiver import ClusterGate
 from gpuop.observing.endpoint import Limits, ReportBook, ReportServer
 from gpuop.observing.reports import MAX_REPORT_BYTES

@@ -14,7 +14,7 @@ from typing import Any, Final
 from gpuop.api.spec import GpuTraining, SpecGap
 from gpuop.backends import pod, reportwiring
 from gpuop.backends.contract import AccessRule
-from gpuop.controller.kube import ApiError
+from gpuop.controller.apiclient import ApiError
 from gpuop.observing import observe
 from gpuop.observing.records import JobCondition, JobKind
 

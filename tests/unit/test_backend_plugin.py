@@ -23,7 +23,7 @@ from gpuop._kits.schema import SpecError
 from gpuop.api.crd import build_crd
 from gpuop.backends import registry
 from gpuop.controller import discovery
-from gpuop.controller.kube import ApiError
+from gpuop.controller.apiclient import ApiError
 from gpuop.controller.reconciler import Reconciler
 from gpuop.controller.settings import OperatorSettings
 from gpuop.observing import observe

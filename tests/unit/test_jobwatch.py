@@ -20,7 +20,8 @@ import pytest
 from gpuop.api.identity import TRAINING_LABEL
 from gpuop.controller import jobwatch
 from gpuop.controller import reconciler as reconciler_module
-from gpuop.controller.kube import ApiError, _event
+from gpuop.controller.apiclient import ApiError
+from gpuop.controller.kube import _event
 from gpuop.controller.reconciler import Reconciler
 from gpuop.controller.settings import OperatorSettings
 from support.specs import minimal

@@ -30,7 +30,8 @@ import json, sys
 from datetime import UTC, datetime
 import kubernetes
 from kubernetes import client as k8s_client
-from gpuop.controller.kube import ApiError, Backoff, Kube
+from gpuop.controller.apiclient import ApiError, Backoff
+from gpuop.controller.kube import Kube
 
 configuration = k8s_client.Configuration()
 configuration.host = sys.argv[1]

@@ -99,7 +99,8 @@ import json, sys
 from kubeflow.trainer import TrainerClient  # the SDK first, as a training image would
 import kubernetes
 from gpuop.controller import app  # Kopf and the operator's wiring
-from gpuop.controller.kube import ApiError, Backoff, Kube
+from gpuop.controller.apiclient import ApiError, Backoff
+from gpuop.controller.kube import Kube
 
 kube = Kube.login()  # the kubeconfig, read by the SDK's kubernetes client
 kube.backoff = Backoff(attempts=2, base_seconds=0.001)

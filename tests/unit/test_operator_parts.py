@@ -20,8 +20,9 @@ from gpuop.api.spec import parse
 from gpuop.backends.pytorchjob import PYTORCHJOB, render_pytorchjob
 from gpuop.backends.trainjob import TRAINJOB, render_trainjob
 from gpuop.controller import table
+from gpuop.controller.apiclient import ApiError, Backoff, request_target
 from gpuop.controller.app import check_peering, leadership
-from gpuop.controller.kube import ApiError, Backoff, Kube, request_target
+from gpuop.controller.kube import Kube
 from gpuop.controller.settings import OperatorSettings, SettingsError
 from gpuop.observing import observe
 from gpuop.observing.records import QueueState

@@ -29,7 +29,8 @@ from typing import Any, cast
 import pytest
 
 from gpuop.api.identity import TRAINING_LABEL, report_audience, report_path, report_path_training
-from gpuop.controller.kube import ApiError, Kube
+from gpuop.controller.apiclient import ApiError
+from gpuop.controller.kube import Kube
 from gpuop.controller.receiver import ClusterGate
 from gpuop.observing.endpoint import Limits, RateLimiter, RefusalError, ReportBook, ReportServer
 from gpuop.observing.reports import MAX_REPORT_BYTES

@@ -279,7 +279,7 @@ def run(filename: str, workers: int | None, output: str, fresh: bool, workdir: s
 def operator(**values: Any) -> int:
     """Run the operator: reconcile GpuTrainings into Kubeflow jobs and report their status."""
     from gpuop.controller import app as controller  # kopf and the kubernetes client: only for this command
-    from gpuop.controller.kube import LoginError
+    from gpuop.controller.apiclient import LoginError
 
     try:
         settings = from_options(values)

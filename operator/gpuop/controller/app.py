@@ -35,7 +35,8 @@ from gpuop.api.identity import GROUP, PLURAL, VERSION
 from gpuop.backends.registry import APIS
 from gpuop.backends.reportwiring import ReportEndpoint
 from gpuop.controller import jobwatch, reportproc
-from gpuop.controller.kube import ApiError, Kube
+from gpuop.controller.apiclient import ApiError
+from gpuop.controller.kube import Kube
 from gpuop.controller.reconciler import Reconciler
 from gpuop.controller.settings import OperatorSettings, SettingsError
 from gpuop.controller.telemetry import OperatorMetrics

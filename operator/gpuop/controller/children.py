@@ -19,7 +19,8 @@ from gpuop.api.identity import WOKEN_AT_ANNOTATION
 from gpuop.api.spec import GpuTraining
 from gpuop.backends import registry
 from gpuop.backends.contract import JobApi
-from gpuop.controller.kube import ApiError, Kube
+from gpuop.controller.apiclient import ApiError
+from gpuop.controller.kube import Kube
 from gpuop.observing import observe
 
 log = logging.getLogger(__name__)

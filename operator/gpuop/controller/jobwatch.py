@@ -35,7 +35,8 @@ from typing import Any, Final
 import urllib3
 
 from gpuop.api.identity import TRAINING_LABEL
-from gpuop.controller.kube import RETRIED_STATUSES, ApiError, Kube
+from gpuop.controller.apiclient import RETRIED_STATUSES, ApiError
+from gpuop.controller.kube import Kube
 
 log = logging.getLogger(__name__)
 

@@ -1,35 +1,17 @@
-"""The one module that talks to the Kubernetes API (Kopf's watch of GpuTrainings aside).
-
-Objects travel as plain JSON dicts: the operator reads a handful of fields, and the client's
-generated model classes would cost a deserialisation of every pod for nothing. Of the
-kubernetes client only the public surface every version from 29 on has is used: its
-kubeconfig and in-cluster loaders fill a ``Configuration``, whose TLS, proxy and pool fields
-and ``auth_settings()`` (which refreshes a rotating token) set up our own urllib3 pool. Its
-``ApiClient`` internals changed across versions (``param_serialize`` is 36+ only: with the
-Kubeflow SDK's ``kubernetes<36`` every request failed). Every call goes
-through :meth:`Kube._request`, which retries what a real API server sends under load or during
-a control-plane upgrade (429, 500, 502, 503, 504, timeouts, refused connections) with capped
-exponential backoff and jitter, honouring ``Retry-After``. Everything else is the caller's to
-decide: 404 and 409 mean something (gone; exists or conflicts), 4xx is a bug or a policy.
+"""The operator's verbs on the Kubernetes API (Kopf's watch of GpuTrainings aside): each a
+path and a request through :mod:`~gpuop.controller.apiclient`, which logs in, sends and retries.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import random
-import ssl
-import threading
-import time
 import urllib.parse
 from collections.abc import Callable, Generator, Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
 
 import urllib3
-from kubernetes import client as k8s_client
-from kubernetes import config as k8s_config
 
 from gpuop.api.identity import (
     API_VERSION,
@@ -41,11 +23,10 @@ from gpuop.api.identity import (
     TRAINING_LABEL,
     VERSION,
 )
+from gpuop.controller.apiclient import RETRIED_STATUSES, ApiError, ApiSession
 
 log = logging.getLogger(__name__)
 
-USER_AGENT: Final = "gpuop-operator/0.1"
-RETRIED_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 _TRAININGS: Final = f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/{PLURAL}"
 _MERGE_PATCH: Final = "application/merge-patch+json"
 # Objects per page of a list: the size of the page the API server's own clients (kubectl) ask for.
@@ -54,155 +35,8 @@ LIST_PAGE: Final = 500
 _METADATA_ONLY: Final = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
 
 
-class ApiError(Exception):
-    """A non-retried error reply: ``status`` and the API server's ``reason`` and message."""
-
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(f"{status} {reason}: {message}")
-        self.status = status
-        self.reason = reason
-        self.message = message
-
-
-class LoginError(Exception):
-    """No usable cluster credentials; the message says where the operator looked."""
-
-
-@dataclass(frozen=True)
-class Backoff:
-    """Retry delays: base * 2**attempt, capped, with full jitter; ``attempts`` tries in all."""
-
-    attempts: int = 8
-    base_seconds: float = 0.1
-    cap_seconds: float = 5.0
-
-    def delay(self, attempt: int, retry_after: float | None) -> float:
-        jittered = random.uniform(0, min(self.cap_seconds, self.base_seconds * 2**attempt))
-        if retry_after is not None:
-            return min(max(retry_after, jittered), 60.0)
-        return jittered
-
-
-class RequestCounter:
-    """Requests by verb, resource and status code: the operator's metrics read it, the benchmark
-    and tests too."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.counts: dict[tuple[str, str, int], int] = {}
-        self.listeners: list[Callable[[str, str, int, float], None]] = []
-
-    def record(self, verb: str, resource: str, status: int, seconds: float) -> None:
-        with self._lock:
-            key = (verb, resource, status)
-            self.counts[key] = self.counts.get(key, 0) + 1
-        for listener in self.listeners:
-            listener(verb, resource, status, seconds)
-
-
-def _retry_after(headers: Mapping[str, str] | None) -> float | None:
-    value = (headers or {}).get("Retry-After")
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
-
-
-class Kube:
+class Kube(ApiSession):
     """A Kubernetes API session with the operator's verbs. Thread-safe (urllib3 pools)."""
-
-    def __init__(
-        self,
-        api: k8s_client.ApiClient,
-        *,
-        backoff: Backoff | None = None,
-        timeout_seconds: float = 30.0,
-        in_cluster: bool = False,
-    ) -> None:
-        self.configuration = api.configuration
-        self._pool = _pool(self.configuration)
-        self.backoff = backoff or Backoff()
-        self.timeout_seconds = timeout_seconds
-        self.in_cluster = in_cluster
-        self.requests = RequestCounter()
-
-    @classmethod
-    def login(cls, *, pool_size: int = 32) -> Kube:
-        """Credentials the way kubectl finds them: in a pod its ServiceAccount, else KUBECONFIG."""
-        configuration = k8s_client.Configuration()
-        try:
-            k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-            in_cluster = True
-        except k8s_config.ConfigException:
-            try:
-                k8s_config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-            except (k8s_config.ConfigException, OSError) as exc:
-                raise LoginError(
-                    f"no cluster credentials: not in a pod, and no usable kubeconfig ({exc}); set "
-                    "KUBECONFIG or run in-cluster with a ServiceAccount"
-                ) from None
-            in_cluster = False
-        configuration.connection_pool_maxsize = pool_size
-        configuration.retries = False  # retried here, for every verb, with backoff
-        return cls(k8s_client.ApiClient(configuration), in_cluster=in_cluster)
-
-    # -- the one way out ------------------------------------------------------------------
-
-    def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        query: Mapping[str, str] | None = None,
-        body: Any = None,
-        content_type: str = "application/json",
-        raw: bool = False,
-        timeout: float | None = None,
-        retried: frozenset[int] = RETRIED_STATUSES,
-        attempts: int | None = None,
-        accept: str | None = None,
-    ) -> Any:
-        if query:
-            path = f"{path}?{urllib.parse.urlencode(query)}"
-        accept = accept or ("*/*" if raw else "application/json")
-        headers = {"Accept": accept, "User-Agent": USER_AGENT}
-        if body is not None:
-            headers["Content-Type"] = content_type
-        payload = json.dumps(body).encode() if body is not None else None
-        url = f"{self.configuration.host}{path}"
-        verb, resource = request_target(method, path)
-        attempts = attempts or self.backoff.attempts
-        for attempt in range(attempts):
-            started = time.monotonic()
-            try:
-                response = self._pool.request(
-                    method, url, body=payload, headers=headers | _auth_header(self.configuration),
-                    timeout=urllib3.Timeout(total=timeout or self.timeout_seconds), retries=False,
-                )  # fmt: skip
-                data = response.data
-                status = response.status
-                retry_after = _retry_after(response.headers)
-            except (urllib3.exceptions.HTTPError, OSError) as exc:
-                self.requests.record(verb, resource, 0, time.monotonic() - started)
-                if attempt + 1 == attempts:
-                    raise ApiError(0, "Unreachable", str(exc)) from None
-                delay = self.backoff.delay(attempt, None)
-                log.warning("%s %s: %s; retrying in %.1fs", method, path, exc, delay)
-                time.sleep(delay)
-                continue
-            self.requests.record(verb, resource, status, time.monotonic() - started)
-            if 200 <= status < 300:
-                if raw:
-                    return data.decode("utf-8", errors="replace")
-                return json.loads(data) if data else None
-            error = _error(status, data)
-            if status in retried and attempt + 1 < attempts:
-                delay = self.backoff.delay(attempt, retry_after)
-                log.info("%s %s: %s; retrying in %.1fs", method, path, error, delay)
-                time.sleep(delay)
-                continue
-            raise error
-        raise AssertionError("unreachable: the loop returns or raises")
 
     # -- Kubeflow jobs (PyTorchJob, TrainJob) and the TrainJob's TrainingRuntime ---------
 
@@ -302,21 +136,8 @@ class Kube:
             "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_seconds),
         }  # fmt: skip
         path = f"{_objects(api_version, plural, namespace)}?{urllib.parse.urlencode(query)}"
-        url = f"{self.configuration.host}{path}"
-        headers = {"Accept": "application/json", "User-Agent": USER_AGENT} | _auth_header(self.configuration)
-        started = time.monotonic()
+        response = self._open_stream(path, plural, read_timeout=timeout_seconds + 30)
         try:
-            response = self._pool.request(
-                "GET", url, headers=headers, preload_content=False, retries=False,
-                timeout=urllib3.Timeout(connect=self.timeout_seconds, read=timeout_seconds + 30),
-            )  # fmt: skip
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            self.requests.record("watch", plural, 0, time.monotonic() - started)
-            raise ApiError(0, "Unreachable", str(exc)) from None
-        self.requests.record("watch", plural, response.status, time.monotonic() - started)
-        try:
-            if response.status != 200:
-                raise _error(response.status, response.read())
             opened(response)
             pending = b""
             for chunk in response.stream(64 * 1024):
@@ -447,70 +268,12 @@ class Kube:
         self._request("POST", f"/api/v1/namespaces/{event['metadata']['namespace']}/events", body=event)
 
 
-def _pool(configuration: k8s_client.Configuration) -> urllib3.PoolManager:
-    """A connection pool set up as the client's own REST layer sets one up, from the
-    Configuration's public fields: the API server's CA, a client certificate, hostname
-    checks, a proxy, the pool's size."""
-    args: dict[str, Any] = {
-        "cert_reqs": ssl.CERT_REQUIRED if configuration.verify_ssl else ssl.CERT_NONE,
-        "ca_certs": configuration.ssl_ca_cert,
-        "cert_file": configuration.cert_file,
-        "key_file": configuration.key_file,
-    }
-    ca_data = getattr(configuration, "ca_cert_data", None)  # kubeconfig's inline CA, client 31+
-    if ca_data:
-        args["ca_cert_data"] = ca_data
-    if configuration.assert_hostname is not None:
-        args["assert_hostname"] = configuration.assert_hostname
-    if configuration.tls_server_name:
-        args["server_hostname"] = configuration.tls_server_name
-    if configuration.connection_pool_maxsize is not None:
-        args["maxsize"] = configuration.connection_pool_maxsize
-    if configuration.proxy:
-        return urllib3.ProxyManager(
-            proxy_url=configuration.proxy, proxy_headers=configuration.proxy_headers, **args
-        )
-    return urllib3.PoolManager(**args)
-
-
-def _auth_header(configuration: k8s_client.Configuration) -> dict[str, str]:
-    """The bearer token, asked for on every request: the in-cluster loader's refresh hook
-    rereads a projected token as the kubelet rotates it."""
-    bearer: Mapping[str, Any] = configuration.auth_settings().get("BearerToken") or {}
-    value = bearer.get("value")
-    return {"Authorization": str(value)} if value else {}
-
-
 def _objects(api_version: str, plural: str, namespace: str | None) -> str:
     """The collection's path: in a namespace, or (None) across all of them."""
     root = "/api" if "/" not in api_version else "/apis"  # "v1" is the core group's
     if namespace is None:
         return f"{root}/{api_version}/{plural}"
     return f"{root}/{api_version}/namespaces/{namespace}/{plural}"
-
-
-_VERBS: Final = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
-# The verbs of :func:`request_target` that change the cluster: what "writes" counts.
-WRITE_VERBS: Final = frozenset(_VERBS.values())
-
-
-def request_target(method: str, path: str) -> tuple[str, str]:
-    """The Kubernetes verb and resource of a request, as the API server's own request metrics
-    name them: (list, pytorchjobs), (patch, gputrainings/status), (get, discovery) for a
-    group/version's resource list (which job APIs the cluster serves)."""
-    parts = [p for p in path.split("?")[0].split("/") if p]
-    if "namespaces" in parts:
-        rest = parts[parts.index("namespaces") + 2 :]
-        if not rest:
-            rest = ["namespaces", parts[parts.index("namespaces") + 1]]
-    else:
-        rest = parts[3:] if parts[:1] == ["apis"] else parts[2:]
-    if not rest:
-        return "get", "discovery"
-    resource = rest[0] if len(rest) < 3 else f"{rest[0]}/{rest[2]}"
-    if method == "GET":
-        return ("get" if len(rest) >= 2 else "list"), resource
-    return _VERBS.get(method, method.lower()), resource
 
 
 def _event(line: bytes) -> dict[str, Any]:
@@ -523,16 +286,6 @@ def _event(line: bytes) -> dict[str, Any]:
     if not isinstance(event, dict):
         raise ApiError(0, "BadEvent", f"a watch line that is not a JSON object: {line[:200]!r}")
     return event
-
-
-def _error(status: int, data: bytes) -> ApiError:
-    try:
-        body = json.loads(data)
-    except ValueError:
-        body = None
-    if isinstance(body, dict):
-        return ApiError(status, str(body.get("reason") or ""), str(body.get("message") or ""))
-    return ApiError(status, "", data[:200].decode("utf-8", errors="replace"))
 
 
 def event_body(

@@ -26,8 +26,9 @@ from typing import Any, Final
 
 from gpuop._kits.deadlines import Deadlines
 from gpuop.api.spec import GpuTraining
+from gpuop.controller.apiclient import ApiError
 from gpuop.controller.gpusource import DcgmSource
-from gpuop.controller.kube import ApiError, Kube
+from gpuop.controller.kube import Kube
 from gpuop.controller.settings import OperatorSettings
 from gpuop.controller.telemetry import OperatorMetrics
 from gpuop.observing import dcgm, observe

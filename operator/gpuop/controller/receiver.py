@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from gpuop.api.identity import TRAINING_LABEL, TrainingKey, report_audience
-from gpuop.controller.kube import ApiError, Kube
+from gpuop.controller.apiclient import ApiError
+from gpuop.controller.kube import Kube
 from gpuop.observing.endpoint import Limits, RefusalError
 
 log = logging.getLogger(__name__)

@@ -261,7 +261,8 @@ def _child(config: ReportConfig, fd: int, parent: int) -> None:
 
     import kopf
 
-    from gpuop.controller.kube import Kube, LoginError
+    from gpuop.controller.apiclient import LoginError
+    from gpuop.controller.kube import Kube
     from gpuop.controller.receiver import ClusterGate
 
     kopf.configure(

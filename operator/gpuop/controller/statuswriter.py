@@ -17,7 +17,8 @@ from datetime import datetime
 from typing import Any
 
 from gpuop.api.status import GpuTrainingStatus, status_patch
-from gpuop.controller.kube import ApiError, Kube
+from gpuop.controller.apiclient import ApiError
+from gpuop.controller.kube import Kube
 from gpuop.controller.table import key_of
 from gpuop.controller.telemetry import OperatorMetrics
 from gpuop.observing.derive import derive_status, events

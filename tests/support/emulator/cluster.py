@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from gpuop.controller.kube import WRITE_VERBS
+from gpuop.controller.apiclient import WRITE_VERBS
 from gputrain.contract import Progress
 from support.emulator.server import ApiServer, RunningApiServer
 from support.plane.controlplane import ensure_binaries

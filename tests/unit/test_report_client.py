@@ -185,7 +185,7 @@ class FlushingReporter(Reporter):
 
     def _enqueue(self, body: bytes) -> int:
         sequence = super()._enqueue(body)
-        self._wait_for(sequence, timeout=5)
+        self._outbox.wait_for(sequence, timeout=5)
         return sequence
 
 
@@ -464,7 +464,7 @@ def test_only_rank_0_with_a_url_reports(
     assert not reporter.due()
     assert not reporter.report(step=1, total_steps=2, loss=0.3)
     assert not reporter.finish(step=2, total_steps=2)
-    assert reporter._thread is None  # not even a thread
+    assert reporter._outbox.thread is None  # not even a thread
     assert server.received() == []
 
 

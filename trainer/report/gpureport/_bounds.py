@@ -116,6 +116,23 @@ def metric_list(items: Iterable[tuple[Any, Any]]) -> list[dict[str, str]]:
     return out
 
 
+def progress_status(
+    fraction: float | None, eta: int | None, final: bool, metrics: Iterable[tuple[Any, Any]]
+) -> dict[str, Any]:
+    """A report's trainerStatus: how far (``fraction`` done, or 100 when ``final``), the ETA, and
+    the metrics within their bounds (:func:`metric_list`)."""
+    status: dict[str, Any] = {}
+    if final:
+        status["progressPercentage"] = 100
+    elif fraction is not None:
+        # Floored, and 99 at most: 100 says "done", which only the final report may say.
+        status["progressPercentage"] = min(int(fraction * 100), 99)
+    if eta is not None:
+        status["estimatedRemainingSeconds"] = eta
+    status["metrics"] = metric_list(metrics)
+    return status
+
+
 def checkpoint_metrics(step: Any, uri: Any, moment: Any) -> list[tuple[str, str]] | None:
     """The metrics that say the checkpoint of ``step`` is complete: its step, when (RFC 3339,
     UTC; a datetime, or text sent as given), and where, in pieces (see CHECKPOINT_URI). None

@@ -1,5 +1,6 @@
-"""The Reporter: one process's progress reports (the throttle, the ETA's baseline, the sender
-thread); :mod:`gpureport` says what a training loop can rely on, and makes one per process."""
+"""The Reporter: one process's progress reports (what each says, the throttle, the ETA's
+baseline, the pauses and the checkpoint); :mod:`gpureport._outbox` sends them, and
+:mod:`gpureport` says what a training loop can rely on, and makes one per process."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from gpureport._bounds import (
     checkpoint_metrics,
     fraction_done,
     metric_list,
+    progress_status,
     whole_seconds,
 )
+from gpureport._outbox import Outbox
 from gpureport._sending import Endpoint
 
 URL_ENV = "KUBEFLOW_TRAINER_SERVER_URL"
@@ -31,8 +34,29 @@ log = logging.getLogger("gpureport")
 PAUSE_BURST = 4
 
 
+class Pace:
+    """Seconds left at the pace since the first report. Not thread-safe: its reporter's lock
+    guards it."""
+
+    def __init__(self) -> None:
+        self._baseline: tuple[float, float] | None = None  # (clock, fraction done) when first seen
+
+    def eta(self, now: float, fraction: float | None) -> int | None:
+        """The ETA at ``now`` (clock seconds) with ``fraction`` done; None until a second report
+        shows a pace."""
+        if fraction is None:
+            return None
+        if self._baseline is None or fraction < self._baseline[1]:
+            self._baseline = (now, fraction)  # the first report, or a run that started over
+            return None
+        started, first = self._baseline
+        if fraction <= first or now <= started:
+            return None
+        return whole_seconds((now - started) * (1.0 - fraction) / (fraction - first))
+
+
 class Reporter:
-    """One process's progress reports: the throttle, the ETA's baseline and the sender thread.
+    """One process's progress reports: what each says, the throttle and the ETA's baseline.
 
     Configured from ``environ`` (``os.environ`` by default) once, at construction. ``clock``
     (monotonic seconds) paces the throttle, the ETA and the token's cache; tests give a fake
@@ -57,9 +81,6 @@ class Reporter:
         self.token_file = env.get(TOKEN_ENV) or None
         self.min_interval = min_interval
         self.final_timeout = final_timeout
-        # A refused report (429, 5xx, no connection) is tried again this often, after 1 s, 2 s,
-        # 4 s, ... (at most min_interval apart), while no newer report replaces it.
-        self.retries, self.retry_delay = retries, retry_delay
         self._clock = clock
         # The sender thread's own.
         self._endpoint = Endpoint(self.url, self.ca_file, self.token_file, request_timeout=request_timeout,
@@ -67,17 +88,17 @@ class Reporter:
         # Rank 0 alone speaks for the job: the other ranks' figures are the same run's.
         self.enabled = self._endpoint.usable and env.get("RANK", "").strip() in ("", "0")
 
-        # Guarded by _changed: the throttle, the ETA's baseline, the waiting report, the
-        # sequence numbers of the last report queued and the last one the sender settled.
+        # Guarded by _changed (shared with the outbox): the throttle, the ETA's baseline, the
+        # pause under way, the checkpoint and the pauses' bucket.
         self._changed = threading.Condition(threading.Lock())
+        # A refused report (429, 5xx, no connection) is tried again after 1 s, 2 s, 4 s, ... (at
+        # most min_interval apart), while no newer report replaces it.
+        self._outbox = Outbox(
+            self._endpoint, self._changed, retries=retries, retry_delay=retry_delay,
+            min_interval=min_interval, idle=self._unsaid_report, wants_idle=lambda: self._unsaid,
+        )  # fmt: skip
         self._last_queued_at: float | None = None
-        self._baseline: tuple[float, float] | None = None  # (clock, fraction done) when first seen
-        self._pending: tuple[int, bytes] | None = None
-        self._queued = 0
-        self._settled = 0
-        self._settled_ok = False
-        self._thread: threading.Thread | None = None
-        self._closed = False
+        self._pace = Pace()
         self._activity: str | None = None  # the pause under way, when its start was sent
         self._checkpoint: list[tuple[str, str]] = []  # the last complete one's metrics, in every report
         self._unsaid = False  # whether no report has carried the last checkpoint yet
@@ -86,16 +107,6 @@ class Reporter:
         # evaluation is said whole, a loop that pauses every batch is not a flood.
         self._pause_reports = float(PAUSE_BURST)
         self._pause_reports_at: float | None = None
-
-    @property
-    def request_timeout(self) -> float:
-        """Seconds one POST may take."""
-        return self._endpoint.request_timeout
-
-    @property
-    def token_ttl(self) -> float:
-        """Seconds a token read from its file is used before it is read again."""
-        return self._endpoint.token_ttl
 
     @property
     def delivered(self) -> int:
@@ -132,17 +143,9 @@ class Reporter:
         as a metric under its own name (``accuracy=0.93``, ``learning_rate=3e-4``).
         """
         return self.report_metrics(
-            metrics,
-            step=step,
-            total_steps=total_steps,
-            loss=loss,
-            epoch=epoch,
-            total_epochs=total_epochs,
-            percent=percent,
-            eta_seconds=eta_seconds,
-            samples_per_second=samples_per_second,
-            final=final,
-        )
+            metrics, step=step, total_steps=total_steps, loss=loss, epoch=epoch, total_epochs=total_epochs,
+            percent=percent, eta_seconds=eta_seconds, samples_per_second=samples_per_second, final=final,
+        )  # fmt: skip
 
     def finish(self, step: Any = None, total_steps: Any = None, loss: Any = None, **figures: Any) -> bool:
         """The final report: 100 % and an ETA of 0, past the throttle; waits for the answer."""
@@ -164,7 +167,7 @@ class Reporter:
     def _say_activity(self, activity: str | None) -> bool:
         """Queue a report of the activity (None: training again) past the report throttle; a
         pause's start only while the bucket holds its two reports, and none inside another."""
-        if not self.enabled or self._closed:
+        if not self.enabled or self._outbox.closed:
             return False
         try:
             now = self._clock()
@@ -189,7 +192,7 @@ class Reporter:
         at once: queued now, or, inside a ``pause()``, with the pause's end (always sent); it
         also goes with every later report. Call it once the checkpoint is whole: a scheduler
         may take it as the point a preempted training resumes from. Never raises."""
-        if not self.enabled or self._closed:
+        if not self.enabled or self._outbox.closed:
             return False
         try:
             moment = time if time is not None else datetime.datetime.now(datetime.timezone.utc)
@@ -205,12 +208,12 @@ class Reporter:
                 # as the server takes it. One not said now is said by the sender thread once the
                 # bucket has room (a second), unless a report carries it first: a loop that stops
                 # reporting (held, hung, in a long evaluation) still has its checkpoint said.
-                if not self._take_pause_reports(now, 1):
-                    self._unsaid = True
-                    self._changed.notify_all()
-                    self._start_sender()
-                    return False
+                unsaid = not self._take_pause_reports(now, 1)
+                self._unsaid = self._unsaid or unsaid
                 said = [("activity", "training"), *metrics]
+            if unsaid:
+                self._outbox.nudge()
+                return False
             self._enqueue(_body({"metrics": metric_list(said)}))
             return True
         except Exception:  # whatever it was given, training goes on
@@ -236,7 +239,7 @@ class Reporter:
         if not self.enabled:
             return False
         with self._changed:
-            if self._closed:
+            if self._outbox.closed:
                 return False
             last = self._last_queued_at
         return final or last is None or self._clock() - last >= self.min_interval
@@ -257,7 +260,7 @@ class Reporter:
     ) -> bool:
         """:meth:`report` with the extra metrics as a mapping, for names that are not valid
         keywords or that clash with its parameters (``"val/acc"``, ``"epoch"``)."""
-        if not self.enabled or self._closed:
+        if not self.enabled or self._outbox.closed:
             return False
         try:
             body = self._body_if_due(
@@ -267,7 +270,7 @@ class Reporter:
             if body is None:
                 return False
             sequence = self._enqueue(body)
-            return self._wait_for(sequence, self.final_timeout) if final else True
+            return self._outbox.wait_for(sequence, self.final_timeout) if final else True
         except Exception:  # whatever it was given, training goes on
             log.debug("gpureport: a report was dropped", exc_info=True)
             return False
@@ -275,20 +278,13 @@ class Reporter:
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait (up to ``timeout`` seconds) until every report queued so far was tried; whether
         the last one tried was answered 200."""
-        with self._changed:
-            target = self._queued
-        return self._wait_for(target, timeout)
+        return self._outbox.flush(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the sender thread once what is queued was tried (waiting up to ``timeout``
         seconds); later reports are dropped. A process that exits needs no close: the thread
         is a daemon."""
-        with self._changed:
-            self._closed = True
-            self._changed.notify_all()
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
+        self._outbox.close(timeout)
 
     # -------------------------------------------------------------------------------------
     # The body, on the caller's thread (once per min_interval: about 0.1 ms for 256 metrics)
@@ -316,7 +312,9 @@ class Reporter:
         eta = 0 if final else whole_seconds(eta_seconds)
         if eta is None:
             with self._changed:
-                eta = self._eta_at_pace(now, fraction)
+                eta = self._pace.eta(now, fraction)
+        with self._changed:
+            checkpoint = self._checkpoint
         named = (
             ("current_step", step),
             ("total_steps", total_steps),
@@ -327,98 +325,29 @@ class Reporter:
             # Every report says the pause under way, or it would end it (one without is training).
             ("activity", self._activity),
         )
-        status: dict[str, Any] = {}
-        if final:
-            status["progressPercentage"] = 100
-        elif fraction is not None:
-            # Floored, and 99 at most: 100 says "done", which only the final report may say.
-            status["progressPercentage"] = min(int(fraction * 100), 99)
-        if eta is not None:
-            status["estimatedRemainingSeconds"] = eta
-        with self._changed:
-            checkpoint = self._checkpoint
-        status["metrics"] = metric_list([*named, *checkpoint, *metrics.items()])
-        return _body(status)
-
-    def _eta_at_pace(self, now: float, fraction: float | None) -> int | None:
-        """Seconds left at the pace since the first report (called with _changed held)."""
-        if fraction is None:
-            return None
-        if self._baseline is None or fraction < self._baseline[1]:
-            self._baseline = (now, fraction)  # the first report, or a run that started over
-            return None
-        started, first = self._baseline
-        if fraction <= first or now <= started:
-            return None
-        return whole_seconds((now - started) * (1.0 - fraction) / (fraction - first))
+        return _body(progress_status(fraction, eta, final, [*named, *checkpoint, *metrics.items()]))
 
     # -------------------------------------------------------------------------------------
-    # The sender thread
+    # What the outbox sends
 
     def _enqueue(self, body: bytes) -> int:
+        """Hand ``body`` to the outbox (latest wins); its sequence number."""
         with self._changed:
-            self._queued += 1
-            self._pending = (self._queued, body)  # latest wins: one still waiting is replaced
             self._unsaid = self._unsaid and b'"checkpoint_step"' not in body
-            self._changed.notify_all()
-            self._start_sender()
-            return self._queued
+        return self._outbox.put(body)
 
-    def _start_sender(self) -> None:
-        """Start the sender thread on first use (with _changed held); is_alive() also restarts it
-        in a forked child, where the parent's thread does not exist."""
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._send_forever, name="gpureport", daemon=True)
-            self._thread.start()
-
-    def _due_unsaid(self) -> None:
-        """Queue the checkpoint no report has said yet, if the bucket has room (with _changed held)."""
-        if self._unsaid and self._pending is None and self._take_pause_reports(self._clock(), 1):
-            said = [("activity", self._activity or "training"), *self._checkpoint]
-            self._queued += 1
-            self._pending = (self._queued, _body({"metrics": metric_list(said)}))
-            self._unsaid = False
-
-    def _wait_for(self, sequence: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while self._settled < sequence:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._changed.wait(left)
-            return self._settled_ok
-
-    def _send_forever(self) -> None:
-        while True:
-            with self._changed:
-                while self._pending is None and not self._closed:
-                    self._changed.wait(self.retry_delay if self._unsaid else None)
-                    self._due_unsaid()
-                if self._pending is None and self._unsaid:  # closing: said now, whatever the bucket
-                    self._pause_reports = max(self._pause_reports, 1.0)
-                    self._due_unsaid()
-                if self._pending is None:
-                    return  # closed, and nothing left to send
-                sequence, body = self._pending
-                self._pending = None
-            ok = self._endpoint.post(body)
-            delay = self.retry_delay
-            for _ in range(self.retries):
-                if ok or not self._endpoint.retryable:
-                    break
-                # A report the server refused for now (429: past its rate, as a pause right after
-                # a checkpoint and a step report can be; 5xx; no connection) is sent again unless
-                # a newer one, which says all it says, has come meanwhile.
-                with self._changed:
-                    self._changed.wait_for(lambda: self._pending is not None, timeout=delay)
-                    if self._pending is not None:
-                        break
-                ok = self._endpoint.post(body)
-                delay = min(2 * delay, self.min_interval or delay)
-            with self._changed:
-                self._settled, self._settled_ok = sequence, ok
-                self._changed.notify_all()
+    def _unsaid_report(self, closing: bool) -> bytes | None:
+        """The checkpoint no report has said yet, when the bucket has room, or whatever the
+        bucket when ``closing`` (the outbox asks, with _changed held, when nothing waits)."""
+        if not self._unsaid:
+            return None
+        if closing:
+            self._pause_reports = max(self._pause_reports, 1.0)
+        if not self._take_pause_reports(self._clock(), 1):
+            return None
+        self._unsaid = False
+        said = [("activity", self._activity or "training"), *self._checkpoint]
+        return _body({"metrics": metric_list(said)})
 
 
 def _body(status: dict[str, Any]) -> bytes:

@@ -156,21 +156,34 @@ def _report(step: int, percent: int) -> ReceivedReport:
     )
 
 
-def _reporting_training(store: Store) -> tuple[Reconciler, ReportBook]:
-    """A training ``t`` in ``store`` whose code reports (spec.command), and a reconciler over
-    both whose clock moves a second a call."""
-    body = minimal(command=["python", "train.py"], dataset=None)
+def _reporting_training(
+    store: Store, now: list[datetime] | None = None, **spec: Any
+) -> tuple[Reconciler, ReportBook]:
+    """A training ``t`` in ``store`` whose code reports (spec.command, and ``spec``), and a
+    reconciler over both whose clock moves a second a call, or is ``now[0]`` (the work queue's
+    delays too)."""
+    body = minimal(command=["python", "train.py"], dataset=None, **spec)
     body["metadata"] |= {"name": "t", "namespace": "default", "uid": "u-1", "generation": 1}
     store.trainings[("default", "t")] = store._stamp(copy.deepcopy(body))
     seconds = itertools.count()
     book = ReportBook()
-    reconciler = Reconciler(
-        store,  # type: ignore[arg-type]
-        OperatorSettings(peering_name=None),
-        clock=lambda: datetime(2026, 11, 23, 10, tzinfo=UTC) + timedelta(seconds=next(seconds)),
-        reports=book,
+    clocks: dict[str, Any] = (
+        {"clock": lambda: now[0], "timer": lambda: now[0].timestamp()}
+        if now is not None
+        else {"clock": lambda: datetime(2026, 11, 23, 10, tzinfo=UTC) + timedelta(seconds=next(seconds))}
     )
+    reconciler = Reconciler(store, OperatorSettings(peering_name=None), reports=book, **clocks)  # type: ignore[arg-type]
     return reconciler, book
+
+
+def _running(reconciler: Reconciler, store: Store, began: str) -> None:
+    """Training ``t`` made, and its job Running since ``began``, all reconciled."""
+    reconciler.training_event("ADDED", store.get_training("default", "t") or {})
+    reconciler.run_pending()
+    job = store.job()
+    job["status"] = {"state": "Running", "began": began}
+    reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
+    reconciler.run_pending()
 
 
 def test_reports_reach_status_once_a_tick_not_on_every_event(toy: ToyJobApi) -> None:
@@ -182,12 +195,7 @@ def test_reports_reach_status_once_a_tick_not_on_every_event(toy: ToyJobApi) -> 
     reconciler, book = _reporting_training(store)
     key = ("default", "t")
     try:
-        reconciler.training_event("ADDED", store.get_training(*key) or {})
-        reconciler.run_pending()
-        job = store.job()
-        job["status"] = {"state": "Running", "began": "2026-11-23T10:00:05Z"}
-        reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
-        reconciler.run_pending()
+        _running(reconciler, store, "2026-11-23T10:00:05Z")
 
         book.put(key, _report(10, 25))
         reconciler.tick()
@@ -291,19 +299,9 @@ def test_a_stall_is_raised_at_its_deadline_by_the_clock_alone(toy: ToyJobApi) ->
     """A running training whose steps stop: its last reconcile queued its key for the stall
     deadline (add_after), so Stalled comes then, with no tick and no event to bring it."""
     store = Store()
-    body = minimal(command=["python", "train.py"], dataset=None, stallTimeoutSeconds=60)
-    body["metadata"] |= {"name": "t", "namespace": "default", "uid": "u-1", "generation": 1}
-    store.trainings[("default", "t")] = store._stamp(copy.deepcopy(body))
     start = datetime(2026, 11, 23, 10, tzinfo=UTC)
     now = [start]
-    book = ReportBook()
-    reconciler = Reconciler(
-        store,  # type: ignore[arg-type]
-        OperatorSettings(peering_name=None),
-        clock=lambda: now[0],
-        timer=lambda: now[0].timestamp(),
-        reports=book,
-    )
+    reconciler, book = _reporting_training(store, now, stallTimeoutSeconds=60)
     key = ("default", "t")
 
     def conditions() -> dict[str, str]:
@@ -311,12 +309,7 @@ def test_a_stall_is_raised_at_its_deadline_by_the_clock_alone(toy: ToyJobApi) ->
         return {c["type"]: c["status"] for c in status.get("conditions") or []}
 
     try:
-        reconciler.training_event("ADDED", store.get_training(*key) or {})
-        reconciler.run_pending()
-        job = store.job()
-        job["status"] = {"state": "Running", "began": "2026-11-23T10:00:00Z"}
-        reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
-        reconciler.run_pending()
+        _running(reconciler, store, "2026-11-23T10:00:00Z")
         book.put(key, _report(5, 10))
         reconciler.tick()  # the one tick: it brings the report, step 5 at 10:00:00
         reconciler.run_pending()

@@ -69,10 +69,6 @@ def _uid(body: dict[str, Any]) -> str | None:
     return str(uid) if uid else None
 
 
-def _generation(body: dict[str, Any]) -> object:
-    return (body.get("metadata") or {}).get("generation")
-
-
 def _now() -> datetime:
     return datetime.now(UTC)
 
@@ -172,7 +168,7 @@ class Reconciler:
         later with the very spec it was left with (that reconcile will see the rest). Asked as
         an event comes, and again as its key is taken, since the event may have come while the
         reconcile that made the change was still running."""
-        if tracked.child is not None and self._jobs_first.waits(key, _generation(tracked.body)):
+        if tracked.child is not None and self._jobs_first.waits(key, tracked.generation):
             return False
         return tracked.versions() != tracked.reconciled
 
@@ -305,7 +301,7 @@ class Reconciler:
                     new_pods.add(key)
         due: list[TrainingKey] = []
         for key, tracked in items:
-            if self._jobs_first.waits(key, _generation(tracked.body)):
+            if self._jobs_first.waits(key, tracked.generation):
                 continue  # the reconcile that writes its first status is queued (jobsfirst)
             # A finished job changes only on an event (a spec edit, a deletion), which
             # reconciles it anyway, or at its TTL; everything else may need time (Stalled) or a

@@ -60,10 +60,6 @@ class Synced:
     api_error: ApiError | None = None  # why, when the API server failed it (the caller says so)
 
 
-def _generation(body: dict[str, Any]) -> object:
-    return (body.get("metadata") or {}).get("generation")
-
-
 class TrainingSync:
     """The reconcile of one training at a time, and the API callers it needs."""
 
@@ -101,7 +97,7 @@ class TrainingSync:
         object itself, and retried the same way.
         """
         tracked.begin()
-        generation = _generation(tracked.body)
+        generation = tracked.generation
         try:
             synced = self.run(tracked)
         except ApiError as exc:
@@ -114,7 +110,7 @@ class TrainingSync:
         tracked.failure = None
         # Done unless its first status waits for later, or our own write's reply brought a spec
         # edited meanwhile (its event, older than that reply, would be taken for an echo).
-        edited = _generation(tracked.body) != generation
+        edited = tracked.generation != generation
         left = synced.again_in is not None
         tracked.reconciled = None if left or edited else tracked.seen_versions
         return dataclasses.replace(synced, again_now=edited)

@@ -213,6 +213,11 @@ class Tracked:
         return _version(self.body), _version(self.child) if self.child is not None else ""
 
     @property
+    def generation(self) -> object:
+        """The GpuTraining's metadata.generation as last seen."""
+        return (self.body.get("metadata") or {}).get("generation")
+
+    @property
     def phase(self) -> str | None:
         phase = (self.body.get("status") or {}).get("phase")
         return phase if isinstance(phase, str) else None

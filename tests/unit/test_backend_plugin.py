@@ -156,21 +156,34 @@ def _report(step: int, percent: int) -> ReceivedReport:
     )
 
 
-def _reporting_training(store: Store) -> tuple[Reconciler, ReportBook]:
-    """A training ``t`` in ``store`` whose code reports (spec.command), and a reconciler over
-    both whose clock moves a second a call."""
-    body = minimal(command=["python", "train.py"], dataset=None)
+def _reporting_training(
+    store: Store, now: list[datetime] | None = None, **spec: Any
+) -> tuple[Reconciler, ReportBook]:
+    """A training ``t`` in ``store`` whose code reports (spec.command, and ``spec``), and a
+    reconciler over both whose clock moves a second a call, or is ``now[0]`` (the work queue's
+    delays too)."""
+    body = minimal(command=["python", "train.py"], dataset=None, **spec)
     body["metadata"] |= {"name": "t", "namespace": "default", "uid": "u-1", "generation": 1}
     store.trainings[("default", "t")] = store._stamp(copy.deepcopy(body))
     seconds = itertools.count()
     book = ReportBook()
-    reconciler = Reconciler(
-        store,  # type: ignore[arg-type]
-        OperatorSettings(peering_name=None),
-        clock=lambda: datetime(2026, 11, 23, 10, tzinfo=UTC) + timedelta(seconds=next(seconds)),
-        reports=book,
+    clocks: dict[str, Any] = (
+        {"clock": lambda: now[0], "timer": lambda: now[0].timestamp()}
+        if now is not None
+        else {"clock": lambda: datetime(2026, 11, 23, 10, tzinfo=UTC) + timedelta(seconds=next(seconds))}
     )
+    reconciler = Reconciler(store, OperatorSettings(peering_name=None), reports=book, **clocks)  # type: ignore[arg-type]
     return reconciler, book
+
+
+def _running(reconciler: Reconciler, store: Store, began: str) -> None:
+    """Training ``t`` made, and its job Running since ``began``, all reconciled."""
+    reconciler.training_event("ADDED", store.get_training("default", "t") or {})
+    reconciler.run_pending()
+    job = store.job()
+    job["status"] = {"state": "Running", "began": began}
+    reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
+    reconciler.run_pending()
 
 
 def test_reports_reach_status_once_a_tick_not_on_every_event(toy: ToyJobApi) -> None:
@@ -182,12 +195,7 @@ def test_reports_reach_status_once_a_tick_not_on_every_event(toy: ToyJobApi) -> 
     reconciler, book = _reporting_training(store)
     key = ("default", "t")
     try:
-        reconciler.training_event("ADDED", store.get_training(*key) or {})
-        reconciler.run_pending()
-        job = store.job()
-        job["status"] = {"state": "Running", "began": "2026-11-23T10:00:05Z"}
-        reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
-        reconciler.run_pending()
+        _running(reconciler, store, "2026-11-23T10:00:05Z")
 
         book.put(key, _report(10, 25))
         reconciler.tick()
@@ -287,6 +295,38 @@ def test_the_tick_passes_over_a_quiet_created_training_and_not_over_what_changed
         reconciler.close()
 
 
+def test_a_stall_is_raised_at_its_deadline_by_the_clock_alone(toy: ToyJobApi) -> None:
+    """A running training whose steps stop: its last reconcile queued its key for the stall
+    deadline (add_after), so Stalled comes then, with no tick and no event to bring it."""
+    store = Store()
+    start = datetime(2026, 11, 23, 10, tzinfo=UTC)
+    now = [start]
+    reconciler, book = _reporting_training(store, now, stallTimeoutSeconds=60)
+    key = ("default", "t")
+
+    def conditions() -> dict[str, str]:
+        status = store.trainings[key]["status"]
+        return {c["type"]: c["status"] for c in status.get("conditions") or []}
+
+    try:
+        _running(reconciler, store, "2026-11-23T10:00:00Z")
+        book.put(key, _report(5, 10))
+        reconciler.tick()  # the one tick: it brings the report, step 5 at 10:00:00
+        reconciler.run_pending()
+        assert store.trainings[key]["status"]["phase"] == "Running"
+        assert store.trainings[key]["status"]["progress"]["step"] == 5
+        now[0] = start + timedelta(seconds=59)
+        assert reconciler.run_pending() == 0  # nothing is due yet
+        assert conditions().get("Stalled") != "True"
+        now[0] = start + timedelta(seconds=60)
+        assert reconciler.run_pending() == 1
+        assert conditions()["Stalled"] == "True"
+        now[0] = start + timedelta(hours=1)
+        assert reconciler.run_pending() == 0  # raised: that clock runs no more
+    finally:
+        reconciler.close()
+
+
 class StoreWithKueue(Store):
     """The store, serving Kueue's Workloads (v1beta2) once ``kueue`` is set."""
 
@@ -355,18 +395,22 @@ def test_a_clock_the_controller_sleeps_through_wakes_it_when_due_and_again_only_
     """The v1 training-operator fails a job past its deadline and deletes one past its TTL only
     when something makes it reconcile (kubeflow/trainer#3358). The operator touches the job at
     the time its backend names: once, again 30 s later if nothing came of it, and for a
-    finished job too, which no tick reconciles otherwise."""
+    finished job too: each reconcile queues its key for the job's next clock (add_after)."""
     store = Store()
     body = minimal()
     body["metadata"] |= {"name": "t", "namespace": "default", "uid": "u-1", "generation": 1}
     store.trainings[("default", "t")] = store._stamp(copy.deepcopy(body))
     now = [datetime(2026, 11, 24, 10, 0, 0, tzinfo=UTC)]
-    reconciler = Reconciler(store, OperatorSettings(peering_name=None), clock=lambda: now[0])  # type: ignore[arg-type]
+    reconciler = Reconciler(
+        store,  # type: ignore[arg-type]
+        OperatorSettings(peering_name=None),
+        clock=lambda: now[0],
+        timer=lambda: now[0].timestamp(),  # the work queue's delays on the same clock
+    )
 
     def at(seconds: int) -> None:
         now[0] = datetime(2026, 11, 24, 10, 0, 0, tzinfo=UTC) + timedelta(seconds=seconds)
-        reconciler.tick()
-        reconciler.run_pending()
+        reconciler.run_pending()  # what is due by then; no tick (a clock is the queue's alone)
 
     try:
         reconciler.training_event("ADDED", store.get_training("default", "t") or {})
@@ -389,7 +433,7 @@ def test_a_clock_the_controller_sleeps_through_wakes_it_when_due_and_again_only_
         at(50)
         assert store.annotated[1:] == ["gpuop.io/woken-at=2026-11-24T10:00:50+00:00"]
 
-        # Finished, with a TTL: no tick reconciles it, but the one at its TTL's end.
+        # Finished, with a TTL: nothing reconciles it but its clock, at its TTL's end.
         job = store.job()
         job["status"] = {"state": "Done", "began": "2026-11-24T10:00:00Z", "since": "2026-11-24T10:01:00Z",
                          "wakeAt": "2026-11-24T10:03:00Z"}  # fmt: skip

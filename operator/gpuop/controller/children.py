@@ -38,6 +38,24 @@ def wake_due(child: dict[str, Any] | None, woken_at: datetime | None, api: JobAp
     return woken_at is None or now - woken_at >= WAKE_AGAIN
 
 
+def next_wake(
+    child: dict[str, Any] | None, woken_at: datetime | None, api: JobApi, now: datetime
+) -> datetime | None:
+    """When :func:`wake_due` turns true if nothing else changes: the job's next clock, or, for
+    one come and woken already, the end of the :data:`WAKE_AGAIN` it was given."""
+    if child is None:
+        return None
+    times = []
+    for due in api.wake_times(child):
+        if due > now:
+            times.append(due)
+        elif woken_at is not None and woken_at + WAKE_AGAIN > now:
+            times.append(woken_at + WAKE_AGAIN)
+        else:
+            times.append(now)  # due, and not woken: at once (wake_due holds)
+    return min(times, default=None)
+
+
 def conflict(kind: str, name: str) -> str:
     """Why a training has no job: a stranger holds its name."""
     return (

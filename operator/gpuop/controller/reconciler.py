@@ -10,12 +10,13 @@ re-run on.create against stale bodies after a restart.
 
 One way in: every source of work only adds the training's key to the work queue
 (:mod:`~gpuop.controller.workqueue`): Kopf's events of the trainings, the job watch's events, the
-scrape tick, the first statuses left for later (:mod:`~gpuop.controller.jobsfirst`) and the
-retries after an error. Workers take the keys; one training is never worked by two at once.
-A key taken with nothing new since its last reconcile (:meth:`Reconciler._has_news`: the echo
-of our own write, a job event while its first status waits) is put down without a reconcile;
-the tick's keys are always worked, since what it brings (pods, reports, the clock) is not in
-the objects' versions.
+scrape tick, the first statuses left for later (:mod:`~gpuop.controller.jobsfirst`), the
+retries after an error, and the clocks a reconcile found running (a wake its job's controller
+needs, an alarm's deadline: :class:`~gpuop.controller.sync.Synced`, queued with ``add_after``).
+Workers take the keys; one training is never worked by two at once. A key taken with nothing
+new since its last reconcile (:meth:`Reconciler._has_news`: the echo of our own write, a job
+event while its first status waits) is put down without a reconcile; the tick's keys are always
+worked, since what it brings (pods, reports) is not in the objects' versions.
 
 This module is the intake and the workers; what a worker runs for a key, the reconcile of one
 training, is :mod:`~gpuop.controller.sync`.
@@ -32,10 +33,8 @@ from typing import Any, Final
 
 from gpuop.api.identity import TrainingKey
 from gpuop.api.status import TERMINAL_PHASES
-from gpuop.backends import registry
 from gpuop.backends.reportwiring import ReportEndpoint
 from gpuop.controller.apiclient import ApiError
-from gpuop.controller.children import wake_due
 from gpuop.controller.jobsfirst import JobsFirst
 from gpuop.controller.kube import Kube
 from gpuop.controller.pods import PodReader
@@ -52,9 +51,10 @@ from gpuop.observing.records import ReceivedReport
 log = logging.getLogger(__name__)
 
 _ACTIVE_PHASES: Final = ("Created", "Running", "Restarting")
-# Phases whose status the clock does not change: the tick reconciles such a training only when
-# its pods or reports changed, or a wake is due. Not Running/Restarting (Stalled, Underutilized,
-# gpuHours), Queued (Kueue's Workload is read at the tick), Pending (discovery is asked again).
+# Phases whose status only what the tick reads can change: it reconciles such a training only
+# when its pods or reports changed (a clock, such as a wake its job's controller needs, is the
+# reconcile's own add_after). Not Running/Restarting (their pods' figures and gpuHours, read each
+# tick), Queued (Kueue's Workload is read at the reconcile), Pending (discovery is asked again).
 _QUIET_PHASES: Final = ("Created", "Suspended")
 # Seconds a reading of which namespaces this replica leads gates its job events (_leads). Kopf
 # pauses its watch of the trainings as soon as a peer outranks this replica; a job event may
@@ -83,6 +83,7 @@ class Reconciler:
         metrics: OperatorMetrics | None = None,
         *,
         clock: Callable[[], datetime] = _now,
+        timer: Callable[[], float] = time.monotonic,
         leadership: Callable[[], Callable[[str], bool]] = lambda: lambda _namespace: True,
         report_endpoint: ReportEndpoint | None = None,
         reports: ReportBook | None = None,
@@ -104,10 +105,13 @@ class Reconciler:
             kube, settings, self._pods, self._status, clock, report_endpoint=report_endpoint,
             reports=self.reports, first_status_later=self._first_status_later,
         )  # fmt: skip
-        self._queue: WorkQueue[TrainingKey] = WorkQueue()
-        # Keys the tick queued: worked even with no news in the objects' versions.
+        self._timer = timer  # the work queue's clock: monotonic, or a test's own
+        self._queue: WorkQueue[TrainingKey] = WorkQueue(clock=timer)
+        # Keys worked even with no news in the objects' versions: those the tick queued, and
+        # those whose clock (Synced.again_in) has come, by when it comes.
         self._ticked: set[TrainingKey] = set()
-        self._ticked_lock = threading.Lock()
+        self._clock_due: dict[TrainingKey, float] = {}
+        self._due_lock = threading.Lock()
         self._jobs_first = JobsFirst()
         self._workers: list[threading.Thread] = []
         self.metrics.queue_depth.set_function(self.queued)
@@ -146,12 +150,14 @@ class Reconciler:
     def _work(self, key: TrainingKey) -> None:
         tracked = self._table.get(key)
         try:
-            with self._ticked_lock:
-                ticked = key in self._ticked
+            with self._due_lock:
+                due = key in self._ticked or self._timer() >= self._clock_due.get(key, float("inf"))
                 self._ticked.discard(key)
+                if due:
+                    self._clock_due.pop(key, None)
             # A standby keeps its table, and reconciles nothing: a key it queued as leader (an
             # event, a retry, a deadline) is put down once a peer outranks it.
-            if tracked is not None and (ticked or self._has_news(key, tracked)) and self._leads(key[0]):
+            if tracked is not None and (due or self._has_news(key, tracked)) and self._leads(key[0]):
                 self.reconcile(key)
         finally:
             self._queue_statuses(self._jobs_first.settled(key))
@@ -183,6 +189,8 @@ class Reconciler:
             self._table.forget(key)
             self.reports.forget(key)
             self._queue.forget(key)  # its retry backoff
+            with self._due_lock:
+                self._clock_due.pop(key, None)
             self._queue_statuses(self._jobs_first.forget(key))
             return
         tracked = self._table.get_or_add(key, body)
@@ -257,8 +265,13 @@ class Reconciler:
                 log.warning("gputraining %s/%s: %s; will retry in %gs", key[0], key[1],
                             synced.api_error, delay)  # fmt: skip
         else:
-            self._queue.forget(key)  # its backoff, and a retry it waited for
-            if synced.again_in is not None:  # its first status: queued again by then at the latest
+            self._queue.forget(key)  # its backoff, a retry it waited for, an earlier clock
+            with self._due_lock:
+                if synced.again_in is not None and not synced.status_left:
+                    self._clock_due[key] = self._timer() + synced.again_in
+                else:
+                    self._clock_due.pop(key, None)
+            if synced.again_in is not None:  # a clock, or its first status: queued by then
                 self._queue.add_after(key, synced.again_in)
             if synced.again_now:
                 self._queue.add(key)
@@ -303,18 +316,16 @@ class Reconciler:
         for key, tracked in items:
             if self._jobs_first.waits(key, tracked.generation):
                 continue  # the reconcile that writes its first status is queued (jobsfirst)
-            # A finished job changes only on an event (a spec edit, a deletion), which
-            # reconciles it anyway, or at its TTL; everything else may need time (Stalled) or a
-            # retry.
-            if tracked.phase not in TERMINAL_PHASES:
-                reports = self.reports.of(key)
-                if self._quiet(tracked, reports, key in new_pods):
-                    continue
-                tracked.see_reports(reports)
-                due.append(key)
-            elif self._wake_due(tracked):  # a finished job's TTL, which no event announces
-                due.append(key)
-        with self._ticked_lock:
+            # A finished job changes only on an event (a spec edit, a deletion), which reconciles
+            # it anyway, or at its TTL, which its last reconcile queued itself for (add_after).
+            if tracked.phase in TERMINAL_PHASES:
+                continue
+            reports = self.reports.of(key)
+            if self._quiet(tracked, reports, key in new_pods):
+                continue
+            tracked.see_reports(reports)
+            due.append(key)
+        with self._due_lock:
             self._ticked.update(due)
         for key in due:
             entry = self._table.get(key)
@@ -336,13 +347,7 @@ class Reconciler:
             and reports == tracked.reports
             # None (never equal): its last reconcile failed or left work for later.
             and tracked.reconciled == tracked.versions()
-            and not self._wake_due(tracked)
         )
-
-    def _wake_due(self, tracked: Tracked) -> bool:
-        child = tracked.child
-        api = registry.of_kind(child.get("kind")) if child is not None else None
-        return api is not None and wake_due(child, tracked.woken_at, api, self.clock())
 
     # -- introspection (probes, tests) ----------------------------------------------------
 

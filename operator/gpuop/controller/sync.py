@@ -28,20 +28,21 @@ from gpuop.backends.contract import JobApi
 from gpuop.backends.registry import Choice
 from gpuop.backends.reportwiring import ReportEndpoint
 from gpuop.controller.apiclient import ApiError
-from gpuop.controller.children import Children, wake_due
+from gpuop.controller.children import Children, next_wake, wake_due
 from gpuop.controller.discovery import ServedBackends
 from gpuop.controller.kube import Kube
 from gpuop.controller.pods import PodReader
 from gpuop.controller.settings import OperatorSettings
 from gpuop.controller.statuswriter import StatusWriter
 from gpuop.controller.table import SpecView, Tracked, key_of
-from gpuop.observing import diagnosis, observe
+from gpuop.observing import alarms, diagnosis, observe
 from gpuop.observing.endpoint import ReportBook
 from gpuop.observing.records import Event, Observation, Thresholds
 
 log = logging.getLogger(__name__)
 
 _NO_ALARMS: Final = Thresholds(stall_timeout_seconds=0)
+MIN_CLOCK_SECONDS: Final = 1.0
 
 # Whether a new training's first status waits for the other jobs of a burst: given the training
 # and the spec generation worked, the seconds it may wait (None: write it now).
@@ -53,8 +54,10 @@ class Synced:
     """What one reconcile did, and what it asks of the work queue."""
 
     outcome: str  # "created", "status", "unchanged", "error", ... (for the metrics and tests)
-    # Its first status was left for later: the key comes back within this many seconds.
+    # The key comes back within this many seconds: the clock alone will change what the training
+    # needs then (its job's controller to wake, an alarm), or its first status was left for later.
     again_in: float | None = None
+    status_left: bool = False  # its first status was left for later: this reconcile is not done
     again_now: bool = False  # the spec was edited while it ran: the key comes back at once
     failed: bool = False  # the key comes back after its retry backoff
     api_error: ApiError | None = None  # why, when the API server failed it (the caller says so)
@@ -111,8 +114,7 @@ class TrainingSync:
         # Done unless its first status waits for later, or our own write's reply brought a spec
         # edited meanwhile (its event, older than that reply, would be taken for an echo).
         edited = tracked.generation != generation
-        left = synced.again_in is not None
-        tracked.reconciled = None if left or edited else tracked.seen_versions
+        tracked.reconciled = None if synced.status_left or edited else tracked.seen_versions
         return dataclasses.replace(synced, again_now=edited)
 
     def _report_failure(self, tracked: Tracked, exc: Exception) -> None:
@@ -180,7 +182,8 @@ class TrainingSync:
         if previous is None and conflict is None:
             later = self._first_status_later(tracked, meta.get("generation"))
             if later is not None:
-                return Synced("later" if outcome == "unchanged" else outcome, again_in=later)
+                outcome = "later" if outcome == "unchanged" else outcome
+                return Synced(outcome, again_in=later, status_left=True)
         if conflict is None and self._wake_if_due(tracked, api, now):
             outcome = "woken" if outcome == "unchanged" else outcome
         observation = self._observe(tracked, previous, view, api, choice, conflict, now, generation)
@@ -195,7 +198,22 @@ class TrainingSync:
             underutilized_seconds=self.settings.underutilized_seconds,
         )
         wrote = self._write_status(tracked, previous, observation, thresholds)
-        return Synced(outcome if outcome != "unchanged" or not wrote else "status")
+        outcome = outcome if outcome != "unchanged" or not wrote else "status"
+        return Synced(outcome, again_in=self._clock_due_in(tracked, api, conflict, thresholds, now))
+
+    def _clock_due_in(
+        self, tracked: Tracked, api: JobApi, conflict: str | None, thresholds: Thresholds, now: datetime
+    ) -> float | None:
+        """Seconds until the clock alone changes what this training needs (its job's controller
+        to wake, an alarm to raise), from the status as now written; None: no clock runs. The
+        work queue holds the key until then (add_after): no tick has to look for it."""
+        times = [alarms.next_alarm_at(tracked.status(), thresholds, now)]
+        if conflict is None:
+            times.append(next_wake(tracked.child, tracked.woken_at, api, now))
+        due = min((t for t in times if t is not None), default=None)
+        # A second at least: a clock whose reconcile cannot act on it yet (a status write that
+        # keeps failing is retried with backoff anyway) must not spin the key.
+        return None if due is None else max(MIN_CLOCK_SECONDS, (due - now).total_seconds())
 
     def _without_a_job(
         self,

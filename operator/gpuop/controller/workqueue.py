@@ -25,7 +25,7 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Final, Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -41,7 +41,14 @@ RETRY_MAX: Final = 60.0
 class WorkQueue(Generic[K]):
     """Keys waiting to be worked. Thread-safe."""
 
-    def __init__(self, retry_base: float = RETRY_BASE, retry_max: float = RETRY_MAX) -> None:
+    def __init__(
+        self,
+        retry_base: float = RETRY_BASE,
+        retry_max: float = RETRY_MAX,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        # Seconds, for add_after's times: the monotonic clock, or a test's own.
+        self._clock = clock
         self._retry_base = retry_base
         self._retry_max = retry_max
         self._cond = threading.Condition()
@@ -99,7 +106,7 @@ class WorkQueue(Generic[K]):
         if seconds <= 0:
             self.add(key)
             return
-        due = time.monotonic() + seconds
+        due = self._clock() + seconds
         with self._cond:
             if self._shutting_down or self._due_at.get(key, float("inf")) <= due:
                 return
@@ -133,7 +140,7 @@ class WorkQueue(Generic[K]):
     def get(self, timeout: float | None = None) -> K | None:
         """The next key to work, waiting for one; None once shut down or after ``timeout``.
         The caller owns the key until :meth:`done`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else self._clock() + timeout
         with self._cond:
             while True:
                 if self._shutting_down:
@@ -141,7 +148,7 @@ class WorkQueue(Generic[K]):
                 key = self._take_ready()
                 if key is not None:
                     return key
-                now = time.monotonic()
+                now = self._clock()
                 soonest = self._delayed[0][0] if self._delayed else None
                 waits = [t - now for t in (deadline, soonest) if t is not None]
                 if deadline is not None and now >= deadline:
@@ -155,7 +162,7 @@ class WorkQueue(Generic[K]):
             return None if self._shutting_down else self._take_ready()
 
     def _take_ready(self) -> K | None:
-        self._promote_due(time.monotonic())
+        self._promote_due(self._clock())
         while self._ready or self._ready_low:
             if self._ready:
                 key = self._ready.popleft()

@@ -6,15 +6,28 @@ it has run since its last pause. Pure.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
-from gpuop.api.status import Condition, GpuUsage, Phase, ProgressStatus, format_eta, parse_time
+from gpuop.api.status import (
+    TIME_FORMAT,
+    Condition,
+    GpuTrainingStatus,
+    GpuUsage,
+    Phase,
+    ProgressStatus,
+    format_eta,
+    parse_time,
+)
 from gpuop.observing.records import Thresholds
 
 # The conditions of a pause: a training that runs again after one was neither stalled nor
 # underutilized while it waited (suspended, queued or preempted by Kueue).
 PAUSES: Final = ("Suspended", "Queued")
+# The phases whose pods hold their GPUs: what gpuHours counts, and where the alarms' clocks run
+# (Restarting too: a gang whose restarted pod never comes back holds its GPUs with no step).
+# Created (pods starting, perhaps not yet placed), Queued and Suspended (no pods) do not.
+HOLDING_GPUS: Final[tuple[Phase, ...]] = ("Running", "Restarting")
 
 
 def seconds_between(start: str, end: datetime) -> float:
@@ -93,3 +106,34 @@ def running_alarms(
             )
         )
     return alarms
+
+
+def next_alarm_at(status: GpuTrainingStatus | None, thresholds: Thresholds, now: datetime) -> datetime | None:
+    """When Stalled or Underutilized comes due if nothing else changes (``status`` as last
+    written): the time a reconcile is needed by the clock alone. None while neither clock runs
+    (not holding GPUs, paused, already raised, or nothing to time from)."""
+    if status is None or status.phase not in HOLDING_GPUS:
+        return None
+    raised = {c.type for c in status.conditions if c.status == "True"}
+    resumed = resumed_at(status.conditions, now.astimezone(UTC).strftime(TIME_FORMAT))
+    due: list[datetime] = []
+    progress = status.progress
+    advanced = progress.step_advanced_at if progress is not None else None
+    if (
+        thresholds.stall_timeout_seconds
+        and "Stalled" not in raised
+        and advanced is not None
+        and progress is not None
+        and progress.activity is None
+    ):
+        start = max(advanced, resumed) if resumed is not None else advanced
+        due.append(_at(start, thresholds.stall_timeout_seconds))
+    since = status.gpu.underutilized_since if status.gpu is not None else None
+    if status.phase == "Running" and "Underutilized" not in raised and since is not None:
+        start = max(since, resumed) if resumed is not None else since
+        due.append(_at(start, thresholds.underutilized_seconds))
+    return min(due, default=None)
+
+
+def _at(start: str, seconds: float) -> datetime:
+    return parse_time(start).replace(tzinfo=UTC) + timedelta(seconds=seconds)

@@ -70,9 +70,6 @@ _JOB_PHASES: Final[tuple[Phase, ...]] = (
     "Running",
     "Created",
 )
-# Phases whose pods hold their GPUs: what gpuHours counts. Created (pods starting, perhaps not
-# yet placed), Queued and Suspended (no pods) do not.
-_HOLDING_GPUS: Final[tuple[Phase, ...]] = ("Running", "Restarting")
 # Named in a message before any backend is chosen ("waiting for the PyTorchJob"): the one
 # a GpuTraining ran on before there were others.
 _DEFAULT_KIND: Final = "PyTorchJob"
@@ -348,7 +345,7 @@ def _job_conditions(m: _Moment, wanted: list[Condition]) -> str:
     if blocked is not None:
         wanted.append(m.condition("PodsNotStarting", "True", *blocked))
         message = blocked[1]
-    if phase in _HOLDING_GPUS:
+    if phase in alarms.HOLDING_GPUS:
         # Restarting too: a gang whose restarted pod never comes back (its node lost, say) holds
         # its GPUs with no step, and would otherwise never alarm. Underutilized stays a verdict
         # on training: a restart's idle GPUs are the restart's, said by its own condition.
@@ -433,13 +430,13 @@ def _gpu_hours(
     recomputed from the job's start time, which Kubeflow moves on every resume."""
     hours = before.gpu_hours
     counted = before.gpu_hours_counted_at
-    if before.phase in _HOLDING_GPUS and counted is not None and obs.gpus:
+    if before.phase in alarms.HOLDING_GPUS and counted is not None and obs.gpus:
         end = completion if phase in TERMINAL_PHASES and completion is not None else now
         held = max(0.0, (parse_time(end) - parse_time(counted)).total_seconds())
         hours = round((hours or 0.0) + obs.gpus * held / 3600, 4)
-    if phase in _HOLDING_GPUS and hours is None:
+    if phase in alarms.HOLDING_GPUS and hours is None:
         hours = 0.0  # from the first moment it holds its GPUs (or runs, on none): 0, not absent
-    return hours, now if phase in _HOLDING_GPUS else None
+    return hours, now if phase in alarms.HOLDING_GPUS else None
 
 
 def events(previous: GpuTrainingStatus | None, new: GpuTrainingStatus) -> list[Event]:

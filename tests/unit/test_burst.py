@@ -212,7 +212,7 @@ class _HeldStore(Store):
 def _eventually(what: Callable[[], object], seconds: float = 10.0) -> None:
     deadline = time.monotonic() + seconds
     while not what():
-        assert time.monotonic() < deadline, "not within 10 s"
+        assert time.monotonic() < deadline, f"not within {seconds:g} s"
         time.sleep(0.01)
 
 
@@ -318,6 +318,28 @@ def test_while_its_first_status_waits_only_a_spec_edit_or_a_lost_job_reconciles_
         _eventually(lambda: (_status(store, "fast") or {}).get("observedGeneration") == 2)
         status = _status(store, "fast") or {}
         assert status["phase"] == "Running"
+
+
+def test_a_job_that_ends_while_its_first_status_waits_has_its_result_written_at_once(toy: ToyJobApi) -> None:
+    """A short program's job may end within the burst, and its TTL delete it, before the last
+    other job is made: its result, read from the job, must not wait for them (seen on the real
+    training-operator: a GpuTraining whose first status was written after its job's TTL had
+    deleted the job, with the time of that write as its completion)."""
+    with _slow_waits_for_its_job() as burst:
+        store, reconciler = burst.store, burst.reconciler
+        reconciler.training_event("ADDED", burst.fast)
+        _eventually(lambda: _job_made(store, "fast") and reconciler.queued() == 1)  # its deadline
+        assert _status(store, "fast") is None  # left for later
+        made = next(
+            k for k, o in store.objects.items() if o["metadata"]["name"] == "fast" and o["kind"] == "ToyJob"
+        )
+        job = store.objects[made]
+        job["status"] = {"state": "Done", "began": "2026-11-25T10:00:00Z", "since": "2026-11-25T10:00:03Z"}
+        reconciler.job_event("MODIFIED", copy.deepcopy(store._stamp(job)))
+        # Within 5 s: at 10 "slow"'s held create gives up, which would end the burst anyway.
+        _eventually(lambda: (_status(store, "fast") or {}).get("phase") == "Succeeded", seconds=5)
+        assert (_status(store, "fast") or {})["completionTime"] == "2026-11-25T10:00:03Z"  # the job's
+        assert not _job_made(store, "slow")  # "slow" still waits for its job: the burst is not over
 
 
 def test_a_first_status_is_left_for_later_only_so_long(

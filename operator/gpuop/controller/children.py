@@ -30,6 +30,13 @@ log = logging.getLogger(__name__)
 WAKE_AGAIN: Final = timedelta(seconds=30)
 
 
+def finished(child: dict[str, Any] | None) -> bool:
+    """Whether the job has ended (its Succeeded or Failed condition is True), read by its own
+    backend. Nothing of it may be left for later then: its TTL may delete it at any moment."""
+    api = registry.of_kind(child.get("kind")) if child is not None else None
+    return api is not None and child is not None and observe.finished(api.conditions(child))
+
+
 def wake_due(child: dict[str, Any] | None, woken_at: datetime | None, api: JobApi, now: datetime) -> bool:
     """Whether a clock the job's controller sleeps through has come, and it was not woken (at
     ``woken_at``) within :data:`WAKE_AGAIN`."""

@@ -60,6 +60,13 @@ class JobsFirst:
             self._later[key] = (by, generation)
             return by - now
 
+    def write_now(self, key: TrainingKey) -> None:
+        """``key``'s first status is not left for later, whatever the others do: its job has
+        ended, and its result must be written before the job's TTL may delete it."""
+        with self._lock:
+            self._awaiting.discard(key)
+            self._later.pop(key, None)
+
     def waits(self, key: TrainingKey, generation: object) -> bool:
         """Whether ``key``'s first status is left for later, and nothing but a change of its
         spec's generation should have it reconciled before then."""

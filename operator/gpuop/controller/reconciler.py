@@ -35,6 +35,7 @@ from gpuop.api.identity import TrainingKey
 from gpuop.api.status import TERMINAL_PHASES
 from gpuop.backends.reportwiring import ReportEndpoint
 from gpuop.controller.apiclient import ApiError
+from gpuop.controller.children import finished
 from gpuop.controller.jobsfirst import JobsFirst
 from gpuop.controller.kube import Kube
 from gpuop.controller.pods import PodReader
@@ -171,10 +172,15 @@ class Reconciler:
     def _has_news(self, key: TrainingKey, tracked: Tracked) -> bool:
         """Whether a reconcile could see anything its last one did not: the GpuTraining or its
         job changed since (not our own write echoed), and its first status is not left for
-        later with the very spec it was left with (that reconcile will see the rest). Asked as
+        later with the very spec it was left with (that reconcile will see the rest), unless its
+        job has ended (:meth:`_first_status_later`). Asked as
         an event comes, and again as its key is taken, since the event may have come while the
         reconcile that made the change was still running."""
-        if tracked.child is not None and self._jobs_first.waits(key, tracked.generation):
+        if (
+            tracked.child is not None
+            and not finished(tracked.child)
+            and self._jobs_first.waits(key, tracked.generation)
+        ):
             return False
         return tracked.versions() != tracked.reconciled
 
@@ -281,8 +287,14 @@ class Reconciler:
 
     def _first_status_later(self, tracked: Tracked, generation: object) -> float | None:
         """Seconds a new training's first status, its job made, waits for the other jobs of a
-        burst (jobsfirst), or None: now. Its key is queued again by then, or once none waits."""
-        return self._jobs_first.leave_for_later(key_of(tracked.body), tracked.first_seen, generation)
+        burst (jobsfirst), or None: now. Its key is queued again by then, or once none waits.
+        Never for a job that has ended: a short program's job may end within the burst, and its
+        TTL delete it, before the last other job is made (the result would be lost with it)."""
+        key = key_of(tracked.body)
+        if finished(tracked.child):
+            self._jobs_first.write_now(key)
+            return None
+        return self._jobs_first.leave_for_later(key, tracked.first_seen, generation)
 
     # -- the tick: scrape running jobs, retry what failed ---------------------------------
 

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from gpuop.api.status import GpuUsage, format_eta
-from gpuop.local.runner import progress_line, scrape
+from gpuop.local.figures import progress_line
+from gpuop.local.runner import scrape
 from gpuop.observing.figures import gpu_usage
 from gpuop.observing.scrape import parse_metrics
 from gputrain.checkpoint import CheckpointManager

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuop.api.spec import parse
 from gpuop.backends.pod import trainer_settings
-from gpuop.local.runner import sparkline
+from gpuop.local.figures import sparkline
 from gpuop.observing.scrape import MAX_METRICS_BYTES, parse_metrics
 from gputrain.contract import (
     ContractError,

@@ -16,7 +16,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import click
 import yaml
@@ -31,6 +31,9 @@ from gpuop.backends.registry import APIS, all_gaps, parse_training, rbac_rules_y
 from gpuop.cli.documents import Document, DocumentError, read_documents
 from gpuop.controller.settings import ENV_PREFIX, SettingsError, from_options, operator_options
 from gputrain.contract import EXIT_INTERRUPTED, EXIT_PREEMPTED
+
+if TYPE_CHECKING:
+    from gpuop.local.runner import LocalRun
 
 EXIT_OK = 0
 EXIT_DIFFERENT = 1
@@ -201,7 +204,7 @@ def validate(filenames: tuple[str, ...]) -> int:
          "(needs the plots extra: matplotlib).")  # fmt: skip
 def run(filename: str, workers: int | None, output: str, fresh: bool, workdir: str, plot: str | None) -> int:
     """Train a GpuTraining on this machine (torchrun; gloo on CPU) and print its status."""
-    from gpuop.local import progress, runner
+    from gpuop.local import figures, progress, runner
 
     loaded = _load([filename])
     if len(loaded) != 1:
@@ -213,23 +216,7 @@ def run(filename: str, workers: int | None, output: str, fresh: bool, workdir: s
         raise _BadInputError([f"{document.where('spec.gpusPerWorker')}: {shortfall}"])
     try:
         with runner.hold_run_directory(plan):
-            if fresh and training.spec.checkpoint.uri is not None:
-                raise _BadInputError([
-                    f"{document.where('spec.checkpoint.uri')}: spec.checkpoint.uri: --fresh moves this "
-                    "machine's checkpoints aside and leaves a bucket's alone; point uri at a new prefix "
-                    "to start over"
-                ])  # fmt: skip
-            if fresh:
-                moved = runner.move_aside(plan)
-                if moved is not None:
-                    print(f"the earlier run's checkpoints and outputs are in {moved}", file=sys.stderr)
-            else:
-                finished = runner.finished_result(plan)
-                if finished is not None:
-                    raise _BadInputError([
-                        f"{training.name} already finished in {plan.workdir / training.name} ({finished}); "
-                        "add --fresh to train it again from the start"
-                    ])  # fmt: skip
+            _ready_run_directory(document, training, plan, fresh)
             log_path = runner.new_log(plan)
             print(
                 f"training {training.name}: {plan.processes} process(es), "
@@ -247,7 +234,7 @@ def run(filename: str, workers: int | None, output: str, fresh: bool, workdir: s
     else:
         sys.stdout.write(yaml.safe_dump({"status": written}, sort_keys=False))
     points = runner.history(plan)
-    print("\n".join(runner.summary(plan, status, points)), file=sys.stderr)
+    print("\n".join(figures.summary(plan, status, points)), file=sys.stderr)
     if plot is not None:
         from gpuop.local import plots
 
@@ -269,6 +256,30 @@ def run(filename: str, workers: int | None, output: str, fresh: bool, workdir: s
             stopped or "", EXIT_DIFFERENT
         )
     return EXIT_OK
+
+
+def _ready_run_directory(document: Document, training: GpuTraining, plan: LocalRun, fresh: bool) -> None:
+    """The run directory made ready for this run: an earlier run's files moved aside for
+    ``--fresh``; refused when that cannot be done, or when the run there already finished."""
+    from gpuop.local import runner
+
+    if fresh and training.spec.checkpoint.uri is not None:
+        raise _BadInputError([
+            f"{document.where('spec.checkpoint.uri')}: spec.checkpoint.uri: --fresh moves this "
+            "machine's checkpoints aside and leaves a bucket's alone; point uri at a new prefix "
+            "to start over"
+        ])  # fmt: skip
+    if fresh:
+        moved = runner.move_aside(plan)
+        if moved is not None:
+            print(f"the earlier run's checkpoints and outputs are in {moved}", file=sys.stderr)
+    else:
+        finished = runner.finished_result(plan)
+        if finished is not None:
+            raise _BadInputError([
+                f"{training.name} already finished in {plan.workdir / training.name} ({finished}); "
+                "add --fresh to train it again from the start"
+            ])  # fmt: skip
 
 
 @cli.command(

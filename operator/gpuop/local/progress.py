@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from gpuop.api.status import GpuTrainingStatus
-from gpuop.local.runner import figures_text, final_metrics, progress_line
+from gpuop.local.figures import figures_text, final_metrics, progress_line
 from gpuop.observing.scrape import TrainerMetrics
 
 

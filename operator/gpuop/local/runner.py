@@ -22,14 +22,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final, TextIO
+from typing import Any, TextIO
 
 from gpuop._kits.schema import encode
 from gpuop.api.spec import GpuTraining
-from gpuop.api.status import TIME_FORMAT, GpuTrainingStatus, format_eta, parse_time
+from gpuop.api.status import TIME_FORMAT, GpuTrainingStatus
 from gpuop.backends.pod import trainer_env
 from gpuop.local import processes, runreports
 from gpuop.observing.derive import derive_status
@@ -39,7 +39,6 @@ from gputrain.contract import (
     HISTORY_FILE,
     RESULT_FILE,
     STOPPED_BY_SIGNAL,
-    TENSORBOARD_DIR,
     HistoryPoint,
     Result,
     complete_checkpoint_step,
@@ -205,45 +204,6 @@ def scrape(port: int, timeout: float = 1.0) -> TrainerMetrics | None:
             return parse_metrics(response.read().decode())
     except (urllib.error.URLError, OSError, ValueError):
         return None
-
-
-def figures_text(metrics: TrainerMetrics) -> str:
-    """A run's figures on one line; one the trainer has not published yet is left out, not 0."""
-    parts = []
-    if metrics.epoch is not None and metrics.total_epochs is not None:
-        parts.append(f"epoch {metrics.epoch}/{metrics.total_epochs}")
-    if metrics.step is not None and metrics.total_steps is not None:
-        parts.append(f"step {metrics.step}/{metrics.total_steps}")
-    if metrics.loss is not None:
-        parts.append(f"loss {metrics.loss:.4f}")
-    if metrics.accuracy is not None:
-        parts.append(f"acc {metrics.accuracy:.3f}")
-    if metrics.samples_per_second is not None:
-        parts.append(f"{metrics.samples_per_second:,.0f} samples/s")
-    return "  ".join(parts)
-
-
-def progress_line(metrics: TrainerMetrics, width: int = 24) -> str:
-    """One line of progress for a terminal (or a log: no cursor movement)."""
-    percent = metrics.percent or 0.0
-    filled = int(width * percent / 100)
-    parts = [f"[{'#' * filled}{'-' * (width - filled)}] {percent:5.1f}%", figures_text(metrics)]
-    eta = format_eta(metrics.estimated_remaining_seconds)
-    if eta is not None:
-        parts.append(f"eta {eta}")
-    return "  ".join(p for p in parts if p)
-
-
-def final_metrics(status: GpuTrainingStatus) -> TrainerMetrics | None:
-    """The run's last figures as the status has them (from the trainer's final record)."""
-    progress = status.progress
-    if progress is None:
-        return None
-    return TrainerMetrics(
-        epoch=progress.epoch, total_epochs=progress.total_epochs, step=progress.step,
-        total_steps=progress.total_steps, percent=progress.percent, loss=progress.loss,
-        accuracy=progress.accuracy, samples_per_second=progress.samples_per_second,
-    )  # fmt: skip
 
 
 def final_status(
@@ -425,33 +385,8 @@ def execute(
                 f"spec.command: cannot run {command[0]!r} here: {exc.strerror}"
             ) from None
 
-        def stop(signum: int, frame: object) -> None:
-            raise _Stopped(signum)
-
-        previous = signal.signal(signal.SIGTERM, stop)
-        asked_to_stop = False
-        last: TrainerMetrics | None = None
         points: list[HistoryPoint] = []
-        try:
-            try:
-                while process.poll() is None:
-                    time.sleep(POLL_SECONDS)
-                    metrics = _latest_figures(run, endpoint, points)
-                    if metrics is not None:
-                        last = metrics
-                        if show is not None:
-                            show(metrics)
-            except (KeyboardInterrupt, _Stopped) as exc:
-                signum = exc.signum if isinstance(exc, _Stopped) else signal.SIGINT
-                asked_to_stop = True
-                try:
-                    # In the try: a second Ctrl-C as the first is passed on stops everything too.
-                    process.send_signal(signum)  # torchrun passes it to the trainers
-                    process.wait()
-                except (KeyboardInterrupt, _Stopped):  # asked twice: no checkpoint, just stop
-                    processes.kill_tree(process)  # the ranks too: each runs in a session of its own
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        last, asked_to_stop = _follow(run, process, endpoint, show, points)
         _latest_figures(run, endpoint, points)  # the final report, sent as the process ended
         if run.custom and points and not (run.output_dir / HISTORY_FILE).exists():
             # Our trainer writes its own history; for other code, the reports are the history.
@@ -459,6 +394,45 @@ def execute(
         return final_status(
             run, process.returncode, last, started, _now(), endpoint.latest(), asked_to_stop=asked_to_stop
         )
+
+
+def _follow(
+    run: LocalRun,
+    process: subprocess.Popen[bytes],
+    endpoint: runreports.LocalEndpoint,
+    show: Callable[[TrainerMetrics], None] | None,
+    points: list[HistoryPoint],
+) -> tuple[TrainerMetrics | None, bool]:
+    """Follow torchrun to its end, showing its figures and passing a signal to stop on to it;
+    the last figures seen, and whether this run was asked to stop."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise _Stopped(signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    asked_to_stop = False
+    last: TrainerMetrics | None = None
+    try:
+        try:
+            while process.poll() is None:
+                time.sleep(POLL_SECONDS)
+                metrics = _latest_figures(run, endpoint, points)
+                if metrics is not None:
+                    last = metrics
+                    if show is not None:
+                        show(metrics)
+        except (KeyboardInterrupt, _Stopped) as exc:
+            signum = exc.signum if isinstance(exc, _Stopped) else signal.SIGINT
+            asked_to_stop = True
+            try:
+                # In the try: a second Ctrl-C as the first is passed on stops everything too.
+                process.send_signal(signum)  # torchrun passes it to the trainers
+                process.wait()
+            except (KeyboardInterrupt, _Stopped):  # asked twice: no checkpoint, just stop
+                processes.kill_tree(process)  # the ranks too: each runs in a session of its own
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return last, asked_to_stop
 
 
 class CommandNotFoundError(Exception):
@@ -513,41 +487,3 @@ def history(run: LocalRun) -> list[HistoryPoint]:
     """The run's metric history (every attempt), as the trainer wrote it."""
     path = run.output_dir / HISTORY_FILE
     return read_history(path.read_text(errors="replace")) if path.is_file() else []
-
-
-_BARS: Final = "▁▂▃▄▅▆▇█"
-
-
-def sparkline(values: Sequence[float], width: int = 40) -> str:
-    """``values`` in ``width`` characters of ▁..█ (each the mean of its share of the points)."""
-    if not values:
-        return ""
-    chunks = [values[i * len(values) // width : (i + 1) * len(values) // width] for i in range(width)]
-    means = [sum(c) / len(c) for c in chunks if c]
-    low, high = min(means), max(means)
-    span = (high - low) or 1.0
-    return "".join(_BARS[round((m - low) / span * (len(_BARS) - 1))] for m in means)
-
-
-def summary(run: LocalRun, status: GpuTrainingStatus, points: Sequence[HistoryPoint]) -> list[str]:
-    """What the run did, for the end of `gpuop run`: its outcome and final figures, how long it
-    took, and its curves in the terminal."""
-    final = final_metrics(status)
-    figures = figures_text(final) if final is not None else ""
-    took = ""
-    if status.start_time and status.completion_time:
-        seconds = (parse_time(status.completion_time) - parse_time(status.start_time)).total_seconds()
-        took = f" in {format_eta(seconds)}"
-    outcome = f"{run.training.name} {(status.phase or 'Unknown').lower()}{took}"
-    lines = [f"{outcome}: {figures}" if figures else outcome]
-    for label, field in (("loss", "loss"), ("accuracy", "accuracy"), ("samples/s", "samples_per_second"),
-                         ("GPU util %", "gpu_utilization_percent")):  # fmt: skip
-        values = [v for v in (getattr(p, field) for p in points) if v is not None]
-        if len(values) >= 2:
-            lines.append(f"  {label:<10} {values[0]:>9.4g} {sparkline(values)} {values[-1]:.4g}")
-    if points:
-        lines.append(f"  history: {run.output_dir / HISTORY_FILE}")
-    board = run.output_dir / TENSORBOARD_DIR
-    if board.is_dir():
-        lines.append(f"  TensorBoard: tensorboard --logdir {board}")
-    return lines

@@ -106,13 +106,8 @@ class Reconciler:
             kube, settings, self._pods, self._status, clock, report_endpoint=report_endpoint,
             reports=self.reports, first_status_later=self._first_status_later,
         )  # fmt: skip
-        self._timer = timer  # the work queue's clock: monotonic, or a test's own
-        self._queue: WorkQueue[TrainingKey] = WorkQueue(clock=timer)
-        # Keys worked even with no news in the objects' versions: those the tick queued, and
-        # those whose clock (Synced.again_in) has come, by when it comes.
-        self._ticked: set[TrainingKey] = set()
-        self._clock_due: dict[TrainingKey, float] = {}
-        self._due_lock = threading.Lock()
+        self._queue: WorkQueue[TrainingKey] = WorkQueue(clock=timer)  # monotonic, or a test's
+        self._due = _DueKeys(timer)
         self._jobs_first = JobsFirst()
         self._workers: list[threading.Thread] = []
         self.metrics.queue_depth.set_function(self.queued)
@@ -151,11 +146,7 @@ class Reconciler:
     def _work(self, key: TrainingKey) -> None:
         tracked = self._table.get(key)
         try:
-            with self._due_lock:
-                due = key in self._ticked or self._timer() >= self._clock_due.get(key, float("inf"))
-                self._ticked.discard(key)
-                if due:
-                    self._clock_due.pop(key, None)
+            due = self._due.take(key)
             # A standby keeps its table, and reconciles nothing: a key it queued as leader (an
             # event, a retry, a deadline) is put down once a peer outranks it.
             if tracked is not None and (due or self._has_news(key, tracked)) and self._leads(key[0]):
@@ -195,8 +186,7 @@ class Reconciler:
             self._table.forget(key)
             self.reports.forget(key)
             self._queue.forget(key)  # its retry backoff
-            with self._due_lock:
-                self._clock_due.pop(key, None)
+            self._due.clock(key, None)
             self._queue_statuses(self._jobs_first.forget(key))
             return
         tracked = self._table.get_or_add(key, body)
@@ -272,11 +262,7 @@ class Reconciler:
                             synced.api_error, delay)  # fmt: skip
         else:
             self._queue.forget(key)  # its backoff, a retry it waited for, an earlier clock
-            with self._due_lock:
-                if synced.again_in is not None and not synced.status_left:
-                    self._clock_due[key] = self._timer() + synced.again_in
-                else:
-                    self._clock_due.pop(key, None)
+            self._due.clock(key, None if synced.status_left else synced.again_in)
             if synced.again_in is not None:  # a clock, or its first status: queued by then
                 self._queue.add_after(key, synced.again_in)
             if synced.again_now:
@@ -337,8 +323,7 @@ class Reconciler:
                 continue
             tracked.see_reports(reports)
             due.append(key)
-        with self._due_lock:
-            self._ticked.update(due)
+        self._due.tick(due)
         for key in due:
             entry = self._table.get(key)
             if entry is not None and entry.phase is None:
@@ -383,3 +368,36 @@ class Reconciler:
         self.stop()
         self._pods.close()
         self._status.close()
+
+
+class _DueKeys:
+    """The keys worked when taken even with no news in the objects' versions: those the tick
+    queued (what it brings, pods and reports, is not in them), and those whose clock
+    (:attr:`~gpuop.controller.sync.Synced.again_in`) has come. Thread-safe."""
+
+    def __init__(self, timer: Callable[[], float]) -> None:
+        self._timer = timer  # the work queue's clock
+        self._lock = threading.Lock()
+        self._ticked: set[TrainingKey] = set()
+        self._clocks: dict[TrainingKey, float] = {}  # the key's clock, by the timer
+
+    def tick(self, keys: Iterable[TrainingKey]) -> None:
+        with self._lock:
+            self._ticked.update(keys)
+
+    def clock(self, key: TrainingKey, seconds: float | None) -> None:
+        """``key``'s clock comes in ``seconds``; None: it has none (an earlier one is void)."""
+        with self._lock:
+            if seconds is None:
+                self._clocks.pop(key, None)
+            else:
+                self._clocks[key] = self._timer() + seconds
+
+    def take(self, key: TrainingKey) -> bool:
+        """Whether ``key``, taken now, is due whatever the versions say; it is so once."""
+        with self._lock:
+            due = key in self._ticked or self._timer() >= self._clocks.get(key, float("inf"))
+            self._ticked.discard(key)
+            if due:
+                self._clocks.pop(key, None)
+            return due

@@ -11,7 +11,8 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, Final
 
-from gpuop.api.spec import GpuTraining, SpecGap
+from gpuop.api.gaps import SpecGap
+from gpuop.api.spec import GpuTraining
 from gpuop.backends import pod, reportwiring
 from gpuop.backends.contract import AccessRule
 from gpuop.controller.apiclient import ApiError

@@ -12,8 +12,9 @@ from typing import Any, Final
 import yaml
 
 from gpuop._kits.openapi import cel_rule, openapi_schema
+from gpuop.api.gaps import SpecGap
 from gpuop.api.identity import GROUP, KIND, PLURAL, VERSION
-from gpuop.api.spec import AUTO_BACKEND, MUTABLE_SPEC_FIELDS, NAME_RULES, GpuTrainingSpec, SpecGap
+from gpuop.api.spec import AUTO_BACKEND, MUTABLE_SPEC_FIELDS, NAME_RULES, GpuTrainingSpec
 from gpuop.api.status import GpuTrainingStatus
 
 SHORT_NAME: Final = "gtr"

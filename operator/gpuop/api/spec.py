@@ -10,7 +10,7 @@ server applies the same defaults and CEL rules.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, Final, Literal
 
@@ -52,54 +52,9 @@ NAME_PATTERN: Final = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 MUTABLE_SPEC_FIELDS: Final = ("runPolicy", "stallTimeoutSeconds")
 
 # spec.backend: "auto", or the name of one of the operator's backends (gpuop.backends), which
-# are above this layer: the CRD's enum of them, and each one's refusals (SpecGap), are added
+# are above this layer: the CRD's enum of them, and each one's refusals (gaps.SpecGap), are added
 # where the CRD is generated, from the backends' registry.
 AUTO_BACKEND: Final = "auto"
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecGap:
-    """A spec field that one backend's job cannot carry: the CRD refuses the field with that
-    backend (a CEL rule), ``auto`` passes that backend over for a spec that uses it, and
-    rendering for it refuses the spec. Each backend declares its own (``JobApi.gaps``)."""
-
-    backend: str
-    field: str  # relative to spec, as the CRD's fieldPath wants it
-    cel: str  # true when the spec uses the field
-    used: Callable[[GpuTrainingSpec], bool]
-    why: str
-
-    @property
-    def path(self) -> str:
-        return f"spec{self.field}"
-
-    @property
-    def refusal(self) -> str:
-        return f"cannot be used with backend {self.backend}: {self.why}"
-
-    def rule(self) -> Rule:
-        """The CRD's rule: the field is not used with this backend."""
-        return Rule(
-            cel=f"self.backend != '{self.backend}' || !({self.cel})",
-            message=self.refusal,
-            check=lambda s: {} if s.backend == self.backend and self.used(s) else None,
-            field=self.field,
-        )
-
-    def problem(self, spec: GpuTrainingSpec) -> Problem | None:
-        """The refusal, as a spec problem, when ``spec`` uses the field (whatever its backend)."""
-        return Problem(self.path, self.refusal) if self.used(spec) else None
-
-
-def gap_problems(gaps: Iterable[SpecGap], spec: GpuTrainingSpec) -> list[Problem]:
-    """The refusals among ``gaps`` that ``spec`` meets, one problem each."""
-    return [problem for gap in gaps if (problem := gap.problem(spec)) is not None]
-
-
-def refuse_gaps(gaps: Iterable[SpecGap], spec: GpuTrainingSpec) -> None:
-    """Raise SpecError naming each field among ``gaps`` that ``spec`` uses (a backend's render)."""
-    if problems := gap_problems(gaps, spec):
-        raise SpecError(problems)
 
 
 # Each check returns None when its rule holds, else what fills its message (Rule).

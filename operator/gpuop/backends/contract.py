@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
-from gpuop.api.spec import GpuTraining, GpuTrainingSpec, SpecGap
+from gpuop.api.gaps import SpecGap
+from gpuop.api.spec import GpuTraining, GpuTrainingSpec
 from gpuop.backends.reportwiring import ReportEndpoint
 from gpuop.observing.records import JobCondition, JobKind
 

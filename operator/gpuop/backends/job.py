@@ -32,8 +32,9 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, Final
 
+from gpuop.api.gaps import SpecGap, refuse_gaps
 from gpuop.api.identity import DEFAULT_TRAINER_IMAGE, TRAINING_LABEL
-from gpuop.api.spec import MUTABLE_SPEC_FIELDS, GpuTraining, GpuTrainingSpec, SpecGap, refuse_gaps
+from gpuop.api.spec import MUTABLE_SPEC_FIELDS, GpuTraining, GpuTrainingSpec
 from gpuop.backends import pod, reportwiring
 from gpuop.backends.contract import AccessRule
 from gpuop.observing import observe

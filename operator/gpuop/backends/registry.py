@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from gpuop._kits.schema import Problem, SpecError
+from gpuop.api.gaps import SpecGap, gap_problems
 from gpuop.api.identity import KUEUE_API_VERSIONS
-from gpuop.api.spec import AUTO_BACKEND, GpuTraining, GpuTrainingSpec, SpecGap, gap_problems, parse
+from gpuop.api.spec import AUTO_BACKEND, GpuTraining, GpuTrainingSpec, parse
 from gpuop.api.status import GpuTrainingStatus
 from gpuop.backends.contract import JobApi
 from gpuop.backends.job import JOB

@@ -76,6 +76,19 @@ def _report_failure(path: str, code: int, message: str, *, permanent: bool = Fal
     return code
 
 
+def _stopped(trainer: Trainer | None, *, saved: bool) -> tuple[int, str]:
+    """The exit code and the one line of a run stopped by a signal: Ctrl-C, or the SIGTERM of a
+    pod's deletion (a preemption, a suspend), which the next start resumes from."""
+    step = trainer.position.step if trainer else 0
+    interrupted = trainer is not None and trainer.stop_signal == signal.SIGINT
+    name = "SIGINT (Ctrl-C)" if interrupted else "SIGTERM"
+    message = f"stopped by {name} at step {step}; the next start resumes from its checkpoint"
+    if not saved:
+        message = (f"stopped by {name} at step {step}; its checkpoint could not be saved (see the log): "
+                   "the next start resumes from the last complete one")  # fmt: skip
+    return (EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED), message
+
+
 def main(argv: Sequence[str] | None = None, after: Callable[[Trainer], None] | None = None) -> int:
     """Train; ``after`` sees the trainer of a successful run (tests use it to inspect ranks)."""
     rank = int(os.environ.get("RANK", "0"))
@@ -124,15 +137,9 @@ def main(argv: Sequence[str] | None = None, after: Callable[[Trainer], None] | N
         log.error("%s", exc)
         return _report_failure(termination_log, EXIT_STORAGE, str(exc), permanent=exc.refused)
     except PreemptedError as stopped:
-        step = trainer.position.step if trainer else 0
-        interrupted = trainer is not None and trainer.stop_signal == signal.SIGINT
-        name = "SIGINT (Ctrl-C)" if interrupted else "SIGTERM"
-        message = f"stopped by {name} at step {step}; the next start resumes from its checkpoint"
-        if not stopped.saved:
-            message = (f"stopped by {name} at step {step}; its checkpoint could not be saved (see the log): "
-                       "the next start resumes from the last complete one")  # fmt: skip
+        code, message = _stopped(trainer, saved=stopped.saved)
         log.warning("%s", message)
-        return _report_failure(termination_log, EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED, message)
+        return _report_failure(termination_log, code, message)
     finally:
         if trainer is not None:
             trainer.close()

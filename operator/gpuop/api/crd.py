@@ -121,15 +121,14 @@ def _backend_field(field: dict[str, Any], backends: Mapping[str, str]) -> None:
     field["description"] += " " + "; ".join(f"{name}: {summary}" for name, summary in backends.items()) + "."
 
 
-def build_crd(backends: Mapping[str, str], gaps: Sequence[SpecGap]) -> dict[str, Any]:
-    """The CRD as a dict. ``backends``: each backend's name and what it is, in ``auto``'s order;
-    ``gaps``: the fields each refuses (both from :mod:`gpuop.backends.registry`)."""
+def _object_schema(backends: Mapping[str, str], gaps: Sequence[SpecGap]) -> dict[str, Any]:
+    """The GpuTraining object's schema: the spec's with its rules, the status's, and the name's rule."""
     spec = openapi_schema(GpuTrainingSpec, "What to train, on how many GPUs, and how.")
     _backend_field(spec["properties"]["backend"], backends)
     rules = spec.setdefault("x-kubernetes-validations", [])
     rules.extend(cel_rule(gap.rule()) for gap in gaps)
     rules.extend(immutability_rules(spec["properties"]))
-    root = {
+    return {
         "type": "object",
         "description": (
             "GpuTraining runs distributed PyTorch training (DDP, mixed precision) on GPU nodes: "
@@ -152,6 +151,11 @@ def build_crd(backends: Mapping[str, str], gaps: Sequence[SpecGap]) -> dict[str,
             {"rule": rule.cel, "message": rule.cel_message, "fieldPath": rule.field} for rule in NAME_RULES
         ],
     }
+
+
+def build_crd(backends: Mapping[str, str], gaps: Sequence[SpecGap]) -> dict[str, Any]:
+    """The CRD as a dict. ``backends``: each backend's name and what it is, in ``auto``'s order;
+    ``gaps``: the fields each refuses (both from :mod:`gpuop.backends.registry`)."""
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -177,7 +181,7 @@ def build_crd(backends: Mapping[str, str], gaps: Sequence[SpecGap]) -> dict[str,
                     "storage": True,
                     "subresources": {"status": {}},
                     "additionalPrinterColumns": _PRINTER_COLUMNS,
-                    "schema": {"openAPIV3Schema": root},
+                    "schema": {"openAPIV3Schema": _object_schema(backends, gaps)},
                 }
             ],
         },

@@ -68,6 +68,14 @@ class OperatorSettings:
         return self.scrape_via == "proxy" or (self.scrape_via == "auto" and not in_cluster)
 
     def __post_init__(self) -> None:
+        # Each setting checked as the operator starts: one out of range stops it with one line
+        # naming the flag, its variable and the fix.
+        self._check_scope()
+        self._check_network()
+        self._check_gpu_figures()
+
+    def _check_scope(self) -> None:
+        """What it watches and runs: namespaces, the trainer image, its workers."""
         for namespace in self.namespaces:
             if not _NAMESPACE_RE.match(namespace) or len(namespace) > 63:
                 raise SettingsError(
@@ -76,6 +84,13 @@ class OperatorSettings:
                 )
         if not self.trainer_image.strip():
             raise SettingsError(f"--trainer-image / {ENV_PREFIX}TRAINER_IMAGE: must not be empty")
+        if not 1 <= self.max_workers <= 256:
+            raise SettingsError(
+                f"--max-workers / {ENV_PREFIX}MAX_WORKERS: must be 1..256 (got {self.max_workers})"
+            )
+
+    def _check_network(self) -> None:
+        """Its scrapes and ports, and the report endpoint it serves."""
         if not 1.0 <= self.scrape_interval_seconds <= 3600:
             raise SettingsError(
                 f"--scrape-interval / {ENV_PREFIX}SCRAPE_INTERVAL: must be 1..3600 seconds "
@@ -104,6 +119,9 @@ class OperatorSettings:
                     f"--report-port / {ENV_PREFIX}REPORT_PORT: must be 1..65535 and differ from the "
                     f"metrics and health ports (got {self.report_port})"
                 )
+
+    def _check_gpu_figures(self) -> None:
+        """Where GPU figures come from, and when they make a training Underutilized."""
         if self.gpu_metrics == "prometheus" and not (self.gpu_metrics_prometheus_url or "").startswith(
             ("http://", "https://")
         ):
@@ -118,10 +136,6 @@ class OperatorSettings:
                 f"--dcgm-exporter-service / {ENV_PREFIX}DCGM_EXPORTER_SERVICE: NAMESPACE/NAME of the "
                 "exporter's Service, e.g. gpu-operator/nvidia-dcgm-exporter "
                 f"(got {self.dcgm_exporter_service!r})"
-            )
-        if not 1 <= self.max_workers <= 256:
-            raise SettingsError(
-                f"--max-workers / {ENV_PREFIX}MAX_WORKERS: must be 1..256 (got {self.max_workers})"
             )
         if not 0 <= self.underutilized_percent <= 100:
             raise SettingsError(

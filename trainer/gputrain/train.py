@@ -162,6 +162,43 @@ def upload_outputs(output: Path, uri: str) -> None:
     log.info("outputs uploaded to %s (%.2f s)", store.uri, time.perf_counter() - started)
 
 
+def newest_for_every_rank(
+    checkpoints: CheckpointManager, cluster: Cluster, output_uri: str | None
+) -> tuple[dict[str, Any], Saved] | None:
+    """The newest complete checkpoint, as every rank resumes from it (None: start fresh).
+
+    Only rank 0 reads: with a per-pod emptyDir the other pods have none, and they must all start
+    from the same state anyway. A store that refuses rank 0 ends every rank, with its one line,
+    not rank 0 alone while the others wait in the broadcast until the collective times out."""
+    found: tuple[dict[str, Any], Saved] | StorageError | None = None
+    if cluster.is_main:
+        try:
+            found = checkpoints.load_latest()
+            check_output_store(output_uri)
+        except StorageError as exc:
+            found = exc
+    box: list[Any] = [found]
+    if cluster.distributed:
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], StorageError):
+        raise type(box[0])(str(box[0]), refused=box[0].refused)
+    newest: tuple[dict[str, Any], Saved] | None = box[0]
+    return newest
+
+
+def check_output_store(output_uri: str | None) -> None:
+    """A list of GPUTRAIN_OUTPUT_URI before training: wrong credentials or a missing bucket
+    found now, not once the whole run is trained."""
+    if not output_uri:
+        return
+    try:
+        open_location(output_uri).names()
+    except StorageError as exc:
+        raise OutputUploadError(
+            f"{exc}; found before training (the outputs go there at the end)", refused=exc.refused
+        ) from None
+
+
 class Trainer:
     """One rank's training run."""
 
@@ -257,7 +294,7 @@ class Trainer:
 
     def resume(self) -> None:
         """Load the newest checkpoint into every component, at this world size."""
-        found = self._newest_checkpoint()
+        found = newest_for_every_rank(self.checkpoints, self.cluster, self.settings.output_uri)
         if found is None:
             return
         state, saved = found
@@ -280,38 +317,6 @@ class Trainer:
                  self.position.step)  # fmt: skip
         if saved.time is not None:  # one from before manifests has no time to tell
             self.outlets.checkpointed(saved)
-
-    def _newest_checkpoint(self) -> tuple[dict[str, Any], Saved] | None:
-        # Only rank 0 reads: with a per-pod emptyDir the other pods have none, and they must
-        # all start from the same state anyway.
-        # A store that refuses rank 0 ends every rank, with its one line, not rank 0 alone while
-        # the others wait in the broadcast until the collective times out.
-        found: tuple[dict[str, Any], Saved] | StorageError | None = None
-        if self.cluster.is_main:
-            try:
-                found = self.checkpoints.load_latest()
-                self._check_output_store()
-            except StorageError as exc:
-                found = exc
-        box: list[Any] = [found]
-        if self.cluster.distributed:
-            dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], StorageError):
-            raise type(box[0])(str(box[0]), refused=box[0].refused)
-        newest: tuple[dict[str, Any], Saved] | None = box[0]
-        return newest
-
-    def _check_output_store(self) -> None:
-        """A list of GPUTRAIN_OUTPUT_URI before training: wrong credentials or a missing bucket
-        found now, not once the whole run is trained."""
-        if not self.settings.output_uri:
-            return
-        try:
-            open_location(self.settings.output_uri).names()
-        except StorageError as exc:
-            raise OutputUploadError(
-                f"{exc}; found before training (the outputs go there at the end)", refused=exc.refused
-            ) from None
 
     # ---------------------------------------------------------------------------------------
     # Progress, by the data (gputrain.schedule), at the current batches per epoch

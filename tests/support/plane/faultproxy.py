@@ -14,7 +14,8 @@ network:
 - ``timeout``: no reply within the client's patience; the connection then closes;
 - ``lost-reply``: forwarded, the server acts on it, and the reply never reaches the client
   (the write happened; the client cannot know);
-- ``cut``: a watch stream forwarded for a moment and then cut mid-stream.
+- ``cut``: a watch stream forwarded for a moment and then cut mid-stream (its chunked body
+  left without its last chunk, as a dropped connection leaves it).
 
 Watch requests have a rate of their own (``watch_rate``). Every fault is counted by kind;
 the proxy serves until :meth:`close`.
@@ -148,10 +149,16 @@ class FaultProxy:
                     self.end_headers()
                     self.wfile.write(data)
                 else:
-                    # A stream: relay until the server ends it, the client goes, or (a cut) a
-                    # moment has passed.
+                    # A stream, relayed chunked as the API server sends it: until the server ends
+                    # it (the last chunk then says so), the client goes, or (a cut) a moment has
+                    # passed, when the connection closes with no last chunk. The client then sees
+                    # a body cut short, as behind a load balancer that drops the connection; a
+                    # body that only the close delimits would end cleanly mid-event, and a client
+                    # that reads lines would take the half line it got for a whole one.
+                    self.send_header("Transfer-Encoding", "chunked")
                     self.end_headers()
                     deadline = time.monotonic() + proxy.random.uniform(0.5, 3.0) if fault == "cut" else None
+                    ended = False
                     while not proxy._closing.is_set():
                         if deadline is not None:  # a quiet stream must be cut on time too
                             upstream.sock.settimeout(max(0.01, deadline - time.monotonic()))
@@ -159,10 +166,15 @@ class FaultProxy:
                             chunk = response.read1(65536)
                         except TimeoutError:
                             break
-                        if not chunk or (deadline is not None and time.monotonic() > deadline):
+                        if not chunk:
+                            ended = True
                             break
-                        self.wfile.write(chunk)
+                        if deadline is not None and time.monotonic() > deadline:
+                            break
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                         self.wfile.flush()
+                    if ended:
+                        self.wfile.write(b"0\r\n\r\n")
                 upstream.close()
                 self.close_connection = True
                 return None

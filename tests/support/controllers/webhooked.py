@@ -50,6 +50,14 @@ class ControllerSpec:
     service_account: str | None = None
 
 
+# Starts on new ports when one picked was taken before the controller bound it.
+PORT_TRIES: Final = 3
+
+
+class PortTakenError(RuntimeError):
+    """The controller exited because a port picked for it was taken meanwhile."""
+
+
 class WebhookedController:
     """One controller process, with its namespace, Service, endpoint, Secret and webhooks."""
 
@@ -66,7 +74,22 @@ class WebhookedController:
         self.proxy: incluster.ServiceProxy | None = None
 
     def start(self, timeout: float = 90.0) -> None:
-        """Start it; again after :meth:`stop` too (on new ports, its endpoint moved to them)."""
+        """Start it; again after :meth:`stop` too (on new ports, its endpoint moved to them).
+
+        Its ports are free when picked and taken only as it binds them: a port of the ephemeral
+        range may go to another process's connection in between (seen: the Trainer controller's
+        restart, "bind: address already in use"). It then starts again on new ports, as the
+        control plane's components do (:class:`~support.plane.controlplane.StartError`)."""
+        for attempt in range(1, PORT_TRIES + 1):
+            try:
+                self._start_once(timeout)
+                return
+            except PortTakenError:
+                self.stop()
+                if attempt == PORT_TRIES:
+                    raise
+
+    def _start_once(self, timeout: float) -> None:
         spec = self.spec
         binary = spec.binary()
         ports = Ports(webhook=free_port(), health=free_port())
@@ -99,6 +122,7 @@ class WebhookedController:
             self.proxy = incluster.ServiceProxy(self.plane)
             env.update(self.proxy.environment())
         threading.Thread(target=self._project_secret, daemon=True, name=f"{spec.name}-cert-volume").start()
+        said_before = self.log.stat().st_size if self.log.exists() else 0
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
                 ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", private_tmp, "sh",
@@ -108,7 +132,9 @@ class WebhookedController:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{spec.name} exited with {self.process.returncode}:\n{self.tail()}")
+                said = self.log.read_bytes()[said_before:].decode(errors="replace")
+                failed = PortTakenError if "address already in use" in said else RuntimeError
+                raise failed(f"{spec.name} exited with {self.process.returncode}:\n{self.tail()}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{ports.health}/readyz", timeout=2) as reply:
                     if reply.status == 200:

@@ -1,8 +1,8 @@
 """The fault proxy's cut is what a dropped connection leaves of a watch: a chunked body with no
 last chunk, which a client sees as cut short. A body that only the connection's close
 delimited would end cleanly mid-event, and a client that reads lines would take the half
-line it got for a whole one: Kopf's watcher then failed on it and took the operator down, a
-failure no API server or load balancer can cause (test_operator's faults test, seen once)."""
+line it got for a whole one: Kopf's watcher then fails on it and takes the operator down, a
+failure no API server or load balancer can cause."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A webhooked controller whose port was taken before it bound it starts again on new ports
 (support.controllers.webhooked), as the control plane's components do: a port picked free may
-go to another process's connection in between (seen once: the Trainer controller's restart in
-test_own_code, "bind: address already in use"). A stand-in controller plays the clash."""
+go to another process's connection in between ("bind: address already in use"). A stand-in
+controller plays the clash."""
 
 from __future__ import annotations
 

@@ -322,9 +322,8 @@ def test_while_its_first_status_waits_only_a_spec_edit_or_a_lost_job_reconciles_
 
 def test_a_job_that_ends_while_its_first_status_waits_has_its_result_written_at_once(toy: ToyJobApi) -> None:
     """A short program's job may end within the burst, and its TTL delete it, before the last
-    other job is made: its result, read from the job, must not wait for them (seen on the real
-    training-operator: a GpuTraining whose first status was written after its job's TTL had
-    deleted the job, with the time of that write as its completion)."""
+    other job is made: its result, read from the job, must not wait for them (else the status
+    written after the job's TTL deleted it takes the time of that write as its completion)."""
     with _slow_waits_for_its_job() as burst:
         store, reconciler = burst.store, burst.reconciler
         reconciler.training_event("ADDED", burst.fast)

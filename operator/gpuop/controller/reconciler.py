@@ -164,13 +164,13 @@ class Reconciler:
         """Whether a reconcile could see anything its last one did not: the GpuTraining or its
         job changed since (not our own write echoed), and its first status is not left for
         later with the very spec it was left with (that reconcile will see the rest), unless its
-        job has ended (:meth:`_first_status_later`). Asked as
-        an event comes, and again as its key is taken, since the event may have come while the
-        reconcile that made the change was still running."""
+        job has ended (:meth:`_first_status_later`). Asked as an event comes, and again as its
+        key is taken, since the event may have come while the reconcile that made the change was
+        still running."""
         if (
             tracked.child is not None
-            and not finished(tracked.child)
             and self._jobs_first.waits(key, tracked.generation)
+            and not finished(tracked.child)  # read only while it waits: every job event asks
         ):
             return False
         return tracked.versions() != tracked.reconciled

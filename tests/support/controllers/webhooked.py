@@ -77,9 +77,9 @@ class WebhookedController:
         """Start it; again after :meth:`stop` too (on new ports, its endpoint moved to them).
 
         Its ports are free when picked and taken only as it binds them: a port of the ephemeral
-        range may go to another process's connection in between (seen: the Trainer controller's
-        restart, "bind: address already in use"). It then starts again on new ports, as the
-        control plane's components do (:class:`~support.plane.controlplane.StartError`)."""
+        range may go to another process's connection in between ("bind: address already in
+        use"). It then starts again on new ports, as the control plane's components do
+        (:class:`~support.plane.controlplane.StartError`)."""
         for attempt in range(1, PORT_TRIES + 1):
             try:
                 self._start_once(timeout)

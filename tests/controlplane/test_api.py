@@ -327,7 +327,7 @@ def test_the_server_refuses_changing_an_immutable_field(
     assert rc != 0, f"spec.{field} changed on a stored GpuTraining"
     assert (
         f'spec.{field}: Invalid value: "object": spec.{field} cannot change once the GpuTraining exists '
-        "(only spec.runPolicy, spec.stallTimeoutSeconds can); delete it and create it again to change this"
+        "(only spec.runPolicy, spec.stallTimeoutSeconds, spec.nodeLossTimeoutSeconds can); delete it and create it again to change this"
     ) in _words(stderr) or f"spec.{field} cannot change once the GpuTraining exists" in _words(stderr), stderr
     api.delete("gputrainings", before["metadata"]["name"], "ml")
 

@@ -128,10 +128,17 @@ class KubeflowStandIn:
         self.api.patch_status("pytorchjobs", name, status, NAMESPACE)
 
     def start_pods(
-        self, job: dict[str, Any], progress: Progress, gpu_percent: float, *, dribbling: bool = False
+        self,
+        job: dict[str, Any],
+        progress: Progress,
+        gpu_percent: float,
+        *,
+        dribbling: bool = False,
+        nodes: tuple[str, str] | None = None,
     ) -> list[str]:
         """The job's pods, owned by it as the training-operator makes them, Running with an IP;
-        ``dribbling``: their endpoints answer a byte at a time."""
+        ``dribbling``: their endpoints answer a byte at a time; ``nodes``: the master's and the
+        worker's, as the scheduler binds them (no kubelet runs them)."""
         name = job["metadata"]["name"]
         names = []
         for role in ("master", "worker"):
@@ -152,6 +159,8 @@ class KubeflowStandIn:
                 },
                 "spec": {"containers": [{"name": "pytorch", "image": "trainer"}]},
             }  # fmt: skip
+            if nodes is not None:
+                pod["spec"]["nodeName"] = nodes[0 if role == "master" else 1]
             self.api.create("pods", pod, NAMESPACE)
             self.api.patch_status("pods", pod_name, {
                 "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
@@ -958,6 +967,69 @@ def test_a_failure_no_restart_mends_stops_the_job_its_own_way_or_kueues(
     assert (run_policy["suspend"], run_policy.get("activeDeadlineSeconds")) == (True, deadline)
 
 
+def _node(api: Api, name: str, ready: str) -> None:
+    """A Node whose Ready condition says ``ready`` since now (no kubelet posts for it)."""
+    if api.get("nodes", name) is None:
+        api.create("nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
+    reason = "KubeletReady" if ready == "True" else "NodeStatusUnknown"
+    api.patch_status("nodes", name, {"conditions": [{
+        "type": "Ready", "status": ready, "reason": reason, "message": "the test says so",
+        "lastHeartbeatTime": _stamp(time.time()), "lastTransitionTime": _stamp(time.time()),
+    }]})  # fmt: skip
+
+
+def test_a_lost_node_is_said_at_once_and_the_gang_restarted_after_its_timeout(
+    plane: ControlPlane, api: Api, fresh_operator: OperatorProcess, stand_in: KubeflowStandIn
+) -> None:
+    """The worker's node stops being Ready: the training says NodeLost at once, naming the node
+    and the pod; at spec.nodeLossTimeoutSeconds the operator, as the chart's ServiceAccount,
+    deletes the pod on the lost node at once (no kubelet would confirm a graceful stop) and the
+    master with its grace period (it stays Terminating here: no kubelet runs it), for the job's
+    controller to make both again; the event says so. The Nodes are the test's: no kubelet."""
+    nodes = ("nodeloss-healthy", "nodeloss-lost")
+    fresh_operator.start()
+    try:
+        for node in nodes:
+            _node(api, node, "True")
+        plane.kubectl("create", "-f", "-", input=json.dumps(training("lost", nodeLossTimeoutSeconds=8)))
+        job = wait_for("lost's PyTorchJob", lambda: api.get("pytorchjobs", "lost", NAMESPACE), timeout=60)
+        stand_in.job_status("lost", "Created", "Running", startTime=_stamp(time.time()))
+        master, worker = stand_in.start_pods(job, RUNNING, gpu_percent=85.0, nodes=nodes)
+        uids = {pod: api.get("pods", pod, NAMESPACE)["metadata"]["uid"] for pod in (master, worker)}
+        wait_for("lost Running", lambda: _phase(api, "lost", "Running"), timeout=30)
+        _node(api, nodes[1], "Unknown")
+        _node(api, nodes[0], "True")  # a heartbeat, or the node controller would say Unknown too
+        api.patch_status("pods", worker, {"conditions": [{"type": "Ready", "status": "False"}]}, NAMESPACE)
+        lost_at = time.monotonic()
+        status = wait_for("NodeLost", lambda: (s := _status(api, "lost")) and any(
+            c["type"] == "NodeLost" and c["status"] == "True" for c in s["conditions"]) and s, timeout=30)  # fmt: skip
+        said = next(c for c in status["conditions"] if c["type"] == "NodeLost")
+        assert said["reason"] == "NodeStatusUnknown"
+        assert said["message"].startswith(f"node {nodes[1]} is not ready (NodeStatusUnknown) since ")
+        assert f"with pod {worker}; the operator deletes the training's pods at " in said["message"]
+        assert api.get("pods", worker, NAMESPACE) is not None  # not before its timeout
+        wait_for(
+            "the lost node's pod deleted", lambda: api.get("pods", worker, NAMESPACE) is None, timeout=30
+        )
+        assert time.monotonic() - lost_at >= 6  # its timeout (8 s), less the clocks' whole seconds
+        going = wait_for("the master deleted with its grace period", lambda: (
+            (p := api.get("pods", master, NAMESPACE)) and p["metadata"].get("deletionTimestamp") and p), timeout=30)  # fmt: skip
+        assert going["metadata"]["uid"] == uids[master]
+        events = wait_for("the GangRestarted event", lambda: [
+            e for e in api.list("events", NAMESPACE) if e["reason"] == "GangRestarted"
+            and e["involvedObject"]["name"] == "lost"], timeout=30)  # fmt: skip
+        assert [e["message"] for e in events] == [
+            f"node {nodes[1]} lost: the operator deleted pod {worker} at once and pod {master} with its grace "
+            "period, so that the PyTorchJob's controller makes the gang again on the nodes left"
+        ]
+    finally:
+        for pod in ("lost-master-0", "lost-worker-0"):  # no kubelet will ever confirm them
+            with contextlib.suppress(Exception):
+                api.request("DELETE", api.path("pods", NAMESPACE, pod), {"gracePeriodSeconds": 0})
+        for node in nodes:  # the chain's scheduler must never place a pod on them
+            api.delete("nodes", node, None)
+
+
 def test_a_progress_report_reaches_status_through_the_charts_rules(
     plane: ControlPlane, api: Api, fresh_operator: OperatorProcess, suite_chart: Installed
 ) -> None:
@@ -1122,11 +1194,12 @@ def test_in_role_mode_the_operator_needs_nothing_cluster_scoped_but_its_outside_
         d for d in yaml.safe_load_all(_helm(plane, "get", "manifest", RELEASE, "-n", RELEASE_NAMESPACE)) if d
     ]
     kinds = {d["kind"] for d in manifest}
-    # Cluster-scoped only what has no namespaced form: TokenReview for progress reports, and
-    # dcgm-exporter's Endpoints (by name) in a namespace the operator does not watch.
+    # Cluster-scoped only what has no namespaced form: the Node of a pod that may be lost,
+    # TokenReview for progress reports, and dcgm-exporter's Endpoints (by name) in a namespace
+    # the operator does not watch.
     (cluster_role,) = [d for d in manifest if d["kind"] == "ClusterRole"]
     assert {(r["resources"][0], tuple(r["verbs"])) for r in cluster_role["rules"]} == {
-        ("tokenreviews", ("create",)), ("endpoints", ("get",))}  # fmt: skip
+        ("nodes", ("get",)), ("tokenreviews", ("create",)), ("endpoints", ("get",))}  # fmt: skip
     assert {"Role", "RoleBinding", "KopfPeering"} <= kinds
     assert role_mode.env["GPUOP_NAMESPACES"] == NAMESPACE
     since = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())

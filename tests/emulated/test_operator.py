@@ -137,7 +137,7 @@ def test_spec_changes_reach_the_running_job_or_are_refused(env: Cluster) -> None
     assert refused.returncode != 0
     assert (
         "spec.workers cannot change once the GpuTraining exists (only spec.runPolicy, "
-        "spec.stallTimeoutSeconds can); delete it and create it again to change this"
+        "spec.stallTimeoutSeconds, spec.nodeLossTimeoutSeconds can); delete it and create it again to change this"
     ) in refused.stderr
     assert env.get(JOBS, "tune")["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
 

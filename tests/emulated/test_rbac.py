@@ -1,8 +1,8 @@
 """The chart's RBAC rules are exactly what the operator asks the API server for.
 
 The real operator runs a scenario that takes every path that talks to the API (create,
-adopt-or-conflict, runPolicy patch, status, events, pod listing, proxy scraping, a child's
-deletion, Kopf's watches and peering, a graceful exit). The emulator records each request as
+adopt-or-conflict, runPolicy patch, status, events, pod listing, proxy scraping, a lost node's
+gang deleted, a child's deletion, Kopf's watches and peering, a graceful exit). The emulator records each request as
 RBAC sees it; every request must be allowed by the rules `helm template` renders for that
 mode, and every rule must have been used: nothing missing, nothing more.
 """
@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from gpuop.backends.registry import APIS
-from support.emulator.cluster import JOBS, Cluster, stranger_job
+from support.emulator.cluster import JOBS, PODS, Cluster, stranger_job
 from support.samples import RUNNING
 from support.specs import training
 from support.tools.helm import rules, template
@@ -57,6 +57,15 @@ def _scenario(env: Cluster, operator_args: tuple[str, ...]) -> set[Request]:
     env.api.call(env.server.create, JOBS, stranger_job("b"))
     env.apply(training("b"))
     wait_for("NameConflict", lambda: env.condition("b", "NameConflict"))
+
+    # A node lost: the Node of its pod that is not ready read, and the gang's pods deleted for
+    # its job to make again (the loss is older than the default timeout).
+    env.apply(training("c"))
+    wait_for("c Created", lambda: env.status("c").get("phase") == "Created")
+    env.job_condition("c", "Created", "Running", startTime="2026-01-01T00:00:00Z")
+    gang = env.start_pods("c", 2, RUNNING, gpu_percent=80.0)
+    env.lose_node(gang[1], "gpu-1")
+    wait_for("the gang deleted", lambda: all(env.get(PODS, p) is None for p in gang))
 
     # Finished: termination messages read. Then someone deletes the job: its DELETED makes
     # the operator ask whether the GpuTraining is still there.
@@ -155,5 +164,7 @@ def test_namespaced_rbac_is_exactly_what_the_operator_uses(env: Cluster) -> None
             }
         )
     )
-    assert {scope for scope, _ in granted} == {"default"}  # Roles only: nothing cluster-scoped
+    # Roles only, but for what has no namespaced form: a Node, read.
+    assert {(scope, *_rule_of(rule)) for scope, rule in granted if scope != "default"} == {
+        (None, "", ("nodes",), ("get",))}  # fmt: skip
     _check(requests, granted)

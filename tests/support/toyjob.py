@@ -108,6 +108,9 @@ class Store:
         self.events: list[str] = []
         self.status_writes = 0
         self.annotated: list[str] = []
+        self.pods: list[dict[str, Any]] = []  # every training's, as the kubelet shows them
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.deleted_pods: list[tuple[str, int | None]] = []  # (name, grace seconds)
         self._versions = itertools.count(1)
 
     def _stamp(self, obj: dict[str, Any]) -> dict[str, Any]:
@@ -168,7 +171,14 @@ class Store:
         self.events.append(reason)
 
     def list_training_pods(self, namespace: str) -> list[dict[str, Any]]:
-        return []
+        return copy.deepcopy(self.pods)
+
+    def get_node(self, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.nodes.get(name))
+
+    def delete_pod(self, namespace: str, name: str, uid: str | None, grace_seconds: int | None) -> None:
+        self.deleted_pods.append((name, grace_seconds))
+        self.pods = [p for p in self.pods if p["metadata"]["name"] != name or grace_seconds != 0]
 
     def list_workloads(self, namespace: str, job_uid: str) -> list[dict[str, Any]] | None:
         return None

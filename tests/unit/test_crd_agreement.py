@@ -135,6 +135,7 @@ MUTABLE_UPDATES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("suspend", {}, {"runPolicy": {"suspend": True}}),
     ("deadline", {}, {"runPolicy": {"activeDeadlineSeconds": 3600, "ttlSecondsAfterFinished": 60}}),
     ("stall timeout", {}, {"stallTimeoutSeconds": 60}),
+    ("node loss timeout", {}, {"nodeLossTimeoutSeconds": 300}),
     ("no change", {"image": "x"}, {"image": "x"}),
 ]
 
@@ -148,7 +149,7 @@ def test_the_crd_refuses_changing_an_immutable_field(
     errors = validate(SCHEMA, after, old=before)
     assert errors == [
         f"spec.{field}: spec.{field} cannot change once the GpuTraining exists (only spec.runPolicy, "
-        "spec.stallTimeoutSeconds can); delete it and create it again to change this"
+        "spec.stallTimeoutSeconds, spec.nodeLossTimeoutSeconds can); delete it and create it again to change this"
     ]
 
 

@@ -342,7 +342,7 @@ def test_a_fixed_field_changed_past_the_crd_is_reported_once_and_clears_when_rev
     assert (condition.status, condition.reason) == ("True", "FixedFieldChanged")
     assert condition.message == (
         "spec.workers (2 -> 4) changed after the PyTorchJob was created and cannot change on it (only "
-        "spec.runPolicy and spec.stallTimeoutSeconds can); the job runs as created: change it back, or "
+        "spec.runPolicy, spec.stallTimeoutSeconds and spec.nodeLossTimeoutSeconds can); the job runs as created: change it back, or "
         "delete the GpuTraining and create it again"
     )
     assert [(e.type, e.reason) for e in events(running, changed)] == [("Warning", "FixedFieldChanged")]

@@ -205,6 +205,16 @@ BAD_SPECS: list[tuple[str, dict[str, Any], list[str]]] = [
     ("negative gpus", {"gpusPerWorker": -1}, ["spec.gpusPerWorker: must be >= 0 (got -1)"]),
     ("too many gpus", {"gpusPerWorker": 17}, ["spec.gpusPerWorker: must be <= 16 (got 17)"]),
     (
+        "node loss timeout too long",
+        {"nodeLossTimeoutSeconds": 4000},
+        ["spec.nodeLossTimeoutSeconds: must be <= 3600 (got 4000)"],
+    ),
+    (
+        "negative node loss timeout",
+        {"nodeLossTimeoutSeconds": -1},
+        ["spec.nodeLossTimeoutSeconds: must be >= 0 (got -1)"],
+    ),
+    (
         "unknown model",
         {"model": {"name": "vgg16"}},
         ['spec.model.name: must be one of cnn, resnet18, resnet50 (got "vgg16")'],

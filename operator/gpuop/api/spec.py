@@ -47,9 +47,9 @@ MAX_NAME_LENGTH: Final = 48
 NAME_PATTERN: Final = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 # What may change on a created GpuTraining: the operator patches these onto the running
-# PyTorchJob (runPolicy) or reads them on every check (stallTimeoutSeconds). Anything else
+# PyTorchJob (runPolicy) or reads them on every check (the timeouts). Anything else
 # would need new pods, and the CRD's transition rules refuse the change.
-MUTABLE_SPEC_FIELDS: Final = ("runPolicy", "stallTimeoutSeconds")
+MUTABLE_SPEC_FIELDS: Final = ("runPolicy", "stallTimeoutSeconds", "nodeLossTimeoutSeconds")
 
 # spec.backend: "auto", or the name of one of the operator's backends (gpuop.backends), which
 # are above this layer: the CRD's enum of them, and each one's refusals (gaps.SpecGap), are added
@@ -218,6 +218,16 @@ class GpuTrainingSpec:
         default=900,
         minimum=0,
         maximum=604800,
+    )
+    node_loss_timeout_seconds: int = api_field(
+        "Seconds after a worker's node stops being Ready (dead, cut off, deleted) until the "
+        "operator deletes the training's pods so that its job makes them again on the nodes left, "
+        "every rank resuming from the last checkpoint; Kubernetes alone would wait 5 minutes and "
+        "then for a kubelet that may never answer. A node that is only cut off may run its old pod "
+        "beside the new one until it is back. 0 leaves the pods to Kubernetes.",
+        default=60,
+        minimum=0,
+        maximum=3600,
     )
 
     RULES: ClassVar[tuple[Rule, ...]] = (

@@ -50,7 +50,9 @@ class Condition:
         "into it), BackendSelected, "
         "BackendUnavailable, PodsNotStarting (the kubelet cannot start a pod's trainer: a Secret it "
         "names is missing, its image cannot be pulled, the dataset step failed; the reason and what to "
-        "change) or FetchingDataset (the dataset step copies spec.dataset.uri before training).",
+        "change), FetchingDataset (the dataset step copies spec.dataset.uri before training) or "
+        "NodeLost (a pod's node is not Ready or gone: which nodes and pods, and when the operator "
+        "starts the gang again; spec.nodeLossTimeoutSeconds).",
         max_length=64,
     )
     status: ConditionStatus = api_field("Whether the condition holds.")

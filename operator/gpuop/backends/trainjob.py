@@ -53,7 +53,7 @@ _FRAMEWORK_LABEL: Final = "trainer.kubeflow.org/framework"
 RUNTIME_PLURAL: Final = "trainingruntimes"
 # What may change on a made TrainJob: of runPolicy only suspend (its activeDeadlineSeconds is
 # immutable, and backoffLimit is in its TrainingRuntime, made once).
-TRAINJOB_MUTABLE_FIELDS: Final = ("runPolicy.suspend", "stallTimeoutSeconds")
+TRAINJOB_MUTABLE_FIELDS: Final = ("runPolicy.suspend", "stallTimeoutSeconds", "nodeLossTimeoutSeconds")
 
 
 def _launch(spec: GpuTrainingSpec) -> tuple[list[str], list[str] | None]:

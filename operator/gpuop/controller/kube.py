@@ -214,6 +214,35 @@ class Kube(ApiSession):
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self._get_or_none(f"/api/v1/namespaces/{namespace}/pods/{name}")
 
+    def delete_pod(self, namespace: str, name: str, uid: str | None, grace_seconds: int | None) -> None:
+        """Delete one pod (``grace_seconds`` None: its own grace period; 0: at once, for a pod
+        whose kubelet is gone and will never confirm). Only the pod of that ``uid``: its job's
+        controller may have made a new one of that name since. Gone already, or replaced, is
+        no error."""
+        options: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1"}
+        if grace_seconds is not None:
+            options["gracePeriodSeconds"] = grace_seconds
+        if uid is not None:
+            options["preconditions"] = {"uid": uid}
+        try:
+            self._request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}", body=options)
+        except ApiError as exc:
+            if exc.status not in (404, 409):  # 409: the uid precondition failed
+                raise
+
+    # -- nodes ----------------------------------------------------------------------------
+
+    def get_node(self, name: str) -> dict[str, Any] | None:
+        """A Node (None: there is none); read only for the node of a training pod that may be lost.
+        Asked once: the tick reads it, and asks again at the next one rather than wait here."""
+        try:
+            body: dict[str, Any] = self._request("GET", f"/api/v1/nodes/{name}", attempts=1)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return body
+
     # -- authentication -------------------------------------------------------------------
 
     def review_token(self, token: str, audience: str, timeout: float) -> dict[str, Any]:

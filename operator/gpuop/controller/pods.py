@@ -1,6 +1,7 @@
 """Reading the training pods: one list per namespace per tick, each running trainer's metrics
-scraped concurrently, their GPUs as dcgm-exporter sees them (any image; :mod:`gpusource`), and
-the termination messages of a finished job's pods. Blocking calls.
+scraped concurrently, their GPUs as dcgm-exporter sees them (any image; :mod:`gpusource`), the
+nodes of the pods that may have been lost with them (:mod:`gpuop.observing.nodeloss`), and the
+termination messages of a finished job's pods. Blocking calls.
 
 A pod's answer is untrusted input (any user's image serves it): it is read bounded in size
 and in time, parsed by :mod:`gpuop.observing.scrape`, and any failure means no figures for
@@ -31,8 +32,8 @@ from gpuop.controller.gpusource import DcgmSource
 from gpuop.controller.kube import Kube
 from gpuop.controller.settings import OperatorSettings
 from gpuop.controller.telemetry import OperatorMetrics
-from gpuop.observing import dcgm, observe
-from gpuop.observing.records import PodObservation
+from gpuop.observing import dcgm, nodeloss, observe
+from gpuop.observing.records import NodeLoss, PodObservation
 from gpuop.observing.scrape import MAX_METRICS_BYTES, GpuFigures, TrainerMetrics, parse_metrics
 from gputrain.contract import METRICS_PORT
 
@@ -42,6 +43,9 @@ _EXPORTERS_EVERY_SECONDS: Final = 30.0
 # What a tick waits past the scrape timeout for a scrape to end: the cut-off is a socket's
 # shutdown, done at once, then the reading thread's exception.
 _CUT_GRACE_SECONDS: Final = 0.2
+# Seconds a Node's reading is used again, across ticks: a node is lost for minutes, not seconds,
+# and a gang starting on many nodes (its pods not ready yet) would read each every tick.
+_NODE_FRESH_SECONDS: Final = 10.0
 
 
 class PodReader:
@@ -67,6 +71,8 @@ class PodReader:
         self._lock = threading.Lock()
         self._reading: set[str] = set()  # pods a scrape is reading now (namespace/name)
         self._late: set[str] = set()  # pods whose last scrape gave no figures
+        # Node name -> (its loss or None, when read (monotonic)); the tick's thread alone uses it.
+        self._nodes: dict[str, tuple[NodeLoss | None, float]] = {}
 
     def observe(
         self, active: Mapping[str, Sequence[str]]
@@ -105,6 +111,7 @@ class PodReader:
         gpus = self._exporter_gpus(
             {ns: [p for pods in trainings.values() for p in pods] for ns, trainings in listed.items()}
         )
+        losses = self._node_losses(queue)
         observed: dict[str, dict[str, tuple[PodObservation, ...] | None] | None] = {}
         for namespace, names in active.items():
             if namespace not in listed:
@@ -119,6 +126,7 @@ class PodReader:
                             pod,
                             self._result_by(deadline, scrapes[_key(pod)]),
                             gpus.get(namespace, {}).get(str(pod["metadata"].get("name"))),
+                            losses.get(nodeloss.suspect_node(pod) or ""),
                         )
                         for pod in listed[namespace].get(name, [])
                     )
@@ -185,6 +193,24 @@ class PodReader:
                 self.settings.dcgm_exporter_service,
             )
         self._gpus.set_exporters(dcgm.exporter_urls(endpoints or {}))
+
+    def _node_losses(self, pods: Sequence[Mapping[str, Any]]) -> dict[str, NodeLoss]:
+        """The lost nodes among those of ``pods`` that may be lost (:func:`nodeloss.suspect_node`),
+        by name: one GET per such node, read again after :data:`_NODE_FRESH_SECONDS`. A node that
+        cannot be read is not judged this tick."""
+        now = time.monotonic()
+        wanted = {node for pod in pods if (node := nodeloss.suspect_node(pod)) is not None}
+        self._nodes = {name: read for name, read in self._nodes.items() if name in wanted}
+        for name in sorted(wanted):
+            known = self._nodes.get(name)
+            if known is not None and now - known[1] < _NODE_FRESH_SECONDS:
+                continue
+            try:
+                self._nodes[name] = (nodeloss.node_loss(name, self.kube.get_node(name)), now)
+            except ApiError as exc:
+                self._nodes.pop(name, None)
+                log.warning("reading node %s of a training pod that is not ready: %s", name, exc)
+        return {name: loss for name, (loss, _) in self._nodes.items() if loss is not None}
 
     def final(self, training: GpuTraining) -> tuple[PodObservation, ...]:
         """The job's pods as they ended: their termination messages hold the trainers' records."""

@@ -3,7 +3,8 @@
 :class:`TrainingSync` is what a worker runs for a key the work queue gave it
 (:mod:`~gpuop.controller.reconciler` owns the queue, the watches' intake and the tick). It parses
 the spec, picks the job API, makes or adopts the job, patches its mutable fields, wakes or
-stops it when due, derives the status from everything seen and patches it when it changed. The
+stops it when due, deletes its pods when a node it ran on is lost (for its job's controller to
+make them again), derives the status from everything seen and patches it when it changed. The
 decisions are the pure modules' (:mod:`gpuop.api.spec`, :mod:`gpuop.backends`,
 :mod:`gpuop.observing`); the API calls go through :mod:`~gpuop.controller.children`,
 :mod:`~gpuop.controller.pods` and :mod:`~gpuop.controller.statuswriter`. What those return is
@@ -35,9 +36,9 @@ from gpuop.controller.pods import PodReader
 from gpuop.controller.settings import OperatorSettings
 from gpuop.controller.statuswriter import StatusWriter
 from gpuop.controller.table import SpecView, Tracked, key_of
-from gpuop.observing import alarms, diagnosis, observe
+from gpuop.observing import alarms, diagnosis, nodeloss, observe
 from gpuop.observing.endpoint import ReportBook
-from gpuop.observing.records import Event, Observation, Thresholds
+from gpuop.observing.records import Event, Observation, PodObservation, Thresholds
 
 log = logging.getLogger(__name__)
 
@@ -196,18 +197,44 @@ class TrainingSync:
             stall_timeout_seconds=spec.stall_timeout_seconds,
             underutilized_percent=self.settings.underutilized_percent,
             underutilized_seconds=self.settings.underutilized_seconds,
+            node_loss_timeout_seconds=spec.node_loss_timeout_seconds,
         )
+        gang = self._gang(tracked, observation.job_created_at)
+        if (
+            observation.job_stopped is None
+            and not observation.job_suspended
+            and not observe.finished(observation.job_conditions)
+            and nodeloss.restart_due(gang, spec.node_loss_timeout_seconds, now)
+        ):
+            self._restart_gang(tracked, api, gang, now)
+            outcome = "restarted"
         wrote = self._write_status(tracked, previous, observation, thresholds)
         outcome = outcome if outcome != "unchanged" or not wrote else "status"
         return Synced(outcome, again_in=self._clock_due_in(tracked, api, conflict, thresholds, now))
+
+    @staticmethod
+    def _gang(tracked: Tracked, job_created_at: str | None) -> tuple[PodObservation, ...]:
+        """The pods a node-loss restart is judged on; the uids deleted that no listing shows any
+        more are forgotten."""
+        tracked.deleted_pods &= {p.uid for p in tracked.pods if p.uid is not None}
+        return nodeloss.gang(tracked.pods, job_created_at, tracked.deleted_pods)
 
     def _clock_due_in(
         self, tracked: Tracked, api: JobApi, conflict: str | None, thresholds: Thresholds, now: datetime
     ) -> float | None:
         """Seconds until the clock alone changes what this training needs (its job's controller
-        to wake, an alarm to raise), from the status as now written; None: no clock runs. The
-        work queue holds the key until then (add_after): no tick has to look for it."""
-        times = [alarms.next_alarm_at(tracked.status(), thresholds, now)]
+        to wake, an alarm to raise, a gang to restart for a lost node), from the status as now
+        written; None: no clock runs. The work queue holds the key until then (add_after): no
+        tick has to look for it."""
+        child = tracked.child
+        restart = nodeloss.restart_at(
+            self._gang(tracked, observe.created_at(child)), thresholds.node_loss_timeout_seconds, now
+        )
+        if restart is not None and (
+            restart <= now or observe.finished(api.conditions(child)) or api.suspended(child)
+        ):
+            restart = None  # one that has come was acted on; an ended or suspended job is not restarted
+        times = [alarms.next_alarm_at(tracked.status(), thresholds, now), restart]
         if conflict is None:
             times.append(next_wake(tracked.child, tracked.woken_at, api, now))
         due = min((t for t in times if t is not None), default=None)
@@ -303,6 +330,35 @@ class TrainingSync:
         return dataclasses.replace(
             observation, pods=tuple(dataclasses.replace(p, needs_fix=None) for p in observation.pods)
         )
+
+    def _restart_gang(
+        self, tracked: Tracked, api: JobApi, gang: tuple[PodObservation, ...], now: datetime
+    ) -> None:
+        """Delete every pod of a gang that lost a node (:mod:`gpuop.observing.nodeloss`), so that
+        its job's controller makes them all again on the nodes left: those whose kubelet will not
+        confirm a graceful stop at once, the others with their grace period, as a preemption
+        would (their trainer may save a checkpoint). A pod already being deleted is left to it;
+        one whose delete fails is said in the log, and tried again at the next reconcile."""
+        namespace = key_of(tracked.body)[0]
+        lost = nodeloss.lost_pods(gang)
+        others = [p for p in gang if p.node_lost is None and not p.deleting]
+        deleted: list[PodObservation] = []
+        for pod in (*lost, *others):
+            try:
+                self.kube.delete_pod(namespace, pod.name, pod.uid, grace_seconds=nodeloss.grace_for(pod))
+            except ApiError as exc:
+                log.warning("gputraining %s: deleting pod %s of a gang that lost a node: %s",
+                            key_of(tracked.body)[1], pod.name, exc)  # fmt: skip
+                continue
+            deleted.append(pod)
+        tracked.deleted_pods |= {p.uid for p in deleted if p.uid is not None}
+        if deleted:
+            said = nodeloss.restart_words(
+                api.facts.kind,
+                [p for p in deleted if p.node_lost is not None],
+                [p.name for p in deleted if p.node_lost is None],
+            )
+            self._status.emit(tracked.body, Event("Warning", "GangRestarted", said), now)
 
     def _observe(
         self,

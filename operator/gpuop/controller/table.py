@@ -132,6 +132,10 @@ class Tracked:
     failure: str | None = None  # the last unexpected error, said once
     child_gone: bool = False  # asked for and not found, after the training finished
     woken_at: datetime | None = None  # when the job was last touched to wake its controller
+    # The uids of the pods the reconcile deleted for a lost node (gpuop.observing.nodeloss): a
+    # listing may show them a while yet (one taken before the delete, a finalizer), and the gang
+    # is not deleted again for them. Forgotten once no listing shows them.
+    deleted_pods: frozenset[str] = frozenset()
     # The versions() a reconcile last finished with: a watch event that brings no newer object
     # (the echo of our own status write or job create) has nothing to reconcile.
     reconciled: tuple[str, str] | None = None

@@ -32,7 +32,7 @@ from gpuop.api.status import (
     condition_reason,
     parse_time,
 )
-from gpuop.observing import alarms, diagnosis, figures
+from gpuop.observing import alarms, diagnosis, figures, nodeloss
 from gpuop.observing.records import Event, Observation, Thresholds
 
 _ALARMS: Final = (
@@ -45,6 +45,7 @@ _ALARMS: Final = (
     "Restarting",
     "NameConflict",
     "SpecNotApplied",
+    "NodeLost",
 )
 # Conditions that turn False (reason Cleared) when they stop holding, instead of vanishing.
 _CLEARABLE: Final = frozenset(
@@ -59,6 +60,7 @@ _CLEARABLE: Final = frozenset(
         "NameConflict",
         "SpecNotApplied",
         "BackendUnavailable",
+        "NodeLost",
     }
 )
 # Kubeflow v1 job condition types, most decisive first: the first True one is the phase.
@@ -184,9 +186,10 @@ def _kind(obs: Observation) -> str:
     return obs.runner or (obs.job_api.kind if obs.job_api is not None else _DEFAULT_KIND)
 
 
-def _mutable_fields(obs: Observation) -> tuple[str, ...]:
-    """What may change once the job is made, for the SpecNotApplied message."""
-    return tuple(f"spec.{f}" for f in (obs.job_api.mutable_fields if obs.job_api is not None else ()))
+def _mutable_fields(obs: Observation) -> str:
+    """What may change once the job is made, for the SpecNotApplied message: "a, b and c"."""
+    fields = [f"spec.{f}" for f in (obs.job_api.mutable_fields if obs.job_api is not None else ())]
+    return " and ".join(filter(None, (", ".join(fields[:-1]), *fields[-1:])))
 
 
 def _job_reference(obs: Observation) -> JobReference | None:
@@ -341,6 +344,9 @@ def _job_conditions(m: _Moment, wanted: list[Condition]) -> str:
         wanted.append(m.condition("FetchingDataset", "True", "CopyingDataset", (
             f"{who} copy spec.dataset.uri into the dataset path before training "
             f"(kubectl logs {fetching[0]} -c {FETCH_CONTAINER} shows its progress)")))  # fmt: skip
+    lost = nodeloss.lost_words(obs.pods, m.thresholds.node_loss_timeout_seconds, obs.now)
+    if lost is not None and phase in ("Created", "Running", "Restarting"):  # pods that should run
+        wanted.append(m.condition("NodeLost", "True", *lost))
     blocked = diagnosis.cannot_start(obs) if phase not in TERMINAL_PHASES else None
     if blocked is not None:
         wanted.append(m.condition("PodsNotStarting", "True", *blocked))
@@ -359,7 +365,7 @@ def _job_conditions(m: _Moment, wanted: list[Condition]) -> str:
                 "True",
                 "FixedFieldChanged",
                 f"{', '.join(obs.spec_not_applied)} changed after the {kind} was created and "
-                f"cannot change on it (only {' and '.join(_mutable_fields(obs))} can); the job runs "
+                f"cannot change on it (only {_mutable_fields(obs)} can); the job runs "
                 "as created: change it back, or delete the GpuTraining and create it again",
             )
         )

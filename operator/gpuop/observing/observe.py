@@ -25,7 +25,7 @@ from gpuop.api.identity import (
     TRAINING_LABEL,
 )
 from gpuop.api.status import TERMINAL_PHASES
-from gpuop.observing.records import JobCondition, PodObservation, QueueState
+from gpuop.observing.records import JobCondition, NodeLoss, PodObservation, QueueState
 from gpuop.observing.scrape import GpuFigures, TrainerMetrics
 from gputrain.contract import Result
 
@@ -374,8 +374,10 @@ def pod_observation(
     pod: Mapping[str, Any],
     metrics: TrainerMetrics | None,
     exporter_gpus: tuple[GpuFigures, ...] | None = None,
+    node_lost: NodeLoss | None = None,
 ) -> PodObservation:
     status = pod.get("status") or {}
+    meta = pod.get("metadata") or {}
     ready = any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ()
     )
@@ -385,7 +387,7 @@ def pod_observation(
     restarts = trainer.get("restartCount")
     started = ((trainer.get("state") or {}).get("running") or {}).get("startedAt")
     return PodObservation(
-        name=str((pod.get("metadata") or {}).get("name", "")),
+        name=str(meta.get("name", "")),
         phase=str(status.get("phase", "Unknown")),
         ready=ready,
         result=_result(trainer),
@@ -399,6 +401,9 @@ def pod_observation(
         fetching_dataset=_fetching(fetch),
         needs_fix=_needs_fix(trainer) or (_needs_fix(fetch) if _fetching(fetch) else None),
         created_at=created_at(pod),
+        uid=str(meta["uid"]) if meta.get("uid") else None,
+        deleting=bool(meta.get("deletionTimestamp")),
+        node_lost=node_lost,
     )
 
 

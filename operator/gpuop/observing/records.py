@@ -47,6 +47,15 @@ class QueueState:
 
 
 @dataclass(frozen=True)
+class NodeLoss:
+    """The node a pod runs on is lost (:mod:`gpuop.observing.nodeloss`)."""
+
+    node: str
+    reason: str  # its Ready condition's reason (NodeStatusUnknown: no kubelet posts), or NodeDeleted
+    since: str | None  # when its Ready condition left True; None: not said (or the Node is gone)
+
+
+@dataclass(frozen=True)
 class PodObservation:
     """One training pod: its state, the trainer's termination message, its scraped metrics."""
 
@@ -74,6 +83,9 @@ class PodObservation:
     # bad settings): the operator stops the job rather than let it restart into the same failure.
     needs_fix: tuple[str, str] | None = None
     created_at: str | None = None  # metadata.creationTimestamp: a pod of an older job is older
+    uid: str | None = None  # a deletion's precondition: never the replacement of that name
+    deleting: bool = False  # it has a deletionTimestamp
+    node_lost: NodeLoss | None = None  # its node is lost (read only for a pod not ready or deleting)
 
 
 @dataclass(frozen=True)
@@ -87,11 +99,13 @@ class ReceivedReport:
 
 @dataclass(frozen=True)
 class Thresholds:
-    """When a running job is Stalled or Underutilized."""
+    """When a running job is Stalled or Underutilized, and when its pods on a lost node are
+    given up on."""
 
     stall_timeout_seconds: int  # spec.stallTimeoutSeconds; 0 disables
     underutilized_percent: float = 30.0
     underutilized_seconds: int = 600
+    node_loss_timeout_seconds: int = 60  # spec.nodeLossTimeoutSeconds; 0: never
 
 
 @dataclass(frozen=True)

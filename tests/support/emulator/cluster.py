@@ -29,6 +29,7 @@ from support.samples import StandInTrainers
 TRAININGS = "gpuop.io/v1alpha1/gputrainings"
 JOBS = "kubeflow.org/v1/pytorchjobs"
 PODS = "v1/pods"
+NODES = "v1/nodes"
 EVENTS = "v1/events"
 GPUOP = str(Path(sys.executable).with_name("gpuop"))
 # The kubectl built with the control plane: a machine need not have one installed.
@@ -198,6 +199,20 @@ class Cluster:
             )  # fmt: skip
             names.append(pod_name)
         return names
+
+    def lose_node(self, pod: str, node: str) -> None:
+        """``pod`` runs on ``node``, and the node is lost: its kubelet stopped posting long ago,
+        and the node controller marked its pod not ready."""
+        self.api.call(self.server.create, NODES, {
+            "apiVersion": "v1", "kind": "Node", "metadata": {"name": node},
+            "status": {"conditions": [{"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
+                                       "lastTransitionTime": "2026-01-01T00:00:00Z"}]},
+        })  # fmt: skip
+        self.api.call(self.server.patch, PODS, "default", pod, {"spec": {"nodeName": node}})
+        self.api.call(
+            self.server.patch, PODS, "default", pod,
+            {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}, True,
+        )  # fmt: skip
 
     def progress(self, pod: str, progress: Progress, gpu_percent: float | None = None) -> None:
         self.trainers.report(pod, progress, gpu_percent)

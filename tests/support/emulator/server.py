@@ -60,6 +60,7 @@ LOOP_CALL_TIMEOUT = 120
 RESOURCES: tuple[tuple[str, str, bool, tuple[str, ...], tuple[str, ...]], ...] = (
     ("v1/namespaces", "Namespace", False, ("status",), ("ns",)),
     ("v1/pods", "Pod", True, ("status", "proxy"), ("po",)),
+    ("v1/nodes", "Node", False, ("status",), ("no",)),
     ("v1/events", "Event", True, (), ("ev",)),
     (
         "apiextensions.k8s.io/v1/customresourcedefinitions",
@@ -494,6 +495,10 @@ class ApiServer(kmock.KubernetesEmulator):
             return aiohttp.web.json_response(obj)
         if verb == "delete":
             options = request.data if isinstance(request.data, dict) else request.params
+            wanted_uid = (options.get("preconditions") or {}).get("uid")
+            if wanted_uid is not None and wanted_uid != obj["metadata"].get("uid"):
+                raise ApiError(409, "Conflict", f"Precondition failed: UID in precondition: {wanted_uid}, "
+                               f"UID in object meta: {obj['metadata'].get('uid')}")  # fmt: skip
             orphan = options.get("propagationPolicy") == "Orphan"
             return aiohttp.web.json_response(self._delete(key, namespace, name, orphan=orphan))
         if verb == "update":

@@ -50,6 +50,7 @@ PATHS: Final = {
     "trainjobs": "/apis/trainer.kubeflow.org/v1alpha1",
     "trainingruntimes": "/apis/trainer.kubeflow.org/v1alpha1",
     "pods": "/api/v1",
+    "nodes": "/api/v1",
     "configmaps": "/api/v1",
     "secrets": "/api/v1",
     "events": "/api/v1",
@@ -63,7 +64,7 @@ PATHS: Final = {
     "customresourcedefinitions": "/apis/apiextensions.k8s.io/v1",
 }
 CLUSTER_SCOPED: Final = frozenset(
-    {"namespaces", "clusterroles", "clusterrolebindings", "customresourcedefinitions"}
+    {"namespaces", "nodes", "clusterroles", "clusterrolebindings", "customresourcedefinitions"}
 )
 
 

@@ -10,7 +10,7 @@ import subprocess
 import tomllib
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import jsonschema
 import kubernetes_validate
@@ -381,18 +381,24 @@ def test_image_tag_defaults_to_the_app_version() -> None:
 # -- RBAC, peering, monitoring, network -----------------------------------------------------
 
 
-def test_namespaced_mode_grants_nothing_cluster_scoped_but_token_reviews_and_the_exporters_endpoints() -> (
+NODES_GET: Final = {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}
+
+
+def test_namespaced_mode_grants_nothing_cluster_scoped_but_nodes_token_reviews_and_the_exporters_endpoints() -> (
     None
 ):
-    """TokenReview has no namespaced form: checking a progress report's token needs a
-    ClusterRole whatever the operator watches (Kubernetes' own system:auth-delegator is the
-    same grant); so does reading dcgm-exporter's Endpoints in the GPU Operator's namespace,
-    which may not exist at install time (granted by name only). With both off, nothing."""
+    """A Node has no namespaced form: reading the node of a training pod that may be lost needs
+    a ClusterRole whatever the operator watches. Nor has TokenReview: checking a progress
+    report's token needs one too (Kubernetes' own system:auth-delegator is the same grant); so
+    does reading dcgm-exporter's Endpoints in the GPU Operator's namespace, which may not exist
+    at install time (granted by name only). With reports and GPU metrics off, the Node alone."""
     off = {"watchNamespaces": ["a"], "reports": {"enabled": False}, "gpuMetrics": {"source": "none"}}
-    assert not _of_kind(template(off), "ClusterRole")
+    (only_nodes,) = _of_kind(template(off), "ClusterRole")
+    assert only_nodes["rules"] == [NODES_GET]
     objects = template({"watchNamespaces": ["team-a", "team-b"]})
     (cluster_role,) = _of_kind(objects, "ClusterRole")
     assert cluster_role["rules"] == [
+        NODES_GET,
         {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
         {
             "apiGroups": [""],
@@ -414,14 +420,16 @@ def test_namespaced_mode_grants_nothing_cluster_scoped_but_token_reviews_and_the
         ]
 
 
-def test_no_rule_reaches_secrets_or_deletes_anything() -> None:
+def test_no_rule_reaches_secrets_or_deletes_anything_but_pods() -> None:
+    """The one delete: a training's pods whose node is lost, for its job to make them again."""
     for values in ({}, EVERYTHING_ON):
         for obj in template(values):
             for rule in obj.get("rules", []) if obj["kind"] in ("Role", "ClusterRole") else []:
                 assert not {"secrets", "*"} & set(rule["resources"]), rule
-                assert not {"delete", "deletecollection", "*", "escalate", "bind", "impersonate"} & set(
+                assert not {"deletecollection", "*", "escalate", "bind", "impersonate"} & set(
                     rule["verbs"]
                 ), rule
+                assert "delete" not in rule["verbs"] or rule["resources"] == ["pods"], rule
 
 
 def test_trainer_monitoring_and_network_policy_select_the_trainer_pods_and_port() -> None:

@@ -76,14 +76,19 @@ GANG = (
 
 def test_the_gang_is_started_again_the_timeout_after_the_node_was_lost_or_at_once_when_it_is_gone() -> None:
     assert nodeloss.restart_at(GANG, 60, T0) == T0 + timedelta(seconds=60)
-    assert not nodeloss.restart_due(GANG, 60, T0 + timedelta(seconds=59))
-    assert nodeloss.restart_due(GANG, 60, T0 + timedelta(seconds=60))
+    assert nodeloss.restart_at(GANG, 60, T0 + timedelta(seconds=59)) == T0 + timedelta(seconds=60)
     assert nodeloss.restart_at(GANG, 0, T0) is None  # 0: left to Kubernetes
     assert nodeloss.restart_at(GANG[:1], 60, T0) is None  # nothing lost
     gone = (
         PodObservation("demo-worker-0", "Running", uid="w", node_lost=NodeLoss("gpu-1", "NodeDeleted", None)),
     )
-    assert nodeloss.restart_due(gone, 60, T0)
+    assert nodeloss.restart_at(gone, 60, T0) == T0  # at once
+    untimed = (
+        PodObservation(
+            "demo-worker-0", "Running", uid="w", node_lost=NodeLoss("gpu-1", "KubeletNotReady", None)
+        ),
+    )
+    assert nodeloss.restart_at(untimed, 60, T0) is None  # said, never timed
 
 
 def _observe(seconds: float, pods: tuple[PodObservation, ...]) -> Observation:

@@ -200,17 +200,19 @@ class TrainingSync:
             node_loss_timeout_seconds=spec.node_loss_timeout_seconds,
         )
         gang = self._gang(tracked, observation.job_created_at)
+        restart = None  # an ended, stopped or suspended job's pods are never restarted
         if (
             observation.job_stopped is None
             and not observation.job_suspended
             and not observe.finished(observation.job_conditions)
-            and nodeloss.restart_due(gang, spec.node_loss_timeout_seconds, now)
         ):
+            restart = nodeloss.restart_at(gang, spec.node_loss_timeout_seconds, now)
+        if restart is not None and restart <= now:
             self._restart_gang(tracked, api, gang, now)
-            outcome = "restarted"
+            outcome, restart = "restarted", None
         wrote = self._write_status(tracked, previous, observation, thresholds)
         outcome = outcome if outcome != "unchanged" or not wrote else "status"
-        return Synced(outcome, again_in=self._clock_due_in(tracked, api, conflict, thresholds, now))
+        return Synced(outcome, again_in=self._clock_due_in(tracked, api, conflict, thresholds, now, restart))
 
     @staticmethod
     def _gang(tracked: Tracked, job_created_at: str | None) -> tuple[PodObservation, ...]:
@@ -220,20 +222,18 @@ class TrainingSync:
         return nodeloss.gang(tracked.pods, job_created_at, tracked.deleted_pods)
 
     def _clock_due_in(
-        self, tracked: Tracked, api: JobApi, conflict: str | None, thresholds: Thresholds, now: datetime
+        self,
+        tracked: Tracked,
+        api: JobApi,
+        conflict: str | None,
+        thresholds: Thresholds,
+        now: datetime,
+        restart: datetime | None,
     ) -> float | None:
         """Seconds until the clock alone changes what this training needs (its job's controller
         to wake, an alarm to raise, a gang to restart for a lost node), from the status as now
         written; None: no clock runs. The work queue holds the key until then (add_after): no
-        tick has to look for it."""
-        child = tracked.child
-        restart = nodeloss.restart_at(
-            self._gang(tracked, observe.created_at(child)), thresholds.node_loss_timeout_seconds, now
-        )
-        if restart is not None and (
-            restart <= now or observe.finished(api.conditions(child)) or api.suspended(child)
-        ):
-            restart = None  # one that has come was acted on; an ended or suspended job is not restarted
+        tick has to look for it. ``restart``: when the gang is to be restarted for a lost node."""
         times = [alarms.next_alarm_at(tracked.status(), thresholds, now), restart]
         if conflict is None:
             times.append(next_wake(tracked.child, tracked.woken_at, api, now))

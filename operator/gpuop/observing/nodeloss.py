@@ -107,13 +107,7 @@ def restart_at(pods: Sequence[PodObservation], timeout_seconds: int, now: dateti
             moments.append(now)
         elif loss.since is not None:  # without the time it left Ready, it cannot be timed
             moments.append(parse_time(loss.since).replace(tzinfo=UTC) + timedelta(seconds=timeout_seconds))
-    return min(moments)
-
-
-def restart_due(pods: Sequence[PodObservation], timeout_seconds: int, now: datetime) -> bool:
-    """Whether the gang is to be started again now (:func:`restart_at` has come)."""
-    due = restart_at(pods, timeout_seconds, now)
-    return due is not None and due <= now
+    return min(moments, default=None)
 
 
 def _names(names: Sequence[str]) -> str:

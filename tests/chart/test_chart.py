@@ -20,7 +20,6 @@ import yaml
 from gpuop.api.identity import DEFAULT_TRAINER_IMAGE, TRAINING_LABEL
 from gputrain.contract import METRICS_PORT_NAME
 from support.paths import ROOT
-from support.schemas import crd as crdschema
 from support.tools.helm import (
     CHART,
     RELEASE,
@@ -50,7 +49,7 @@ CASES: list[tuple[str, dict[str, Any], tuple[Path, ...]]] = [
     ("defaults", {}, ()),
     ("everything on", EVERYTHING_ON, ()),
     ("a team's values", TEAM_VALUES, ()),
-    ("standalone, no CRD, no RBAC", {"peering.enabled": False, "crds.install": False, "rbac.create": False,
+    ("standalone, no CRD, no RBAC", {"leaderElection.enabled": False, "crds.install": False, "rbac.create": False,
                                      "serviceAccount.create": False, "serviceAccount.name": "mine"}, ()),
     *[(path.name, {}, (path,)) for path in CLOUD_VALUES],
 ]  # fmt: skip
@@ -101,13 +100,6 @@ _MONITOR_SPECS = {
 }  # fmt: skip
 
 
-# The chart's own kopf.dev CRDs, read once: kind -> openAPIV3Schema.
-_PEERING_SCHEMAS = {
-    crd["spec"]["names"]["kind"]: crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-    for crd in yaml.safe_load_all((CHART / "crds" / "kopf-peerings.yaml").read_text())
-}
-
-
 def _validate(obj: dict[str, Any], version: str) -> None:
     kind = obj["kind"]
     if kind in _MONITOR_SPECS:
@@ -118,11 +110,6 @@ def _validate(obj: dict[str, Any], version: str) -> None:
             "properties": _MONITOR_SPECS[kind],
         }
         jsonschema.validate(obj["spec"], schema)
-    elif obj["apiVersion"] == "kopf.dev/v1":
-        body = {
-            k: v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata")
-        }  # implicit in every CRD
-        assert crdschema.validate(_PEERING_SCHEMAS[kind], body) == []
     else:
         kubernetes_validate.validate(obj, version, strict=True)
 
@@ -188,7 +175,7 @@ def test_crds_can_be_left_to_the_user() -> None:
     kinds = {o["kind"] for o in objects}
     crds = [o["metadata"]["name"] for o in _of_kind(objects, "CustomResourceDefinition")]
     assert "Deployment" in kinds
-    assert "gputrainings.gpuop.io" not in crds  # only Kopf's peering CRDs, from crds/
+    assert crds == []  # the chart has no other CRD
 
 
 # -- values: documented and strictly checked ------------------------------------------------
@@ -259,7 +246,11 @@ REFUSED_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"watchNamespaces": ["Team_A"]}, "watchNamespaces"),
     ({"image.digest": "latest"}, "digest"),
     ({"metrics.port": 70000}, "port"),
-    ({"replicaCount": 2, "peering.enabled": False}, "replicaCount > 1 needs peering.enabled=true"),
+    (
+        {"replicaCount": 2, "leaderElection.enabled": False},
+        "replicaCount > 1 needs leaderElection.enabled=true",
+    ),
+    ({"leaderElection": {"enabled": True, "name": "x"}}, "name"),  # the Lease is named after the release
     ({"operator.scrapeTimeout": 10}, "operator.scrapeTimeout must be shorter than operator.scrapeInterval"),
     ({"health.port": 8080}, "metrics.port and health.port must differ"),
     ({"networkPolicy.enabled": True}, "networkPolicy.namespaces: a NetworkPolicy lives in one namespace"),
@@ -309,7 +300,12 @@ def test_the_deployment_is_restricted_and_its_settings_are_valid(
     parsed = parse_operator_args(container["args"][1:], env)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert (parsed.metrics_port, parsed.health_port) == (ports["metrics"], ports["health"])
-    assert (parsed.peering_name is None) == (values.get("peering.enabled") is False)
+    # The Lease in the release's namespace; standalone when leader election is off.
+    electing = values.get("leaderElection.enabled") is not False
+    assert parsed.lease_namespace == (RELEASE_NAMESPACE if electing else None)
+    assert parsed.standalone == (not electing)
+    if electing:
+        assert parsed.lease_name == deployment["metadata"]["name"]
     file_values = [yaml.safe_load(path.read_text()) for path in files]
     namespaces = values.get(
         "watchNamespaces", next((f["watchNamespaces"] for f in file_values if "watchNamespaces" in f), [])
@@ -378,7 +374,7 @@ def test_image_tag_defaults_to_the_app_version() -> None:
     assert DEFAULT_TRAINER_IMAGE.endswith(":" + project["version"])
 
 
-# -- RBAC, peering, monitoring, network -----------------------------------------------------
+# -- RBAC, the Lease, monitoring, network ---------------------------------------------------
 
 
 NODES_GET: Final = {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}
@@ -409,15 +405,66 @@ def test_namespaced_mode_grants_nothing_cluster_scoped_but_nodes_token_reviews_a
     ]
     (cluster_binding,) = _of_kind(objects, "ClusterRoleBinding")
     assert cluster_binding["roleRef"]["name"] == cluster_role["metadata"]["name"]
-    assert sorted(r["metadata"]["namespace"] for r in _of_kind(objects, "Role")) == ["team-a", "team-b"]
-    assert sorted(p["metadata"]["namespace"] for p in _of_kind(objects, "KopfPeering")) == [
-        "team-a",
-        "team-b",
-    ]
+    # A Role per watched namespace, and the Lease's in the release's own.
+    assert sorted(r["metadata"]["namespace"] for r in _of_kind(objects, "Role")) == sorted(
+        ["team-a", "team-b", RELEASE_NAMESPACE]
+    )
     for binding in _of_kind(objects, "RoleBinding"):
         assert binding["subjects"] == [
             {"kind": "ServiceAccount", "name": "gpuop-gpu-training-operator", "namespace": RELEASE_NAMESPACE}
         ]
+
+
+LEADER_RULES: Final = [
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+     "resourceNames": ["gpuop-gpu-training-operator"], "verbs": ["get", "update"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch"]},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("values", [{}, {"watchNamespaces": ["team-a"]}], ids=["cluster-wide", "Role mode"])
+def test_the_lease_is_in_the_releases_namespace_and_the_report_service_selects_its_holder(
+    values: dict[str, Any],
+) -> None:
+    """One Role in the release's namespace, whatever is watched: its one Lease (made, then read
+    and renewed by name) and the pods there (the leader labels its own, and takes the label off a
+    dead leader's), which the report Service selects, so reports reach the replica that writes
+    status. Without leader election none of it, and the Service selects every replica."""
+    objects = template(values)
+    (role,) = [r for r in _of_kind(objects, "Role") if r["metadata"]["namespace"] == RELEASE_NAMESPACE]
+    assert role["metadata"]["name"] == "gpuop-gpu-training-operator-leader"
+    assert role["rules"] == LEADER_RULES
+    (binding,) = [
+        b for b in _of_kind(objects, "RoleBinding") if b["metadata"]["name"] == role["metadata"]["name"]
+    ]
+    assert binding["metadata"]["namespace"] == RELEASE_NAMESPACE
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "gpuop-gpu-training-operator", "namespace": RELEASE_NAMESPACE}
+    ]
+    env = {
+        e["name"]: e.get("value")
+        for e in _deployment(objects)["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert (env["GPUOP_LEASE"], env["GPUOP_LEASE_NAMESPACE"]) == (
+        "gpuop-gpu-training-operator",
+        RELEASE_NAMESPACE,
+    )
+    assert "GPUOP_STANDALONE" not in env
+    (reports,) = [s for s in _of_kind(objects, "Service") if s["metadata"]["name"].endswith("-reports")]
+    assert reports["spec"]["selector"]["gpuop.io/leader"] == "true"
+
+    alone = template({**values, "leaderElection.enabled": False})
+    assert [r for r in _of_kind(alone, "Role") if r["metadata"]["namespace"] == RELEASE_NAMESPACE] == []
+    env = {
+        e["name"]: e.get("value")
+        for e in _deployment(alone)["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["GPUOP_STANDALONE"] == "true"
+    assert "GPUOP_LEASE" not in env
+    (reports,) = [s for s in _of_kind(alone, "Service") if s["metadata"]["name"].endswith("-reports")]
+    assert "gpuop.io/leader" not in reports["spec"]["selector"]
 
 
 def test_no_rule_reaches_secrets_or_deletes_anything_but_pods() -> None:
@@ -477,10 +524,9 @@ def test_trainer_monitoring_and_network_policy_select_the_trainer_pods_and_port(
 # -- the cloud values files, and what a new user is told -----------------------------------------
 
 # Kinds the chart renders without a namespace (cluster-scoped), and those it renders in one.
-_CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "ClusterKopfPeering",
-                   "PriorityClass"}  # fmt: skip
+_CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "PriorityClass"}
 _NAMESPACED = {"Deployment", "Service", "ServiceAccount", "Secret", "ConfigMap", "PodDisruptionBudget",
-               "Role", "RoleBinding", "KopfPeering", "NetworkPolicy", "ServiceMonitor", "PodMonitor",
+               "Role", "RoleBinding", "NetworkPolicy", "ServiceMonitor", "PodMonitor",
                "PrometheusRule"}  # fmt: skip
 
 
@@ -529,7 +575,13 @@ def test_a_cloud_values_file_installs_on_a_new_cluster_with_only_the_documented_
         for role in _of_kind(objects, "ClusterRole")
         if any("gputrainings" in rule["resources"] for rule in role["rules"])
     }
-    if not serving & bound or _of_kind(objects, "Role"):
+    # (The one Role is the Lease's, in the release's own namespace.)
+    namespaced = [
+        r
+        for r in _of_kind(objects, "Role")
+        if r["metadata"]["name"] != f"{RELEASE}-gpu-training-operator-leader"
+    ]
+    if not serving & bound or namespaced:
         traps.append("GpuTrainings granted in Roles, not a ClusterRole")
     assert traps == [], f"{values_file.name}: {traps}"
 

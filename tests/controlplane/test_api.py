@@ -23,7 +23,7 @@ from gpuop.api.spec import parse
 from gpuop.backends.registry import APIS, gaps, render_job
 from support.fixtures import installed_crds
 from support.plane import controlplane
-from support.plane.cluster import KUBEFLOW_CRD, OUR_CRD, PEERING_CRDS, TRAINER_CRDS, Api, install_crds
+from support.plane.cluster import KUBEFLOW_CRD, OUR_CRD, TRAINER_CRDS, Api, install_crds
 from support.plane.controlplane import ControlPlane
 from support.specs import EXAMPLES, load_example, minimal
 from unit.test_crd_agreement import IMMUTABLE_UPDATES, MUTABLE_UPDATES, NAMES_REFUSED
@@ -48,8 +48,7 @@ OLDEST: Final = _minor(controlplane.oldest_version())
 # Kubeflow Trainer v2.3.0 states Kubernetes 1.31 as its minimum, and the oldest API server
 # refuses its runtime CRDs (test_the_oldest_kubernetes_refuses_kubeflow_trainers_runtimes): there
 # nothing could judge a TrainJob's runtime, so the TrainJob backend is checked on the newest only.
-CRDS: Final = {NEWEST: (OUR_CRD, KUBEFLOW_CRD, *TRAINER_CRDS, PEERING_CRDS),
-               OLDEST: (OUR_CRD, KUBEFLOW_CRD, PEERING_CRDS)}  # fmt: skip
+CRDS: Final = {NEWEST: (OUR_CRD, KUBEFLOW_CRD, *TRAINER_CRDS), OLDEST: (OUR_CRD, KUBEFLOW_CRD)}
 ONLY_ON: Final = {
     "test_each_example_renders_trainjobs_the_server_accepts": (NEWEST,),
     "test_the_oldest_kubernetes_refuses_kubeflow_trainers_runtimes": (OLDEST,),
@@ -113,7 +112,7 @@ def test_the_crds_are_accepted_without_warnings_and_established(
     trainer = {"trainjobs.trainer.kubeflow.org", "trainingruntimes.trainer.kubeflow.org",
                "clustertrainingruntimes.trainer.kubeflow.org"}  # fmt: skip
     assert set(names) >= {
-        "gputrainings.gpuop.io", "pytorchjobs.kubeflow.org", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev",
+        "gputrainings.gpuop.io", "pytorchjobs.kubeflow.org",
         *(trainer if TRAINER_CRDS[0] in CRDS[version] else ()),
     }  # fmt: skip
     conditions = json.loads(plane.kubectl("get", "crd", "gputrainings.gpuop.io", "-o", "json").stdout)[

@@ -27,7 +27,7 @@ def _helm(plane: ControlPlane, *args: str, check: bool = True) -> str:
 @pytest.fixture(scope="module", autouse=True)
 def prerequisites(plane: ControlPlane, crd_warnings: str) -> None:
     """The chart's documented prerequisites and nothing more: Kubeflow's CRDs (the session's
-    fixture applied them, with ours and Kopf's), no prometheus-operator and no team namespaces.
+    fixture applied them, with ours), no prometheus-operator and no team namespaces.
     The cloud values files must install on that as they are."""
     crds = plane.kubectl("get", "crd", "-o", "name").stdout.split()
     assert not [name for name in crds if name.endswith(".monitoring.coreos.com")], crds
@@ -74,7 +74,7 @@ def test_install_creates_every_object_and_uninstall_keeps_the_crd(
         namespace = meta.get("namespace") or (
             RELEASE_NAMESPACE
             if obj["kind"]
-            not in ("ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "ClusterKopfPeering")
+            not in ("ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "PriorityClass")
             else None
         )
         where = ["-n", str(namespace)] if namespace else []

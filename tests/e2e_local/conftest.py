@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import Final
+from typing import Any, Final
 
 import pytest
 
@@ -46,8 +46,15 @@ from support.node import binaries
 from support.node.node import Node
 from support.node.pool import Pool, running_pool
 from support.plane import controlplane
-from support.plane.cluster import Api, install_chart, install_crds, ready_operator_pod, uninstall_chart
-from support.tools.helm import RELEASE_NAMESPACE
+from support.plane.cluster import (
+    Api,
+    install_chart,
+    install_crds,
+    pod_ready,
+    ready_operator_pod,
+    uninstall_chart,
+)
+from support.tools.helm import RELEASE, RELEASE_NAMESPACE
 from support.waiting import wait_for
 
 # The chart's defaults but a 1 s scrape (its default 10 s would outlast a short training) and
@@ -261,3 +268,38 @@ def monitored(
                  lambda: prometheus.serves_chart(RELEASE_NAMESPACE), timeout=120, every=1)  # fmt: skip
         print(f"monitoring on, Prometheus scraping with the chart's rules: {time.monotonic() - started:.1f}s")
         yield prometheus
+
+
+LEASE: Final = (
+    f"/apis/coordination.k8s.io/v1/namespaces/{RELEASE_NAMESPACE}/leases/{RELEASE}-gpu-training-operator"
+)
+
+
+def operator_pods(api: Api) -> list[dict[str, Any]]:
+    """The release's operator pods, but those being deleted."""
+    return [p for p in api.list("pods", RELEASE_NAMESPACE) if "deletionTimestamp" not in p["metadata"]]
+
+
+def lease_holder(api: Api) -> str | None:
+    """The pod that holds the release's Lease (leads), if any."""
+    return (api.request("GET", LEASE).get("spec") or {}).get("holderIdentity")
+
+
+@pytest.fixture
+def two_replicas(plane: controlplane.ControlPlane, api: Api, nodes: Pool, operator: InClusterOperator,
+                 released: Released) -> Iterator[tuple[str, str]]:  # fmt: skip
+    """The release scaled to two replicas (the chart's PodDisruptionBudget with them); the
+    leader's and the standby's pod names. Scaled back to one after."""
+    install_chart(plane, {**chart_values(nodes), "replicaCount": 2}, released.helm_chart())
+    try:
+        pods = wait_for("two operator pods Ready", lambda: (ready := [p for p in operator_pods(api) if pod_ready(p)])
+                        and len(ready) == 2 and ready, timeout=120, every=0.5)  # fmt: skip
+        names = [p["metadata"]["name"] for p in pods]
+        leader = wait_for(
+            "a holder of the Lease", lambda: lease_holder(api) in names and lease_holder(api), timeout=30
+        )
+        (standby,) = [n for n in names if n != leader]
+        yield leader, standby
+    finally:
+        install_chart(plane, chart_values(nodes), released.helm_chart())
+        wait_for("one operator pod", lambda: len(operator_pods(api)) == 1, timeout=120, every=0.5)

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from gpuop.api.identity import REPORT_MOUNT, REPORT_PATH
 from support import chain
@@ -75,27 +74,12 @@ def _train_own_code(
     name = f"{program}-{backend}"
     # The pacing hooks come on a claim (no image carries them), mounted as the training's output.
     hooks = put_hooks(claims.make(chain.NAMESPACE, f"{name}-hooks"))
-    spec = {
-        "image": chain.OWN_CODE_IMAGE,  # examples/own-code.Dockerfile: Transformers and the examples
-        "command": ["torchrun"],
-        "args": PROGRAMS[program],
-        "backend": backend,
-        "workers": 2,
-        "gpusPerWorker": 0,
-        "resources": {"cpu": "1", "memory": "2Gi"},
-        # 12 steps of at least 1.5 s: long enough by construction for clients that report at
-        # most every 5 s to be seen reporting while they run (support.training.pace_env's hooks).
-        "env": [
-            {"name": "PYTHONPATH", "value": f"{chain.OUTPUTS}/{hooks}"},
-            {"name": "GPUOP_TEST_STEP_SECONDS", "value": "1.5"},
-        ],
-        "output": {"volume": {"claimName": f"{name}-hooks"}},
-    }
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({"apiVersion": "gpuop.io/v1alpha1", "kind": "GpuTraining",
-                                    "metadata": {"name": name}, "spec": spec}))  # fmt: skip
-    timelines.append(timeline := chain.Timeline(plane, name))
-    plane.kubectl("apply", "-n", chain.NAMESPACE, "-f", str(path))
+    # 12 steps of at least 1.5 s: long enough by construction for clients that report at most
+    # every 5 s to be seen reporting while they run (support.training.pace_env's hooks).
+    timeline = chain.paced_own_code(plane, name, tmp_path, hooks, 1.5, command=["torchrun"],
+                                    args=PROGRAMS[program], backend=backend, workers=2, gpusPerWorker=0,
+                                    resources={"cpu": "1", "memory": "2Gi"})  # fmt: skip
+    timelines.append(timeline)
     wait_for(f"{name}'s two pods", lambda: len(chain.pods_of(plane, name)) == 2, timeout=120, every=0.5)
     pods = chain.pods_of(plane, name)
     chain.wait_finished(plane, name, timeout=300)

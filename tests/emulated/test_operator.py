@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -343,26 +344,21 @@ def test_a_failed_trainer_reports_its_reason(env: Cluster) -> None:
     wait_for("the Failed warning", lambda: ("Warning", "DatasetMissing") in env.events("broken"))
 
 
-def test_two_replicas_under_peering_one_works_and_the_other_takes_over(env: Cluster) -> None:
-    """The chart's set-up: replicas with random priorities; the highest live one works."""
-    peerings, name = "kopf.dev/v1/clusterkopfpeerings", "gpu-training-operator"
+def test_two_replicas_under_a_lease_one_works_and_the_other_takes_over(env: Cluster) -> None:
+    """The chart's set-up: two replicas and a Lease in their namespace; its holder works."""
+    leases = "coordination.k8s.io/v1/leases"
 
-    def peers() -> dict[str, Any]:
-        return dict((env.get(peerings, name, namespace=None) or {}).get("status") or {})
+    def holder() -> str | None:
+        lease = env.get(leases, "gpu-training-operator", namespace="default") or {}
+        return (lease.get("spec") or {}).get("holderIdentity")
 
-    # The chart creates the peering object; Kopf only writes into it.
-    env.api.call(
-        env.server.create, peerings,
-        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}},
-    )  # fmt: skip
-    first = env.start_operator(peering=name)
-    wait_for("the first replica in the peering", lambda: len(peers()) == 1)
-    second = env.start_operator(peering=name)
-    wait_for("both replicas in the peering", lambda: len(peers()) == 2)
-    # Kopf's identity here is host/pid/random: the priority says which process leads.
-    by_pid = {int(identity.split("/")[1]): info["priority"] for identity, info in peers().items()}
-    assert len(set(by_pid.values())) == 2, by_pid  # random priorities differ
-    leader, standby = sorted((first, second), key=lambda p: by_pid[p.pid], reverse=True)
+    def held_by(process: subprocess.Popen[bytes]) -> bool:
+        # The holder's name here is host/pid/random: the pid says which process it is.
+        return str(holder() or "//").split("/")[1] == str(process.pid)
+
+    leader = env.start_operator(lease_namespace="default")
+    wait_for("the first replica holding the Lease", lambda: held_by(leader))
+    standby = env.start_operator(lease_namespace="default")
 
     names = ["peer-a", "peer-b", "peer-c"]
     for training_name in names:
@@ -373,7 +369,7 @@ def test_two_replicas_under_peering_one_works_and_the_other_takes_over(env: Clus
     wait_for(
         "one replica's writes",
         lambda: (
-            env.writes()
+            {key: n for key, n in env.writes().items() if "/leases" not in key}
             == {
                 "create kubeflow.org/v1/pytorchjobs": 3,
                 "patch gpuop.io/v1alpha1/gputrainings": 3,
@@ -382,8 +378,8 @@ def test_two_replicas_under_peering_one_works_and_the_other_takes_over(env: Clus
         ),
     )
 
-    env.stop_operator(leader)  # a rolling update: SIGTERM, and Kopf leaves the peering
-    wait_for("the leader gone from the peering", lambda: len(peers()) == 1)
+    env.stop_operator(leader)  # a rolling update: SIGTERM, and the Lease is given up on the way out
+    wait_for("the standby holding the Lease", lambda: held_by(standby), timeout=10)
     env.apply(training("peer-d"))
     wait_for("peer-d Created by the standby", lambda: env.status("peer-d").get("phase") == "Created")
     env.job_condition("peer-a", "Created", "Running")

@@ -2,7 +2,8 @@
 
 The real operator runs a scenario that takes every path that talks to the API (create,
 adopt-or-conflict, runPolicy patch, status, events, pod listing, proxy scraping, a lost node's
-gang deleted, a child's deletion, Kopf's watches and peering, a graceful exit). The emulator records each request as
+gang deleted, a child's deletion, Kopf's watches, the Lease and the leader's pod label, a
+graceful exit). The emulator records each request as
 RBAC sees it; every request must be allowed by the rules `helm template` renders for that
 mode, and every rule must have been used: nothing missing, nothing more.
 """
@@ -16,10 +17,13 @@ from gpuop.backends.registry import APIS
 from support.emulator.cluster import JOBS, PODS, Cluster, stranger_job
 from support.samples import RUNNING
 from support.specs import training
-from support.tools.helm import rules, template
+from support.tools.helm import RELEASE, RELEASE_NAMESPACE, rules, template
 from support.waiting import wait_for
 
-PEERING = "gpu-training-operator"
+# The Lease the chart names (the release's full name, in its namespace), and the operator's own
+# pod there, which it labels while it leads.
+LEASE = ("--lease", f"{RELEASE}-gpu-training-operator")
+OWN_POD = "gpuop-operator-0"
 # The emulator has no TokenReview and no dcgm-exporter, and the operator here runs without the
 # report endpoint and GPU metrics: the chart is rendered with both off, and its rules for them
 # (tokenreviews, pods get, configmaps, dcgm-exporter's Endpoints) are proven used by the real
@@ -29,7 +33,15 @@ Request = tuple[str, str, str, str | None, str | None]  # verb, group, resource,
 
 
 def _scenario(env: Cluster, operator_args: tuple[str, ...]) -> set[Request]:
-    env.start_operator(*operator_args, peering=PEERING)
+    env.api.call(env.server.create, PODS, {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": OWN_POD, "namespace": RELEASE_NAMESPACE},
+        "spec": {"containers": [{"name": "operator", "image": "operator"}]},
+    })  # fmt: skip
+    env.operator_env = {"POD_ID": OWN_POD}
+    env.start_operator(*operator_args, *LEASE, lease_namespace=RELEASE_NAMESPACE)
+    wait_for("the leader's label on its pod", lambda: (
+        (env.get(PODS, OWN_POD, namespace=RELEASE_NAMESPACE) or {}).get("metadata", {}).get("labels") or {}
+    ).get("gpuop.io/leader") == "true")  # fmt: skip
     env.apply(training("a"))
     wait_for("phase Created", lambda: env.status("a").get("phase") == "Created")
 
@@ -80,7 +92,7 @@ def _scenario(env: Cluster, operator_args: tuple[str, ...]) -> set[Request]:
     )
     process = env.operator
     assert process is not None
-    env.stop_operator()  # Kopf takes itself out of the peering object
+    env.stop_operator()  # the Lease given up, and the leader's label taken off its pod
     assert process.returncode == 0, env.operator_log()
     return {entry[1:] for entry in env.server.audit if entry[0] in ("gpuop", "kopf")}
 
@@ -139,21 +151,14 @@ def _check(requests: set[Request], granted: list[tuple[str | None, dict[str, Any
 
 
 def test_cluster_wide_rbac_is_exactly_what_the_operator_uses(env: Cluster) -> None:
-    env.api.call(
-        env.server.create, "kopf.dev/v1/clusterkopfpeerings",
-        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": PEERING}},
-    )  # fmt: skip
     requests = _scenario(env, ("--scrape-via", "proxy"))
     granted = rules(template({"operator.scrapeVia": "proxy", **WITHOUT_REPORTS_AND_GPU_METRICS}))
-    assert all(scope is None for scope, _ in granted)  # a ClusterRole
+    # A ClusterRole, and the Lease's Role in the operator's own namespace.
+    assert {scope for scope, _ in granted} == {None, RELEASE_NAMESPACE}
     _check(requests, granted)
 
 
 def test_namespaced_rbac_is_exactly_what_the_operator_uses(env: Cluster) -> None:
-    env.api.call(
-        env.server.create, "kopf.dev/v1/kopfpeerings",
-        {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": PEERING, "namespace": "default"}},
-    )  # fmt: skip
     requests = _scenario(env, ("--namespace", "default", "--scrape-via", "pod-ip"))
     granted = rules(
         template(
@@ -164,7 +169,8 @@ def test_namespaced_rbac_is_exactly_what_the_operator_uses(env: Cluster) -> None
             }
         )
     )
-    # Roles only, but for what has no namespaced form: a Node, read.
-    assert {(scope, *_rule_of(rule)) for scope, rule in granted if scope != "default"} == {
+    # Roles only, but for what has no namespaced form: a Node, read. The Lease's Role is in
+    # the operator's own namespace.
+    assert {(scope, *_rule_of(rule)) for scope, rule in granted if scope not in ("default", RELEASE_NAMESPACE)} == {
         (None, "", ("nodes",), ("get",))}  # fmt: skip
     _check(requests, granted)

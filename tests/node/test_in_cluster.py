@@ -448,10 +448,15 @@ def test_the_charts_defaults_run_the_operator_from_its_image_under_restricted_po
     lines = [json.loads(line) for line in logs.splitlines() if line.startswith("{")]
     assert lines, logs[-2000:]  # the chart's default log format: one JSON object a line
 
-    # A rollout, a drain or a scale-down: SIGTERM, and the operator leaves its peering and exits
+    # The pod leads: it holds the chart's Lease and carries the label the report Service selects.
+    lease_path = (
+        f"/apis/coordination.k8s.io/v1/namespaces/{RELEASE_NAMESPACE}/leases/{RELEASE}-gpu-training-operator"
+    )
+    assert api.request("GET", lease_path)["spec"]["holderIdentity"] == name
+    wait_for("the leader's label", lambda: ((api.get("pods", name, RELEASE_NAMESPACE) or {})["metadata"].get(
+        "labels") or {}).get("gpuop.io/leader") == "true", timeout=30)  # fmt: skip
+    # A rollout, a drain or a scale-down: SIGTERM, and the operator gives its Lease up and exits
     # well inside the chart's grace period (30 s), not killed at its end.
-    peering = "/apis/kopf.dev/v1/clusterkopfpeerings/gpu-training-operator"  # the chart's peering.name
-    assert len(api.request("GET", peering).get("status") or {}) == 1  # this pod, alive
     # Scaled to none, so no replacement comes (and the teardown's uninstall, which takes the
     # RBAC away with the Deployment, finds no operator left to wait for).
     said, took = _log_until_exit(
@@ -463,15 +468,16 @@ def test_the_charts_defaults_run_the_operator_from_its_image_under_restricted_po
     assert took < 10, said[-3000:]
     assert "Operator is stopping" in said, said[-3000:]
     assert "Traceback" not in said, said[-3000:]
-    peers = api.request("GET", peering).get("status") or {}
-    assert not peers, f"the stopped pod is still a peer: {peers}"
+    assert not api.request("GET", lease_path)["spec"].get("holderIdentity"), (
+        "the stopped pod still holds the Lease"
+    )
 
 
 def test_helm_uninstall_stops_the_operator_in_seconds_though_its_rbac_goes_with_it(
     plane: ControlPlane, api: Api, operator_pod: dict[str, Any]
 ) -> None:
     """``helm uninstall`` deletes the Deployment and the ClusterRole at once, so the stopping
-    operator's last calls (leaving its peering) meet 403s: it must give up on them in seconds,
+    operator's last calls (giving its Lease up) meet 403s: it must give up on them in seconds,
     not retry until the kubelet kills it at the end of its 30 s grace period."""
     plane.kubectl("scale", "deployment", "--all", "--replicas=1", "-n", RELEASE_NAMESPACE)
 

@@ -301,6 +301,22 @@ def gate(claims: Claims, claim: str, mount: str = CHECKPOINTS) -> Gate:
     return Gate(claim, shared, [{"name": "PYTHONPATH", "value": f"{mount}/hold-site"}])
 
 
+def paced_own_code(plane: ControlPlane, name: str, tmp: Path, hooks: str, step_seconds: float,
+                   **spec: Any) -> Timeline:  # fmt: skip
+    """A training of the user's own code in :data:`OWN_CODE_IMAGE` (``spec`` gives its command),
+    each step at least ``step_seconds`` (the pacing hooks in folder ``hooks`` of the claim
+    ``<name>-hooks``, mounted as its output); applied as a user does, with a timeline."""
+    env = [{"name": "PYTHONPATH", "value": f"{OUTPUTS}/{hooks}"},
+           {"name": "GPUOP_TEST_STEP_SECONDS", "value": str(step_seconds)}]  # fmt: skip
+    body = {"image": OWN_CODE_IMAGE, "env": env, "output": {"volume": {"claimName": f"{name}-hooks"}}, **spec}
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "gpuop.io/v1alpha1", "kind": "GpuTraining",
+                                    "metadata": {"name": name}, "spec": body}))  # fmt: skip
+    timeline = Timeline(plane, name)
+    plane.kubectl("apply", "-n", NAMESPACE, "-f", str(path))
+    return timeline
+
+
 def start_long_training(plane: ControlPlane, name: str, tmp: Path, gate: Gate, **spec: Any) -> Timeline:
     """The kind example for 40 epochs (about 15 s of training here), its checkpoints on the
     gate's claim so that they outlive its pods (or as ``spec`` says: :func:`in_bucket`), held at

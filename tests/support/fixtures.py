@@ -42,7 +42,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[controlplane.Con
 
 @pytest.fixture(scope="session")
 def crd_warnings(plane: controlplane.ControlPlane) -> str:
-    """Our CRD, Kubeflow's PyTorchJob and Trainer v2 CRDs and Kopf's peering CRDs, created and
+    """Our CRD, Kubeflow's PyTorchJob and Trainer v2 CRDs, created and
     Established once; the value is whatever kubectl printed on stderr while applying them."""
     return installed_crds(plane)
 

@@ -40,7 +40,7 @@ def test_a_registered_backend_runs_through_reconcile(toy: ToyJobApi) -> None:
     body["metadata"] |= {"name": "t", "namespace": "default", "uid": "u-1", "generation": 1}
     store.trainings[("default", "t")] = store._stamp(copy.deepcopy(body))
     clock = iter(datetime(2026, 11, 23, 10, 0, s, tzinfo=UTC) for s in range(60))
-    reconciler = Reconciler(store, OperatorSettings(peering_name=None), clock=lambda: next(clock))  # type: ignore[arg-type]
+    reconciler = Reconciler(store, OperatorSettings(), clock=lambda: next(clock))  # type: ignore[arg-type]
     try:
         reconciler.training_event("ADDED", store.get_training("default", "t") or {})
         reconciler.run_pending()
@@ -172,7 +172,7 @@ def _reporting_training(
         if now is not None
         else {"clock": lambda: datetime(2026, 11, 23, 10, tzinfo=UTC) + timedelta(seconds=next(seconds))}
     )
-    reconciler = Reconciler(store, OperatorSettings(peering_name=None), reports=book, **clocks)  # type: ignore[arg-type]
+    reconciler = Reconciler(store, OperatorSettings(), reports=book, **clocks)  # type: ignore[arg-type]
     return reconciler, book
 
 
@@ -351,7 +351,7 @@ def test_a_queued_training_on_a_cluster_without_kueue_says_so_at_once_and_gets_i
     body["metadata"] |= {"name": "t", "namespace": "default", "uid": "u-1", "generation": 1}
     store.trainings[("default", "t")] = store._stamp(copy.deepcopy(body))
     clock = iter(datetime(2026, 11, 24, 10, 0, s, tzinfo=UTC) for s in range(60))
-    reconciler = Reconciler(store, OperatorSettings(peering_name=None), clock=lambda: next(clock))  # type: ignore[arg-type]
+    reconciler = Reconciler(store, OperatorSettings(), clock=lambda: next(clock))  # type: ignore[arg-type]
     try:
         reconciler.training_event("ADDED", store.get_training("default", "t") or {})
         reconciler.run_pending()
@@ -403,7 +403,7 @@ def test_a_clock_the_controller_sleeps_through_wakes_it_when_due_and_again_only_
     now = [datetime(2026, 11, 24, 10, 0, 0, tzinfo=UTC)]
     reconciler = Reconciler(
         store,  # type: ignore[arg-type]
-        OperatorSettings(peering_name=None),
+        OperatorSettings(),
         clock=lambda: now[0],
         timer=lambda: now[0].timestamp(),  # the work queue's delays on the same clock
     )

@@ -189,7 +189,7 @@ def test_the_floors_make_the_very_writes_the_operator_makes(bench: ModuleType) -
     body["metadata"] |= {"uid": "u-1", "generation": 1, "resourceVersion": "7"}
     store = _KubeflowStore()
     store.trainings[("bench", "scale-0001")] = copy.deepcopy(body)
-    reconciler = Reconciler(store, OperatorSettings(peering_name=None), clock=lambda: now)  # type: ignore[arg-type]
+    reconciler = Reconciler(store, OperatorSettings(), clock=lambda: now)  # type: ignore[arg-type]
     try:
         reconciler.training_event("ADDED", copy.deepcopy(body))
         reconciler.run_pending()

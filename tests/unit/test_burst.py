@@ -37,7 +37,7 @@ def _add(store: Store, name: str) -> dict[str, Any]:
 def _reconciler(store: Store) -> Reconciler:
     return Reconciler(
         store,  # type: ignore[arg-type]
-        OperatorSettings(peering_name=None),
+        OperatorSettings(),
         clock=lambda: datetime(2026, 11, 25, 10, tzinfo=UTC),
     )
 
@@ -173,19 +173,18 @@ def test_a_first_status_handed_back_while_the_reconcile_that_left_it_still_runs_
         reconciler.close()
 
 
-def test_a_key_queued_while_leading_is_put_down_once_a_peer_leads(toy: ToyJobApi) -> None:
+def test_a_key_queued_while_leading_is_put_down_once_it_stands_by(toy: ToyJobApi) -> None:
     leading = [True]
     store = Store()
     reconciler = Reconciler(
         store,  # type: ignore[arg-type]
-        OperatorSettings(peering_name=None),
+        OperatorSettings(),
         clock=lambda: datetime(2026, 11, 25, 10, tzinfo=UTC),
-        leadership=lambda: lambda _namespace: leading[0],
+        leading=lambda: leading[0],
     )
     try:
         reconciler.training_event("ADDED", _add(store, "t"))  # Kopf delivered it while leading
         leading[0] = False
-        reconciler._leading = (None, 0.0)  # read again at once, not 2 s later
         reconciler.run_pending()
         assert _reconciles(reconciler) == {}
         assert not _job_made(store, "t")

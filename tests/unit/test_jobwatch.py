@@ -19,7 +19,6 @@ import pytest
 
 from gpuop.api.identity import TRAINING_LABEL
 from gpuop.controller import jobwatch
-from gpuop.controller import reconciler as reconciler_module
 from gpuop.controller.apiclient import ApiError
 from gpuop.controller.kube import _event
 from gpuop.controller.reconciler import Reconciler
@@ -271,20 +270,18 @@ def test_close_ends_the_streams_at_once() -> None:
     assert not any(s.thread.is_alive() for s in watch._streams)
 
 
-def test_a_standby_keeps_its_jobs_up_to_date_but_reconciles_none(
-    toy: ToyJobApi, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The jobs' watch runs on every replica (Kopf's of the trainings pauses on a standby): where
-    this replica does not lead, a job event updates what it knows, and nothing is written. Who
-    leads is read again once the last reading is LEADERSHIP_FRESH_SECONDS old, tick or none."""
-    monkeypatch.setattr(reconciler_module, "LEADERSHIP_FRESH_SECONDS", 0.0)
+def test_a_standby_keeps_its_jobs_up_to_date_but_reconciles_none(toy: ToyJobApi) -> None:
+    """The jobs' watch runs on every replica: on a standby (not leading) a job event updates
+    what it knows and queues nothing, so leading again later does not reconcile it by itself;
+    taking over (take_over) reconciles with the job as last seen, and a leader queues its job
+    events again."""
     store = Store()
-    leads = {"default": True}
+    leading = [True]
     reconciler = Reconciler(
         store,  # type: ignore[arg-type]
-        OperatorSettings(peering_name=None),
+        OperatorSettings(),
         clock=lambda: datetime(2026, 11, 25, 10, tzinfo=UTC),
-        leadership=lambda: dict(leads).__getitem__,  # a reading: as the peering was when read
+        leading=lambda: leading[0],
     )
     try:
         body = minimal()
@@ -296,19 +293,25 @@ def test_a_standby_keeps_its_jobs_up_to_date_but_reconciles_none(
         assert store.trainings[("default", "t")]["status"]["phase"] == "Created"
         writes = store.status_writes
 
-        reconciler.tick()  # read while leading
-        reconciler.run_pending()
-        leads["default"] = False  # then outranked: that reading is stale at once here (fresh for 0 s)
+        leading[0] = False  # a standby now
         job["status"] = {"state": "Running", "began": "2026-11-25T10:00:00Z"}
         reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))
-        reconciler.run_pending()
+        leading[0] = True  # an event the standby had queued would be reconciled now: none was
+        assert reconciler.run_pending() == 0
         assert store.status_writes == writes
-        assert reconciler._table.get(("default", "t")).child["status"]["state"] == "Running"  # type: ignore[union-attr]
+        tracked = reconciler._table.get(("default", "t"))
+        assert tracked is not None
+        assert tracked.child is not None
+        assert tracked.child["status"]["state"] == "Running"  # known, though not reconciled
 
-        leads["default"] = True
-        reconciler.tick()  # taken over: the tick reconciles with the job as last seen
+        reconciler.take_over()  # the Lease taken: every known training is reconciled
         reconciler.run_pending()
         assert store.trainings[("default", "t")]["status"]["phase"] == "Running"
+
+        job["status"] = {"state": "Done", "began": "2026-11-25T10:00:00Z", "since": "2026-11-25T10:05:00Z"}
+        reconciler.job_event("MODIFIED", store._stamp(copy.deepcopy(job)))  # a leader queues it
+        reconciler.run_pending()
+        assert store.trainings[("default", "t")]["status"]["phase"] == "Succeeded"
     finally:
         reconciler.close()
 

@@ -192,7 +192,7 @@ def test_the_reconcile_deletes_the_gang_at_the_timeout_by_its_clock_and_never_fo
     store.nodes = {"gpu-0": node("True"), "gpu-1": node("Unknown", since="2026-11-23T10:00:00Z")}
     reconciler = Reconciler(
         store,  # type: ignore[arg-type]
-        OperatorSettings(peering_name=None, scrape_timeout_seconds=0.2),
+        OperatorSettings(scrape_timeout_seconds=0.2),
         clock=lambda: now[0],
         timer=lambda: now[0].timestamp(),
     )

@@ -4,12 +4,10 @@ settings, the runPolicy patch, and the client's retries against the emulator's f
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import subprocess
 import sys
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,6 @@ from gpuop.backends.pytorchjob import PYTORCHJOB, render_pytorchjob
 from gpuop.backends.trainjob import TRAINJOB, render_trainjob
 from gpuop.controller import table
 from gpuop.controller.apiclient import ApiError, Backoff, request_target
-from gpuop.controller.app import check_peering, leadership
 from gpuop.controller.kube import Kube
 from gpuop.controller.settings import OperatorSettings, SettingsError
 from gpuop.observing import observe
@@ -30,8 +27,6 @@ from gputrain.contract import Result
 from support.emulator.server import ApiServer, RunningApiServer
 from support.specs import minimal
 from support.tools.operator_args import parse_operator_args
-
-NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
 
 def _pod(trainer: str = "pytorch", **status: Any) -> dict[str, Any]:
@@ -246,105 +241,6 @@ def test_a_status_document_is_decoded_once_and_a_new_one_anew(monkeypatch: pytes
     assert len(decoded) == 4
 
 
-def _peer(priority: int, seconds_ago: float, lifetime: int = 60) -> dict[str, Any]:
-    return {
-        "priority": priority,
-        "lifetime": lifetime,
-        "lastseen": (NOW - timedelta(seconds=seconds_ago)).isoformat(),
-    }
-
-
-@pytest.mark.parametrize(
-    ("peers", "active"),
-    [
-        ({}, True),
-        ({"me": _peer(10, 0)}, True),
-        ({"me": _peer(10, 0), "other": _peer(5, 0)}, True),
-        ({"me": _peer(10, 0), "other": _peer(20, 0)}, False),
-        ({"me": _peer(10, 0), "other": _peer(10, 0)}, False),  # Kopf pauses both on a tie
-        ({"me": _peer(10, 0), "other": _peer(20, 120)}, True),  # a dead peer does not count
-        ({"me": _peer(10, 0), "other": {"garbage": True}}, True),
-    ],
-)
-def test_peering_follows_kopfs_rule(peers: dict[str, Any], active: bool) -> None:
-    assert observe.peering_active(peers, "me", 10, NOW) is active
-
-
-class _PeeringStub:
-    """A Kube with only peering objects: per namespace (None: cluster-wide) a status or an error."""
-
-    def __init__(self, peerings: dict[str | None, dict[str, Any] | ApiError]) -> None:
-        self.peerings, self.reads = peerings, 0
-
-    def get_peering(self, name: str, namespace: str | None) -> dict[str, Any] | None:
-        self.reads += 1
-        found = self.peerings.get(namespace)
-        if isinstance(found, ApiError):
-            raise found
-        return found
-
-    def find_peering(self, name: str, namespace: str | None) -> dict[str, Any] | None:
-        status = self.get_peering(name, namespace)
-        return None if namespace not in self.peerings else {"status": status}
-
-
-# (peerings present, settings, peering name it runs with, the WARNING's words or None)
-PEERING_CHECKS = [
-    ({None: {}}, OperatorSettings(), "gpu-training-operator", None),
-    ({}, OperatorSettings(), None, "no ClusterKopfPeering/gpu-training-operator"),
-    (
-        {},
-        OperatorSettings(peering_name="team", peering_required=True),
-        "team",
-        "waiting for ClusterKopfPeering/team",
-    ),
-    ({"a": {}}, OperatorSettings(namespaces=("a", "b")), None, "no KopfPeering/gpu-training-operator in b"),
-    ({}, OperatorSettings(peering_name=None), None, None),
-    ({None: ApiError(403, "Forbidden", "no")}, OperatorSettings(), "gpu-training-operator", "Forbidden"),
-]
-
-
-@pytest.mark.parametrize(("peerings", "settings", "runs_with", "warning"), PEERING_CHECKS)
-def test_a_missing_peering_object_is_warned_about(
-    peerings: dict[str | None, Any], settings: OperatorSettings, runs_with: str | None, warning: str | None,
-    caplog: pytest.LogCaptureFixture,
-) -> None:  # fmt: skip
-    checked = check_peering(_PeeringStub(peerings), settings)  # type: ignore[arg-type]
-    assert checked.peering_name == runs_with
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    if warning is None:
-        assert warnings == []
-    else:
-        assert len(warnings) == 1
-        assert warning in warnings[0]
-
-
-def test_peering_is_required_only_when_named() -> None:
-    assert not _settings([]).peering_required
-    assert _settings(["--peering", "team"]).peering_required
-    assert _settings([], {"GPUOP_PEERING": "team"}).peering_name == "team"
-    assert _settings([], {"GPUOP_PEERING": "team"}).peering_required
-    assert not _settings(["--standalone"], {"GPUOP_PEERING": "team"}).peering_required
-
-
-def test_leadership_is_per_watched_namespace_and_read_once_per_tick() -> None:
-    now = datetime.now(UTC)
-    me, higher = {"priority": 10, "lastseen": now.isoformat()}, {"priority": 20, "lastseen": now.isoformat()}
-    stub = _PeeringStub({"a": {"me": me}, "b": {"me": me, "other": higher}, "c": ApiError(503, "x", "down")})
-    settings = OperatorSettings(namespaces=("a", "b", "c"), priority=10)
-    leading = leadership(stub, settings, "me")()  # type: ignore[arg-type]
-    assert [leading(ns) for ns in ("a", "b", "c", "elsewhere")] == [True, False, False, False]
-    assert stub.reads == 3  # one read per namespace per tick, however many jobs ask
-
-    cluster = _PeeringStub({None: {"me": me, "other": higher}})
-    leading = leadership(cluster, OperatorSettings(priority=10), "me")()  # type: ignore[arg-type]
-    assert not leading("a")
-    assert not leading("b")
-    assert cluster.reads == 1
-    standalone = leadership(cluster, OperatorSettings(peering_name=None), "me")()  # type: ignore[arg-type]
-    assert standalone("a")
-
-
 def test_run_policy_patch_changes_only_what_differs() -> None:
     desired = {
         "spec": {"runPolicy": {"suspend": True, "cleanPodPolicy": "None", "activeDeadlineSeconds": 60}}
@@ -366,27 +262,43 @@ def _settings(argv: list[str], env: dict[str, str] | None = None) -> OperatorSet
 
 
 def test_settings_come_from_flags_over_env_over_defaults() -> None:
-    assert dataclasses.replace(_settings([]), priority=0) == OperatorSettings()
+    assert _settings([]) == OperatorSettings()
     env = {"GPUOP_NAMESPACES": "ml, research", "GPUOP_SCRAPE_INTERVAL": "30", "GPUOP_LOG_FORMAT": "json"}
     got = _settings(["--scrape-interval", "15"], env)
     assert got.namespaces == ("ml", "research")
     assert got.scrape_interval_seconds == 15.0
     assert got.log_format == "json"
     assert _settings(["--namespace", "a", "--namespace", "b,c"]).namespaces == ("a", "b", "c")
-    assert _settings(["--standalone"]).peering_name is None
+    assert _settings(["--standalone"], {"POD_NAMESPACE": "ops"}).lease_namespace is None
 
 
-def test_peering_priority_is_random_unless_given() -> None:
-    """Replicas of one Deployment share their env; equal priorities would pause them all."""
-    drawn = {_settings([]).priority for _ in range(20)}
-    assert len(drawn) == 20
-    assert all(p >= 1 for p in drawn)
-    assert _settings(["--priority", "7"]).priority == 7
-    assert _settings([], {"GPUOP_PRIORITY": "RANDOM"}).priority >= 1
-    with pytest.raises(
-        SettingsError, match=r"^--priority / GPUOP_PRIORITY: must be an integer \(got 'high'\)$"
-    ):
-        _settings(["--priority", "high"])
+@pytest.mark.parametrize(
+    ("argv", "env", "namespace"),
+    [
+        ([], {}, None),  # outside a pod, none given: standalone
+        ([], {"POD_NAMESPACE": "ops"}, "ops"),  # the pod's own namespace
+        ([], {"POD_NAMESPACE": "ops", "GPUOP_LEASE_NAMESPACE": "lease-ns"}, "lease-ns"),
+        (
+            ["--lease-namespace", "flag-ns"],
+            {"POD_NAMESPACE": "ops", "GPUOP_LEASE_NAMESPACE": "lease-ns"},
+            "flag-ns",
+        ),
+        (["--standalone"], {"POD_NAMESPACE": "ops"}, None),
+        (["--standalone", "--lease-namespace", "flag-ns"], {}, None),
+    ],
+)
+def test_the_lease_namespace_is_the_flag_then_its_env_then_the_pods(
+    argv: list[str], env: dict[str, str], namespace: str | None
+) -> None:
+    got = _settings(argv, env)
+    assert got.lease_namespace == namespace
+    assert got.standalone == ("--standalone" in argv)
+    assert got.lease_name == "gpu-training-operator"
+
+
+def test_the_lease_name_is_the_flag_then_its_env() -> None:
+    assert _settings([], {"GPUOP_LEASE": "team-lease"}).lease_name == "team-lease"
+    assert _settings(["--lease", "flag.lease"], {"GPUOP_LEASE": "team-lease"}).lease_name == "flag.lease"
 
 
 @pytest.mark.parametrize(
@@ -421,6 +333,16 @@ def test_peering_priority_is_random_unless_given() -> None:
         (
             ["--underutilized-percent", "120"],
             "--underutilized-percent / GPUOP_UNDERUTILIZED_PERCENT: must be 0..100 (got 120)",
+        ),
+        (["--lease", "Bad_Name"], "--lease / GPUOP_LEASE: not a valid object name (got 'Bad_Name')"),
+        (["--lease", "-lease"], "--lease / GPUOP_LEASE: not a valid object name (got '-lease')"),
+        (
+            ["--lease-namespace", "Bad_NS"],
+            "--lease-namespace / GPUOP_LEASE_NAMESPACE: not a valid namespace (got 'Bad_NS')",
+        ),
+        (
+            ["--lease-namespace", "a.b"],
+            "--lease-namespace / GPUOP_LEASE_NAMESPACE: not a valid namespace (got 'a.b')",
         ),
     ],
 )
@@ -527,7 +449,9 @@ def test_a_trainjob_is_patched_only_in_suspend() -> None:
         ("GET", "/api/v1/namespaces/ml/pods?labelSelector=x", ("list", "pods")),
         ("GET", "/api/v1/namespaces/ml/pods/p-0/proxy/metrics", ("get", "pods/proxy")),
         ("GET", "/api/v1/namespaces/ml", ("get", "namespaces")),
-        ("PUT", "/apis/kopf.dev/v1/clusterkopfpeerings/p", ("update", "clusterkopfpeerings")),
+        ("PUT", "/apis/coordination.k8s.io/v1/namespaces/ns/leases/l", ("update", "leases")),
+        ("PATCH", "/api/v1/namespaces/ns/pods/p", ("patch", "pods")),
+        ("GET", "/api/v1/nodes/n", ("get", "nodes")),
         ("GET", "/apis/trainer.kubeflow.org/v1alpha1", ("get", "discovery")),
     ],
 )

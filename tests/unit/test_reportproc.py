@@ -85,9 +85,7 @@ def test_a_taken_port_is_one_line_naming_report_port(kubeconfig: Path) -> None:
         taken.bind(("", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        settings = OperatorSettings(
-            peering_name=None, report_url=f"http://127.0.0.1:{port}", report_port=port
-        )
+        settings = OperatorSettings(report_url=f"http://127.0.0.1:{port}", report_port=port)
         with pytest.raises(SettingsError) as said:
             app._report_endpoint(settings, OperatorMetrics())
     message = str(said.value)
@@ -100,9 +98,8 @@ def test_an_unreadable_certificate_is_one_line_naming_report_tls_dir(
     tmp_path: Path, kubeconfig: Path
 ) -> None:
     settings = OperatorSettings(
-        peering_name=None, report_url="https://gpuop-reports.gpuop-system.svc:8443",
-        report_tls_dir=str(tmp_path / "missing"),
-    )  # fmt: skip
+        report_url="https://gpuop-reports.gpuop-system.svc:8443", report_tls_dir=str(tmp_path / "missing")
+    )
     with pytest.raises(SettingsError) as said:
         app._report_endpoint(settings, OperatorMetrics())
     assert str(said.value).startswith(

@@ -302,10 +302,10 @@ def test_the_last_progress_is_the_newest_report_figures_or_start_of_the_run_and_
     assert _series(metrics, name) == {}
 
 
-def test_the_reconcilers_tick_sets_them_for_the_namespaces_it_leads(toy: ToyJobApi) -> None:
+def test_the_reconcilers_tick_sets_them_while_it_leads(toy: ToyJobApi) -> None:
     """Through the real Reconciler and a toy job API: a running job's training is counted by
-    phase, shown per training and billed as the clock runs; a replica that leads no namespace
-    shows none of it."""
+    phase, shown per training and billed as the clock runs; a standby (not leading) shows none
+    of it, and keeps the GPU-hours already counted."""
     store = Store()
     body = minimal(workers=2, gpusPerWorker=4)
     body["metadata"] |= {"name": "t", "namespace": "team-a", "uid": "u-1", "generation": 1}
@@ -315,10 +315,10 @@ def test_the_reconcilers_tick_sets_them_for_the_namespaces_it_leads(toy: ToyJobA
     metrics = OperatorMetrics()
     reconciler = Reconciler(
         store,  # type: ignore[arg-type]
-        OperatorSettings(peering_name=None),
+        OperatorSettings(),
         metrics,
         clock=lambda: now[0],
-        leadership=lambda: lambda _namespace: leading[0],
+        leading=lambda: leading[0],
     )
     try:
         reconciler.training_event("ADDED", store.get_training("team-a", "t") or {})

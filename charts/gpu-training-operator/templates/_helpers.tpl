@@ -73,8 +73,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 
 {{/* Value combinations the schema cannot refuse, each one line naming the fix. */}}
 {{- define "gpuop.checks" -}}
-{{- if and (gt (int .Values.replicaCount) 1) (not .Values.peering.enabled) -}}
-{{- fail "replicaCount > 1 needs peering.enabled=true: without peering every replica would reconcile every GpuTraining" -}}
+{{- if and (gt (int .Values.replicaCount) 1) (not .Values.leaderElection.enabled) -}}
+{{- fail "replicaCount > 1 needs leaderElection.enabled=true: without it every replica would reconcile every GpuTraining" -}}
 {{- end -}}
 {{- if ge (float64 .Values.operator.scrapeTimeout) (float64 .Values.operator.scrapeInterval) -}}
 {{- fail "operator.scrapeTimeout must be shorter than operator.scrapeInterval" -}}
@@ -84,7 +84,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- range .Values.extraEnv -}}
 {{- if or (hasPrefix "GPUOP_" .name) (eq .name "POD_ID") -}}
-{{- fail (printf "extraEnv: %s is set by the chart from its values (see values.yaml under operator, metrics, health and peering); set the value instead" .name) -}}
+{{- fail (printf "extraEnv: %s is set by the chart from its values (see values.yaml under operator, metrics, health and leaderElection); set the value instead" .name) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

@@ -1,9 +1,9 @@
 """``gpuop operator``: the watches, the scrape tick, metrics and health, wired to the reconciler.
 
 Watch events only go to :class:`~gpuop.controller.reconciler.Reconciler`. Kopf watches the
-GpuTrainings (with the per-object serialisation of their events), and supplies peering between
-replicas and the liveness endpoint; the jobs are watched by :mod:`~gpuop.controller.jobwatch`,
-at a fraction of Kopf's cost per event.
+GpuTrainings (with the per-object serialisation of their events) and serves the liveness
+endpoint; the jobs are watched by :mod:`~gpuop.controller.jobwatch`, at a fraction of Kopf's
+cost per event. Which replica acts is a Lease's to say (:mod:`~gpuop.controller.lease`).
 
 No finalizer: the PyTorchJob (or TrainJob and its TrainingRuntime) carries an ownerReference
 with ``controller: true``, so the API server's garbage collector deletes it (and the pods and
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import gc
 import logging
 import os
@@ -25,7 +24,7 @@ import signal
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -35,129 +34,44 @@ from gpuop.api.identity import GROUP, PLURAL, VERSION
 from gpuop.backends.registry import APIS
 from gpuop.backends.reportwiring import ReportEndpoint
 from gpuop.controller import jobwatch, reportproc
-from gpuop.controller.apiclient import ApiError
 from gpuop.controller.kube import Kube
+from gpuop.controller.lease import LeaderLease
 from gpuop.controller.reconciler import Reconciler
 from gpuop.controller.settings import OperatorSettings, SettingsError
 from gpuop.controller.telemetry import OperatorMetrics
-from gpuop.observing import endpoint, observe
+from gpuop.observing import endpoint
 
 log = logging.getLogger(__name__)
 
 
 def own_identity() -> str:
-    """This replica's peering identity: the pod name in a cluster (POD_ID), else host/pid."""
+    """This replica's name as the Lease's holder: the pod name in a cluster (POD_ID), else
+    host/pid and a random suffix."""
     return os.environ.get("POD_ID") or f"{socket.gethostname()}/{os.getpid()}/{random.randrange(16**6):06x}"
 
 
-Leadership = Callable[[], Callable[[str], bool]]
-
-
-def leadership(kube: Kube, settings: OperatorSettings, identity: str) -> Leadership:
-    """Read once per tick: in which namespaces this replica is the active one.
-
-    Kopf keeps one peering per watched namespace (or one cluster-wide) and pauses its watches
-    in each where a live peer outranks this replica; the scrape tick and the job events (whose
-    watch is not Kopf's) must pause in the same places, or a standby would keep writing status
-    there. Each peering object is read once per reading (each tick, and at most every 2 s for
-    job events); one that cannot be read counts as not leading (the next reading asks again).
-    """
-    name = settings.peering_name
-    if name is None:
-        return lambda: lambda _namespace: True
-
-    def active(namespace: str | None) -> bool:
-        try:
-            status = kube.get_peering(name, namespace)
-        except ApiError as exc:
-            log.warning("reading peering %s in %s: %s; not acting there until it is read", name,
-                        namespace or "the cluster", exc)  # fmt: skip
-            return False
-        return observe.peering_active(status, identity, settings.priority)
-
-    def read() -> Callable[[str], bool]:
-        if not settings.namespaces:
-            everywhere = active(None)
-            return lambda _namespace: everywhere
-        verdicts = {namespace: active(namespace) for namespace in settings.namespaces}
-        return lambda namespace: verdicts.get(namespace, False)
-
-    return read
-
-
-PEERING_RECHECK_SECONDS: Final = 60.0
-
-
-def _missing_peerings(kube: Kube, settings: OperatorSettings) -> list[str]:
-    """The peering objects Kopf will wait for that do not exist ("ClusterKopfPeering/NAME",
-    "KopfPeering/NAME in NS"). An object that cannot be read (403) counts as there: Kopf
-    will say so itself, and guessing would be worse."""
-    name = settings.peering_name
-    assert name is not None
-    missing = []
-    for namespace in settings.namespaces or (None,):
-        try:
-            found = kube.find_peering(name, namespace)
-        except ApiError as exc:
-            log.warning("reading the peering object %s: %s", name, exc)
-            continue
-        if found is None:
-            missing.append(
-                f"KopfPeering/{name} in {namespace}" if namespace else f"ClusterKopfPeering/{name}"
-            )
-    return missing
-
-
-def check_peering(kube: Kube, settings: OperatorSettings) -> OperatorSettings:
-    """Before Kopf starts: the settings to run with, and a WARNING when peering cannot work.
-
-    Kopf with a named peering pauses every watch until the peering object exists, and says so
-    only at DEBUG: an operator that silently does nothing. So a missing object (or its CRD)
-    is said at WARNING with the fix; when nobody asked for peering by name, the operator
-    runs standalone instead, as Kopf itself does when its default peering is absent.
-    """
-    if settings.peering_name is None:
-        return settings
-    missing = _missing_peerings(kube, settings)
-    if not missing:
-        return settings
-    if not settings.peering_required:
-        log.warning(
-            "no %s (Kopf's peering CRDs and object come with the Helm chart): running standalone, "
-            "so run one replica only; install the chart for peering between replicas, or pass "
-            "--standalone to say this is intended", ", ".join(missing),
-        )  # fmt: skip
-        return dataclasses.replace(settings, peering_name=None)
-    log.warning(_WAITING, ", ".join(missing), settings.peering_name)
-    return settings
-
-
-_WAITING: Final = (
-    "waiting for %s: peering %r is required (--peering / GPUOP_PEERING), and Kopf pauses every "
-    "GpuTraining until that object exists. Install the chart's peering CRDs and object (helm "
-    "install, or kubectl apply -f charts/gpu-training-operator/crds/ and create the object), "
-    "or run a single replica with --standalone"
-)
-
-
-async def _warn_while_peering_missing(kube: Kube, settings: OperatorSettings) -> None:
-    """Repeat the WARNING every minute while a required peering object is still missing."""
-    while settings.peering_required and settings.peering_name is not None:
-        await asyncio.sleep(PEERING_RECHECK_SECONDS)
-        missing = await asyncio.to_thread(_missing_peerings, kube, settings)
-        if not missing:
-            log.info("peering object %s found: Kopf resumes", settings.peering_name)
-            return
-        log.warning(_WAITING, ", ".join(missing), settings.peering_name)
+def leader_lease(kube: Kube, settings: OperatorSettings, identity: str) -> LeaderLease | None:
+    """The Lease this replica leads by (:mod:`~gpuop.controller.lease`), or None: standalone,
+    said with a WARNING unless asked for (--standalone)."""
+    if settings.lease_namespace is None:
+        if not settings.standalone:
+            log.warning(
+                "no Lease namespace (--lease-namespace / GPUOP_LEASE_NAMESPACE, or POD_NAMESPACE in a pod): "
+                "running standalone, so run one replica only; pass --standalone to say this is intended"
+            )  # fmt: skip
+        return None
+    # In a pod (POD_ID is its name, the chart's downward API) the leader labels it for reports.
+    return LeaderLease(kube, settings.lease_namespace, settings.lease_name, identity,
+                       pod=os.environ.get("POD_ID") or None)  # fmt: skip
 
 
 class ApiRetries:
-    """The pauses between retries of a failed API call, for Kopf's own calls (watches, peering).
+    """The pauses between retries of a failed API call, for Kopf's own calls (its watches).
 
     Patient while running: 32.5 s in all rides out an API server restart or a 403 while RBAC
     is being rolled out. Short once the operator is stopping: ``helm uninstall`` deletes the
-    Deployment and the RBAC at the same moment, and Kopf's last call (leaving its peering)
-    would otherwise retry its 403 past the pod's 30 s grace period and be SIGKILLed.
+    Deployment and the RBAC at the same moment, and a watch's last retries would otherwise
+    outlast the pod's 30 s grace period and be SIGKILLed.
     """
 
     RUNNING: Final = (0.5, 1.0, 2.0, 3.0, 5.0, 8.0, 13.0)
@@ -252,13 +166,17 @@ def build_registry(
     return registry
 
 
-async def _close_when_stopping(stop: asyncio.Event, jobs: jobwatch.JobWatch, reconciler: Reconciler) -> None:
-    """The jobs' watch and the reconcile workers end as the operator begins to stop, not after
-    Kopf has left its peering: a replica that takes over then must not meet this one's
+async def _close_when_stopping(
+    stop: asyncio.Event, jobs: jobwatch.JobWatch, reconciler: Reconciler, lease: LeaderLease | None
+) -> None:
+    """As the operator begins to stop: the jobs' watch and the reconcile workers end, and only
+    then is the Lease given up, so a replica that takes over at once never meets this one's
     reconciles."""
     await stop.wait()
     await asyncio.to_thread(jobs.close)
     await asyncio.to_thread(reconciler.stop)
+    if lease is not None:
+        await asyncio.to_thread(lease.release)
 
 
 async def _tick_forever(reconciler: Reconciler, interval: float) -> None:
@@ -270,15 +188,15 @@ async def _tick_forever(reconciler: Reconciler, interval: float) -> None:
             log.exception("scrape tick failed")
 
 
-async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | None = None) -> None:
-    """Run until cancelled (or ``stop`` is set): Kopf and the scrape tick side by side."""
-    settings = await asyncio.to_thread(check_peering, kube, settings)
+async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | None = None) -> int:
+    """Run until cancelled (or ``stop`` is set): Kopf, the Lease and the scrape tick side by
+    side. The exit status: 1 when the Lease was lost (the pod restarts and stands by), else 0."""
     metrics = OperatorMetrics()
     kube.requests.listeners.append(metrics.api_request)
-    identity = own_identity()
+    lease = leader_lease(kube, settings, own_identity())
     report_endpoint, receiver = _report_endpoint(settings, metrics)
     reconciler = Reconciler(
-        kube, settings, metrics, leadership=leadership(kube, settings, identity),
+        kube, settings, metrics, leading=lease.leading if lease is not None else lambda: True,
         report_endpoint=report_endpoint, reports=receiver.book if receiver is not None else None,
     )  # fmt: skip
     retries = ApiRetries()
@@ -291,22 +209,34 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
     )  # fmt: skip
     stop = stop if stop is not None else asyncio.Event()
     ready = asyncio.Event()
+    lost = threading.Event()
+    leasing: threading.Thread | None = None
+    if lease is not None:
+        loop = asyncio.get_running_loop()
+        stopping = stop
+
+        def on_lost() -> None:
+            lost.set()
+            loop.call_soon_threadsafe(stopping.set)
+
+        lease.on_lead, lease.on_lost = reconciler.take_over, on_lost
+        leasing = threading.Thread(target=lease.run, name="lease", daemon=True)
     if settings.metrics_port:
         metrics.serve(settings.metrics_port)
     liveness = f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None
     ticker = asyncio.create_task(_tick_forever(reconciler, settings.scrape_interval_seconds))
-    peering_warnings = asyncio.create_task(_warn_while_peering_missing(kube, settings))
     signals = asyncio.create_task(_take_over_signals(ready, stop, retries))
-    jobs_stop = asyncio.create_task(_close_when_stopping(stop, jobs, reconciler))
+    jobs_stop = asyncio.create_task(_close_when_stopping(stop, jobs, reconciler, lease))
     try:
         reconciler.start()
         jobs.start()
+        if leasing is not None:
+            leasing.start()
+        # Kopf only watches the GpuTrainings, in every replica (a standby keeps its table
+        # current); which replica acts is the Lease's to say, not Kopf's peering.
         await kopf.operator(
             registry=registry,
-            identity=identity,  # type: ignore[arg-type]  # kopf's NewType over str, not exported
-            standalone=settings.peering_name is None,
-            peering_name=settings.peering_name,
-            priority=settings.priority,
+            standalone=True,
             clusterwide=not settings.namespaces,
             namespaces=settings.namespaces,
             liveness_endpoint=liveness,
@@ -314,14 +244,17 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
             ready_flag=ready,
         )
     finally:
-        for task in (ticker, peering_warnings, signals, jobs_stop):
+        for task in (ticker, signals):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        stop.set()
+        await jobs_stop
         await asyncio.to_thread(jobs.close)
         reconciler.close()
         if receiver is not None:
             receiver.close()
+    return 1 if lost.is_set() else 0
 
 
 def _report_endpoint(
@@ -411,5 +344,5 @@ def run_operator(settings: OperatorSettings) -> int:
     )
     settle_the_heap()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(settings, kube))
+        return asyncio.run(serve(settings, kube))
     return 0

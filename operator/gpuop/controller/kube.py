@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 _TRAININGS: Final = f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/{PLURAL}"
 _MERGE_PATCH: Final = "application/merge-patch+json"
+_LEASES: Final = "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"
+# Seconds one call on the Lease may take: two of them a round fit well within the renew deadline.
+LEASE_CALL_SECONDS: Final = 4.0
 # Objects per page of a list: the size of the page the API server's own clients (kubectl) ask for.
 LIST_PAGE: Final = 500
 # A reply of metadata only (every API server we claim, 1.29 on, serves it); plain JSON elsewhere.
@@ -271,21 +274,50 @@ class Kube(ApiSession):
         text: str = self._request("GET", path, raw=True, timeout=timeout, attempts=1)
         return text
 
-    # -- peering --------------------------------------------------------------------------
+    # -- leadership: the Lease, and the leader's pod label ----------------------------------
 
-    def find_peering(self, name: str, namespace: str | None) -> dict[str, Any] | None:
-        """Kopf's peering object (namespace None: the cluster-wide one); None when it, or its
-        CRD, is not there."""
-        if namespace is not None:
-            path = f"/apis/kopf.dev/v1/namespaces/{namespace}/kopfpeerings/{name}"
-        else:
-            path = f"/apis/kopf.dev/v1/clusterkopfpeerings/{name}"
-        return self._get_or_none(path)
+    def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The replicas' Lease (:mod:`~gpuop.controller.lease`); asked once, briefly: a round
+        that fails is the next round's to retry, within the renew deadline."""
+        try:
+            body: dict[str, Any] = self._request(
+                "GET", f"{_LEASES.format(ns=namespace)}/{name}", attempts=1, timeout=LEASE_CALL_SECONDS
+            )
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return body
 
-    def get_peering(self, name: str, namespace: str | None) -> dict[str, Any] | None:
-        """The peering object's status: who is alive, with which priority."""
-        status: dict[str, Any] | None = (self.find_peering(name, namespace) or {}).get("status")
-        return status
+    def create_lease(self, namespace: str, name: str, spec: Mapping[str, Any]) -> None:
+        """ApiError 409 when another replica created it first."""
+        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": name, "namespace": namespace}, "spec": spec}  # fmt: skip
+        self._request("POST", _LEASES.format(ns=namespace), body=body, attempts=1, timeout=LEASE_CALL_SECONDS)
+
+    def replace_lease(self, lease: Mapping[str, Any], timeout: float = LEASE_CALL_SECONDS) -> None:
+        """Write the Lease as read and changed: its resourceVersion makes a write that another
+        replica's overtook fail with ApiError 409."""
+        meta = lease["metadata"]
+        path = f"{_LEASES.format(ns=meta['namespace'])}/{meta['name']}"
+        self._request("PUT", path, body=lease, attempts=1, timeout=timeout)
+
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        path = f"/api/v1/namespaces/{namespace}/pods"
+        reply = self._request("GET", path, query={"labelSelector": selector})
+        items: list[dict[str, Any]] = reply.get("items") or []
+        return items
+
+    def label_pod(self, namespace: str, name: str, key: str, value: str | None) -> None:
+        """Set one label of a pod (None: remove it); a pod that is gone is no error. Asked once
+        (the leader's next round asks again; on the way out there is no time to)."""
+        patch = {"metadata": {"labels": {key: value}}}
+        try:
+            self._request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}", body=patch,
+                          content_type=_MERGE_PATCH, attempts=1, timeout=LEASE_CALL_SECONDS)  # fmt: skip
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
 
     # -- events ---------------------------------------------------------------------------
 

@@ -57,10 +57,6 @@ _ACTIVE_PHASES: Final = ("Created", "Running", "Restarting")
 # reconcile's own add_after). Not Running/Restarting (their pods' figures and gpuHours, read each
 # tick), Queued (Kueue's Workload is read at the reconcile), Pending (discovery is asked again).
 _QUIET_PHASES: Final = ("Created", "Suspended")
-# Seconds a reading of which namespaces this replica leads gates its job events (_leads). Kopf
-# pauses its watch of the trainings as soon as a peer outranks this replica; a job event may
-# still be queued here that long after. Each reading is a GET per watched namespace.
-LEADERSHIP_FRESH_SECONDS: Final = 2.0
 # Seconds close() waits for the workers to finish the reconciles they are in.
 CLOSE_SECONDS: Final = 5.0
 
@@ -85,7 +81,7 @@ class Reconciler:
         *,
         clock: Callable[[], datetime] = _now,
         timer: Callable[[], float] = time.monotonic,
-        leadership: Callable[[], Callable[[str], bool]] = lambda: lambda _namespace: True,
+        leading: Callable[[], bool] = lambda: True,
         report_endpoint: ReportEndpoint | None = None,
         reports: ReportBook | None = None,
     ) -> None:
@@ -93,10 +89,7 @@ class Reconciler:
         self.settings = settings
         self.metrics = metrics or OperatorMetrics()
         self.clock = clock
-        self.leadership = leadership  # per tick: namespace -> whether this replica is active there
-        # The last reading of it, and when (monotonic): the tick's, or a job event's (_leads).
-        self._leading: tuple[Callable[[str], bool] | None, float] = (None, 0.0)
-        self._leading_lock = threading.Lock()
+        self.leading = leading  # whether this replica acts now (its Lease; a standby does not)
         self._table = Table()
         self._pods = PodReader(kube, settings, self.metrics)
         self._status = StatusWriter(kube, self.metrics, clock)
@@ -147,9 +140,9 @@ class Reconciler:
         tracked = self._table.get(key)
         try:
             due = self._due.take(key)
-            # A standby keeps its table, and reconciles nothing: a key it queued as leader (an
-            # event, a retry, a deadline) is put down once a peer outranks it.
-            if tracked is not None and (due or self._has_news(key, tracked)) and self._leads(key[0]):
+            # A standby keeps its table, and reconciles nothing: a key it queued is put down
+            # (taking over queues every key again, take_over).
+            if tracked is not None and (due or self._has_news(key, tracked)) and self.leading():
                 self.reconcile(key)
         finally:
             self._queue_statuses(self._jobs_first.settled(key))
@@ -210,23 +203,20 @@ class Reconciler:
         tracked.see_job(event_type, body)
         if not self._has_news(key, tracked):
             return  # the job we made or patched, echoed, or its first status waits
-        if not self._leads(key[0]):
+        if not self.leading():
             return  # a standby only keeps what it knows up to date, for when it takes over
         if event_type == "DELETED" and not self._still_there(key):
             return  # the garbage collector took it with its GpuTraining: do not re-create it
         self._queue.add(key)
 
-    def _leads(self, namespace: str) -> bool:
-        """Whether this replica is the active one in ``namespace``: the jobs' watch, unlike Kopf's
-        of the trainings, runs on a standby too. Read at most every :data:`LEADERSHIP_FRESH_SECONDS`
-        (a peering object per watched namespace), so a replica that was outranked stops
-        queueing job events within that, where Kopf pauses its watch of the trainings."""
-        with self._leading_lock:
-            leading, read_at = self._leading
-            if leading is None or time.monotonic() - read_at > LEADERSHIP_FRESH_SECONDS:
-                leading = self.leadership()
-                self._leading = (leading, time.monotonic())
-        return leading(namespace)
+    def take_over(self) -> None:
+        """This replica leads from now: every training it knows is reconciled, since a standby
+        reconciled none (level-triggered, so what the last leader left half-done is finished
+        and what it did is seen as done)."""
+        keys = [key for key, _ in self._table.items()]
+        log.info("taking over %d trainings", len(keys))
+        for key in keys:
+            self._queue.add(key)
 
     def _still_there(self, key: TrainingKey) -> bool:
         """Whether the GpuTraining exists, asked of the API server.
@@ -290,10 +280,10 @@ class Reconciler:
 
         One pod list per namespace per tick, however many jobs it holds.
         """
-        leading = self.leadership()
-        with self._leading_lock:
-            self._leading = (leading, time.monotonic())
-        items = [(key, tracked) for key, tracked in self._table.items() if leading(key[0])]
+        if not self.leading():  # a standby scrapes nothing, writes nothing and counts nothing
+            self.metrics.observe_trainings([], self.clock())
+            return
+        items = list(self._table.items())
         active: dict[str, list[tuple[TrainingKey, Tracked]]] = {}
         for key, tracked in items:
             if tracked.child is not None and tracked.phase in _ACTIVE_PHASES:
@@ -330,8 +320,6 @@ class Reconciler:
                 self._queue.add_low(key)  # a first status: behind any training waiting for its job
             else:
                 self._queue.add(key)
-        # Only what this replica serves: a standby's table is stale, and its counts would add
-        # to the active replica's in a sum over pods.
         self.metrics.observe_trainings(items, self.clock())
 
     def _quiet(self, tracked: Tracked, reports: tuple[ReceivedReport, ...], new_pods: bool) -> bool:

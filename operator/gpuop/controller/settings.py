@@ -7,7 +7,7 @@ its env variable and the fix, before anything connects to a cluster.
 
 from __future__ import annotations
 
-import random
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +22,7 @@ ENV_PREFIX: Final = "GPUOP_"
 ScrapeVia = Literal["auto", "pod-ip", "proxy"]
 GpuMetrics = Literal["none", "dcgm-exporter", "prometheus"]
 _NAMESPACE_RE: Final = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_NAME_RE: Final = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 
 class SettingsError(Exception):
@@ -37,11 +38,11 @@ class OperatorSettings:
     scrape_interval_seconds: float = 10.0
     scrape_timeout_seconds: float = 3.0
     scrape_via: ScrapeVia = "auto"
-    peering_name: str | None = "gpu-training-operator"  # None: standalone, no peering
-    # Named by --peering or GPUOP_PEERING (the chart does): wait for the object rather than
-    # fall back to standalone when it is missing (see gpuop.controller.app.check_peering).
-    peering_required: bool = False
-    priority: int = 0
+    # The Lease the replicas share (gpuop.controller.lease), in their own namespace; with no
+    # namespace (outside a pod, none given) or --standalone, this replica acts alone.
+    lease_name: str = "gpu-training-operator"
+    lease_namespace: str | None = None
+    standalone: bool = False  # said on purpose: no warning that there is no Lease
     metrics_port: int = 8080  # 0 disables the operator's own /metrics
     health_port: int = 8081  # 0 disables /healthz
     log_format: Literal["text", "json"] = "text"
@@ -203,23 +204,22 @@ def operator_options(command: F) -> F:
             show_default=True,
         ),
         _option(
-            "--peering",
-            "PEERING",
-            "Kopf peering object shared by the replicas; one is active at a time. "
-            f"Named here, the operator waits for it to exist; by default it uses {d.peering_name!r} when "
-            "that exists and runs standalone, with a warning, when not.",
+            "--lease",
+            "LEASE",
+            "Name of the coordination.k8s.io Lease the replicas share: the one holding it works, "
+            "the others stand by.",
+            default=d.lease_name,
+            show_default=True,
             metavar="NAME",
         ),
-        _option("--standalone", "STANDALONE", "Run without peering (a single replica; tests).", is_flag=True),
         _option(
-            "--priority",
-            "PRIORITY",
-            "Peering priority, an integer or 'random'; the highest live replica "
-            "runs, the others wait. Replicas with equal priorities all pause (Kopf's rule), so replicas of "
-            "one Deployment need 'random'.",
-            default="random",
-            show_default=True,
+            "--lease-namespace",
+            "LEASE_NAMESPACE",
+            "Namespace of that Lease; default: the pod's own (POD_NAMESPACE). Outside a pod, without "
+            "it, the operator runs standalone.",
+            metavar="NS",
         ),
+        _option("--standalone", "STANDALONE", "Run without a Lease: a single replica (tests).", is_flag=True),
         _option(
             "--metrics-port",
             "METRICS_PORT",
@@ -329,11 +329,18 @@ def _number(flag: str, env_name: str, text: str, kind: type[int] | type[float]) 
         raise SettingsError(f"--{flag} / {ENV_PREFIX}{env_name}: must be {noun} (got {text!r})") from None
 
 
-def _priority(text: str) -> int:
-    """An explicit priority, or a random one so that replicas sharing one pod template differ."""
-    if text.strip().lower() == "random":
-        return random.SystemRandom().randrange(1, 2**31)
-    return int(_number("priority", "PRIORITY", text, int))
+def _lease(values: Mapping[str, Any], standalone: bool) -> tuple[str, str | None]:
+    """The Lease's name and namespace (None: standalone), each a valid name or one line."""
+    name = values.get("lease") or OperatorSettings().lease_name
+    given = values.get("lease_namespace") or os.environ.get("POD_NAMESPACE") or None
+    namespace = None if standalone else given
+    if not _NAME_RE.match(name):
+        raise SettingsError(f"--lease / {ENV_PREFIX}LEASE: not a valid object name (got {name!r})")
+    if namespace is not None and not _NAMESPACE_RE.match(namespace):
+        raise SettingsError(
+            f"--lease-namespace / {ENV_PREFIX}LEASE_NAMESPACE: not a valid namespace (got {namespace!r})"
+        )
+    return name, namespace
 
 
 def from_options(values: Mapping[str, Any]) -> OperatorSettings:
@@ -352,7 +359,8 @@ def from_options(values: Mapping[str, Any]) -> OperatorSettings:
             f"--log-format / {ENV_PREFIX}LOG_FORMAT: must be text or json (got {log_format!r})"
         )
     d = OperatorSettings()
-    peering, standalone = values.get("peering"), bool(values.get("standalone"))
+    standalone = bool(values.get("standalone"))
+    lease_name, lease_namespace = _lease(values, standalone)
     return OperatorSettings(
         namespaces=namespaces,
         trainer_image=values["trainer_image"],
@@ -361,9 +369,9 @@ def from_options(values: Mapping[str, Any]) -> OperatorSettings:
         ),
         scrape_timeout_seconds=_number("scrape-timeout", "SCRAPE_TIMEOUT", values["scrape_timeout"], float),
         scrape_via=scrape_via,
-        peering_name=None if standalone or peering == "" else (peering or d.peering_name),
-        peering_required=bool(peering) and not standalone,
-        priority=_priority(values["priority"]),
+        lease_name=lease_name,
+        lease_namespace=lease_namespace,
+        standalone=standalone,
         metrics_port=int(_number("metrics-port", "METRICS_PORT", values["metrics_port"], int)),
         health_port=int(_number("health-port", "HEALTH_PORT", values["health_port"], int)),
         log_format=log_format,

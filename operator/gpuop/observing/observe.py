@@ -1,5 +1,5 @@
-"""API objects as the operator reads them: a job's conditions, a pod, Kueue's Workloads, a
-peering object. Pure.
+"""API objects as the operator reads them: a job's conditions, a pod, Kueue's Workloads.
+Pure.
 
 Each function takes the JSON the API server returned and keeps only what the status
 derivation needs, as the typed records of :mod:`gpuop.observing.records`, so
@@ -14,7 +14,6 @@ import copy
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
 from gpuop.api.identity import (
@@ -405,29 +404,3 @@ def pod_observation(
         deleting=bool(meta.get("deletionTimestamp")),
         node_lost=node_lost,
     )
-
-
-def peering_active(
-    status: Mapping[str, Any] | None, identity: str, priority: int, now: datetime | None = None
-) -> bool:
-    """Whether this replica is the active one under Kopf's peering rule.
-
-    Kopf pauses a replica's watches while a live peer has a higher or the same priority;
-    the operator's own scrape loop must pause with them, or a standby replica would keep
-    writing status. The rule is Kopf's: a peer is alive until lastseen + lifetime.
-    """
-    now = now or datetime.now(UTC)
-    for peer_id, info in (status or {}).items():
-        if peer_id == identity or not isinstance(info, Mapping):
-            continue
-        try:
-            seen = datetime.fromisoformat(str(info["lastseen"]))
-            lifetime = timedelta(seconds=int(info.get("lifetime", 60)))
-            peer_priority = int(info.get("priority", 0))
-        except (KeyError, ValueError, TypeError):
-            continue
-        if seen.tzinfo is None:
-            seen = seen.replace(tzinfo=UTC)
-        if seen + lifetime > now and peer_priority >= priority:
-            return False
-    return True

@@ -62,6 +62,7 @@ class Cluster:
         self.operator: subprocess.Popen[bytes] | None = None
         self.replicas: list[subprocess.Popen[bytes]] = []
         self.operator_args: list[str] = []
+        self.operator_env: dict[str, str] = {}  # the operator's own, beside KUBECONFIG
         self.trainers = StandInTrainers(first_ip=2)
         self._log_index = 0
 
@@ -70,11 +71,13 @@ class Cluster:
     def env(self) -> dict[str, str]:
         return {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
 
-    def start_operator(self, *args: str, peering: str | None = None) -> subprocess.Popen[bytes]:
-        """Start ``gpuop operator`` (standalone unless a peering name is given); a restart
-        without arguments reuses the last ones. The newest process is ``self.operator``."""
-        if args or peering is not None:
-            self.operator_args = [*args, *(["--peering", peering] if peering else ["--standalone"])]
+    def start_operator(self, *args: str, lease_namespace: str | None = None) -> subprocess.Popen[bytes]:
+        """Start ``gpuop operator`` (standalone unless the namespace of a Lease to lead by is
+        given); a restart without arguments reuses the last ones. The newest process is
+        ``self.operator``."""
+        if args or lease_namespace is not None:
+            lease = ["--lease-namespace", lease_namespace] if lease_namespace else ["--standalone"]
+            self.operator_args = [*args, *lease]
         elif not self.operator_args:
             self.operator_args = ["--standalone"]
         self._log_index += 1
@@ -82,7 +85,7 @@ class Cluster:
         self.operator = subprocess.Popen(
             [GPUOP, "operator", "--metrics-port", "0", "--health-port", "0",
              "--scrape-interval", "1", "--scrape-timeout", "0.5", *self.operator_args],
-            env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+            env={**self.env(), **self.operator_env}, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         self.replicas.append(self.operator)
         return self.operator
@@ -94,7 +97,7 @@ class Cluster:
             process.wait(10)
 
     def stop_operator(self, process: subprocess.Popen[bytes] | None = None) -> None:
-        """SIGTERM, as the kubelet sends: Kopf leaves the peering on its way out."""
+        """SIGTERM, as the kubelet sends: the operator gives its Lease up on its way out."""
         process = process or self.operator
         if process is not None and process.poll() is None:
             process.terminate()

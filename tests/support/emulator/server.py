@@ -71,8 +71,7 @@ RESOURCES: tuple[tuple[str, str, bool, tuple[str, ...], tuple[str, ...]], ...] =
     ),
     ("gpuop.io/v1alpha1/gputrainings", "GpuTraining", True, ("status",), ("gtr",)),
     ("kubeflow.org/v1/pytorchjobs", "PyTorchJob", True, ("status",), ()),
-    ("kopf.dev/v1/kopfpeerings", "KopfPeering", True, (), ()),
-    ("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", False, (), ()),
+    ("coordination.k8s.io/v1/leases", "Lease", True, (), ()),
 )
 VERBS = {"create", "delete", "get", "list", "patch", "update", "watch"}
 

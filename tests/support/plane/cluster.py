@@ -41,7 +41,6 @@ TRAINER_CRDS: Final = tuple(
     for plural in ("trainjobs", "trainingruntimes", "clustertrainingruntimes")
 )
 OUR_CRD: Final = ROOT / "crds" / "gputraining.yaml"
-PEERING_CRDS: Final = ROOT / "charts" / "gpu-training-operator" / "crds" / "kopf-peerings.yaml"
 
 # API paths of the kinds the tests touch, by a short name.
 PATHS: Final = {
@@ -170,9 +169,7 @@ def _established(plane: ControlPlane, crd: str, jsonpath: str) -> bool:
     return plane.kubectl("get", "crd", crd, "-o", jsonpath).stdout == "True"
 
 
-def install_crds(
-    plane: ControlPlane, paths: Iterable[Path] = (OUR_CRD, KUBEFLOW_CRD, *TRAINER_CRDS, PEERING_CRDS)
-) -> str:
+def install_crds(plane: ControlPlane, paths: Iterable[Path] = (OUR_CRD, KUBEFLOW_CRD, *TRAINER_CRDS)) -> str:
     """Create the CRDs and wait until each is Established; returns kubectl's warnings, if any."""
     paths = list(paths)
     warnings = "".join(apply_file(plane, path) for path in paths)

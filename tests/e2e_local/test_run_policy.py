@@ -178,6 +178,9 @@ def test_run_policy_is_carried_out_by_the_real_controllers_on_either_backend(
         f"ttl-pytorchjob: deleted by the training-operator {took:.0f} s after its completion, TTL {TTL_SECONDS} s"
     )
     said = [line for line in operator.log(plane).splitlines() if "ttl-pytorchjob" in line]
+    # Made once: a job made again (its first one's end unseen before its TTL took it) would
+    # show here as a deletion before the completion that status gives.
+    assert len([line for line in said if "created PyTorchJob" in line]) == 1, said[-30:]
     assert TTL_SECONDS <= took <= TTL_SECONDS + 10, (took, after, said[-30:])
     time.sleep(5)  # several of the operator's ticks (1 s here): none makes the job again
     assert chain.get(plane, "pytorchjob", "ttl-pytorchjob") is None

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from gpuop.api.identity import DEFAULT_TRAINER_IMAGE, TRAINING_LABEL
+from gpuop.controller.lease import LEADER_LABEL
 from gputrain.contract import METRICS_PORT_NAME
 from support.paths import ROOT
 from support.tools.helm import (
@@ -27,6 +28,7 @@ from support.tools.helm import (
     TEAM_VALUES,
     helm,
     render_error,
+    rules,
     template,
     value_args,
 )
@@ -415,6 +417,7 @@ def test_namespaced_mode_grants_nothing_cluster_scoped_but_nodes_token_reviews_a
         ]
 
 
+LEADER: Final = "gpuop-gpu-training-operator-leader"  # the Role and RoleBinding
 LEADER_RULES: Final = [
     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
@@ -423,48 +426,93 @@ LEADER_RULES: Final = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("values", [{}, {"watchNamespaces": ["team-a"]}], ids=["cluster-wide", "Role mode"])
+def _named(objects: list[dict[str, Any]], kind: str, name: str) -> list[dict[str, Any]]:
+    return [o for o in _of_kind(objects, kind) if o["metadata"]["name"] == name]
+
+
+def _reports_service(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (service,) = [s for s in _of_kind(objects, "Service") if s["metadata"]["name"].endswith("-reports")]
+    return service
+
+
+def _leader_rules(objects: list[dict[str, Any]]) -> list[tuple[str | None, dict[str, Any]]]:
+    """Every rule, anywhere, on a Lease or patching a pod (the leader's label)."""
+    return [
+        (namespace, rule)
+        for namespace, rule in rules(objects)
+        if "leases" in rule["resources"] or ("pods" in rule["resources"] and "patch" in rule["verbs"])
+    ]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{}, {"watchNamespaces": ["team-a"]}, {"watchNamespaces": ["team-a", RELEASE_NAMESPACE]}],
+    ids=["cluster-wide", "Role mode", "Role mode watching its own namespace"],
+)
 def test_the_lease_is_in_the_releases_namespace_and_the_report_service_selects_its_holder(
     values: dict[str, Any],
 ) -> None:
-    """One Role in the release's namespace, whatever is watched: its one Lease (made, then read
-    and renewed by name) and the pods there (the leader labels its own, and takes the label off a
-    dead leader's), which the report Service selects, so reports reach the replica that writes
-    status. Without leader election none of it, and the Service selects every replica."""
+    """One Role in the release's namespace, whatever is watched (beside the watch Role when that
+    namespace is watched too): its one Lease (made, then read and renewed by name) and the pods
+    there (the leader labels its own, and takes the label off a dead leader's), which the report
+    Service selects, so reports reach the replica that writes status. No other rule touches a
+    Lease or patches a pod."""
     objects = template(values)
-    (role,) = [r for r in _of_kind(objects, "Role") if r["metadata"]["namespace"] == RELEASE_NAMESPACE]
-    assert role["metadata"]["name"] == "gpuop-gpu-training-operator-leader"
+    (role,) = _named(objects, "Role", LEADER)
+    assert role["metadata"]["namespace"] == RELEASE_NAMESPACE
     assert role["rules"] == LEADER_RULES
-    (binding,) = [
-        b for b in _of_kind(objects, "RoleBinding") if b["metadata"]["name"] == role["metadata"]["name"]
-    ]
+    assert _leader_rules(objects) == [(RELEASE_NAMESPACE, rule) for rule in LEADER_RULES]
+    (binding,) = _named(objects, "RoleBinding", LEADER)
     assert binding["metadata"]["namespace"] == RELEASE_NAMESPACE
-    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": LEADER}
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "gpuop-gpu-training-operator", "namespace": RELEASE_NAMESPACE}
     ]
-    env = {
-        e["name"]: e.get("value")
-        for e in _deployment(objects)["spec"]["template"]["spec"]["containers"][0]["env"]
-    }
+    # The Lease the operator is told is the one the Role names, after the release.
+    deployment = _deployment(objects)
+    env = _env(objects)
     assert (env["GPUOP_LEASE"], env["GPUOP_LEASE_NAMESPACE"]) == (
+        deployment["metadata"]["name"],
+        RELEASE_NAMESPACE,
+    )
+    assert LEADER_RULES[1]["resourceNames"] == [env["GPUOP_LEASE"]]
+    assert "GPUOP_STANDALONE" not in env
+    # The operator's pods, the leader's alone. The label is the operator's to set at run time:
+    # in the pod template every replica would start as leader, and in the Deployment's selector
+    # taking it off would orphan the pod from its ReplicaSet.
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert _reports_service(objects)["spec"]["selector"] == {**selector, LEADER_LABEL: "true"}
+    assert LEADER_LABEL not in selector
+    assert LEADER_LABEL not in deployment["spec"]["template"]["metadata"]["labels"]
+
+
+@pytest.mark.parametrize("values", [{}, {"watchNamespaces": ["team-a"]}], ids=["cluster-wide", "Role mode"])
+def test_standalone_has_no_lease_and_the_report_service_selects_its_one_replica(
+    values: dict[str, Any],
+) -> None:
+    """leaderElection.enabled=false: no Role or binding for a Lease, no rule on one, the operator
+    told to act alone, and the report Service selects the operator's pods as the Deployment does
+    (no replica would ever carry the leader's label)."""
+    objects = template({**values, "leaderElection.enabled": False})
+    assert _named(objects, "Role", LEADER) == _named(objects, "RoleBinding", LEADER) == []
+    assert _leader_rules(objects) == []
+    env = _env(objects)
+    assert env["GPUOP_STANDALONE"] == "true"
+    assert not {"GPUOP_LEASE", "GPUOP_LEASE_NAMESPACE"} & set(env)
+    selector = _deployment(objects)["spec"]["selector"]["matchLabels"]
+    assert _reports_service(objects)["spec"]["selector"] == selector
+
+
+def test_without_rbac_the_lease_is_still_used_and_its_role_left_to_the_site() -> None:
+    """rbac.create=false: the site grants the operator's rules itself, the leader's included;
+    leader election is a separate value, so the operator still elects one."""
+    objects = template({"rbac.create": False})
+    assert _of_kind(objects, "Role") == _of_kind(objects, "RoleBinding") == []
+    assert (_env(objects)["GPUOP_LEASE"], _env(objects)["GPUOP_LEASE_NAMESPACE"]) == (
         "gpuop-gpu-training-operator",
         RELEASE_NAMESPACE,
     )
-    assert "GPUOP_STANDALONE" not in env
-    (reports,) = [s for s in _of_kind(objects, "Service") if s["metadata"]["name"].endswith("-reports")]
-    assert reports["spec"]["selector"]["gpuop.io/leader"] == "true"
-
-    alone = template({**values, "leaderElection.enabled": False})
-    assert [r for r in _of_kind(alone, "Role") if r["metadata"]["namespace"] == RELEASE_NAMESPACE] == []
-    env = {
-        e["name"]: e.get("value")
-        for e in _deployment(alone)["spec"]["template"]["spec"]["containers"][0]["env"]
-    }
-    assert env["GPUOP_STANDALONE"] == "true"
-    assert "GPUOP_LEASE" not in env
-    (reports,) = [s for s in _of_kind(alone, "Service") if s["metadata"]["name"].endswith("-reports")]
-    assert "gpuop.io/leader" not in reports["spec"]["selector"]
+    assert LEADER_LABEL in _reports_service(objects)["spec"]["selector"]
 
 
 def test_no_rule_reaches_secrets_or_deletes_anything_but_pods() -> None:

@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 _TRAININGS: Final = f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/{PLURAL}"
 _MERGE_PATCH: Final = "application/merge-patch+json"
 _LEASES: Final = "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"
-# Seconds one call on the Lease may take: two of them a round fit well within the renew deadline.
-LEASE_CALL_SECONDS: Final = 4.0
+# Seconds one call on the Lease may take: a renewal that waits longer is tried again, several
+# times within the renew deadline.
+LEASE_CALL_SECONDS: Final = 3.0
 # Objects per page of a list: the size of the page the API server's own clients (kubectl) ask for.
 LIST_PAGE: Final = 500
 # A reply of metadata only (every API server we claim, 1.29 on, serves it); plain JSON elsewhere.
@@ -289,18 +290,22 @@ class Kube(ApiSession):
             raise
         return body
 
-    def create_lease(self, namespace: str, name: str, spec: Mapping[str, Any]) -> None:
-        """ApiError 409 when another replica created it first."""
+    def create_lease(self, namespace: str, name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+        """The Lease as created; ApiError 409 when another replica created it first."""
         body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                 "metadata": {"name": name, "namespace": namespace}, "spec": spec}  # fmt: skip
-        self._request("POST", _LEASES.format(ns=namespace), body=body, attempts=1, timeout=LEASE_CALL_SECONDS)
+        made: dict[str, Any] = self._request(
+            "POST", _LEASES.format(ns=namespace), body=body, attempts=1, timeout=LEASE_CALL_SECONDS
+        )
+        return made
 
-    def replace_lease(self, lease: Mapping[str, Any], timeout: float = LEASE_CALL_SECONDS) -> None:
-        """Write the Lease as read and changed: its resourceVersion makes a write that another
-        replica's overtook fail with ApiError 409."""
+    def replace_lease(self, lease: Mapping[str, Any], timeout: float = LEASE_CALL_SECONDS) -> dict[str, Any]:
+        """Write the Lease as read and changed, and return it as written: its resourceVersion
+        makes a write that another replica's overtook fail with ApiError 409."""
         meta = lease["metadata"]
         path = f"{_LEASES.format(ns=meta['namespace'])}/{meta['name']}"
-        self._request("PUT", path, body=lease, attempts=1, timeout=timeout)
+        written: dict[str, Any] = self._request("PUT", path, body=lease, attempts=1, timeout=timeout)
+        return written
 
     def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         path = f"/api/v1/namespaces/{namespace}/pods"

@@ -29,7 +29,7 @@ from typing import Any, Final
 
 from gpuop.api.identity import GROUP
 from gpuop.controller.apiclient import ApiError
-from gpuop.controller.kube import Kube
+from gpuop.controller.kube import LEASE_CALL_SECONDS, Kube
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 LEASE_SECONDS: Final = 15
 RENEW_DEADLINE_SECONDS: Final = 10.0
 RETRY_SECONDS: Final = 2.0
+# A leader whose renewal failed tries again at once, this many times in all, and the next round
+# comes this soon.
+RENEW_TRIES: Final = 3
+RETRY_FAILED_RENEWAL_SECONDS: Final = 0.5
 # A leader's pod carries this label while it leads (the report Service selects it).
 LEADER_LABEL: Final = f"{GROUP}/leader"
 # Seconds between repeats of the WARNING that the Lease cannot be read or written.
@@ -75,6 +79,7 @@ class LeaderLease:
         self.timer, self.clock = timer, clock
         self._renewed_at: float | None = None  # when this replica last wrote the Lease as holder
         self._observed: tuple[Any, ...] | None = None  # the last record seen of another holder
+        self._written: dict[str, Any] | None = None  # the Lease as this replica last wrote it
         self._observed_at = 0.0
         self._labelled = False
         self._warned_at: float | None = None
@@ -96,7 +101,7 @@ class LeaderLease:
             with self._lock:
                 if self._stop.is_set():
                     return
-                self.try_acquire_or_renew()
+                held = self.try_acquire_or_renew()
             if was_leading and not self.leading() and not self._stop.is_set():  # not given up (release)
                 log.error(
                     "leadership lost: the Lease %s/%s was taken by another replica, or not renewed within "
@@ -111,7 +116,7 @@ class LeaderLease:
                 self.on_lead()
             if self.leading() and not self._labelled:
                 self._label_leader()
-            self._stop.wait(RETRY_SECONDS)
+            self._stop.wait(RETRY_SECONDS if held or not self.leading() else RETRY_FAILED_RENEWAL_SECONDS)
 
     def stop(self) -> None:
         self._stop.set()
@@ -134,7 +139,7 @@ class LeaderLease:
                 now = _stamp(self.clock())
                 spec = {**lease["spec"], "holderIdentity": None, "leaseDurationSeconds": 1,
                         "acquireTime": now, "renewTime": now}  # fmt: skip
-                self.kube.replace_lease({**lease, "spec": spec}, timeout=RETRY_SECONDS)
+                self.kube.replace_lease({**lease, "spec": spec}, timeout=LEASE_CALL_SECONDS)
                 log.info("released the Lease %s/%s", self.namespace, self.name)
             except ApiError as exc:
                 log.warning("releasing the Lease %s/%s: %s; another replica takes over in %ds",
@@ -143,18 +148,41 @@ class LeaderLease:
     # -- one round ------------------------------------------------------------------------
 
     def try_acquire_or_renew(self) -> bool:
-        """One read and at most one write of the Lease; whether this replica holds it now."""
+        """One round; whether this replica holds the Lease now. A leader whose renewal failed
+        (a 5xx, a timeout, a lost reply) tries again at once, up to :data:`RENEW_TRIES` times:
+        with one try a round, an operator behind a proxy failing a fifth of requests lost its
+        Lease within a minute."""
+        for _ in range(RENEW_TRIES if self._renewed_at is not None else 1):
+            if self._try_once():
+                return True
+            if not self.leading():
+                return False  # taken by another, or past the renew deadline
+        return False
+
+    def _try_once(self) -> bool:
+        """A leader renews with one write of the Lease as it last wrote it (as
+        client-go's leader does); otherwise, or when that write finds the Lease changed since, a
+        read and at most one write. Whether this replica holds it now."""
+        if self._renewed_at is not None and self._written is not None:
+            try:
+                return self._held(self.kube.replace_lease(
+                    {**self._written, "spec": self._spec(self._written["spec"], self.clock())},
+                    timeout=LEASE_CALL_SECONDS))  # fmt: skip
+            except ApiError as exc:
+                if exc.status != 409:  # not written, or written with its reply lost: tried again soon
+                    log.debug("renewing the Lease %s/%s: %s", self.namespace, self.name, exc)
+                    return False
+                self._written = None  # changed since: read it, in this round
         try:
             lease = self.kube.get_lease(self.namespace, self.name)
             now = self.clock()
             if lease is None:
-                self.kube.create_lease(self.namespace, self.name, self._spec({}, now))
-                return self._held()
+                return self._held(self.kube.create_lease(self.namespace, self.name, self._spec({}, now)))
             spec = lease.get("spec") or {}
             holder = spec.get("holderIdentity") or ""
             if holder != self.identity:
                 if self._renewed_at is not None:
-                    self._renewed_at = None  # taken by another: this replica stops at once
+                    self._renewed_at = self._written = None  # taken by another: this replica stops at once
                     return False
                 record = (holder, spec.get("renewTime"), spec.get("leaseDurationSeconds"),
                           lease["metadata"].get("resourceVersion"))  # fmt: skip
@@ -165,8 +193,8 @@ class LeaderLease:
                     self._quiet()
                     return False  # another holds it, and renewed it within its duration
                 log.info("taking the Lease %s/%s from %s", self.namespace, self.name, holder or "nobody")
-            self.kube.replace_lease({**lease, "spec": self._spec(spec, now)}, timeout=RETRY_SECONDS)
-            return self._held()
+            return self._held(self.kube.replace_lease({**lease, "spec": self._spec(spec, now)},
+                                                      timeout=LEASE_CALL_SECONDS))  # fmt: skip
         except ApiError as exc:
             if exc.status != 409:  # 409: another replica wrote it first; read again next round
                 self._warn(exc)
@@ -183,7 +211,8 @@ class LeaderLease:
             "leaseTransitions": int(spec.get("leaseTransitions") or 0) + (0 if ours or not spec else 1),
         }
 
-    def _held(self) -> bool:
+    def _held(self, written: dict[str, Any]) -> bool:
+        self._written = written
         self._renewed_at = self.timer()
         self._quiet()
         return True

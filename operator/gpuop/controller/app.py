@@ -249,8 +249,7 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         stop.set()
-        await jobs_stop
-        await asyncio.to_thread(jobs.close)
+        await jobs_stop  # the jobs' watch and the workers stopped, the Lease given up
         reconciler.close()
         if receiver is not None:
             receiver.close()

@@ -44,9 +44,11 @@ class Kube(ApiSession):
 
     # -- Kubeflow jobs (PyTorchJob, TrainJob) and the TrainJob's TrainingRuntime ---------
 
-    def _get_or_none(self, path: str) -> dict[str, Any] | None:
+    def _get_or_none(
+        self, path: str, *, attempts: int | None = None, timeout: float | None = None
+    ) -> dict[str, Any] | None:
         try:
-            body: dict[str, Any] = self._request("GET", path)
+            body: dict[str, Any] = self._request("GET", path, attempts=attempts, timeout=timeout)
         except ApiError as exc:
             if exc.status == 404:
                 return None
@@ -205,8 +207,11 @@ class Kube(ApiSession):
 
     def list_training_pods(self, namespace: str) -> list[dict[str, Any]]:
         """Every pod of every GpuTraining in the namespace: one request however many jobs."""
+        return self.list_pods(namespace, TRAINING_LABEL)
+
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         reply = self._request(
-            "GET", f"/api/v1/namespaces/{namespace}/pods", query={"labelSelector": TRAINING_LABEL}
+            "GET", f"/api/v1/namespaces/{namespace}/pods", query={"labelSelector": selector}
         )
         items: list[dict[str, Any]] = reply.get("items") or []
         return items
@@ -239,13 +244,7 @@ class Kube(ApiSession):
     def get_node(self, name: str) -> dict[str, Any] | None:
         """A Node (None: there is none); read only for the node of a training pod that may be lost.
         Asked once: the tick reads it, and asks again at the next one rather than wait here."""
-        try:
-            body: dict[str, Any] = self._request("GET", f"/api/v1/nodes/{name}", attempts=1)
-        except ApiError as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return body
+        return self._get_or_none(f"/api/v1/nodes/{name}", attempts=1)
 
     # -- authentication -------------------------------------------------------------------
 
@@ -280,15 +279,9 @@ class Kube(ApiSession):
     def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The replicas' Lease (:mod:`~gpuop.controller.lease`); asked once, briefly: a round
         that fails is the next round's to retry, within the renew deadline."""
-        try:
-            body: dict[str, Any] = self._request(
-                "GET", f"{_LEASES.format(ns=namespace)}/{name}", attempts=1, timeout=LEASE_CALL_SECONDS
-            )
-        except ApiError as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return body
+        return self._get_or_none(
+            f"{_LEASES.format(ns=namespace)}/{name}", attempts=1, timeout=LEASE_CALL_SECONDS
+        )
 
     def create_lease(self, namespace: str, name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
         """The Lease as created; ApiError 409 when another replica created it first."""
@@ -306,12 +299,6 @@ class Kube(ApiSession):
         path = f"{_LEASES.format(ns=meta['namespace'])}/{meta['name']}"
         written: dict[str, Any] = self._request("PUT", path, body=lease, attempts=1, timeout=timeout)
         return written
-
-    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        path = f"/api/v1/namespaces/{namespace}/pods"
-        reply = self._request("GET", path, query={"labelSelector": selector})
-        items: list[dict[str, Any]] = reply.get("items") or []
-        return items
 
     def label_pod(self, namespace: str, name: str, key: str, value: str | None) -> None:
         """Set one label of a pod (None: remove it); a pod that is gone is no error. Asked once

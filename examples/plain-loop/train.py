@@ -56,6 +56,11 @@ def main() -> None:
         if args.checkpoint_dir and rank == 0 and step % args.checkpoint_every == 0:
             save(model, optimizer, step, args.checkpoint_dir)
     gpureport.finish(step=args.steps, total_steps=args.steps, loss=loss.item())
+    if rank == 0:
+        # What reached the operator. A report that found no server (the operator's leader
+        # changing hands) is not lost: the newest is sent again in its place.
+        sent = gpureport.default_reporter()
+        print(f"progress reports: {sent.delivered} delivered, {sent.failures} failed", flush=True)
     if distributed:
         # The DDP model first, then the group: freed last by the model, the group is torn down
         # holding the GIL that gloo's worker thread may need, and a rank aborts or deadlocks

@@ -288,12 +288,17 @@ def lease_holder(api: Api) -> str | None:
 @pytest.fixture
 def two_replicas(plane: controlplane.ControlPlane, api: Api, nodes: Pool, operator: InClusterOperator,
                  released: Released) -> Iterator[tuple[str, str]]:  # fmt: skip
-    """The release scaled to two replicas (the chart's PodDisruptionBudget with them); the
-    leader's and the standby's pod names. Scaled back to one after."""
-    install_chart(plane, {**chart_values(nodes), "replicaCount": 2}, released.helm_chart())
+    """The release scaled to two replicas where the chart's defaults place them (its
+    anti-affinity: one a node; its PodDisruptionBudget with them); the leader's and the
+    standby's pod names. Back to one on the first node after."""
+    install_chart(
+        plane, {**chart_values(nodes), "replicaCount": 2, "nodeSelector": {}}, released.helm_chart()
+    )
     try:
+        # The new template's two: the first node's pod goes as its replacements come.
         pods = wait_for("two operator pods Ready", lambda: (ready := [p for p in operator_pods(api) if pod_ready(p)])
-                        and len(ready) == 2 and ready, timeout=120, every=0.5)  # fmt: skip
+                        and len(ready) == 2 and len(operator_pods(api)) == 2 and ready,
+                        timeout=180, every=0.5)  # fmt: skip
         names = [p["metadata"]["name"] for p in pods]
         leader = wait_for(
             "a holder of the Lease", lambda: lease_holder(api) in names and lease_holder(api), timeout=30

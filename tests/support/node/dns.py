@@ -1,5 +1,5 @@
-"""Cluster DNS: CoreDNS in a pod on the real node, behind the ``kube-dns`` Service, as kubeadm
-deploys it, so that pods resolve ``<service>.<namespace>.svc.cluster.local`` and the names of
+"""Cluster DNS: CoreDNS in a pod on each real node, behind the ``kube-dns`` Service, as kubeadm
+deploys it (two replicas, apart: a node's death leaves the cluster its names), so that pods resolve ``<service>.<namespace>.svc.cluster.local`` and the names of
 Kubeflow's headless Services (the rendezvous ``<job>-master-0``).
 
 CoreDNS v1.15 is built from its Go module (``tests/dns/go.mod``, :func:`support.node.binaries.dns_recipe`),
@@ -14,7 +14,7 @@ to the pod. It listens on 1053 inside its pod, so it needs no capability to bind
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
 from support.node import binaries, images
@@ -49,8 +49,10 @@ def image(node_binaries: binaries.NodeBinaries) -> images.ImageArchive:
     )
 
 
-def objects(image_name: str, node_name: str) -> list[tuple[str, str | None, dict[str, Any]]]:
-    """(resource, namespace, body) of what CoreDNS needs, in creation order (kubeadm's shape)."""
+def objects(image_name: str, replicas: int) -> list[tuple[str, str | None, dict[str, Any]]]:
+    """(resource, namespace, body) of what CoreDNS needs, in creation order (kubeadm's shape):
+    ``replicas`` pods, never two on one node. kubeadm only prefers them apart; here each node
+    must have one, so that the test of a node's death cannot pass by luck of placement."""
     labels = {"k8s-app": "kube-dns"}
     rbac = "rbac.authorization.k8s.io/v1"
     return [
@@ -79,12 +81,14 @@ def objects(image_name: str, node_name: str) -> list[tuple[str, str | None, dict
         }),
         ("deployments", NAMESPACE, {
             "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": NAME, "labels": labels},
-            "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "template": {
+            "spec": {"replicas": replicas, "selector": {"matchLabels": labels}, "template": {
                 "metadata": {"labels": labels},
                 "spec": {
                     "serviceAccountName": NAME,
                     "dnsPolicy": "Default",  # its own lookups go to the node's resolver, not to itself
-                    "nodeSelector": {"kubernetes.io/hostname": node_name},
+                    "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                        {"labelSelector": {"matchLabels": labels}, "topologyKey": "kubernetes.io/hostname"},
+                    ]}},
                     "securityContext": {"runAsNonRoot": True, "runAsUser": 65532,
                                         "seccompProfile": {"type": "RuntimeDefault"}},
                     "containers": [{
@@ -105,20 +109,21 @@ def objects(image_name: str, node_name: str) -> list[tuple[str, str | None, dict
 
 
 @contextlib.contextmanager
-def running_cluster_dns(api: Api, node: Node, timeout: float = 120.0) -> Iterator[str]:
-    """CoreDNS Ready behind 10.96.0.10 for the ``with`` block (needs kube-proxy running);
-    yields the Service IP. Everything it created is deleted at the end."""
-    archive = image(node.binaries)
-    node.containerd.import_images([archive])
+def running_cluster_dns(api: Api, nodes: Sequence[Node], timeout: float = 120.0) -> Iterator[str]:
+    """CoreDNS Ready on each of ``nodes`` behind 10.96.0.10 for the ``with`` block (needs
+    kube-proxy running); yields the Service IP. Everything it created is deleted at the end."""
+    archive = image(nodes[0].binaries)
+    for node in nodes:
+        node.containerd.import_images([archive])
     created = []
     try:
-        for resource, namespace, body in objects(archive.name, node.name):
+        for resource, namespace, body in objects(archive.name, len(nodes)):
             api.create(resource, body, namespace)
             created.append((resource, namespace, body["metadata"]["name"]))
 
         def ready() -> bool:
             pods = api.list("pods", NAMESPACE, selector="k8s-app=kube-dns")
-            return any(pod_ready(p) for p in pods)
+            return sum(pod_ready(p) for p in pods) == len(nodes)
 
         wait_for("CoreDNS Ready", ready, timeout=timeout, every=0.5)
         yield CLUSTER_DNS

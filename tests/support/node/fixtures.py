@@ -101,5 +101,5 @@ def service_proxy(
 @pytest.fixture(scope="module")
 def cluster_dns(node_api: Api, node: Node, service_proxy: ServiceProxy) -> Iterator[str]:
     """CoreDNS in a pod behind the kube-dns Service (10.96.0.10); its address."""
-    with running_cluster_dns(node_api, node) as address:
+    with running_cluster_dns(node_api, [node]) as address:
         yield address

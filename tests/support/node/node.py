@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import signal
 import ssl
 import subprocess
 import time
@@ -195,6 +196,34 @@ class Node:
             return [int(pid) for pid in procs.read_text().split()]
         except (LookupError, OSError):  # the container or the pod went meanwhile
             return []
+
+    # -- death ----------------------------------------------------------------------------
+
+    def die(self) -> None:
+        """Die as a machine does (a GPU's Xid, a kernel panic, a preempted VM): the kubelet, the
+        device plugin and every process of every pod SIGKILLed at once, nobody told. containerd
+        lives on but nothing asks it anything, so to the cluster the node is as dead as a lost
+        one: its status and Lease stop, its pods are never confirmed gone."""
+        for daemon in (self.kubelet.process, self.gpu_plugin):
+            if daemon is not None and daemon.alive():
+                daemon.process.kill()
+                daemon.process.wait()
+        self.kubelet.process, self.gpu_plugin = None, None
+        kubepods = hoststate.CGROUP_MOUNT / "pids" / self.cgroup_root / "kubepods"
+        for procs in kubepods.rglob("cgroup.procs"):
+            for pid in procs.read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+
+    def revive(self, timeout: float = 120.0) -> None:
+        """The machine back after :meth:`die`: its kubelet starts again, finds its pods' containers
+        dead and the cluster's word on each (made again in place, or gone), and the node Ready."""
+        self.kubelet.start(self.plane)
+        kubelet = self.kubelet.process
+        wait_until(self.kubelet.healthy, timeout, "kubelet /healthz", kubelet)
+        wait_until(self.ready, timeout, f"Node {self.name} Ready again", kubelet, interval=0.5)
+        if self.gpus:
+            self._start_gpu_plugin(timeout)
 
     def footprint(self) -> hoststate.Footprint:
         return hoststate.Footprint.of(self.workdir, self.cgroup_root, self.bridge)

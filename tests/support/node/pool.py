@@ -96,5 +96,5 @@ def running_pool(
         proxy = pieces.enter_context(
             running_service_proxy(plane, binaries, workdir / "kube-proxy", both[0].name)
         )
-        dns = pieces.enter_context(running_cluster_dns(api, both[0]))
+        dns = pieces.enter_context(running_cluster_dns(api, both))
         yield Pool(scheduler, both, proxy, dns)

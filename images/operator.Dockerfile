@@ -1,4 +1,4 @@
-# The operator: Kopf + the Kubernetes client, no torch. Runs as uid 65532 on a read-only root
+# The operator: Kopf and urllib3, no Kubernetes client, no torch. Runs as uid 65532 on a read-only root
 # filesystem (the chart's securityContext).
 # Build from the repository root:  docker build -f images/operator.Dockerfile -t ghcr.io/gpu-training-operator/operator:$(make -s version) .
 FROM python:3.11.11-slim-bookworm
@@ -12,9 +12,10 @@ COPY trainer/ trainer/
 # Exactly what gpuop imports, at the versions CI tests (constraints.txt), and nothing else:
 # --no-deps keeps the trainer extra (torch) out.
 RUN python -m pip install --no-deps . \
- && python -m pip install -c constraints.txt kopf kubernetes urllib3 pyyaml prometheus-client click rich \
+ && python -m pip install -c constraints.txt kopf urllib3 pyyaml prometheus-client click rich \
  && python -c "import gpuop.controller.app, gpuop.cli.commands" \
  && ! python -c "import torch" 2>/dev/null \
+ && ! python -c "import kubernetes" 2>/dev/null \
  && rm -rf /opt/gpuop/operator /opt/gpuop/trainer
 
 # A fixed non-root uid (the chart runs as 65532 and checks runAsNonRoot); no home, no shell.

@@ -352,14 +352,10 @@ def test_the_server_accepts_changing_a_mutable_field(
 
 def _operator_kube(plane: ControlPlane) -> Any:
     """The operator's own API client (``gpuop.controller.kube.Kube``), logged in as kubectl is."""
-    from kubernetes import client as k8s_client
-    from kubernetes import config as k8s_config
-
+    from gpuop.controller.credentials import from_kubeconfig
     from gpuop.controller.kube import Kube
 
-    configuration = k8s_client.Configuration()
-    k8s_config.load_kube_config(config_file=str(plane.kubeconfig), client_configuration=configuration)  # type: ignore[no-untyped-call]
-    return Kube(k8s_client.ApiClient(configuration))
+    return Kube(from_kubeconfig(str(plane.kubeconfig)))
 
 
 def _recorder() -> tuple[list[tuple[str | None, str]], Any]:

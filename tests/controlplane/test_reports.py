@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client as k8s_client
-from kubernetes import config as k8s_config
 
 from gpuop.api.identity import TRAINING_LABEL, report_audience, report_path
 from gpuop.controller.apiclient import Backoff
+from gpuop.controller.credentials import from_kubeconfig
 from gpuop.controller.kube import Kube
 from gpuop.controller.receiver import ClusterGate
 from gpuop.observing.endpoint import Limits, ReportBook, ReportServer
@@ -88,9 +87,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(plane: ControlPlane, api: Api) -> Iterator[Cluster]:
-    configuration = k8s_client.Configuration()
-    k8s_config.load_kube_config(config_file=str(plane.kubeconfig), client_configuration=configuration)  # type: ignore[no-untyped-call]
-    kube = Kube(k8s_client.ApiClient(configuration), backoff=Backoff(attempts=2, base_seconds=0.01))
+    kube = Kube(from_kubeconfig(str(plane.kubeconfig)), backoff=Backoff(attempts=2, base_seconds=0.01))
     namespace = f"reports-{secrets.token_hex(3)}"
     api.create("namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}, None)
     api.create("serviceaccounts", {"apiVersion": "v1", "kind": "ServiceAccount",

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client as k8s_client
 
 from gpuop.api.spec import parse
 from gpuop.backends.pytorchjob import PYTORCHJOB, render_pytorchjob
 from gpuop.backends.trainjob import TRAINJOB, render_trainjob
 from gpuop.controller import table
 from gpuop.controller.apiclient import ApiError, Backoff, request_target
+from gpuop.controller.credentials import Credentials
 from gpuop.controller.kube import Kube
 from gpuop.controller.settings import OperatorSettings, SettingsError
 from gpuop.observing import observe
@@ -359,9 +359,10 @@ def emulator() -> Iterator[RunningApiServer]:
 
 
 def _kube(emulator: RunningApiServer, attempts: int = 8) -> Kube:
-    configuration = k8s_client.Configuration()
-    configuration.host = emulator.url
-    return Kube(k8s_client.ApiClient(configuration), backoff=Backoff(attempts=attempts, base_seconds=0.001))
+    return Kube(
+        Credentials(server=emulator.url, in_cluster=False),
+        backoff=Backoff(attempts=attempts, base_seconds=0.001),
+    )
 
 
 def _job(name: str) -> dict[str, Any]:
@@ -409,9 +410,8 @@ def test_errors_that_mean_something_are_not_retried(emulator: RunningApiServer) 
 
 
 def test_an_unreachable_server_gives_up_with_one_error(tmp_path: Path) -> None:
-    configuration = k8s_client.Configuration()
-    configuration.host = "http://127.0.0.1:9"  # discard: nothing listens
-    kube = Kube(k8s_client.ApiClient(configuration), backoff=Backoff(attempts=2, base_seconds=0.001))
+    nowhere = Credentials(server="http://127.0.0.1:9", in_cluster=False)  # discard: nothing listens
+    kube = Kube(nowhere, backoff=Backoff(attempts=2, base_seconds=0.001))
     with pytest.raises(ApiError) as error:
         kube.get_object("kubeflow.org/v1", "pytorchjobs", "default", "x")
     assert error.value.status == 0

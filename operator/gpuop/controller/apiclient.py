@@ -1,13 +1,10 @@
 """The transport under every call the operator makes to the Kubernetes API: log in, send,
 retry.
 
-Objects travel as plain JSON dicts: the operator reads a handful of fields, and the client's
-generated model classes would cost a deserialisation of every pod for nothing. Of the
-kubernetes client only the public surface every version from 29 on has is used: its
-kubeconfig and in-cluster loaders fill a ``Configuration``, whose TLS, proxy and pool fields
-and ``auth_settings()`` (which refreshes a rotating token) set up our own urllib3 pool. Its
-``ApiClient`` internals changed across versions (``param_serialize`` is 36+ only: with the
-Kubeflow SDK's ``kubernetes<36`` every request failed). Every call goes
+Objects travel as plain JSON dicts: the operator reads a handful of fields, and a client's
+generated model classes would cost a deserialisation of every pod for nothing. Credentials
+come from :mod:`gpuop.controller.credentials` (in-cluster or a kubeconfig); one urllib3 pool
+carries every request. Every call goes
 through :meth:`ApiSession._request`, which retries what a real API server sends under load or
 during a control-plane upgrade (429, 500, 502, 503, 504, timeouts, refused connections) with
 capped exponential backoff and jitter, honouring ``Retry-After``. Everything else is the
@@ -29,8 +26,9 @@ from dataclasses import dataclass
 from typing import Any, Final, Self
 
 import urllib3
-from kubernetes import client as k8s_client
-from kubernetes import config as k8s_config
+
+from gpuop.controller import credentials
+from gpuop.controller.credentials import Credentials
 
 log = logging.getLogger(__name__)
 
@@ -97,38 +95,30 @@ class ApiSession:
 
     def __init__(
         self,
-        api: k8s_client.ApiClient,
+        login: Credentials,
         *,
         backoff: Backoff | None = None,
         timeout_seconds: float = 30.0,
-        in_cluster: bool = False,
+        pool_size: int = 32,
     ) -> None:
-        self.configuration = api.configuration
-        self._pool = _pool(self.configuration)
+        self.credentials = login
+        self._pool = _pool(login, pool_size)
         self.backoff = backoff or Backoff()
         self.timeout_seconds = timeout_seconds
-        self.in_cluster = in_cluster
+        self.in_cluster = login.in_cluster
         self.requests = RequestCounter()
 
     @classmethod
     def login(cls, *, pool_size: int = 32) -> Self:
         """Credentials the way kubectl finds them: in a pod its ServiceAccount, else KUBECONFIG."""
-        configuration = k8s_client.Configuration()
         try:
-            k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-            in_cluster = True
-        except k8s_config.ConfigException:
-            try:
-                k8s_config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-            except (k8s_config.ConfigException, OSError) as exc:
-                raise LoginError(
-                    f"no cluster credentials: not in a pod, and no usable kubeconfig ({exc}); set "
-                    "KUBECONFIG or run in-cluster with a ServiceAccount"
-                ) from None
-            in_cluster = False
-        configuration.connection_pool_maxsize = pool_size
-        configuration.retries = False  # retried here, for every verb, with backoff
-        return cls(k8s_client.ApiClient(configuration), in_cluster=in_cluster)
+            found = credentials.login()
+        except credentials.CredentialsError as exc:
+            raise LoginError(
+                f"no cluster credentials: not in a pod, and no usable kubeconfig ({exc}); set "
+                "KUBECONFIG or run in-cluster with a ServiceAccount"
+            ) from None
+        return cls(found, pool_size=pool_size)
 
     # -- the one way out ------------------------------------------------------------------
 
@@ -153,14 +143,14 @@ class ApiSession:
         if body is not None:
             headers["Content-Type"] = content_type
         payload = json.dumps(body).encode() if body is not None else None
-        url = f"{self.configuration.host}{path}"
+        url = f"{self.credentials.server}{path}"
         verb, resource = request_target(method, path)
         attempts = attempts or self.backoff.attempts
         for attempt in range(attempts):
             started = time.monotonic()
             try:
                 response = self._pool.request(
-                    method, url, body=payload, headers=headers | _auth_header(self.configuration),
+                    method, url, body=payload, headers=headers | _auth_header(self.credentials),
                     timeout=urllib3.Timeout(total=timeout or self.timeout_seconds), retries=False,
                 )  # fmt: skip
                 data = response.data
@@ -191,8 +181,8 @@ class ApiSession:
     def _open_stream(self, path: str, resource: str, read_timeout: float) -> urllib3.BaseHTTPResponse:
         """A GET whose reply is read as it comes (a watch), not retried; the response, its
         status 200, for the caller to read and close. ApiError as :meth:`_request` raises it."""
-        url = f"{self.configuration.host}{path}"
-        headers = {"Accept": "application/json", "User-Agent": USER_AGENT} | _auth_header(self.configuration)
+        url = f"{self.credentials.server}{path}"
+        headers = {"Accept": "application/json", "User-Agent": USER_AGENT} | _auth_header(self.credentials)
         started = time.monotonic()
         try:
             response = self._pool.request(
@@ -212,38 +202,30 @@ class ApiSession:
         return response
 
 
-def _pool(configuration: k8s_client.Configuration) -> urllib3.PoolManager:
-    """A connection pool set up as the client's own REST layer sets one up, from the
-    Configuration's public fields: the API server's CA, a client certificate, hostname
-    checks, a proxy, the pool's size."""
+def _pool(login: Credentials, size: int) -> urllib3.PoolManager:
+    """One connection pool: the API server's CA, a client certificate, the TLS server name, a
+    proxy; ``size`` connections kept (the workers and the watches at once)."""
     args: dict[str, Any] = {
-        "cert_reqs": ssl.CERT_REQUIRED if configuration.verify_ssl else ssl.CERT_NONE,
-        "ca_certs": configuration.ssl_ca_cert,
-        "cert_file": configuration.cert_file,
-        "key_file": configuration.key_file,
+        "cert_reqs": ssl.CERT_NONE if login.insecure else ssl.CERT_REQUIRED,
+        "ca_certs": login.ca_file,
+        "cert_file": login.cert_file,
+        "key_file": login.key_file,
+        "maxsize": size,
     }
-    ca_data = getattr(configuration, "ca_cert_data", None)  # kubeconfig's inline CA, client 31+
-    if ca_data:
-        args["ca_cert_data"] = ca_data
-    if configuration.assert_hostname is not None:
-        args["assert_hostname"] = configuration.assert_hostname
-    if configuration.tls_server_name:
-        args["server_hostname"] = configuration.tls_server_name
-    if configuration.connection_pool_maxsize is not None:
-        args["maxsize"] = configuration.connection_pool_maxsize
-    if configuration.proxy:
-        return urllib3.ProxyManager(
-            proxy_url=configuration.proxy, proxy_headers=configuration.proxy_headers, **args
-        )
+    if login.insecure:
+        args["assert_hostname"] = False
+    if login.tls_server_name:
+        args["server_hostname"] = login.tls_server_name
+    if login.proxy:
+        return urllib3.ProxyManager(proxy_url=login.proxy, **args)
     return urllib3.PoolManager(**args)
 
 
-def _auth_header(configuration: k8s_client.Configuration) -> dict[str, str]:
-    """The bearer token, asked for on every request: the in-cluster loader's refresh hook
-    rereads a projected token as the kubelet rotates it."""
-    bearer: Mapping[str, Any] = configuration.auth_settings().get("BearerToken") or {}
-    value = bearer.get("value")
-    return {"Authorization": str(value)} if value else {}
+def _auth_header(login: Credentials) -> dict[str, str]:
+    """The bearer token, asked for on every request: a projected token's file is reread as the
+    kubelet rotates it, an exec plugin's run again as it expires."""
+    token = login.bearer()
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 _VERBS: Final = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}

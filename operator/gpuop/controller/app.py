@@ -141,9 +141,15 @@ def build_registry(
         reconciler.training_event(event.get("type"), dict(event["object"]))
 
     @kopf.on.login(registry=registry)
-    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        # Kopf's own watches log in the same way as gpuop.controller.kube: in-cluster, else kubeconfig.
-        return kopf.login_via_client(**kwargs)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        # Kopf's own watches are let in as the operator's calls are: the same credentials, and
+        # the token as it is now (Kopf asks again when the API server answers 401).
+        given = reconciler.kube.credentials
+        return kopf.ConnectionInfo(
+            server=given.server, ca_path=given.ca_file, insecure=given.insecure, token=given.bearer(),
+            scheme="Bearer" if given.token is not None else None, certificate_path=given.cert_file,
+            private_key_path=given.key_file, default_namespace=given.namespace, proxy_url=given.proxy,
+        )  # fmt: skip
 
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:

@@ -58,7 +58,7 @@ IGNORED = {
     ),
     "tests/unit/test_operator_parts.py": (
         "its API emulator (support.emulator) checks objects against our CRD's schema with cel-python, "
-        "as above; test_kube_clients drives Kube with kubernetes 29.0.0 through it in the dev venv"
+        "as above"
     ),
     "tests/unit/test_bench_counting.py": (
         "imports bench/operator_scale.py, which imports the API emulator (support.emulator: jsonpatch "
@@ -66,10 +66,7 @@ IGNORED = {
     ),
     "tests/unit/test_layers.py": "runs lint-imports (import-linter, a dev tool)",
     "tests/unit/test_docs.py": "runs Mermaid's parser from npm (a docs tool)",
-    "tests/unit/test_kube_clients.py": (
-        "puts kubernetes 29.0.0 and 35.0.0 of its own first on the path: not this venv's client "
-        "(its 29.0.0 is our minimum, tested there with the dev venv)"
-    ),
+    "tests/unit/test_credentials_agreement.py": "compares our kubeconfig reader with the kubernetes client's (a dev tool)",
     "tests/unit/test_kubeflow_sdk.py": "puts the Kubeflow SDK's kubernetes first on the path, and imports transformers (torch)",
     "tests/unit/test_report_client.py": (
         "gpureport, the trainer side's report client (standard library only), and its runs of torch "
@@ -90,20 +87,20 @@ DESELECTED = {
     ),
 }
 
-# Kopf at its minimum, beside the kubernetes client at its: the handlers the operator registers,
-# its startup settings, its login through the client's kubeconfig loader and the probe. The unit
+# Kopf at its minimum: the handlers the operator registers, its startup settings, its login with
+# what gpuop.controller.credentials read from a kubeconfig, and the probe. The unit
 # tests reach none of it (the control-plane suites do, with the dev venv); Kopf's registry is
 # read through its internals, fine for the one Kopf version this runs with.
 SMOKE = """
 import asyncio, json, logging, kopf
-from kubernetes import client
 from gpuop.controller import app
+from gpuop.controller.credentials import from_kubeconfig
 from gpuop.controller.kube import Kube
 from gpuop.controller.reconciler import Reconciler
 from support.tools.operator_args import parse_operator_args
 
 settings = parse_operator_args(["--namespace", "team-a"], {})
-reconciler = Reconciler(Kube(client.ApiClient(client.Configuration())), settings)
+reconciler = Reconciler(Kube(from_kubeconfig()), settings)
 registry = app.build_registry(reconciler, settings, app.ApiRetries())
 handlers = {h.activity.value: h.fn for h in registry._activities.get_all_handlers()}
 kopf_settings = kopf.OperatorSettings()

@@ -9,13 +9,18 @@ then reads its metrics endpoint every 20 ms, as the operator and Prometheus read
 * the first step: the first optimizer step done, cuDNN's autotuning of every layer included
   (``logEverySteps: 1``, so the endpoint shows step 1 the moment it is done).
 
-Then torchrun and its rank are killed: only the start is measured. The first repeat may pay what
+Then torchrun and its rank are killed: only the start is measured. ``--compile`` sets
+spec.training.compile (auto: unset, the default; on: true; off: false), and the mode the
+trainer chose is read from its endpoint. Each start has an Inductor cache of its own, as a new
+pod has; with ``--cache-dir``, each start's checkpoint directory gets the compile cache kept
+there, and what the start wrote goes back to it: the first start into an empty one compiles
+cold, the later ones load the entry. The first repeat may pay what
 the later ones find cached (the page cache, CUDA's kernel cache), so the report gives each.
 What comes before the container starts (pulling the image, the kubelet's and runtime's work)
 is ``bench/pod_start.py``'s subject.
 
     python bench/first_step.py [--model resnet50] [--batch-size 256] [--precision bf16]
-        [--gpus 0|1] [--repeats 3] [--json]
+        [--gpus 0|1] [--compile auto|on|off] [--cache-dir DIR] [--repeats 3] [--json]
 
 Where no GPU is visible it runs on the CPU, with the CNN unless ``--model`` says otherwise.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,8 +42,10 @@ from typing import Any
 from gpuop.api.spec import parse
 from gpuop.local.processes import kill_tree
 from gpuop.local.runner import LocalRun, plan, scrape, visible_gpus
+from gputrain.compiling import CACHE_DIR
 
 POLL_SECONDS = 0.02
+COMPILE_SETTINGS = {"auto": None, "on": True, "off": False}  # --compile: spec.training.compile
 
 
 def training_run(args: argparse.Namespace, gpus: int, workdir: Path) -> LocalRun:
@@ -55,6 +63,7 @@ def training_run(args: argparse.Namespace, gpus: int, workdir: Path) -> LocalRun
                 "batchSize": args.batch_size,
                 "precision": args.precision,
                 "logEverySteps": 1,
+                **({} if args.compile == "auto" else {"compile": COMPILE_SETTINGS[args.compile]}),
             },
             "checkpoint": {"everySteps": 10**9},
         },
@@ -62,16 +71,20 @@ def training_run(args: argparse.Namespace, gpus: int, workdir: Path) -> LocalRun
     return plan(parse(body), 1, workdir)
 
 
-def one_start(run: LocalRun, timeout: float) -> dict[str, float]:
-    """Seconds from starting the trainer to its endpoint up and to step 1 on it."""
+def one_start(run: LocalRun, timeout: float, cache_dir: Path | None = None) -> dict[str, Any]:
+    """Seconds from starting the trainer to its endpoint up and to step 1 on it, and the compile
+    mode it reported."""
     run.workdir.mkdir(parents=True, exist_ok=True)
+    if cache_dir is not None and (cache_dir / CACHE_DIR).is_dir():
+        shutil.copytree(cache_dir / CACHE_DIR, run.checkpoint_dir / CACHE_DIR)
     log_path = run.workdir / "trainer.log"
+    environment = run.environment() | {"TORCHINDUCTOR_CACHE_DIR": str(run.workdir / "inductor")}
     with log_path.open("wb") as log:
         started = time.perf_counter()
         process = subprocess.Popen(
-            run.command(), env=run.environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            run.command(), env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-    marks: dict[str, float] = {}
+    marks: dict[str, Any] = {}
     try:
         deadline = started + timeout
         while "first_step" not in marks:
@@ -86,9 +99,12 @@ def one_start(run: LocalRun, timeout: float) -> dict[str, float]:
                 marks.setdefault("endpoint_up", now)
                 if metrics.step is not None and metrics.step >= 1:
                     marks["first_step"] = now
+                    marks["compile"] = metrics.compile  # None: auto, still timing its eager steps
             time.sleep(POLL_SECONDS)
     finally:
         kill_tree(process)  # the start is all we want
+    if cache_dir is not None and (run.checkpoint_dir / CACHE_DIR).is_dir():  # what it wrote, for the next
+        shutil.copytree(run.checkpoint_dir / CACHE_DIR, cache_dir / CACHE_DIR, dirs_exist_ok=True)
     return marks
 
 
@@ -97,13 +113,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     starts = []
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
-            starts.append(one_start(training_run(args, gpus, Path(tmp) / str(repeat)), args.timeout))
+            run = training_run(args, gpus, Path(tmp) / str(repeat))
+            starts.append(one_start(run, args.timeout, args.cache_dir))
     return {
         "machine": f"{platform.machine()}, {'1 GPU' if gpus else 'CPU'}, python {platform.python_version()}",
         "model": args.model,
         "batch_size": args.batch_size,
         "precision": args.precision,
         "gpus": gpus,
+        "compile": args.compile,
+        "compile_modes": [s["compile"] for s in starts],
         "endpoint_up_seconds": [round(s["endpoint_up"], 2) for s in starts],
         "first_step_seconds": [round(s["first_step"], 2) for s in starts],
         "median_endpoint_up_seconds": round(statistics.median(s["endpoint_up"] for s in starts), 2),
@@ -120,6 +139,10 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
                         help="default: bf16 on a GPU, fp32 on a CPU")  # fmt: skip
     parser.add_argument("--gpus", type=int, choices=[0, 1], default=None,
                         help="default: 1 where the driver lists a GPU, else 0")  # fmt: skip
+    parser.add_argument("--compile", choices=list(COMPILE_SETTINGS), default="auto",
+                        help="spec.training.compile: auto (unset), on (true), off (false)")  # fmt: skip
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="keep the compile cache here, across starts and runs")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=300, help="seconds one start may take")
     parser.add_argument("--json", action="store_true")
@@ -139,7 +162,9 @@ def main() -> None:
         print(json.dumps(report, indent=2))
         return
     print(f"machine: {report['machine']}; {sys.executable}")
-    print(f"{args.model} {args.precision} batch {args.batch_size}, {args.repeats} fresh starts")
+    print(f"{args.model} {args.precision} batch {args.batch_size}, compile {args.compile}, "
+          f"{args.repeats} fresh starts")  # fmt: skip
+    print(f"  compile mode of each start: {report['compile_modes']}")
     for mark in ("endpoint_up", "first_step"):
         print(f"  {mark:<12} s: {report[f'{mark}_seconds']}   median {report[f'median_{mark}_seconds']}")
 

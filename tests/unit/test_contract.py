@@ -52,7 +52,7 @@ def test_every_problem_in_the_environment_is_reported() -> None:
         "GPUTRAIN_EPOCHS: must be an integer (got 'ten')",
         "GPUTRAIN_PRECISION: must be one of fp32, bf16, fp16 (got 'fp8')",
         "GPUTRAIN_SEED: required but not set",
-        "GPUTRAIN_COMPILE: must be true or false (got 'yes')",
+        "GPUTRAIN_COMPILE: must be auto, true or false (got 'yes')",
     ]
 
 

@@ -45,7 +45,7 @@ def test_minimal_spec_gets_the_documented_defaults() -> None:
         seed=0,
         max_grad_norm=1.0,
         channels_last=True,
-        compile=False,
+        compile=None,  # auto
         log_every_steps=20,
     )
     assert (spec.checkpoint.path, spec.checkpoint.every_steps, spec.checkpoint.keep) == (

@@ -23,11 +23,27 @@ ModelName = Literal["cnn", "resnet18", "resnet50"]
 DatasetName = Literal["mnist", "cifar10", "imagefolder", "digits", "synthetic"]
 Precision = Literal["fp32", "bf16", "fp16"]
 CommBackend = Literal["nccl", "gloo"]  # torch.distributed's communication backend
+# How the built-in trainer ran its model and why (gputrain.compiling decides): compiled, its
+# compile cache found for this training's key or not; or eager, because the spec said
+# compile: false, the device is a CPU, torch.compile's GPU backend has no C compiler in the
+# image, or the steps left cannot win back a compile.
+CompileMode = Literal[
+    "CompiledCacheHit", "CompiledCacheMiss", "EagerForced", "EagerOnCpu", "EagerNoCompiler", "EagerTooShort"
+]
 
 MODEL_NAMES: Final[tuple[str, ...]] = get_args(ModelName)
 DATASET_NAMES: Final[tuple[str, ...]] = get_args(DatasetName)
 PRECISIONS: Final[tuple[str, ...]] = get_args(Precision)
 COMM_BACKENDS: Final[tuple[str, ...]] = get_args(CommBackend)
+COMPILE_MODES: Final[tuple[str, ...]] = get_args(CompileMode)
+# What the built-in trainer's reports call the mode (a gpureport metric, a label on its endpoint).
+COMPILE_METRIC: Final = "compile"
+
+
+def compile_mode(value: object) -> CompileMode | None:
+    """``value`` as a compile mode; None for anything else (the value comes from a container)."""
+    return value if isinstance(value, str) and value in COMPILE_MODES else None  # type: ignore[return-value]
+
 
 # Ports on the `pytorch` container. The rendezvous port carries Kubeflow's default port name,
 # which the training-operator looks up to build MASTER_PORT and the elastic rendezvous endpoint.
@@ -93,6 +109,7 @@ class Progress:
     accuracy: float | None = None  # on the evaluation split after the last epoch, 0..1
     samples_per_second: float | None = None  # whole job
     estimated_remaining_seconds: float | None = None
+    compile: CompileMode | None = None  # once the trainer knows how it runs its model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +134,7 @@ class Result:
     # (bad settings, no data, a store that refuses the credentials or has no such bucket). The
     # operator then stops the job rather than let its pods restart into it on their GPUs.
     permanent: bool | None = None
+    compile: CompileMode | None = None  # how the model ran (Succeeded only)
 
     def to_json(self) -> str:
         return json.dumps({_camel(f.name): getattr(self, f.name) for f in dataclasses.fields(self)},
@@ -141,6 +159,8 @@ class Result:
                 values[field.name] = value[:1024] if isinstance(value, str) else None
             elif field.name == "permanent":
                 values[field.name] = value if isinstance(value, bool) else None
+            elif field.name == "compile":
+                values[field.name] = compile_mode(value)
             elif isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
                 values[field.name] = int(value) if field.name in _INTEGERS else value
         return cls(phase=data["phase"], **values)  # type: ignore[arg-type]
@@ -233,6 +253,9 @@ class Metric:
     GPU_MEMORY_USED_BYTES: Final = "gputrain_gpu_memory_used_bytes"
     GPU_MEMORY_TOTAL_BYTES: Final = "gputrain_gpu_memory_total_bytes"
     GPU_INFO: Final = "gputrain_gpu"  # exposed as gputrain_gpu_info{gpu, name} 1
+    # How the model runs, once decided: gputrain_compile_info{mode="CompiledCacheHit"} 1.
+    COMPILE_INFO: Final = "gputrain_compile"
+    COMPILE_MODE_LABEL: Final = "mode"
     GPU_LABEL: Final = "gpu"
     GPU_NAME_LABEL: Final = "name"
 
@@ -263,7 +286,8 @@ class TrainerSettings:
     seed: int
     max_grad_norm: float
     channels_last: bool
-    compile: bool
+    # None: auto (gputrain.compiling's rule); travels as "auto", true or false.
+    compile: bool | None
     loader_workers: int
     log_every_steps: int
     checkpoint_dir: str
@@ -338,12 +362,18 @@ def env_name(field_name: str) -> str:
 
 
 def _encode(value: object) -> str:
+    if value is None:  # the one optional setting, compile: absent in the spec means auto
+        return "auto"
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
 
 
 def _decode(raw: str, hint: object) -> object:
+    if hint == bool | None:
+        if raw not in ("auto", "true", "false"):
+            raise ValueError("must be auto, true or false")
+        return None if raw == "auto" else raw == "true"
     choices = get_args(hint)
     if choices:  # a Literal
         if raw not in choices:

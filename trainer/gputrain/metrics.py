@@ -150,6 +150,11 @@ class TrainerCollector(Collector):
             value = getattr(progress, field)
             if value is not None:
                 yield GaugeMetricFamily(name, documentation, value=value * scale)
+        if progress.compile is not None:
+            mode = InfoMetricFamily(Metric.COMPILE_INFO, "How the model runs: compiled (cache hit or miss) "
+                                    "or eager, and why.", labels=[Metric.COMPILE_MODE_LABEL])  # fmt: skip
+            mode.add_metric([progress.compile], {})
+            yield mode
         yield CounterMetricFamily(
             Metric.STEPS, "Optimizer steps this process has taken (from 0 at its start; rate() is steps/s).",
             value=steps,

@@ -17,11 +17,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import gpureport
 
 from gputrain.checkpoint import Saved
-from gputrain.contract import HistoryPoint, Progress, TrainerSettings
+from gputrain.contract import COMPILE_METRIC, CompileMode, HistoryPoint, Progress, TrainerSettings
 from gputrain.distributed import Cluster
 from gputrain.history import History
 from gputrain.metrics import MetricsServer
@@ -77,6 +78,13 @@ class RankOutlets:
         # at once and POSTs on its own thread, at most every 5 s.
         wanted = cluster.is_main and bool(os.environ.get(gpureport.URL_ENV))
         self.progress = gpureport.Reporter() if wanted else None
+        self.compile: CompileMode | None = None  # how the model runs, once gputrain.compiling knows
+
+    def compiled(self, mode: CompileMode) -> None:
+        """Say how the model runs from now on: every report and the endpoint carry it."""
+        self.compile = mode
+        if self.metrics is not None:
+            self.metrics.update(Progress(compile=mode))
 
     def publish(
         self, at: Standing, figures: Figures, rate: float | None = None, eta: float | None = None
@@ -95,6 +103,7 @@ class RankOutlets:
                 accuracy=figures.accuracy,
                 samples_per_second=rate,
                 estimated_remaining_seconds=eta,
+                compile=self.compile,
             )
         )
 
@@ -108,7 +117,7 @@ class RankOutlets:
             self.progress.report(
                 at.step, at.total_steps, figures.loss, epoch=at.shown_epoch, total_epochs=at.epochs,
                 percent=at.percent, eta_seconds=eta, samples_per_second=interval.rate,
-                accuracy=figures.accuracy, learning_rate=interval.learning_rate,
+                accuracy=figures.accuracy, learning_rate=interval.learning_rate, **self._compile_metric(),
             )  # fmt: skip
         self._remember(at, loss=figures.loss, samples_per_second=interval.rate,
                        learning_rate=interval.learning_rate)  # fmt: skip
@@ -150,7 +159,11 @@ class RankOutlets:
             self.progress.finish(
                 at.step, at.total_steps, figures.loss, epoch=at.shown_epoch, total_epochs=at.epochs,
                 samples_per_second=figures.samples_per_second, accuracy=figures.accuracy,
+                **self._compile_metric(),
             )  # fmt: skip
+
+    def _compile_metric(self) -> dict[str, Any]:
+        return {COMPILE_METRIC: self.compile} if self.compile is not None else {}
 
     def _remember(self, at: Standing, **figures: float | None) -> None:
         if self.history is None:

@@ -7,7 +7,9 @@ optimizer is fused.
 
 The rest lives beside it: the checkpointed state that is not torch's in
 :mod:`gputrain.state`, the schedule by the run's data in :mod:`gputrain.schedule`, metrics,
-history and log lines in :mod:`gputrain.reporting`, files in :mod:`gputrain.checkpoint`.
+history and log lines in :mod:`gputrain.reporting`, files in :mod:`gputrain.checkpoint`, the
+outputs in :mod:`gputrain.outputs`, whether and how the model is compiled in
+:mod:`gputrain.compiling`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import math
 import platform
 import signal
 import time
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -28,20 +29,14 @@ from torch import nn
 from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
 
-from gputrain.checkpoint import CheckpointManager, Saved
-from gputrain.contract import (
-    HISTORY_FILE,
-    MODEL_FILE,
-    RESULT_FILE,
-    ContractError,
-    Precision,
-    Result,
-    TrainerSettings,
-)
+from gputrain.checkpoint import CheckpointManager
+from gputrain.compiling import ModelCompiler, cache_key
+from gputrain.contract import ContractError, Precision, Result, TrainerSettings
 from gputrain.data import DataSource, build_data
 from gputrain.distributed import Cluster, sum_over_ranks
 from gputrain.metrics import MetricsServer
 from gputrain.models import build_model
+from gputrain.outputs import OutputUploadError, newest_for_every_rank, write_outputs
 from gputrain.reporting import Interval, RankOutlets, Standing
 from gputrain.schedule import fraction_done, resume_at, steps_left, warmup_cosine
 from gputrain.state import (
@@ -53,12 +48,12 @@ from gputrain.state import (
     checkpoint_of,
     load_checkpoint,
 )
-from gputrain.storage import StorageError, open_location, write_atomically
+from gputrain.storage import StorageError
 
 log = logging.getLogger("gputrain")
 
 # Imported from here by tests and benchmarks, from before they had modules of their own.
-__all__ = ["Position", "PreemptedError", "Trainer", "resume_at", "warmup_cosine"]
+__all__ = ["OutputUploadError", "Position", "PreemptedError", "Trainer", "resume_at", "warmup_cosine"]
 
 
 class PreemptedError(Exception):
@@ -115,90 +110,6 @@ def _evaluation_sums(
     return [loss_sum, correct, float(count)]
 
 
-class OutputUploadError(StorageError):
-    """The outputs could not be uploaded to GPUTRAIN_OUTPUT_URI: the run trained, and its last
-    checkpoint holds the trained model."""
-
-
-def write_outputs(
-    result: Result, model: nn.Module, cluster: Cluster, settings: TrainerSettings, termination_log: str | None
-) -> None:
-    """The run's result and final model (rank 0), uploaded where ``output_uri`` says, and each
-    pod's termination message."""
-    text = result.to_json()
-    if cluster.is_main:
-        output = Path(settings.output_dir)
-        write_atomically(output / RESULT_FILE, lambda handle: handle.write((text + "\n").encode()))
-        state = model.state_dict()
-        write_atomically(output / MODEL_FILE, lambda handle: torch.save(state, handle))
-        log.info("result %s", text)
-        if settings.output_uri:
-            upload_outputs(output, settings.output_uri)
-    if cluster.is_local_main and termination_log:
-        try:
-            Path(termination_log).write_text(text[:4096])  # the kubelet keeps 4 KiB
-        except OSError as exc:
-            log.warning("cannot write the termination message to %s: %s", termination_log, exc)
-
-
-def upload_outputs(output: Path, uri: str) -> None:
-    """Copy the model, the history and the result to ``uri``, the result last: a reader that
-    finds it there finds the rest. Each object is whole or absent (gputrain.storage); the store's
-    retries hold the run for up to 2 minutes an object before it gives up."""
-    started = time.perf_counter()
-    try:
-        store = open_location(uri)
-        for name in (MODEL_FILE, HISTORY_FILE, RESULT_FILE):
-            if (output / name).is_file():
-                store.write(name, (output / name).read_bytes())
-    except StorageError as exc:
-        raise OutputUploadError(
-            f"{exc}; the trained model is in {output / MODEL_FILE} and in the last checkpoint: with the "
-            "store fixed, apply the training again (it resumes at its end and uploads)",
-            # Never a stop, even refused (a key that may list but not write): the pods and their
-            # emptyDir, which may hold the only trained model, stay; a restart uploads again.
-            refused=False,
-        ) from None
-    log.info("outputs uploaded to %s (%.2f s)", store.uri, time.perf_counter() - started)
-
-
-def newest_for_every_rank(
-    checkpoints: CheckpointManager, cluster: Cluster, output_uri: str | None
-) -> tuple[dict[str, Any], Saved] | None:
-    """The newest complete checkpoint, as every rank resumes from it (None: start fresh).
-
-    Only rank 0 reads: with a per-pod emptyDir the other pods have none, and they must all start
-    from the same state anyway. A store that refuses rank 0 ends every rank, with its one line,
-    not rank 0 alone while the others wait in the broadcast until the collective times out."""
-    found: tuple[dict[str, Any], Saved] | StorageError | None = None
-    if cluster.is_main:
-        try:
-            found = checkpoints.load_latest()
-            check_output_store(output_uri)
-        except StorageError as exc:
-            found = exc
-    box: list[Any] = [found]
-    if cluster.distributed:
-        dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], StorageError):
-        raise type(box[0])(str(box[0]), refused=box[0].refused)
-    newest: tuple[dict[str, Any], Saved] | None = box[0]
-    return newest
-
-
-def check_output_store(output_uri: str | None) -> None:
-    """A list of GPUTRAIN_OUTPUT_URI before training: wrong credentials or a missing bucket
-    found now, not once the whole run is trained."""
-    if not output_uri:
-        return
-    try:
-        open_location(output_uri).names()
-    except StorageError as exc:
-        raise OutputUploadError(
-            f"{exc}; found before training (the outputs go there at the end)", refused=exc.refused
-        ) from None
-
-
 class Trainer:
     """One rank's training run."""
 
@@ -235,8 +146,7 @@ class Trainer:
         if cluster.distributed:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self.ddp = DistributedDataParallel(self.model, device_ids=device_ids)
-        wrapped: nn.Module = self.ddp if self.ddp is not None else self.model
-        self.forward: Any = torch.compile(wrapped) if settings.compile else wrapped
+        self.wrapped: nn.Module = self.ddp if self.ddp is not None else self.model
 
         # One fused kernel instead of a handful of foreach ops per parameter group. torch >= 2.4 has
         # it on both devices the trainer uses (CUDA and CPU); on CPU it cut the CNN's optimizer
@@ -251,6 +161,10 @@ class Trainer:
         self.figures = Figures()
         self.rng = RngState(self.device)
         self.outlets = RankOutlets(settings, cluster)
+        shape = (settings.batch_size, self.data.in_channels, self.data.image_size, self.data.image_size)
+        key = cache_key(settings, cluster.world, self.device, shape)
+        self.compiler = ModelCompiler(settings, cluster, key, self.outlets.compiled)
+        self.forward: Any = self.compiler.begin(self.wrapped)
 
     @property
     def components(self) -> dict[str, Stateful]:
@@ -414,6 +328,9 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.position = Position(epoch, end_batch, self.position.step + 1, self.batches)
+        forward = self.compiler.step_done(self.total_steps - self.position.step, self.wrapped)
+        if forward is not None:  # compiled from now on
+            self.forward = forward
 
     def _train_epoch(self, epoch: int) -> None:
         """One epoch from the current position."""
@@ -457,6 +374,7 @@ class Trainer:
                 raise
             self.evaluate()
             self._publish()
+            self.compiler.keep_new_artifacts()
         # The epoch is done; a restart continues with the next one.
         self.position = Position(epoch + 1, 0, self.position.step, self.batches)
         if self.cluster.is_main:
@@ -488,6 +406,7 @@ class Trainer:
             samples_per_second=self.figures.samples_per_second,
             duration_seconds=round(time.perf_counter() - started, 3),
             world_size=self.cluster.world,
+            compile=self.compiler.mode,
         )
         write_outputs(result, self.model, self.cluster, self.settings, self.termination_log)
         self.outlets.finished(self._standing(), self.figures)

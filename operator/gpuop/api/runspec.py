@@ -163,7 +163,13 @@ class Training:
         "convolutions on tensor cores and in oneDNN on CPUs (the CNN: 1.3x on 2 CPU cores).",
         default=True,
     )
-    compile: bool = api_field("Compile the model with torch.compile.", default=False)
+    compile: bool | None = api_field(
+        "Compile the model with torch.compile (the built-in trainer): true always, false never; "
+        "unset, where it pays: on a GPU whose image has a C compiler for Triton, when the steps "
+        "left win back the compile (about 45 s cold, 11 s with the training's compile cache, kept "
+        "beside its checkpoints). status.progress.compile says which ran and why.",
+        default=None,
+    )
     log_every_steps: int = api_field(
         "Steps between progress reports (metrics, logs). Loss is read from the GPU only then.",
         default=20,

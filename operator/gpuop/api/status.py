@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Any, Final, Literal, get_args
 
 from gpuop._kits.schema import SpecError, api_field, api_object, decode, encode
+from gputrain.contract import CompileMode
 
 ConditionStatus = Literal["True", "False", "Unknown"]
 Phase = Literal["Pending", "Created", "Queued", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
@@ -152,6 +153,14 @@ class ProgressStatus:
     )
     reported_by: str | None = api_field(
         "The pod whose report these figures are.", default=None, max_length=253
+    )
+    compile: CompileMode | None = api_field(
+        "How the built-in trainer runs its model, and why (spec.training.compile): CompiledCacheHit or "
+        "CompiledCacheMiss (compiled; the training's compile cache, beside its checkpoints, had an entry "
+        "for it or not), EagerForced (compile: false), EagerOnCpu, EagerNoCompiler (no C compiler for "
+        "Triton in the image) or EagerTooShort (the steps left would not win back the compile). Absent "
+        "until the trainer has decided, and for other training code.",
+        default=None,
     )
     metrics: tuple[NamedMetric, ...] = api_field(
         "Other metrics of the latest report (learning rate, grad norm, eval loss, ...), as sent.",

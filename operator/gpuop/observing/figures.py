@@ -86,6 +86,7 @@ def _status_progress(
         eta=format_eta(eta),
         percent_text=format_percent(percent),
         updated_at=now,
+        compile=figures.compile,
     )
 
 

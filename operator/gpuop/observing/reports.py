@@ -27,6 +27,7 @@ from typing import Any, Final
 import gpureport
 
 from gpuop.api.status import TIME_FORMAT, Activity
+from gputrain.contract import COMPILE_METRIC, CompileMode, compile_mode
 
 # A report with 256 metrics of 64-character values is about 30 KiB of JSON; 64 KiB leaves room
 # for long names and whitespace and still bounds what one request costs the operator to read.
@@ -61,7 +62,7 @@ _CHECKPOINT_TIME: Final = gpureport.CHECKPOINT_TIME
 _CHECKPOINT_URI_PIECES: Final = tuple(gpureport.uri_piece_names())
 _READ: Final = frozenset(
     _STEP + _TOTAL_STEPS + _EPOCH + _TOTAL_EPOCHS + _LOSS + _ACCURACY + _SAMPLES_PER_SECOND
-    + (ACTIVITY_METRIC, _CHECKPOINT_STEP, _CHECKPOINT_TIME) + _CHECKPOINT_URI_PIECES
+    + (ACTIVITY_METRIC, COMPILE_METRIC, _CHECKPOINT_STEP, _CHECKPOINT_TIME) + _CHECKPOINT_URI_PIECES
 )  # fmt: skip
 
 
@@ -97,6 +98,7 @@ class TrainerReport:
     samples_per_second: float | None = None
     activity: Activity | None = None  # while the code says so; None: training
     checkpoint: CheckpointReport | None = None  # the last complete one, when the code says it
+    compile: CompileMode | None = None  # the built-in trainer's compile mode, once decided
     # The other metrics, in the client's order, at most MAX_SHOWN_METRICS: (name, value as sent).
     other: tuple[tuple[str, str], ...] = ()
     sent_at: str | None = None  # the client's lastUpdatedTime, as sent (for people only)
@@ -157,6 +159,7 @@ def parse_report(body: bytes) -> TrainerReport:
         samples_per_second=_nonnegative(first(_SAMPLES_PER_SECOND)),
         activity=_activity(metrics),
         checkpoint=_checkpoint(dict(metrics), numbers),
+        compile=compile_mode(dict(metrics).get(COMPILE_METRIC)),
         other=tuple((n, v) for n, v in metrics if n not in _READ)[:MAX_SHOWN_METRICS],
         sent_at=sent_at[:64] if isinstance(sent_at, str) else None,
     )

@@ -13,7 +13,7 @@ from typing import Final
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gputrain.contract import Metric, Progress
+from gputrain.contract import Metric, Progress, compile_mode
 
 
 @dataclass(frozen=True)
@@ -48,12 +48,15 @@ def parse_metrics(text: str) -> TrainerMetrics:
     plain: dict[str, float] = {}
     per_gpu: dict[str, dict[str, float]] = {}
     names: dict[str, str] = {}
+    mode: str | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if math.isnan(sample.value):
                 continue
             gpu = sample.labels.get(Metric.GPU_LABEL)
-            if gpu is None:
+            if sample.name == f"{Metric.COMPILE_INFO}_info":
+                mode = sample.labels.get(Metric.COMPILE_MODE_LABEL)
+            elif gpu is None:
                 plain[sample.name] = sample.value
             elif sample.name == f"{Metric.GPU_INFO}_info":
                 names[gpu] = sample.labels.get(Metric.GPU_NAME_LABEL, "")[:_MAX_NAME]
@@ -84,6 +87,7 @@ def parse_metrics(text: str) -> TrainerMetrics:
         accuracy=plain.get(Metric.ACCURACY),
         samples_per_second=plain.get(Metric.SAMPLES_PER_SECOND),
         estimated_remaining_seconds=plain.get(Metric.ESTIMATED_REMAINING_SECONDS),
+        compile=compile_mode(mode),
         gpus=gpus,
     )
 

@@ -110,6 +110,20 @@ def _evaluation_sums(
     return [loss_sum, correct, float(count)]
 
 
+def _precision_here(settings: TrainerSettings, device: torch.device) -> TrainerSettings:
+    """The settings with the precision this device runs well (said when it differs)."""
+    precision = effective_precision(settings, device)
+    if precision == settings.precision:
+        return settings
+    log.warning(
+        "precision %s: this CPU has no bf16 arithmetic (AVX512-BF16 or AMX), where bf16 runs slower "
+        "than fp32; training in %s",
+        settings.precision,
+        precision,
+    )
+    return settings.replace(precision=precision)
+
+
 class Trainer:
     """One rank's training run."""
 
@@ -120,14 +134,7 @@ class Trainer:
         self.device = cluster.device
         self.stop_requested = False
         self.stop_signal: int | None = None  # SIGTERM or SIGINT, once one came
-        if (precision := effective_precision(settings, self.device)) != settings.precision:
-            log.warning(
-                "precision %s: this CPU has no bf16 arithmetic (AVX512-BF16 or AMX), where bf16 "
-                "runs slower than fp32; training in %s",
-                settings.precision,
-                precision,
-            )
-            settings = self.settings = settings.replace(precision=precision)
+        settings = self.settings = _precision_here(settings, self.device)
 
         torch.manual_seed(settings.seed)  # the same initial weights on every rank
         if self.device.type == "cuda":

@@ -194,6 +194,21 @@ async def _tick_forever(reconciler: Reconciler, interval: float) -> None:
             log.exception("scrape tick failed")
 
 
+def _leasing(
+    lease: LeaderLease, reconciler: Reconciler, stop: asyncio.Event, lost: threading.Event
+) -> threading.Thread:
+    """The Lease's thread, not yet started: leading, it queues every training (take_over);
+    losing the Lease, it sets ``lost`` and stops the operator, whose pod restarts as a standby."""
+    loop = asyncio.get_running_loop()
+
+    def on_lost() -> None:
+        lost.set()
+        loop.call_soon_threadsafe(stop.set)
+
+    lease.on_lead, lease.on_lost = reconciler.take_over, on_lost
+    return threading.Thread(target=lease.run, name="lease", daemon=True)
+
+
 async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | None = None) -> int:
     """Run until cancelled (or ``stop`` is set): Kopf, the Lease and the scrape tick side by
     side. The exit status: 1 when the Lease was lost (the pod restarts and stands by), else 0."""
@@ -216,17 +231,7 @@ async def serve(settings: OperatorSettings, kube: Kube, stop: asyncio.Event | No
     stop = stop if stop is not None else asyncio.Event()
     ready = asyncio.Event()
     lost = threading.Event()
-    leasing: threading.Thread | None = None
-    if lease is not None:
-        loop = asyncio.get_running_loop()
-        stopping = stop
-
-        def on_lost() -> None:
-            lost.set()
-            loop.call_soon_threadsafe(stopping.set)
-
-        lease.on_lead, lease.on_lost = reconciler.take_over, on_lost
-        leasing = threading.Thread(target=lease.run, name="lease", daemon=True)
+    leasing = _leasing(lease, reconciler, stop, lost) if lease is not None else None
     if settings.metrics_port:
         metrics.serve(settings.metrics_port)
     liveness = f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None

@@ -31,6 +31,7 @@ from gpuop.backends.reportwiring import ReportEndpoint
 from gpuop.controller.apiclient import ApiError
 from gpuop.controller.children import Children, next_wake, wake_due
 from gpuop.controller.discovery import ServedBackends
+from gpuop.controller.gang import GangRestarts, restart_at
 from gpuop.controller.kube import Kube
 from gpuop.controller.pods import PodReader
 from gpuop.controller.settings import OperatorSettings
@@ -38,7 +39,7 @@ from gpuop.controller.statuswriter import StatusWriter
 from gpuop.controller.table import SpecView, Tracked, key_of
 from gpuop.observing import alarms, diagnosis, nodeloss, observe
 from gpuop.observing.endpoint import ReportBook
-from gpuop.observing.records import Event, Observation, PodObservation, Thresholds
+from gpuop.observing.records import Event, Observation, Thresholds
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class TrainingSync:
         self._pods = pods
         self._status = status
         self._served = ServedBackends(kube)
+        self._gangs = GangRestarts(kube, status)
         self.report_endpoint = report_endpoint  # rendered into the trainers' pods
         self.reports = reports
         # Whether a new training's first status waits (jobsfirst), given the spec generation
@@ -199,48 +201,15 @@ class TrainingSync:
             underutilized_seconds=self.settings.underutilized_seconds,
             node_loss_timeout_seconds=spec.node_loss_timeout_seconds,
         )
-        gang = self._gang(tracked, observation.job_created_at)
-        restart = None  # an ended, stopped or suspended job's pods are never restarted
-        if (
-            observation.job_stopped is None
-            and not observation.job_suspended
-            and not observe.finished(observation.job_conditions)
-        ):
-            restart = nodeloss.restart_at(gang, spec.node_loss_timeout_seconds, now)
+        tracked.deleted_pods &= {p.uid for p in tracked.pods if p.uid is not None}  # still listed
+        gang = nodeloss.gang(tracked.pods, observation.job_created_at, tracked.deleted_pods)
+        restart = restart_at(gang, observation, spec.node_loss_timeout_seconds, now)
         if restart is not None and restart <= now:
-            self._restart_gang(tracked, api, gang, now)
+            tracked.deleted_pods |= self._gangs.restart(tracked.body, api, gang, now)
             outcome, restart = "restarted", None
         wrote = self._write_status(tracked, previous, observation, thresholds)
         outcome = outcome if outcome != "unchanged" or not wrote else "status"
-        return Synced(outcome, again_in=self._clock_due_in(tracked, api, conflict, thresholds, now, restart))
-
-    @staticmethod
-    def _gang(tracked: Tracked, job_created_at: str | None) -> tuple[PodObservation, ...]:
-        """The pods a node-loss restart is judged on; the uids deleted that no listing shows any
-        more are forgotten."""
-        tracked.deleted_pods &= {p.uid for p in tracked.pods if p.uid is not None}
-        return nodeloss.gang(tracked.pods, job_created_at, tracked.deleted_pods)
-
-    def _clock_due_in(
-        self,
-        tracked: Tracked,
-        api: JobApi,
-        conflict: str | None,
-        thresholds: Thresholds,
-        now: datetime,
-        restart: datetime | None,
-    ) -> float | None:
-        """Seconds until the clock alone changes what this training needs (its job's controller
-        to wake, an alarm to raise, a gang to restart for a lost node), from the status as now
-        written; None: no clock runs. The work queue holds the key until then (add_after): no
-        tick has to look for it. ``restart``: when the gang is to be restarted for a lost node."""
-        times = [alarms.next_alarm_at(tracked.status(), thresholds, now), restart]
-        if conflict is None:
-            times.append(next_wake(tracked.child, tracked.woken_at, api, now))
-        due = min((t for t in times if t is not None), default=None)
-        # A second at least: a clock whose reconcile cannot act on it yet (a status write that
-        # keeps failing is retried with backoff anyway) must not spin the key.
-        return None if due is None else max(MIN_CLOCK_SECONDS, (due - now).total_seconds())
+        return Synced(outcome, again_in=clock_due_in(tracked, api, conflict, thresholds, now, restart))
 
     def _without_a_job(
         self,
@@ -331,35 +300,6 @@ class TrainingSync:
             observation, pods=tuple(dataclasses.replace(p, needs_fix=None) for p in observation.pods)
         )
 
-    def _restart_gang(
-        self, tracked: Tracked, api: JobApi, gang: tuple[PodObservation, ...], now: datetime
-    ) -> None:
-        """Delete every pod of a gang that lost a node (:mod:`gpuop.observing.nodeloss`), so that
-        its job's controller makes them all again on the nodes left: those whose kubelet will not
-        confirm a graceful stop at once, the others with their grace period, as a preemption
-        would (their trainer may save a checkpoint). A pod already being deleted is left to it;
-        one whose delete fails is said in the log, and tried again at the next reconcile."""
-        namespace = key_of(tracked.body)[0]
-        lost = nodeloss.lost_pods(gang)
-        others = [p for p in gang if p.node_lost is None and not p.deleting]
-        deleted: list[PodObservation] = []
-        for pod in (*lost, *others):
-            try:
-                self.kube.delete_pod(namespace, pod.name, pod.uid, grace_seconds=nodeloss.grace_for(pod))
-            except ApiError as exc:
-                log.warning("gputraining %s: deleting pod %s of a gang that lost a node: %s",
-                            key_of(tracked.body)[1], pod.name, exc)  # fmt: skip
-                continue
-            deleted.append(pod)
-        tracked.deleted_pods |= {p.uid for p in deleted if p.uid is not None}
-        if deleted:
-            said = nodeloss.restart_words(
-                api.facts.kind,
-                [p for p in deleted if p.node_lost is not None],
-                [p.name for p in deleted if p.node_lost is None],
-            )
-            self._status.emit(tracked.body, Event("Warning", "GangRestarted", said), now)
-
     def _observe(
         self,
         tracked: Tracked,
@@ -416,3 +356,24 @@ class TrainingSync:
             job_suspended=suspended,
             spec_warnings=tuple(str(w) for w in spec_warnings(spec)),
         )
+
+
+def clock_due_in(
+    tracked: Tracked,
+    api: JobApi,
+    conflict: str | None,
+    thresholds: Thresholds,
+    now: datetime,
+    restart: datetime | None,
+) -> float | None:
+    """Seconds until the clock alone changes what this training needs (its job's controller to
+    wake, an alarm to raise, a gang to restart for a lost node), from the status as now written;
+    None: no clock runs. The work queue holds the key until then (add_after): no tick has to look
+    for it. ``restart``: when the gang is to be restarted for a lost node."""
+    times = [alarms.next_alarm_at(tracked.status(), thresholds, now), restart]
+    if conflict is None:
+        times.append(next_wake(tracked.child, tracked.woken_at, api, now))
+    due = min((t for t in times if t is not None), default=None)
+    # A second at least: a clock whose reconcile cannot act on it yet (a status write that keeps
+    # failing is retried with backoff anyway) must not spin the key.
+    return None if due is None else max(MIN_CLOCK_SECONDS, (due - now).total_seconds())

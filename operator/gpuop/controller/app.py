@@ -145,10 +145,13 @@ def build_registry(
         # Kopf's own watches are let in as the operator's calls are: the same credentials, and
         # the token as it is now (Kopf asks again when the API server answers 401).
         given = reconciler.kube.credentials
+        # A proxy only where the kubeconfig names one: the Kopf versions we support before its
+        # proxy_url field take the rest.
+        proxy: dict[str, Any] = {"proxy_url": given.proxy} if given.proxy else {}
         return kopf.ConnectionInfo(
             server=given.server, ca_path=given.ca_file, insecure=given.insecure, token=given.bearer(),
             scheme="Bearer" if given.token is not None else None, certificate_path=given.cert_file,
-            private_key_path=given.key_file, default_namespace=given.namespace, proxy_url=given.proxy,
+            private_key_path=given.key_file, default_namespace=given.namespace, **proxy,
         )  # fmt: skip
 
     @kopf.on.startup(registry=registry)

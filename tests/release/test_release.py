@@ -244,11 +244,13 @@ def test_the_operator_images_sbom_names_the_pushed_digest_and_what_the_image_hol
         line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line
     )
     # What the Dockerfile installs, at the versions CI pins, and ourselves; Debian's Python below.
-    for name in ("kopf", "kubernetes", "pyyaml"):
+    for name in ("kopf", "urllib3", "pyyaml"):
         assert f"pkg:pypi/{name}@{pins[name]}" in purls, sorted(purls)
     assert f"pkg:pypi/gpu-training-operator@{released.version}" in purls
     assert any(purl.startswith("pkg:deb/debian/python3@") for purl in purls), sorted(purls)
-    assert "pkg:pypi/torch" not in " ".join(purls)  # the operator image holds no torch
+    # No torch, and no Kubernetes client: the operator reads its credentials itself.
+    assert "pkg:pypi/torch@" not in " ".join(purls)
+    assert "pkg:pypi/kubernetes@" not in " ".join(purls), sorted(purls)
 
 
 def test_the_trainer_images_sbom_names_pypis_cuda_torch_and_our_trainer(released: Released) -> None:
@@ -266,3 +268,5 @@ def test_the_trainer_images_sbom_names_pypis_cuda_torch_and_our_trainer(released
     names = {purl.split("@")[0] for purl in purls}
     assert {"pkg:pypi/nvidia-nccl-cu13", "pkg:pypi/triton"} <= names, sorted(names)
     assert not names & {"pkg:pypi/kopf", "pkg:pypi/kubernetes"}  # the operator's stay out
+    # A C compiler for torch.compile: Triton builds its CUDA launcher at the first compiled kernel.
+    assert {"pkg:deb/debian/g++", "pkg:deb/debian/gcc", "pkg:deb/debian/libc6-dev"} <= names, sorted(names)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import base64
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -269,11 +270,9 @@ def _file(entry: Mapping[str, Any], key: str, base: Path) -> str | None:
     return name
 
 
-_dir: list[str] = []
-
-
+@functools.cache
 def _private_dir() -> str:
-    if not _dir:
-        _dir.append(tempfile.mkdtemp(prefix="gpuop-credentials-"))  # mode 0700
-        atexit.register(shutil.rmtree, _dir[0], True)
-    return _dir[0]
+    """One folder a process for the files of inline credentials, removed at its exit."""
+    made = tempfile.mkdtemp(prefix="gpuop-credentials-")  # mode 0700
+    atexit.register(shutil.rmtree, made, True)
+    return made

@@ -159,10 +159,6 @@ def _condition(plane: ControlPlane, name: str, kind: str) -> dict[str, str] | No
                  if c["type"] == kind and c["status"] == "True"), None)  # fmt: skip
 
 
-def _training_pods(api: Api, name: str) -> list[dict[str, object]]:
-    return api.list("pods", chain.NAMESPACE, selector=f"gpuop.io/gputraining={name}")
-
-
 @pytest.mark.usefixtures("kubeflow")
 def test_a_dead_node_is_said_at_once_and_its_gang_resumes_on_the_other_node_from_its_checkpoint(
     plane: ControlPlane,
@@ -196,7 +192,7 @@ def test_a_dead_node_is_said_at_once_and_its_gang_resumes_on_the_other_node_from
     assert placed is not None
     victim: Node = nodes.of(placed)
     (survivor,) = [n for n in nodes.nodes if n is not victim]
-    before = {p["metadata"]["uid"] for p in _training_pods(api, name)}
+    before = {p["metadata"]["uid"] for p in chain.pods_of(plane, name)}
 
     victim.die()
     died = time.monotonic()
@@ -214,13 +210,13 @@ def test_a_dead_node_is_said_at_once_and_its_gang_resumes_on_the_other_node_from
         assert f"pod {worker}" in lost["message"], lost
 
         def again_on_survivor() -> bool:
-            pods = _training_pods(api, name)
+            pods = chain.pods_of(plane, name)
             return len(pods) == 2 and all(
                 p["metadata"]["uid"] not in before and p["spec"].get("nodeName") == survivor.name
                 and p["status"].get("phase") == "Running" for p in pods
             )  # fmt: skip
 
-        wait_for("the dead gang's pods gone", lambda: not before & {p["metadata"]["uid"] for p in _training_pods(api, name)},
+        wait_for("the dead gang's pods gone", lambda: not before & {p["metadata"]["uid"] for p in chain.pods_of(plane, name)},
                  timeout=180, every=0.5)  # fmt: skip
         gone = time.monotonic() - died
         wait_for("the gang Running again on the other node", again_on_survivor, timeout=180, every=0.5)

@@ -1,5 +1,6 @@
-"""One GPU: images/s of gputrain's own loop against the loop as it is commonly written, side by
-side, and GPU utilization as the GpuTraining's status shows it against nvidia-smi's.
+"""One GPU: images/s of gputrain's own loop, as the spec's default, eager and compiled, against
+the loop as it is commonly written, side by side, and GPU utilization as the GpuTraining's status
+shows it against nvidia-smi's.
 
 The model (ResNet-50 by default) trains on gputrain's ``synthetic`` dataset, ImageNet-shaped
 and already resident on the GPU, with the settings the operator would render for the
@@ -11,9 +12,14 @@ subject.
 The common loop trains the same model on the same batches with the same autocast and memory
 layout, written as PyTorch's AMP recipe and most training scripts write it: AdamW with its
 defaults, ``zero_grad`` each step, and the loss read back to the host every step for the
-running figure a progress bar prints. Runs alternate (common, gputrain, common, ...), so
-machine noise hits both; each is timed on its own and the report gives every run and the
-medians.
+running figure a progress bar prints.
+
+gputrain trains in three rows, one trainer each: ``default`` (spec.training.compile unset:
+auto; the report gives the mode it chose), ``eager`` (false) and ``compiled`` (true), each with a
+checkpoint directory, so a compile cache, of its own. Runs alternate (common, default, eager,
+compiled, then again), so machine noise hits every row; each is timed on its own and the
+report gives every run, the medians and each row's median over the common loop's. ``--compile``
+keeps one row (a bare ``--compile`` is ``on``, as the figures in docs/benchmarks.md were taken).
 
 Utilization, during the timed steps only (warm-up, cuDNN autotuning and compilation fall
 outside), two ways:
@@ -26,17 +32,18 @@ outside), two ways:
   that is what a status shows too;
 * as ``nvidia-smi --query-gpu=utilization.gpu --loop-ms=100`` prints it, for both loops.
 
-Peak memory is gputrain's: the most allocated during its runs, less what the common loop
-keeps allocated meanwhile (its model, gradients, optimizer state and batches).
+Peak memory is each row's: the most allocated during its runs, less what the common loop and
+the other rows keep allocated meanwhile (their models, gradients, optimizer state and batches).
 
     python bench/gpu_throughput.py [--model resnet50] [--batch-size 256] [--precision bf16]
-        [--steps 200] [--warmup 30] [--repeats 3] [--no-channels-last] [--compile]
+        [--steps 200] [--warmup 30] [--repeats 3] [--no-channels-last] [--compile [auto|on|off]]
         [--no-common-loop] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -68,9 +75,12 @@ SMI_MILLISECONDS = 100
 # What a Prometheus scrape or the operator would do at most; the endpoint changes only at the
 # trainer's logging intervals anyway.
 SCRAPE_SECONDS = 1.0
+# gputrain's rows, in the order each round runs them after the common loop: spec.training.compile
+# as --compile names it (auto: unset).
+ROWS = {"default": "auto", "eager": "off", "compiled": "on"}
 
 
-def settings_for(args: argparse.Namespace, root: Path) -> TrainerSettings:
+def settings_for(args: argparse.Namespace, root: Path, compile_setting: str) -> TrainerSettings:
     """The trainer settings the operator renders for a one-GPU synthetic GpuTraining."""
     return rendered_settings(
         root,
@@ -81,7 +91,7 @@ def settings_for(args: argparse.Namespace, root: Path) -> TrainerSettings:
             "batchSize": args.batch_size,
             "precision": args.precision,
             "channelsLast": args.channels_last,
-            **({} if args.compile == "auto" else {"compile": args.compile == "on"}),
+            **({} if compile_setting == "auto" else {"compile": compile_setting == "on"}),
         },
     )
 
@@ -236,73 +246,86 @@ def _lowest(runs: list[dict[str, Any]], key: str) -> float | None:
 
 
 def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """The report: warm-up, then ``args.repeats`` timed runs of ``args.steps`` steps of each loop.
+    """The report: each row's trainer warmed up, then ``args.repeats`` rounds of one timed run of
+    ``args.steps`` steps of each loop.
 
     The GPU is what this is for; on a CPU the same flow runs (without utilization figures),
     which is how the test suite keeps this script working on machines without one.
     """
     cuda = device.type == "cuda"
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer = single_process_trainer(settings_for(args, Path(tmp)), device)
-        try:
+
+    def allocated() -> int:
+        return torch.cuda.memory_allocated(device) if cuda else 0
+
+    rows = [row for row, setting in ROWS.items() if args.compile in (None, setting)]
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as trainers_open:
+        trainers: dict[str, Trainer] = {}
+        resident: dict[str, int] = {}  # what each row's trainer keeps allocated through the others' runs
+        for row in rows:
+            before = allocated()
+            trainer = single_process_trainer(settings_for(args, Path(tmp) / row, ROWS[row]), device)
+            trainers_open.callback(trainer.close)
             data = trainer.data
             assert isinstance(data, SyntheticData)
             data.samples = max(args.steps, args.warmup) * args.batch_size  # one epoch covers a run
-            # The steps this process will take, as compile: auto weighs them against a compile.
+            # The steps this trainer will take, as compile: auto weighs them against a compile.
             trainer.total_steps = args.warmup + args.repeats * args.steps
             time_steps(trainer, args.warmup)
-            before_common = torch.cuda.memory_allocated(device) if cuda else 0
-            common = CommonLoop(trainer) if args.common_loop else None
+            trainers[row] = trainer
+            resident[row] = allocated() - before
+        common = CommonLoop(trainers[rows[0]]) if args.common_loop else None
+        if common is not None:
+            common.run(args.warmup)
+        runs: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
+        peaks: dict[str, list[int]] = {row: [] for row in rows}
+        common_runs: list[dict[str, Any]] = []
+        for _ in range(args.repeats):
             if common is not None:
-                common.run(args.warmup)
-            # What the common loop keeps allocated through gputrain's runs, not gputrain's own.
-            common_resident = torch.cuda.memory_allocated(device) - before_common if cuda else 0
-            gputrain_runs: list[dict[str, Any]] = []
-            common_runs: list[dict[str, Any]] = []
-            peaks: list[int] = []
-            for _ in range(args.repeats):
-                if common is not None:
-                    common_runs.append(common_run(common, args.steps, args.batch_size))
+                common_runs.append(common_run(common, args.steps, args.batch_size))
+            for row, trainer in trainers.items():
+                others = allocated() - resident[row]
                 if cuda:
                     torch.cuda.reset_peak_memory_stats(device)
-                gputrain_runs.append(gputrain_run(trainer, args.steps))
+                runs[row].append(gputrain_run(trainer, args.steps))
                 if cuda:
-                    peaks.append(torch.cuda.max_memory_allocated(device) - common_resident)
-            steps_done = trainer.position.step
-            compile_mode = trainer.compiler.mode
-        finally:
-            trainer.close()
+                    peaks[row].append(torch.cuda.max_memory_allocated(device) - others)
+        steps_done = {row: trainer.position.step for row, trainer in trainers.items()}
+        modes = {row: trainer.compiler.mode for row, trainer in trainers.items()}
 
-    if cuda:
-        machine = f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
-        peak_gib: float | None = round(max(peaks) / 2**30, 1)
-    else:
-        machine, peak_gib = "CPU", None
-    median = statistics.median(run["rate"] for run in gputrain_runs)
+    machine = f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}" if cuda else "CPU"
     common_median = statistics.median(run["rate"] for run in common_runs) if common_runs else None
+    report_rows = {}
+    for row in rows:
+        median = statistics.median(run["rate"] for run in runs[row])
+        report_rows[row] = {
+            "compile": ROWS[row],
+            "compile_mode": modes[row],
+            "optimizer_steps_done": steps_done[row],
+            "images_per_second": [round(run["rate"], 1) for run in runs[row]],
+            "median_images_per_second": round(median, 1),
+            "ratio_to_common_loop": None if common_median is None else round(median / common_median, 3),
+            # Medians per run, and the lowest sample of all runs.
+            "status_gpu_utilization_percent": _medians(runs[row], "status"),
+            "status_gpu_utilization_lowest": _lowest(runs[row], "status"),
+            "nvidia_smi_utilization_percent": _medians(runs[row], "smi"),
+            "nvidia_smi_utilization_lowest": _lowest(runs[row], "smi"),
+            "peak_memory_gib": round(max(peaks[row]) / 2**30, 1) if cuda else None,
+        }
     return {
         "machine": f"{machine}, {platform.machine()}, torch {torch.__version__}",
         "model": args.model,
         "precision": args.precision,
         "batch_size": args.batch_size,
         "channels_last": args.channels_last,
-        "compile": args.compile,
-        "compile_mode": compile_mode,
         "steps_per_run": args.steps,
-        "optimizer_steps_done": steps_done,
-        "images_per_second": [round(run["rate"], 1) for run in gputrain_runs],
-        "median_images_per_second": round(median, 1),
-        "common_loop_images_per_second": [round(run["rate"], 1) for run in common_runs],
-        "median_common_loop_images_per_second": None if common_median is None else round(common_median, 1),
-        "ratio_to_common_loop": None if common_median is None else round(median / common_median, 3),
-        # Medians per run, and the lowest sample of all runs.
-        "status_gpu_utilization_percent": _medians(gputrain_runs, "status"),
-        "status_gpu_utilization_lowest": _lowest(gputrain_runs, "status"),
-        "nvidia_smi_utilization_percent": _medians(gputrain_runs, "smi"),
-        "nvidia_smi_utilization_lowest": _lowest(gputrain_runs, "smi"),
-        "common_loop_nvidia_smi_utilization_percent": _medians(common_runs, "smi"),
-        "peak_memory_gib": peak_gib,
-    }
+        "repeats": args.repeats,
+        "common_loop": None if common_median is None else {
+            "images_per_second": [round(run["rate"], 1) for run in common_runs],
+            "median_images_per_second": round(common_median, 1),
+            "nvidia_smi_utilization_percent": _medians(common_runs, "smi"),
+        },
+        "rows": report_rows,
+    }  # fmt: skip
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -315,12 +338,41 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-channels-last", dest="channels_last", action="store_false")
     # A bare --compile is on: the figures in docs/benchmarks.md were taken with it.
-    parser.add_argument("--compile", choices=["auto", "on", "off"], nargs="?", const="on", default="auto",
-                        help="spec.training.compile: auto (unset), on (true), off (false)")  # fmt: skip
+    parser.add_argument("--compile", choices=list(ROWS.values()), nargs="?", const="on", default=None,
+                        help="gputrain with this spec.training.compile alone: auto (unset), on (true), off "
+                             "(false); default: all three")  # fmt: skip
     parser.add_argument("--no-common-loop", dest="common_loop", action="store_false",
                         help="time gputrain's loop alone")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     return parser.parse_args(argv)
+
+
+def show(report: dict[str, Any]) -> None:
+    """The report as text."""
+    r, common, rows = report, report["common_loop"], report["rows"]
+    print(f"machine: {r['machine']}")
+    print(f"{r['model']} {r['precision']} batch {r['batch_size']} channels_last={r['channels_last']}, "
+          f"{r['repeats']} x {r['steps_per_run']} steps, runs alternating: "
+          f"{', '.join((['common loop'] if common else []) + list(rows))}")  # fmt: skip
+    print(f"  {'':<12}{'images/s: median, runs':<40}{'/ common loop':<15}compile (mode)")
+    if common:
+        rates = common["images_per_second"]
+        print(f"  {'common loop':<12}{common['median_images_per_second']:<10}{rates!s:<30}")
+    for name, row in rows.items():
+        rates, ratio = row["images_per_second"], row["ratio_to_common_loop"]
+        ratio_text = "" if ratio is None else str(ratio)
+        print(f"  {name:<12}{row['median_images_per_second']:<10}{rates!s:<30}{ratio_text:<15}"
+              f"{row['compile']} ({row['compile_mode']})")  # fmt: skip
+    print("  GPU utilization % during gputrain's runs (median of each run, lowest sample), as the status")
+    print("  shows it (the endpoint as the operator reads it) and as nvidia-smi does:")
+    for name, row in rows.items():
+        status = f"{row['status_gpu_utilization_percent']}, {row['status_gpu_utilization_lowest']}"
+        smi = f"{row['nvidia_smi_utilization_percent']}, {row['nvidia_smi_utilization_lowest']}"
+        print(f"    {name:<12}status {status}; nvidia-smi {smi}")
+    if common:
+        print(f"    {'common loop':<12}nvidia-smi {common['nvidia_smi_utilization_percent']}")
+    peaks = ", ".join(f"{name} {row['peak_memory_gib']}" for name, row in rows.items())
+    print(f"  peak memory of each row's runs, GiB: {peaks}")
 
 
 def main() -> None:
@@ -331,28 +383,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"machine: {report['machine']}")
-    print(
-        f"{args.model} {args.precision} batch {args.batch_size} channels_last={args.channels_last} "
-        f"compile={args.compile} ({report['compile_mode']}), {args.repeats} x {args.steps} steps, "
-        "runs alternating"
-    )
-    r = report
-    print(f"  gputrain    images/s median {r['median_images_per_second']}   runs: {r['images_per_second']}")
-    if r["common_loop_images_per_second"]:
-        print(
-            f"  common loop images/s median {r['median_common_loop_images_per_second']}   "
-            f"runs: {r['common_loop_images_per_second']}   gputrain/common {r['ratio_to_common_loop']}"
-        )
-    print("  GPU utilization % during gputrain's runs (median of each run, lowest sample):")
-    print(
-        f"    status (the endpoint as the operator reads it) {r['status_gpu_utilization_percent']}, "
-        f"{r['status_gpu_utilization_lowest']}"
-    )
-    print(f"    nvidia-smi {r['nvidia_smi_utilization_percent']}, {r['nvidia_smi_utilization_lowest']}")
-    if r["common_loop_images_per_second"]:
-        print(f"  common loop's runs: nvidia-smi {r['common_loop_nvidia_smi_utilization_percent']}")
-    print(f"  peak memory of gputrain's runs {report['peak_memory_gib']} GiB")
+    show(report)
 
 
 if __name__ == "__main__":

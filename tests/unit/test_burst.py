@@ -340,6 +340,35 @@ def test_a_job_that_ends_while_its_first_status_waits_has_its_result_written_at_
         assert not _job_made(store, "slow")  # "slow" still waits for its job: the burst is not over
 
 
+def test_a_job_deleted_as_it_ended_is_written_as_ended_and_never_made_again(toy: ToyJobApi) -> None:
+    """A job its controller deletes as soon as it ends (a TTL of seconds, an operator busy
+    meanwhile): its DELETED event can be the first the operator hears of its end. That end is
+    the training's, and the job is not made and run a second time."""
+    store = Store()
+    reconciler = _reconciler(store)
+    try:
+        reconciler.training_event("ADDED", _add(store, "t"))
+        reconciler.run_pending()
+        assert store.created == ["ToyConfig", "ToyJob"]
+        assert _status(store, "t")["phase"] == "Created"  # type: ignore[index]
+        made = next(k for k, o in store.objects.items() if o["kind"] == "ToyJob")
+        job = store.objects.pop(made)  # ended, then deleted by its TTL, before any reconcile
+        job["status"] = {"state": "Done", "began": "2026-11-25T10:00:00Z", "since": "2026-11-25T10:00:03Z"}
+        reconciler.job_event("DELETED", copy.deepcopy(store._stamp(job)))
+        reconciler.run_pending()
+        assert store.created == ["ToyConfig", "ToyJob"]  # not made again
+        ended = _status(store, "t") or {}
+        assert (ended["phase"], ended["completionTime"]) == ("Succeeded", "2026-11-25T10:00:03Z"), ended
+        # Its next pass, at once, finds the job gone and says so.
+        reconciler.run_pending()
+        conditions = {c["type"]: c for c in (_status(store, "t") or {})["conditions"]}
+        assert conditions["JobDeleted"]["status"] == "True", conditions
+        assert (_status(store, "t") or {})["phase"] == "Succeeded"
+        assert store.created == ["ToyConfig", "ToyJob"]
+    finally:
+        reconciler.close()
+
+
 def test_a_first_status_is_left_for_later_only_so_long(
     toy: ToyJobApi, monkeypatch: pytest.MonkeyPatch
 ) -> None:

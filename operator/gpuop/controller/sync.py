@@ -166,6 +166,19 @@ class TrainingSync:
             tracked.child_gone = tracked.child is None
         return tracked.child_gone
 
+    @staticmethod
+    def _ended_unseen(
+        tracked: Tracked, previous: GpuTrainingStatus | None, api: JobApi
+    ) -> dict[str, Any] | None:
+        """The last state of a job deleted once it had ended, before a status said it had
+        ended; None where there is none (a job deleted mid-run is made again)."""
+        ended = tracked.deleted_job
+        if ended is None or tracked.child is not None:
+            return None
+        if previous is not None and previous.phase in TERMINAL_PHASES:
+            return None  # its end is written: _finished_and_gone says the job went
+        return ended if observe.finished(api.conditions(ended)) else None
+
     def run(self, tracked: Tracked) -> Synced:
         """Observe, decide, act, write the status: one pass, for the state as last seen."""
         meta = tracked.body.get("metadata") or {}
@@ -180,8 +193,12 @@ class TrainingSync:
             return settled
         api, choice = settled
         assert view.training is not None  # _without_a_job settles a spec that did not parse
-        objects = view.objects(api, self.settings.trainer_image, self.report_endpoint)
-        outcome, conflict = self._make_and_patch(tracked, view.training, api, objects)
+        ended = self._ended_unseen(tracked, previous, api)
+        if ended is None:
+            objects = view.objects(api, self.settings.trainer_image, self.report_endpoint)
+            outcome, conflict = self._make_and_patch(tracked, view.training, api, objects)
+        else:  # it ran to its end: its end is written below, and nothing is made again
+            outcome, conflict = "unchanged", None
         if previous is None and conflict is None:
             later = self._first_status_later(tracked, meta.get("generation"))
             if later is not None:
@@ -189,7 +206,8 @@ class TrainingSync:
                 return Synced(outcome, again_in=later, status_left=True)
         if conflict is None and self._wake_if_due(tracked, api, now):
             outcome = "woken" if outcome == "unchanged" else outcome
-        observation = self._observe(tracked, previous, view, api, choice, conflict, now, generation)
+        child = (tracked.child or ended) if conflict is None else None
+        observation = self._observe(tracked, child, previous, view, api, choice, conflict, now, generation)
         stop = diagnosis.stop_for(observation)
         if stop is not None and observation.job_stopped is None:
             observation = self._stop(tracked, view.training, api, stop, observation)
@@ -209,6 +227,8 @@ class TrainingSync:
             outcome, restart = "restarted", None
         wrote = self._write_status(tracked, previous, observation, thresholds)
         outcome = outcome if outcome != "unchanged" or not wrote else "status"
+        if ended is not None:  # written as ended: its next pass finds the job gone and says so
+            return Synced(outcome, again_in=0.0)
         return Synced(outcome, again_in=clock_due_in(tracked, api, conflict, thresholds, now, restart))
 
     def _without_a_job(
@@ -303,6 +323,7 @@ class TrainingSync:
     def _observe(
         self,
         tracked: Tracked,
+        child: dict[str, Any] | None,
         previous: GpuTrainingStatus | None,
         view: SpecView,
         api: JobApi,
@@ -311,10 +332,9 @@ class TrainingSync:
         now: datetime,
         generation: int | None,
     ) -> Observation:
-        """Everything known of a training with a job (or a name conflict), at ``now``."""
+        """Everything known of a training with a job (``child``, or a name conflict), at ``now``."""
         assert view.training is not None
         training, spec = view.training, view.training.spec
-        child = tracked.child if conflict is None else None
         if (
             child is not None
             and observe.finished(api.conditions(child))

@@ -131,6 +131,10 @@ class Tracked:
     view: SpecView | None = None
     failure: str | None = None  # the last unexpected error, said once
     child_gone: bool = False  # asked for and not found, after the training finished
+    # The job as its DELETED event showed it. A job its controller deletes as soon as it ends
+    # (runPolicy.ttlSecondsAfterFinished) can go before any reconcile saw it end; its last state
+    # still says how it ended, which is written then, rather than the job made and run again.
+    deleted_job: dict[str, Any] | None = None
     woken_at: datetime | None = None  # when the job was last touched to wake its controller
     # The uids of the pods the reconcile deleted for a lost node (gpuop.observing.nodeloss): a
     # listing may show them a while yet (one taken before the delete, a finalizer), and the gang
@@ -154,7 +158,7 @@ class Tracked:
         under the same name (another uid) starts over."""
         with self.lock:
             if _uid(self.body) != _uid(body):
-                self.body, self.child, self.pods = body, None, ()
+                self.body, self.child, self.pods, self.deleted_job = body, None, (), None
                 self.child_seen += 1
                 self.first_seen = time.monotonic()
             elif newer(body, self.body):
@@ -165,7 +169,7 @@ class Tracked:
         with self.lock:
             known = self.child
             if event_type == "DELETED":
-                self.child, self.pods = None, ()
+                self.child, self.pods, self.deleted_job = None, (), observe.slim_job(job)
             elif known is None or newer(job, known):
                 self.child = observe.slim_job(job)
             if self.child is not known:

@@ -26,33 +26,38 @@ $(HELM): tests/support/tools/fetch_helm.py | $(STAMP)
 CONTROLPLANE := PYTHONPATH=tests $(BIN)/python -m support.plane.controlplane
 
 ## test: set up .venv and helm, then every check in two lanes at once (support.tools.lanes): the
-## nodes lane (the Go-built node, registry and images, then the real-node suite, the trainer
-## suite, the end-to-end chain and the release, root) and the rest lane (lint, strict types, the
-## layers, the CRD is current, the unit tests at the lowest versions we declare, then the unit,
-## chart, emulated, monitoring and real control-plane suites). Each lane's log is in .test-logs/
+## nodes lane (the Go-built node, registry and images, then the real-node suite, the end-to-end
+## chain and the release, root) and the rest lane (the trainer suite, then lint, strict types,
+## the layers, the CRD is current, the unit tests at the lowest versions we declare, then the
+## unit, chart, emulated, monitoring and real control-plane suites). Each lane's log is in .test-logs/
 test: $(STAMP) $(HELM)
-	PYTHONPATH=tests $(BIN)/python -m support.tools.lanes --logs .test-logs \
+	$(TURN_LOCK) PYTHONPATH=tests $(BIN)/python -m support.tools.lanes --logs .test-logs \
 	  nodes="$(MAKE) --no-print-directory test-nodes" rest="$(MAKE) --no-print-directory test-rest"
 
 # The suites of each lane; tests/unit/test_lanes.py checks that every suite is in exactly one,
 # but the kind suite (tests/e2e), which is `make e2e`'s alone: on a machine with Docker it would
 # build images and a cluster for most of an hour. The real nodes need root and most of the
 # machine while a training's pods run, so their suites share one lane and one control plane.
-# The trainer suite is theirs too, run before the chain: its DDP runs take both cores, and beside
-# them the chain's resumed pods can miss their stall timeout (a false Stalled) and its waits for
-# a training's end. The rest is light beside the real-node suite.
-NODE_SUITES := tests/node tests/trainer tests/e2e_local tests/release
+# The trainer suite starts the rest lane, beside the real-node suite: its DDP runs take both
+# cores, and beside them the chain's paced trainings would miss their stall timeouts (a false
+# Stalled) and waits, so the chain and it take the machine in turn (TURN_LOCK: whichever comes
+# second waits; support.tools.lanes.machine_turn). The rest is light beside the real nodes.
+NODE_SUITES := tests/node tests/e2e_local tests/release
+TRAINER_SUITES := tests/trainer
 # Those that need no Go-built server run while the rest lane's builds (cold) are still to come.
 REST_SUITES_FIRST := tests/unit tests/chart tests/emulated
 REST_SUITES_THEN := tests/monitoring tests/controlplane
 PYTEST_LANE := HELM=$(abspath $(HELM)) $(BIN)/pytest --durations=15
+TURN_LOCK := GPUOP_TEST_TURN_LOCK=$(abspath .test-logs)/machine-turn.lock
 
 ## test-nodes: the nodes lane of `make test` alone (root)
 test-nodes: $(STAMP) $(HELM) node-binaries images registry-binaries cosign-binaries objectstore-binaries monitoring-binaries controlplane-binaries
 	$(PYTEST_LANE) $(NODE_SUITES)
 
-## test-rest: the rest lane of `make test` alone
-test-rest: $(STAMP) $(HELM) actionlint-binaries docs-tools lint typecheck imports crd min-versions
+## test-rest: the rest lane of `make test` alone (the trainer suite needs SeaweedFS: objectstore-binaries)
+test-rest: $(STAMP) $(HELM) objectstore-binaries
+	$(PYTEST_LANE) $(TRAINER_SUITES)
+	$(MAKE) --no-print-directory actionlint-binaries docs-tools lint typecheck imports crd min-versions
 	$(PYTEST_LANE) $(REST_SUITES_FIRST)
 	$(MAKE) --no-print-directory monitoring-binaries controlplane-binaries
 	$(PYTEST_LANE) $(REST_SUITES_THEN)

@@ -54,6 +54,7 @@ from support.plane.cluster import (
     ready_operator_pod,
     uninstall_chart,
 )
+from support.tools import lanes
 from support.tools.helm import RELEASE, RELEASE_NAMESPACE
 from support.waiting import wait_for
 
@@ -100,6 +101,15 @@ LEFTOVER_KINDS: Final = (
     "pytorchjobs.kubeflow.org",
     "trainjobs.trainer.kubeflow.org",
 )
+
+
+@pytest.fixture(scope="package", autouse=True)
+def machine_turn() -> Iterator[float]:
+    """Under `make test`, never beside the trainer suite's DDP runs, which would stretch the
+    paced trainings here past their stall timeouts (see lanes.machine_turn). First of this
+    package's fixtures, so its nodes start once the turn is had."""
+    with lanes.machine_turn() as waited:
+        yield waited
 
 
 @pytest.fixture(scope="package", autouse=True)

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from support.paths import ROOT
 from support.tools import lanes
 from support.waiting import wait_for
 
-LANE_LISTS = ("NODE_SUITES", "REST_SUITES_FIRST", "REST_SUITES_THEN")
+LANE_LISTS = ("NODE_SUITES", "TRAINER_SUITES", "REST_SUITES_FIRST", "REST_SUITES_THEN")
 # `make e2e`'s alone: the kind suite needs Docker, and a runner with it would spend an hour.
 NOT_IN_MAKE_TEST = {"tests/e2e"}
 
@@ -105,3 +106,30 @@ def test_a_lane_is_name_equals_command() -> None:
 def test_clock() -> None:
     assert lanes.clock(0) == "0m00s"
     assert lanes.clock(3725.4) == "62m05s"
+
+
+def test_the_machines_turn_is_had_by_one_lane_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer suite and the chain, in two lanes: whichever comes second waits for the
+    other's turn to end, and a holder that dies lets go with it."""
+    monkeypatch.setenv(lanes.TURN_LOCK_VARIABLE, str(tmp_path / "logs" / "turn.lock"))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom support.tools import lanes\nwith lanes.machine_turn():\n"
+         "    print('held', flush=True)\n    time.sleep(60)"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")}, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline() == "held\n"
+        threading.Timer(1.0, holder.kill).start()  # dies holding it
+        with lanes.machine_turn() as waited:
+            assert 0.8 <= waited < 30, waited
+    finally:
+        holder.kill()
+        holder.wait()
+    with lanes.machine_turn() as waited:  # free: at once
+        assert waited < 0.5
+    monkeypatch.delenv(lanes.TURN_LOCK_VARIABLE)
+    with lanes.machine_turn() as waited:  # outside `make test`: no turn to wait for
+        assert waited == 0.0

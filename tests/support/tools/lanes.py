@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import os
 import shlex
 import signal
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Final
@@ -35,6 +37,30 @@ from typing import IO, Final
 # How long a lane that was asked to stop may take to tear down before it is killed: the chain's
 # teardown (two nodes, their pods and mounts) takes about a minute.
 STOP_GRACE_S: Final = 120.0
+# The file whose lock the suites that need the whole machine take in turn; `make test` names it
+# for every lane (unset, each suite runs as it comes).
+TURN_LOCK_VARIABLE: Final = "GPUOP_TEST_TURN_LOCK"
+
+
+@contextlib.contextmanager
+def machine_turn() -> Iterator[float]:
+    """Hold the machine's one turn, waiting while another lane's suite holds it; yields the
+    seconds waited. The trainer suite's DDP runs take both cores, and beside them the chain's
+    paced trainings miss their stall timeouts and waits (a false Stalled): the two lanes run
+    everything else at once, those two in turn. A lock of the kernel's (flock): a holder that
+    dies lets go with it."""
+    path = os.environ.get(TURN_LOCK_VARIABLE)
+    if not path:
+        yield 0.0
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        began = time.monotonic()
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield time.monotonic() - began
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @dataclass

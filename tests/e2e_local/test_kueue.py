@@ -3,8 +3,8 @@ training held Queued until the first has finished (on Trainer v2's TrainJob and 
 Job), and a lower-priority one preempted, left waiting and resumed from its checkpoint (on the
 PyTorchJob). Each of Kueue's three job integrations is met once, by the scenario that stops and
 starts that backend's job the most; the operator's side of all is the same code, whose
-backend-specific parts (suspend, conditions) the unit and control-plane suites cover for each. Kueue runs for this
-module alone (its ``queueing`` fixture), so its webhooks see no other module's jobs.
+backend-specific parts (suspend, conditions) the unit and control-plane suites cover for each. Kueue runs for a
+module that asks for it (its ``queueing`` fixture), so its webhooks see no other module's jobs.
 """
 
 from __future__ import annotations

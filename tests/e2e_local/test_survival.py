@@ -4,7 +4,8 @@
   Lease, and the training's reports, status transitions and job are neither lost nor done twice;
 * a whole node dead mid-run (its kubelet and every process of its pods SIGKILLed): the training
   says so, and its gang starts again on the other node from its checkpoint, without waiting the
-  5 minutes of Kubernetes' eviction (which a dead kubelet never completes anyway).
+  5 minutes of Kubernetes' eviction (which a dead kubelet never completes anyway); admitted by
+  the real Kueue, it keeps that admission throughout (only its pods are made again, not its job).
 
 Last of the chain's modules (by name): the package's operator pod is the one it kills.
 """
@@ -17,12 +18,14 @@ import re
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gputrain.contract import complete_checkpoint_step
 from support import chain
 from support.chain import Claims
+from support.controllers import kueue
 from support.node.node import Node
 from support.node.pool import Pool
 from support.plane.cluster import Api
@@ -159,7 +162,25 @@ def _condition(plane: ControlPlane, name: str, kind: str) -> dict[str, str] | No
                  if c["type"] == kind and c["status"] == "True"), None)  # fmt: skip
 
 
-@pytest.mark.usefixtures("kubeflow")
+def _workload(plane: ControlPlane, name: str) -> dict[str, Any]:
+    """Kueue's Workload for the training's job."""
+    found = json.loads(
+        plane.kubectl("get", "workloads.kueue.x-k8s.io", "-n", chain.NAMESPACE, "-o", "json").stdout
+    )["items"]
+    (workload,) = [w for w in found if w["metadata"]["ownerReferences"][0]["name"] == name]
+    return workload
+
+
+def _admitted_since(workload: dict[str, Any]) -> str | None:
+    """When Kueue last admitted it (its Admitted condition's transition), None if it is not."""
+    conditions = (workload.get("status") or {}).get("conditions") or ()
+    return next(
+        (c["lastTransitionTime"] for c in conditions if c["type"] == "Admitted" and c["status"] == "True"),
+        None,
+    )
+
+
+@pytest.mark.usefixtures("kubeflow", "queueing")
 def test_a_dead_node_is_said_at_once_and_its_gang_resumes_on_the_other_node_from_its_checkpoint(
     plane: ControlPlane,
     api: Api,
@@ -176,13 +197,19 @@ def test_a_dead_node_is_said_at_once_and_its_gang_resumes_on_the_other_node_from
     assert sorted(p["spec"]["nodeName"] for p in dns) == every_node
 
     name = "nodedeath"
+    # A queue of its own (room for its two pods): admitted once, it keeps that admission.
+    for obj in kueue.queues(name, chain.NAMESPACE, {"cpu": "4", "memory": "8Gi"}):
+        plane.kubectl("apply", "-f", "-", input=json.dumps(obj))
     gate = chain.gate(claims, f"{name}-checkpoints")
     timeline = chain.start_long_training(
-        plane, name, tmp_path, gate, resources={"cpu": "500m", "memory": "1Gi"},
+        plane, name, tmp_path, gate, resources={"cpu": "500m", "memory": "1Gi"}, scheduling={"queueName": name},
         nodeLossTimeoutSeconds=NODE_LOSS_TIMEOUT, stallTimeoutSeconds=STALL_TIMEOUT,
     )  # fmt: skip
     timelines.append(timeline)
     held = gate.wait_held(lambda: not {"Succeeded", "Failed"} & set(timeline.phases()))
+    workload = _workload(plane, name)
+    admitted = _admitted_since(workload)
+    assert admitted is not None, workload.get("status")
     saved = sorted(
         s for p in gate.folder.rglob("step-*") if (s := complete_checkpoint_step(p.name)) is not None
     )
@@ -232,6 +259,13 @@ def test_a_dead_node_is_said_at_once_and_its_gang_resumes_on_the_other_node_from
 
         wait_for("a step past the checkpoint in status", stepped, timeout=120, every=0.2)
         first_step = time.monotonic() - died
+        # Kueue's admission held through it all: the same Workload, admitted once, never evicted.
+        kept = _workload(plane, name)
+        assert kept["metadata"]["uid"] == workload["metadata"]["uid"], kept["metadata"]
+        assert _admitted_since(kept) == admitted, kept.get("status")
+        evicted = [c for c in kept["status"].get("conditions", ())
+                   if c["type"] in ("Evicted", "Preempted") and c["status"] == "True"]  # fmt: skip
+        assert not evicted, kept["status"]
     finally:
         victim.revive()
     print(
@@ -256,6 +290,7 @@ def test_a_dead_node_is_said_at_once_and_its_gang_resumes_on_the_other_node_from
     phases = timeline.caught_up("Succeeded")
     assert "Failed" not in phases
     assert "Restarting" in phases, phases
+    assert not {"Queued", "Suspended"} & set(phases[phases.index("Running") :]), phases
     assert not {"Stalled", "Underutilized"} & timeline.conditions(), timeline.conditions()
     # The job the operator made is the one that ran on: its pods made again, not the job.
     reasons = [e["reason"] for e in events if e["involvedObject"]["kind"] == "GpuTraining"]

@@ -92,7 +92,10 @@ def fresh_operator(plane: ControlPlane, suite_chart: Installed, tmp_path: Path) 
     process = OperatorProcess(config, tmp_path, env=suite_chart.env)
     yield process
     process.stop()
-    assert "Traceback" not in process.log(), process.log()[-4000:]
+    said = process.log()
+    # Captured, so shown only where the test failed: what the operator did meanwhile.
+    print(f"the operator's log, its end:\n{said[-6000:]}")
+    assert "Traceback" not in said, said[-4000:]
 
 
 @pytest.fixture(autouse=True)

@@ -96,7 +96,6 @@ def start(
     no_batchnorm: bool = False,
     steps: int | None = None,
     extra_env: dict[str, str] | None = None,
-    share_store_workaround: bool = True,
     hold_at: int | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start torchrun; its output goes to <workdir>/torchrun.log. ``hold_at``: the ranks wait at
@@ -113,8 +112,6 @@ def start(
     if hold_at is not None:
         shutil.rmtree(hold_dir(run), ignore_errors=True)  # an earlier attempt's gate in this workdir
         env |= hold_env(hold_dir(run), hold_at)
-    if not share_store_workaround:
-        del env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
     run.workdir.mkdir(parents=True, exist_ok=True)
     log = (run.workdir / "torchrun.log").open("ab")
     command = run.command(launcher_args, entry)

@@ -202,9 +202,7 @@ def test_a_killed_worker_is_restarted_and_finishes_from_the_checkpoint(tmp_path:
     Connection refused".
     """
     run = digits_run(tmp_path, epochs=3)
-    process = start(
-        run, launcher_args=elastic_launcher_args(max_restarts=1), share_store_workaround=False, hold_at=15
-    )
+    process = start(run, launcher_args=elastic_launcher_args(max_restarts=1), hold_at=15)
     wait_for_step(run, process, 15)  # a checkpoint at step 10 exists
     workers = worker_pids(process.pid)
     assert len(workers) == 2

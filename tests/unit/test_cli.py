@@ -372,6 +372,23 @@ def test_run_takes_exactly_one_gputraining(capsys: pytest.CaptureFixture[str], t
     assert (code, err) == (2, f"error: {path}: run takes one GpuTraining; the file has 2\n")
 
 
+def test_a_local_run_of_the_built_in_trainer_picks_no_port_for_its_workers_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workers' own store would listen on a port torchrun picked and let go, which another
+    process on the machine took first once (EADDRINUSE, a failed run); the built-in trainer
+    shares torchrun's, keyed per attempt. A user's command keeps its own store, as its code
+    may not key a restart's rendezvous apart."""
+    from gpuop.api.spec import parse
+    from gpuop.local.runner import plan
+
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    built_in = parse(yaml.safe_load(GOOD.format(name="b")))
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in plan(built_in, None, tmp_path).environment()
+    own = parse(yaml.safe_load(GOOD.format(name="o").replace("spec:\n", "spec:\n  command: [torchrun]\n", 1)))
+    assert plan(own, None, tmp_path).environment()["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
 def test_a_local_gpu_run_sees_only_the_gpus_it_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from gpuop.api.spec import parse
     from gpuop.local.runner import plan

@@ -112,10 +112,14 @@ class LocalRun:
             # What the device plugin does in a pod: the run sees the GPUs it uses and no others,
             # so its NVML figures (and the status's GPU figures) are this run's, not the machine's.
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(self.processes))
-        # The trainer keys its rendezvous per restart too; this also protects custom code.
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         env.setdefault("PYTHONUNBUFFERED", "1")
         if self.custom:
+            # After a restart, torchrun's store (which its workers share unless told not to)
+            # still holds the last attempt's keys, which a user's code may trip on
+            # (pytorch/pytorch#135712). The built-in trainer keys its rendezvous per attempt and
+            # shares it: a store of the workers' own would listen on a port torchrun picked and
+            # let go, which any other process on the machine can take first (EADDRINUSE).
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             # `torchrun` and `python` of the environment gpuop runs in, activated or not.
             scripts = str(Path(sys.executable).parent)
             env["PATH"] = os.pathsep.join([scripts, env.get("PATH", "")])

@@ -55,12 +55,13 @@ test-nodes: $(STAMP) $(HELM) node-binaries images registry-binaries cosign-binar
 	$(PYTEST_LANE) $(NODE_SUITES)
 
 ## test-rest: the rest lane of `make test` alone (the trainer suite needs SeaweedFS: objectstore-binaries)
+# A failing trainer suite fails the lane at its end: the checks and suites after it still run.
 test-rest: $(STAMP) $(HELM) objectstore-binaries
-	$(PYTEST_LANE) $(TRAINER_SUITES)
-	$(MAKE) --no-print-directory actionlint-binaries docs-tools lint typecheck imports crd min-versions
-	$(PYTEST_LANE) $(REST_SUITES_FIRST)
-	$(MAKE) --no-print-directory monitoring-binaries controlplane-binaries
-	$(PYTEST_LANE) $(REST_SUITES_THEN)
+	$(PYTEST_LANE) $(TRAINER_SUITES); trainer=$$?; \
+	$(MAKE) --no-print-directory actionlint-binaries docs-tools lint typecheck imports crd min-versions \
+	  && $(PYTEST_LANE) $(REST_SUITES_FIRST) \
+	  && $(MAKE) --no-print-directory monitoring-binaries controlplane-binaries \
+	  && $(PYTEST_LANE) $(REST_SUITES_THEN) && exit $$trainer
 
 ## check: the everyday loop: lint, strict types, the layers, the CRD is current, the unit tests
 ## (tests/unit; beside .venv it builds only actionlint, once, for the workflows' test)

@@ -40,6 +40,27 @@ def test_every_suite_runs_in_exactly_one_lane() -> None:
     assert set(listed) == suites - NOT_IN_MAKE_TEST
 
 
+def _make_lanes(cache: Path) -> tuple[str, str, str]:
+    """The trainer suite's lane and the suites each lane's pytest gets, as `make test` decides
+    them with ``cache`` as the machine's build cache (printed by make; nothing runs)."""
+    show = "show: ; @echo '$(TRAINER_LANE)|$(NODES_LANE_SUITES)|$(REST_LANE_TRAINER)'"
+    done = subprocess.run(
+        ["make", "-s", "--no-print-directory", "--eval", show, "show"],
+        cwd=ROOT, env={**os.environ, "GPUOP_CACHE": str(cache)}, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    lane, nodes, rest = done.stdout.strip().split("|")
+    return lane, " ".join(nodes.split()), rest
+
+
+def test_cold_the_trainer_suite_runs_in_the_nodes_lane_after_the_real_node_suite(tmp_path: Path) -> None:
+    """Beside the nodes lane's half hour of cold builds its CPU would stretch them; warm, it
+    runs beside the real-node suite in the rest lane."""
+    nodes_first = "tests/node tests/trainer tests/e2e_local tests/release"
+    assert _make_lanes(tmp_path) == ("nodes", nodes_first, "")
+    (tmp_path / "node-k8s" / "k8s-v1.35.4-0123456789ab").mkdir(parents=True)
+    assert _make_lanes(tmp_path) == ("rest", "tests/node tests/e2e_local tests/release", "tests/trainer")
+
+
 def _driver(tmp_path: Path, *specs: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "support.tools.lanes", "--logs", str(tmp_path / "logs"), *specs],

@@ -46,12 +46,13 @@ test: $(STAMP) $(HELM)
 # second waits; support.tools.lanes.machine_turn). The rest is light beside the real nodes.
 NODE_SUITES := tests/node tests/e2e_local tests/release
 TRAINER_SUITES := tests/trainer
-# Cold (the node's Go binaries not yet built on this machine), the nodes lane builds for half
-# an hour before its first test, and the trainer suite's 14 CPU-minutes beside those builds
-# stretch them further: a cold run took 97 min so, 71 with the trainer suite in the nodes
-# lane after the real-node suite, where it goes then. `make test` decides once for both lanes.
-GPUOP_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/gpuop
-TRAINER_LANE ?= $(if $(wildcard $(GPUOP_CACHE)/node-k8s/*),rest,nodes)
+# Cold (no node binaries in the build cache: support.node.binaries' node-k8s entry), the nodes
+# lane builds for half an hour before its first test, and the trainer suite's 14 CPU-minutes
+# beside those builds stretch them (97 min in all, against 71 with the trainer suite in the
+# nodes lane after the real-node suite, where it goes then). `make test` decides for both lanes.
+# BUILD_CACHE is support.plane.gobuild.cache_root(), read the same way.
+BUILD_CACHE := $(or $(GPUOP_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/gpuop)
+TRAINER_LANE ?= $(if $(wildcard $(BUILD_CACHE)/node-k8s/*),rest,nodes)
 NODES_LANE_SUITES := $(firstword $(NODE_SUITES)) $(if $(filter nodes,$(TRAINER_LANE)),$(TRAINER_SUITES)) \
   $(wordlist 2,$(words $(NODE_SUITES)),$(NODE_SUITES))
 REST_LANE_TRAINER := $(if $(filter rest,$(TRAINER_LANE)),$(TRAINER_SUITES))

@@ -280,14 +280,30 @@ def monitored(
         yield prometheus
 
 
-LEASE: Final = (
-    f"/apis/coordination.k8s.io/v1/namespaces/{RELEASE_NAMESPACE}/leases/{RELEASE}-gpu-training-operator"
-)
+DEPLOYMENT: Final = f"{RELEASE}-gpu-training-operator"
+LEASE: Final = f"/apis/coordination.k8s.io/v1/namespaces/{RELEASE_NAMESPACE}/leases/{DEPLOYMENT}"
 
 
 def operator_pods(api: Api) -> list[dict[str, Any]]:
     """The release's operator pods, but those being deleted."""
     return [p for p in api.list("pods", RELEASE_NAMESPACE) if "deletionTimestamp" not in p["metadata"]]
+
+
+def rolled_out(plane: controlplane.ControlPlane, api: Api, replicas: int) -> list[dict[str, Any]]:
+    """The operator's pods once an upgrade's rollout is over: ``kubectl rollout status`` (every
+    replica of the new template available, none of an older one left), then ``replicas`` pods
+    of one template, all Ready. Counting Ready pods alone is not enough: mid-rollout, the old
+    template's pod and the first of the new one's are two Ready pods."""
+    plane.kubectl("rollout", "status", f"deployment/{DEPLOYMENT}", "-n", RELEASE_NAMESPACE, "--timeout=180s",
+                  timeout=200)  # fmt: skip
+
+    def settled() -> list[dict[str, Any]] | None:
+        pods = operator_pods(api)
+        templates = {p["metadata"]["labels"].get("pod-template-hash") for p in pods}
+        done = len(pods) == replicas and len(templates) == 1 and all(pod_ready(p) for p in pods)
+        return pods if done else None
+
+    return wait_for(f"{replicas} operator pod(s) of one template, Ready", settled, timeout=60, every=0.5)
 
 
 def lease_holder(api: Api) -> str | None:
@@ -306,9 +322,7 @@ def two_replicas(plane: controlplane.ControlPlane, api: Api, nodes: Pool, operat
     )
     try:
         # The new template's two: the first node's pod goes as its replacements come.
-        pods = wait_for("two operator pods Ready", lambda: (ready := [p for p in operator_pods(api) if pod_ready(p)])
-                        and len(ready) == 2 and len(operator_pods(api)) == 2 and ready,
-                        timeout=180, every=0.5)  # fmt: skip
+        pods = rolled_out(plane, api, 2)
         names = [p["metadata"]["name"] for p in pods]
         leader = wait_for(
             "a holder of the Lease", lambda: lease_holder(api) in names and lease_holder(api), timeout=30
@@ -317,4 +331,4 @@ def two_replicas(plane: controlplane.ControlPlane, api: Api, nodes: Pool, operat
         yield leader, standby
     finally:
         install_chart(plane, chart_values(nodes), released.helm_chart())
-        wait_for("one operator pod", lambda: len(operator_pods(api)) == 1, timeout=120, every=0.5)
+        rolled_out(plane, api, 1)

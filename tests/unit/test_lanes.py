@@ -44,9 +44,13 @@ def _make_lanes(cache: Path) -> tuple[str, str, str]:
     """The trainer suite's lane and the suites each lane's pytest gets, as `make test` decides
     them with ``cache`` as the machine's build cache (printed by make; nothing runs)."""
     show = "show: ; @echo '$(TRAINER_LANE)|$(NODES_LANE_SUITES)|$(REST_LANE_TRAINER)'"
+    # Under `make test` this runs in a sub-make whose MAKEFLAGS carry the lane `make test`
+    # chose (TRAINER_LANE=...); a make started with them would echo that choice, not its own.
+    inherited = {"MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "TRAINER_LANE"}
+    env = {k: v for k, v in os.environ.items() if k not in inherited}
     done = subprocess.run(
         ["make", "-s", "--no-print-directory", "--eval", show, "show"],
-        cwd=ROOT, env={**os.environ, "GPUOP_CACHE": str(cache)}, capture_output=True, text=True, check=True,
+        cwd=ROOT, env={**env, "GPUOP_CACHE": str(cache)}, capture_output=True, text=True, check=True,
     )  # fmt: skip
     lane, nodes, rest = done.stdout.strip().split("|")
     return lane, " ".join(nodes.split()), rest

@@ -10,7 +10,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
 HELM := $(BIN)/helm
 CHART := charts/gpu-training-operator
 
-.PHONY: docs-tools version test check release registry-binaries cosign-binaries actionlint-binaries run lint typecheck imports test-nodes test-rest crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries node-binaries images node min-versions cluster cluster-down monitoring-binaries objectstore-binaries
+.PHONY: docs-tools version test check release registry-binaries cosign-binaries actionlint-binaries run lint typecheck imports test-nodes test-trainer test-rest crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries node-binaries images node min-versions cluster cluster-down monitoring-binaries objectstore-binaries
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,25 +25,29 @@ $(HELM): tests/support/tools/fetch_helm.py | $(STAMP)
 # the Go modules in tests/controlplane/ into ~/.cache/gpuop (once per machine; see the script).
 CONTROLPLANE := PYTHONPATH=tests $(BIN)/python -m support.plane.controlplane
 
-## test: set up .venv and helm, then every check in two lanes at once (support.tools.lanes): the
-## nodes lane (the Go-built node, registry and images, then the real-node suite, the end-to-end
-## chain and the release, root) and the rest lane (the trainer suite, which a machine that has
-## not built the node yet runs in the nodes lane after the real-node suite; then lint, strict types,
-## the layers, the CRD is current, the unit tests at the lowest versions we declare, then the
-## unit, chart, emulated, monitoring and real control-plane suites). Each lane's log is in .test-logs/
+## test: set up .venv and helm, then every check in three lanes at once (support.tools.lanes):
+## the nodes lane (the Go-built node, registry and images, then the real-node suite, the
+## end-to-end chain and the release, root), the trainer lane (the trainer suite; on a machine that
+## has not built the node yet, the nodes lane runs it after the real-node suite instead) and the
+## rest lane (lint, strict types, the layers, the CRD is current, the unit tests at the lowest
+## versions we declare, then the unit, chart, emulated, monitoring and real control-plane
+## suites). The chain runs once the other two lanes are over. Each lane's log is in .test-logs/
 test: $(STAMP) $(HELM)
 	$(TURN_LOCK) PYTHONPATH=tests $(BIN)/python -m support.tools.lanes --logs .test-logs \
+	  --holds-turn rest $(if $(TRAINER_LANE_SUITES),--holds-turn trainer) \
 	  nodes="$(MAKE) --no-print-directory test-nodes TRAINER_LANE=$(TRAINER_LANE)" \
-	  rest="$(MAKE) --no-print-directory test-rest TRAINER_LANE=$(TRAINER_LANE)"
+	  $(if $(TRAINER_LANE_SUITES),trainer="$(MAKE) --no-print-directory test-trainer") \
+	  rest="$(MAKE) --no-print-directory test-rest"
 
 # The suites of each lane; tests/unit/test_lanes.py checks that every suite is in exactly one,
 # but the kind suite (tests/e2e), which is `make e2e`'s alone: on a machine with Docker it would
 # build images and a cluster for most of an hour. The real nodes need root and most of the
 # machine while a training's pods run, so their suites share one lane and one control plane.
-# The trainer suite starts the rest lane, beside the real-node suite: its DDP runs take both
-# cores, and beside them the chain's paced trainings would miss their stall timeouts (a false
-# Stalled) and waits, so the chain and it take the machine in turn (TURN_LOCK: whichever comes
-# second waits; support.tools.lanes.machine_turn). The rest is light beside the real nodes.
+# The chain's paced trainings miss their stall timeouts (a false Stalled) and waits beside any
+# other CPU-bound suite, and a suite beside them stretches the chain by as much as it takes: so
+# the trainer and rest lanes run beside the real-node suite and the chain's setup (its nodes and
+# pulls), and the chain waits for both to be over, then has the machine to itself (TURN_LOCK:
+# support.tools.lanes.machine_turn and --holds-turn).
 NODE_SUITES := tests/node tests/e2e_local tests/release
 TRAINER_SUITES := tests/trainer
 # Cold (no node binaries in the build cache: support.node.binaries' node-k8s entry), the nodes
@@ -52,10 +56,10 @@ TRAINER_SUITES := tests/trainer
 # nodes lane after the real-node suite, where it goes then). `make test` decides for both lanes.
 # BUILD_CACHE is support.plane.gobuild.cache_root(), read the same way.
 BUILD_CACHE := $(or $(GPUOP_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/gpuop)
-TRAINER_LANE ?= $(if $(wildcard $(BUILD_CACHE)/node-k8s/*),rest,nodes)
+TRAINER_LANE ?= $(if $(wildcard $(BUILD_CACHE)/node-k8s/*),trainer,nodes)
 NODES_LANE_SUITES := $(firstword $(NODE_SUITES)) $(if $(filter nodes,$(TRAINER_LANE)),$(TRAINER_SUITES)) \
   $(wordlist 2,$(words $(NODE_SUITES)),$(NODE_SUITES))
-REST_LANE_TRAINER := $(if $(filter rest,$(TRAINER_LANE)),$(TRAINER_SUITES))
+TRAINER_LANE_SUITES := $(if $(filter trainer,$(TRAINER_LANE)),$(TRAINER_SUITES))
 # Those that need no Go-built server run while the rest lane's builds (cold) are still to come.
 REST_SUITES_FIRST := tests/unit tests/chart tests/emulated
 REST_SUITES_THEN := tests/monitoring tests/controlplane
@@ -66,14 +70,16 @@ TURN_LOCK := GPUOP_TEST_TURN_LOCK=$(abspath .test-logs)/machine-turn.lock
 test-nodes: $(STAMP) $(HELM) node-binaries images registry-binaries cosign-binaries objectstore-binaries monitoring-binaries controlplane-binaries
 	$(PYTEST_LANE) $(NODES_LANE_SUITES)
 
-## test-rest: the rest lane of `make test` alone (the trainer suite needs SeaweedFS: objectstore-binaries)
-# A failing trainer suite fails the lane at its end: the checks and suites after it still run.
-test-rest: $(STAMP) $(HELM) objectstore-binaries
-	$(if $(REST_LANE_TRAINER),$(PYTEST_LANE) $(REST_LANE_TRAINER),true); trainer=$$?; \
+## test-trainer: the trainer lane of `make test` alone (it needs SeaweedFS: objectstore-binaries)
+test-trainer: $(STAMP) $(HELM) objectstore-binaries
+	$(PYTEST_LANE) $(TRAINER_SUITES)
+
+## test-rest: the rest lane of `make test` alone
+test-rest: $(STAMP) $(HELM)
 	$(MAKE) --no-print-directory actionlint-binaries docs-tools lint typecheck imports crd min-versions \
 	  && $(PYTEST_LANE) $(REST_SUITES_FIRST) \
 	  && $(MAKE) --no-print-directory monitoring-binaries controlplane-binaries \
-	  && $(PYTEST_LANE) $(REST_SUITES_THEN) && exit $$trainer
+	  && $(PYTEST_LANE) $(REST_SUITES_THEN)
 
 ## check: the everyday loop: lint, strict types, the layers, the CRD is current, the unit tests
 ## (tests/unit; beside .venv it builds only actionlint, once, for the workflows' test)

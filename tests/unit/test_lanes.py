@@ -43,7 +43,7 @@ def test_every_suite_runs_in_exactly_one_lane() -> None:
 def _make_lanes(cache: Path) -> tuple[str, str, str]:
     """The trainer suite's lane and the suites each lane's pytest gets, as `make test` decides
     them with ``cache`` as the machine's build cache (printed by make; nothing runs)."""
-    show = "show: ; @echo '$(TRAINER_LANE)|$(NODES_LANE_SUITES)|$(REST_LANE_TRAINER)'"
+    show = "show: ; @echo '$(TRAINER_LANE)|$(NODES_LANE_SUITES)|$(TRAINER_LANE_SUITES)'"
     # Under `make test` this runs in a sub-make whose MAKEFLAGS carry the lane `make test`
     # chose (TRAINER_LANE=...); a make started with them would echo that choice, not its own.
     inherited = {"MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "TRAINER_LANE"}
@@ -52,17 +52,17 @@ def _make_lanes(cache: Path) -> tuple[str, str, str]:
         ["make", "-s", "--no-print-directory", "--eval", show, "show"],
         cwd=ROOT, env={**env, "GPUOP_CACHE": str(cache)}, capture_output=True, text=True, check=True,
     )  # fmt: skip
-    lane, nodes, rest = done.stdout.strip().split("|")
-    return lane, " ".join(nodes.split()), rest
+    lane, nodes, trainer = done.stdout.strip().split("|")
+    return lane, " ".join(nodes.split()), trainer
 
 
 def test_cold_the_trainer_suite_runs_in_the_nodes_lane_after_the_real_node_suite(tmp_path: Path) -> None:
     """Beside the nodes lane's half hour of cold builds its CPU would stretch them; warm, it
-    runs beside the real-node suite in the rest lane."""
+    runs beside the real-node suite in a lane of its own."""
     nodes_first = "tests/node tests/trainer tests/e2e_local tests/release"
     assert _make_lanes(tmp_path) == ("nodes", nodes_first, "")
     (tmp_path / "node-k8s" / "k8s-v1.35.4-0123456789ab").mkdir(parents=True)
-    assert _make_lanes(tmp_path) == ("rest", "tests/node tests/e2e_local tests/release", "tests/trainer")
+    assert _make_lanes(tmp_path) == ("trainer", "tests/node tests/e2e_local tests/release", "tests/trainer")
 
 
 def _driver(tmp_path: Path, *specs: str) -> subprocess.Popen[str]:
@@ -136,8 +136,8 @@ def test_clock() -> None:
 def test_the_machines_turn_is_had_by_one_lane_at_a_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The trainer suite and the chain, in two lanes: whichever comes second waits for the
-    other's turn to end, and a holder that dies lets go with it."""
+    """Two suites that take the turn: the second waits for the first's turn to end, and a
+    holder that dies lets go with it."""
     monkeypatch.setenv(lanes.TURN_LOCK_VARIABLE, str(tmp_path / "logs" / "turn.lock"))
     holder = subprocess.Popen(
         [sys.executable, "-c", "import time\nfrom support.tools import lanes\nwith lanes.machine_turn():\n"
@@ -158,3 +158,30 @@ def test_the_machines_turn_is_had_by_one_lane_at_a_time(
     monkeypatch.delenv(lanes.TURN_LOCK_VARIABLE)
     with lanes.machine_turn() as waited:  # outside `make test`: no turn to wait for
         assert waited == 0.0
+
+
+def test_the_chain_waits_for_every_lane_that_holds_the_turn_and_for_no_other(tmp_path: Path) -> None:
+    """The driver holds the turn, shared, for each ``--holds-turn`` lane from before any lane
+    starts until that lane ends; a suite's machine_turn (the chain's) gets it only then. A
+    lane that does not hold it (the nodes lane, the chain's own) keeps no one waiting."""
+    turn = tmp_path / "logs" / "turn.lock"
+    chain = (f"{sys.executable} -c 'from support.tools import lanes\nwith lanes.machine_turn() as waited:\n"
+             "    print(f\"waited {waited:.1f}\")'")  # fmt: skip
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "support.tools.lanes", "--logs", str(tmp_path / "logs"),
+         "--holds-turn", "slow", "--holds-turn", "quick",
+         f"chain={chain}", "slow=sleep 3", "quick=true", "free=sleep 10"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "tests"), lanes.TURN_LOCK_VARIABLE: str(turn)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    out, _ = driver.communicate(timeout=60)
+    assert driver.returncode == 0, out
+    waited = float(re.findall(r"^waited ([0-9.]+)$", (tmp_path / "logs" / "chain.log").read_text(), re.M)[0])
+    assert 2.0 <= waited < 8, out  # the slow lane's end, not the free one's
+
+
+def test_a_turn_held_by_no_lane_is_refused(tmp_path: Path) -> None:
+    driver = _driver(tmp_path, "--holds-turn", "gone", "only=true")
+    out, _ = driver.communicate(timeout=60)
+    assert driver.returncode == 2
+    assert "--holds-turn names no lane: ['gone']" in out

@@ -1,11 +1,17 @@
-"""`make test`'s two lanes, run at once: each a command (a sub-``make``) with its own output log.
+"""`make test`'s lanes, run at once: each a command (a sub-``make``) with its own output log.
 
-The suites that need the real nodes (root, two kubelets, the images) and the suites that need
-none (lint, types, the unit and control-plane tests) share nothing but the machine, so they
-overlap: the run costs the longer lane, not the sum (which lane holds which suite, and why, is
+The suites that need the real nodes (root, two kubelets, the images), the trainer suite and the
+suites that need neither (lint, types, the unit and control-plane tests) share nothing but the
+machine, so they overlap: the run costs the longest lane, not the sum (which lane holds which suite, and why, is
 the Makefile's). Cold, each lane builds what it needs first, and the builds they share are
 built once (:mod:`support.buildcache` locks per entry): the unit tests run while the nodes'
 builds run.
+
+One suite needs the machine to itself: the chain's paced trainings (tests/e2e_local) miss their
+stall timeouts and waits beside any other CPU-bound work (a false Stalled). It takes the machine's
+turn (:func:`machine_turn`, exclusive); each lane named by ``--holds-turn`` holds that turn,
+shared, from its start to its end, so the chain waits for those lanes to be over and runs alone.
+The driver takes their holds before it starts any lane: a chain cannot slip in first.
 
 The first lane is echoed as it runs; every lane is written to ``<logs>/<name>.log``. A lane that
 ends says so in one line at once, its log is printed whole at the end (so CI's log holds all of
@@ -13,7 +19,8 @@ it), then one line per lane: its verdict and its time. Exits non-zero when any l
 SIGINT or SIGTERM is passed on to every lane's process group (pytest then tears its fixtures
 down: the nodes' mounts and processes), and a lane still there two minutes later is killed.
 
-    PYTHONPATH=tests python3 -m support.tools.lanes --logs .test-logs \\
+    GPUOP_TEST_TURN_LOCK=.test-logs/machine-turn.lock PYTHONPATH=tests \\
+        python3 -m support.tools.lanes --logs .test-logs --holds-turn rest \\
         nodes="make test-nodes" rest="make test-rest"
 """
 
@@ -37,18 +44,17 @@ from typing import IO, Final
 # How long a lane that was asked to stop may take to tear down before it is killed: the chain's
 # teardown (two nodes, their pods and mounts) takes about a minute.
 STOP_GRACE_S: Final = 120.0
-# The file whose lock the suites that need the whole machine take in turn; `make test` names it
-# for every lane (unset, each suite runs as it comes).
+# The file whose lock is the machine's turn: the chain takes it alone, the lanes named by
+# --holds-turn hold it shared; `make test` names it for every lane (unset, each suite runs as it
+# comes).
 TURN_LOCK_VARIABLE: Final = "GPUOP_TEST_TURN_LOCK"
 
 
 @contextlib.contextmanager
 def machine_turn() -> Iterator[float]:
-    """Hold the machine's one turn, waiting while another lane's suite holds it; yields the
-    seconds waited. The trainer suite's DDP runs take both cores, and beside them the chain's
-    paced trainings miss their stall timeouts and waits (a false Stalled): the two lanes run
-    everything else at once, those two in turn. A lock of the kernel's (flock): a holder that
-    dies lets go with it."""
+    """Have the machine to itself: wait until no lane holds the turn (see :func:`held_turn`),
+    then hold it, alone; yields the seconds waited. Outside `make test` (no lock named) at
+    once. A lock of the kernel's (flock): a holder that dies lets go with it."""
     path = os.environ.get(TURN_LOCK_VARIABLE)
     if not path:
         yield 0.0
@@ -63,17 +69,28 @@ def machine_turn() -> Iterator[float]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def held_turn(path: Path) -> IO[str]:
+    """A hold on the machine's turn, shared with the other lanes that hold it, until the
+    returned file is closed: :func:`machine_turn` waits for every such hold to go."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = path.open("a")
+    fcntl.flock(handle, fcntl.LOCK_SH)
+    return handle
+
+
 @dataclass
 class Lane:
     name: str
     command: str
     log: Path
     echo: bool
+    holds_turn: bool = False
     process: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     ended: float | None = None
     returncode: int | None = None
     pump: threading.Thread | None = field(default=None, repr=False)
+    turn: IO[str] | None = field(default=None, repr=False)  # its hold on the turn while it runs
 
     @property
     def took(self) -> float:
@@ -143,7 +160,11 @@ def run(lanes: list[Lane], out: IO[bytes]) -> int:
         _signal_all(lanes, signal.SIGINT)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    turn = os.environ.get(TURN_LOCK_VARIABLE)
     try:
+        for lane in lanes:  # every hold first: no lane's chain may take the turn before them
+            if lane.holds_turn and turn:
+                lane.turn = held_turn(Path(turn))
         for lane in lanes:
             start(lane, out)
         running = list(lanes)
@@ -154,6 +175,8 @@ def run(lanes: list[Lane], out: IO[bytes]) -> int:
                 if code is None:
                     continue
                 lane.returncode, lane.ended = code, time.monotonic()
+                if lane.turn is not None:
+                    lane.turn.close()  # the turn's lock goes with its file
                 running.remove(lane)
                 _say(out, f"lane {lane.name} {verdict(code)} in {clock(lane.took)}; its log: {lane.log}")
             if stopping and time.monotonic() - stopping[0] > STOP_GRACE_S:
@@ -162,6 +185,9 @@ def run(lanes: list[Lane], out: IO[bytes]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        for lane in lanes:
+            if lane.turn is not None:
+                lane.turn.close()
     for lane in lanes:
         if lane.pump is not None:
             lane.pump.join()
@@ -179,14 +205,18 @@ def run(lanes: list[Lane], out: IO[bytes]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--logs", type=Path, required=True, help="the folder each lane's log is written to")
+    parser.add_argument("--holds-turn", action="append", default=[], metavar="NAME",
+                        help=f"this lane holds the machine's turn while it runs (with ${TURN_LOCK_VARIABLE})")  # fmt: skip
     parser.add_argument("lanes", nargs="+", type=parse_lane, metavar="NAME=COMMAND",
                         help="the first is echoed as it runs")  # fmt: skip
     args = parser.parse_args(argv)
     names = [name for name, _ in args.lanes]
     if len(set(names)) != len(names):
         parser.error(f"two lanes share a name: {names}")
+    if unknown := sorted(set(args.holds_turn) - set(names)):
+        parser.error(f"--holds-turn names no lane: {unknown}")
     lanes = [
-        Lane(name, command, args.logs / f"{name}.log", echo=index == 0)
+        Lane(name, command, args.logs / f"{name}.log", echo=index == 0, holds_turn=name in args.holds_turn)
         for index, (name, command) in enumerate(args.lanes)
     ]
     for lane in lanes:

@@ -163,21 +163,36 @@ def test_the_machines_turn_is_had_by_one_lane_at_a_time(
 def test_the_chain_waits_for_every_lane_that_holds_the_turn_and_for_no_other(tmp_path: Path) -> None:
     """The driver holds the turn, shared, for each ``--holds-turn`` lane from before any lane
     starts until that lane ends; a suite's machine_turn (the chain's) gets it only then. A
-    lane that does not hold it (the nodes lane, the chain's own) keeps no one waiting."""
-    turn = tmp_path / "logs" / "turn.lock"
-    chain = (f"{sys.executable} -c 'from support.tools import lanes\nwith lanes.machine_turn() as waited:\n"
-             "    print(f\"waited {waited:.1f}\")'")  # fmt: skip
+    lane that does not hold it (the nodes lane, the chain's own) keeps no one waiting. Events,
+    not timers: the held lane ends only once the test has seen the chain ask for the turn, and
+    the free lane ends only once the chain has it."""
+    asking, released, got = tmp_path / "asking", tmp_path / "released", tmp_path / "got"
+    chain = tmp_path / "chain.py"
+    chain.write_text(
+        "from pathlib import Path\nfrom support.tools import lanes\n"
+        f"Path({str(asking)!r}).touch()\n"
+        "with lanes.machine_turn():\n"
+        f"    print('released first:', Path({str(released)!r}).exists(), flush=True)\n"
+        f"    Path({str(got)!r}).touch()\n"
+    )
+    until = "for i in $(seq 600); do [ -e {mark} ] && exit 0; sleep 0.1; done; exit 1"
     driver = subprocess.Popen(
         [sys.executable, "-m", "support.tools.lanes", "--logs", str(tmp_path / "logs"),
-         "--holds-turn", "slow", "--holds-turn", "quick",
-         f"chain={chain}", "slow=sleep 3", "quick=true", "free=sleep 10"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "tests"), lanes.TURN_LOCK_VARIABLE: str(turn)},
+         "--holds-turn", "held", "--holds-turn", "quick",
+         f"chain={sys.executable} {chain}", f"held={until.format(mark=released)}", "quick=true",
+         f"free={until.format(mark=got)}"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "tests"),
+                       lanes.TURN_LOCK_VARIABLE: str(tmp_path / "logs" / "turn.lock")},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    out, _ = driver.communicate(timeout=60)
+    try:
+        wait_for("the chain asking for the turn", asking.exists, timeout=30, every=0.05)
+        released.touch()  # the held lane may end now, and its hold go with it
+        out, _ = driver.communicate(timeout=60)
+    finally:
+        driver.kill()
     assert driver.returncode == 0, out
-    waited = float(re.findall(r"^waited ([0-9.]+)$", (tmp_path / "logs" / "chain.log").read_text(), re.M)[0])
-    assert 2.0 <= waited < 8, out  # the slow lane's end, not the free one's
+    assert (tmp_path / "logs" / "chain.log").read_text() == "released first: True\n", out
 
 
 def test_a_turn_held_by_no_lane_is_refused(tmp_path: Path) -> None:

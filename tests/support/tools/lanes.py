@@ -2,8 +2,8 @@
 
 The suites that need the real nodes (root, two kubelets, the images), the trainer suite and the
 suites that need neither (lint, types, the unit and control-plane tests) share nothing but the
-machine, so they overlap: the run costs the longest lane, not the sum (which lane holds which suite, and why, is
-the Makefile's). Cold, each lane builds what it needs first, and the builds they share are
+machine, so they overlap: the run costs the longest lane, not the sum (which lane holds which
+suite, and why, is the Makefile's). Cold, each lane builds what it needs first, and the builds they share are
 built once (:mod:`support.buildcache` locks per entry): the unit tests run while the nodes'
 builds run.
 

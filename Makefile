@@ -10,7 +10,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
 HELM := $(BIN)/helm
 CHART := charts/gpu-training-operator
 
-.PHONY: docs-tools version test check release registry-binaries cosign-binaries actionlint-binaries run lint typecheck imports test-nodes test-trainer test-rest crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries node-binaries images node min-versions cluster cluster-down monitoring-binaries objectstore-binaries
+.PHONY: docs-tools version test check release registry-binaries cosign-binaries actionlint-binaries run lint typecheck imports test-nodes test-trainer test-checks test-servers crd crds e2e e2e-local gpu clean controlplane controlplane-down controlplane-binaries node-binaries images node min-versions cluster cluster-down monitoring-binaries objectstore-binaries
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,29 +25,34 @@ $(HELM): tests/support/tools/fetch_helm.py | $(STAMP)
 # the Go modules in tests/controlplane/ into ~/.cache/gpuop (once per machine; see the script).
 CONTROLPLANE := PYTHONPATH=tests $(BIN)/python -m support.plane.controlplane
 
-## test: set up .venv and helm, then every check in three lanes at once (support.tools.lanes):
-## the nodes lane (the Go-built node, registry and images, then the real-node suite, the
-## end-to-end chain and the release, root), the trainer lane (the trainer suite; on a machine that
-## has not built the node yet, the nodes lane runs it after the real-node suite instead) and the
-## rest lane (lint, strict types, the layers, the CRD is current, the unit tests at the lowest
-## versions we declare, then the unit, chart, emulated, monitoring and real control-plane
-## suites). The chain runs once the other two lanes are over. Each lane's log is in .test-logs/
+## test: set up .venv and helm, then every check in lanes at once (support.tools.lanes): the
+## nodes lane (the Go-built node, registry and images, then the real-node suite, the end-to-end
+## chain and the release, root), the checks lane (lint, strict types, the layers, the CRD is
+## current, the unit tests at the lowest versions we declare, then the unit, chart and emulated
+## suites), the servers lane (the monitoring and real control-plane suites) and, once the checks
+## lane is over, the trainer lane (the trainer suite, at a low priority; on a machine that has
+## not built the node yet, the nodes lane runs it after the real-node suite instead). The chain
+## starts once the checks and servers lanes are over. Each lane's log is in .test-logs/
 test: $(STAMP) $(HELM)
 	$(TURN_LOCK) PYTHONPATH=tests $(BIN)/python -m support.tools.lanes --logs .test-logs \
-	  --holds-turn rest $(if $(TRAINER_LANE_SUITES),--holds-turn trainer) \
+	  --holds-turn checks --holds-turn servers \
+	  $(if $(TRAINER_LANE_SUITES),--after trainer=checks --low-priority trainer) \
 	  nodes="$(MAKE) --no-print-directory test-nodes TRAINER_LANE=$(TRAINER_LANE)" \
-	  $(if $(TRAINER_LANE_SUITES),trainer="$(MAKE) --no-print-directory test-trainer") \
-	  rest="$(MAKE) --no-print-directory test-rest"
+	  checks="$(MAKE) --no-print-directory test-checks" \
+	  servers="$(MAKE) --no-print-directory test-servers" \
+	  $(if $(TRAINER_LANE_SUITES),trainer="$(MAKE) --no-print-directory test-trainer")
 
 # The suites of each lane; tests/unit/test_lanes.py checks that every suite is in exactly one,
 # but the kind suite (tests/e2e), which is `make e2e`'s alone: on a machine with Docker it would
 # build images and a cluster for most of an hour. The real nodes need root and most of the
 # machine while a training's pods run, so their suites share one lane and one control plane.
 # The chain's paced trainings miss their stall timeouts (a false Stalled) and waits beside any
-# other CPU-bound suite, and a suite beside them stretches the chain by as much as it takes: so
-# the trainer and rest lanes run beside the real-node suite and the chain's setup (its nodes and
-# pulls), and the chain waits for both to be over, then has the machine to itself (TURN_LOCK:
-# support.tools.lanes.machine_turn and --holds-turn).
+# other CPU-bound suite at its own priority, and such a suite stretches the chain by as much as
+# it takes: so the checks and servers lanes run beside the real-node suite and the chain's setup
+# (its nodes and pulls), and the chain waits for both to be over (TURN_LOCK:
+# support.tools.lanes.machine_turn and --holds-turn). The chain alone keeps the machine about
+# half busy; the trainer suite takes the other half at a low priority (--low-priority: a cpu
+# cgroup of a tenth the weight), so the chain's processes come first whenever they want the CPU.
 NODE_SUITES := tests/node tests/e2e_local tests/release
 TRAINER_SUITES := tests/trainer
 # Cold (no node binaries in the build cache: support.node.binaries' node-k8s entry), the nodes
@@ -60,9 +65,9 @@ TRAINER_LANE ?= $(if $(wildcard $(BUILD_CACHE)/node-k8s/*),trainer,nodes)
 NODES_LANE_SUITES := $(firstword $(NODE_SUITES)) $(if $(filter nodes,$(TRAINER_LANE)),$(TRAINER_SUITES)) \
   $(wordlist 2,$(words $(NODE_SUITES)),$(NODE_SUITES))
 TRAINER_LANE_SUITES := $(if $(filter trainer,$(TRAINER_LANE)),$(TRAINER_SUITES))
-# Those that need no Go-built server run while the rest lane's builds (cold) are still to come.
-REST_SUITES_FIRST := tests/unit tests/chart tests/emulated
-REST_SUITES_THEN := tests/monitoring tests/controlplane
+# Those that need no Go-built server, and those that start Go-built servers.
+CHECK_SUITES := tests/unit tests/chart tests/emulated
+SERVER_SUITES := tests/monitoring tests/controlplane
 PYTEST_LANE := HELM=$(abspath $(HELM)) $(BIN)/pytest --durations=15
 TURN_LOCK := GPUOP_TEST_TURN_LOCK=$(abspath .test-logs)/machine-turn.lock
 
@@ -74,12 +79,14 @@ test-nodes: $(STAMP) $(HELM) node-binaries images registry-binaries cosign-binar
 test-trainer: $(STAMP) $(HELM) objectstore-binaries
 	$(PYTEST_LANE) $(TRAINER_SUITES)
 
-## test-rest: the rest lane of `make test` alone
-test-rest: $(STAMP) $(HELM)
+## test-checks: the checks lane of `make test` alone
+test-checks: $(STAMP) $(HELM)
 	$(MAKE) --no-print-directory actionlint-binaries docs-tools lint typecheck imports crd min-versions \
-	  && $(PYTEST_LANE) $(REST_SUITES_FIRST) \
-	  && $(MAKE) --no-print-directory monitoring-binaries controlplane-binaries \
-	  && $(PYTEST_LANE) $(REST_SUITES_THEN)
+	  && $(PYTEST_LANE) $(CHECK_SUITES)
+
+## test-servers: the servers lane of `make test` alone
+test-servers: $(STAMP) $(HELM) monitoring-binaries controlplane-binaries
+	$(PYTEST_LANE) $(SERVER_SUITES)
 
 ## check: the everyday loop: lint, strict types, the layers, the CRD is current, the unit tests
 ## (tests/unit; beside .venv it builds only actionlint, once, for the workflows' test)

@@ -18,7 +18,7 @@ from support.paths import ROOT
 from support.tools import lanes
 from support.waiting import wait_for
 
-LANE_LISTS = ("NODE_SUITES", "TRAINER_SUITES", "REST_SUITES_FIRST", "REST_SUITES_THEN")
+LANE_LISTS = ("NODE_SUITES", "TRAINER_SUITES", "CHECK_SUITES", "SERVER_SUITES")
 # `make e2e`'s alone: the kind suite needs Docker, and a runner with it would spend an hour.
 NOT_IN_MAKE_TEST = {"tests/e2e"}
 
@@ -122,8 +122,8 @@ def test_a_stopped_run_stops_every_lane_with_sigint_so_pytest_tears_down(tmp_pat
 
 
 def test_a_lane_is_name_equals_command() -> None:
-    assert lanes.parse_lane("rest=make test-rest") == ("rest", "make test-rest")
-    for bad in ("make test-rest", "=make", "two words=make", "name="):
+    assert lanes.parse_lane("checks=make test-checks") == ("checks", "make test-checks")
+    for bad in ("make test-checks", "=make", "two words=make", "name="):
         with pytest.raises(argparse.ArgumentTypeError, match="NAME=COMMAND"):
             lanes.parse_lane(bad)
 
@@ -200,3 +200,54 @@ def test_a_turn_held_by_no_lane_is_refused(tmp_path: Path) -> None:
     out, _ = driver.communicate(timeout=60)
     assert driver.returncode == 2
     assert "--holds-turn names no lane: ['gone']" in out
+
+
+def test_a_lane_after_another_starts_when_that_one_ends_whatever_its_verdict(tmp_path: Path) -> None:
+    """The later lane finds the earlier one's mark (it ran and ended first) and is reported;
+    a lane that neither follows nor is followed runs at once (it sees no mark yet)."""
+    mark = tmp_path / "earlier-ended"
+    driver = _driver(tmp_path, "--after", "later=earlier", "first=true",
+                     f"earlier=sleep 1; touch {mark}; exit 3", f"later=test -e {mark}",
+                     f"free=test ! -e {mark}")  # fmt: skip
+    out, _ = driver.communicate(timeout=60)
+    assert driver.returncode == 1, out  # the earlier lane's exit 3
+    assert re.search(r"\[lanes\] earlier +FAILED \(exit 3\)", out), out
+    assert re.search(r"\[lanes\] later +passed", out), out
+    assert re.search(r"\[lanes\] free +passed", out), out
+    assert "lane later started, after earlier" in out, out
+
+
+@pytest.mark.parametrize(
+    ("specs", "refusal"),
+    [
+        (["--after", "later=gone"], "--after names no lane: ['gone']"),
+        (["--after", "first=later"], "the echoed lane first cannot wait --after another"),
+        (["--after", "later=middle", "--after", "middle=later"], "cannot be waited for in turn"),
+        (["--after", "later=middle", "--holds-turn", "later"], "cannot hold the turn: ['later']"),
+    ],
+)
+def test_an_after_that_cannot_be_run_is_refused(tmp_path: Path, specs: list[str], refusal: str) -> None:
+    driver = _driver(tmp_path, *specs, "first=true", "middle=true", "later=true")
+    out, _ = driver.communicate(timeout=60)
+    assert driver.returncode == 2, out
+    assert refusal in out, out
+
+
+def test_a_low_priority_lane_and_all_it_starts_run_in_a_cpu_group_of_low_weight(tmp_path: Path) -> None:
+    """A group, not nice: a process that starts a session of its own (as torchrun's ranks do)
+    stays in it. Where no v1 cpu controller can be written the lane runs as any other, and the
+    driver says so."""
+    grandchild = "setsid sh -c 'grep -E \"^[0-9]+:([^:]*,)?cpu(,[^:]*)?:\" /proc/self/cgroup'"
+    driver = _driver(tmp_path, "--low-priority", "low", "first=true", f"low={grandchild}",
+                     "normal=grep -E '^[0-9]+:([^:]*,)?cpu(,[^:]*)?:' /proc/self/cgroup")  # fmt: skip
+    out, _ = driver.communicate(timeout=60)
+    assert driver.returncode == 0, out
+    low, normal = ((tmp_path / "logs" / f"{name}.log").read_text() for name in ("low", "normal"))
+    if "low runs at the normal priority" in out:
+        assert low == normal, out
+        return
+    assert low.strip().endswith("/gpuop-lane-low"), out
+    assert not normal.strip().endswith("/gpuop-lane-low"), out
+    group = next(line for line in out.splitlines() if line.startswith("[lanes] low runs in "))
+    shares = Path(group.removeprefix("[lanes] low runs in ")) / "cpu.shares"
+    assert not shares.exists(), "the driver leaves no group behind"

@@ -10,8 +10,10 @@ builds run.
 One suite needs the machine to itself: the chain's paced trainings (tests/e2e_local) miss their
 stall timeouts and waits beside any other CPU-bound work (a false Stalled). It takes the machine's
 turn (:func:`machine_turn`, exclusive); each lane named by ``--holds-turn`` holds that turn,
-shared, from its start to its end, so the chain waits for those lanes to be over and runs alone.
-The driver takes their holds before it starts any lane: a chain cannot slip in first.
+shared, from its start to its end, so the chain waits for those lanes to be over. The driver
+takes their holds before it starts any lane: a chain cannot slip in first. A lane named by
+``--after LANE=EARLIER`` starts when EARLIER ends (whatever its verdict): work that the chain
+need not wait for can run beside it instead, with ``--low-priority LANE`` (:func:`low_priority_group`).
 
 The first lane is echoed as it runs; every lane is written to ``<logs>/<name>.log``. A lane that
 ends says so in one line at once, its log is printed whole at the end (so CI's log holds all of
@@ -20,8 +22,9 @@ SIGINT or SIGTERM is passed on to every lane's process group (pytest then tears 
 down: the nodes' mounts and processes), and a lane still there two minutes later is killed.
 
     GPUOP_TEST_TURN_LOCK=.test-logs/machine-turn.lock PYTHONPATH=tests \\
-        python3 -m support.tools.lanes --logs .test-logs --holds-turn rest \\
-        nodes="make test-nodes" rest="make test-rest"
+        python3 -m support.tools.lanes --logs .test-logs --holds-turn checks \\
+        --after trainer=checks --low-priority trainer \\
+        nodes="make test-nodes" checks="make test-checks" trainer="make test-trainer"
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ STOP_GRACE_S: Final = 120.0
 # --holds-turn hold it shared; `make test` names it for every lane (unset, each suite runs as it
 # comes).
 TURN_LOCK_VARIABLE: Final = "GPUOP_TEST_TURN_LOCK"
+# A low-priority lane's weight against a nice-0 session's 1024: it gets what no one else wants
+# and, when contended, about a tenth, so that its own tests' timeouts still hold.
+LOW_PRIORITY_SHARES: Final = 102
+CPU_CGROUPS: Final = Path("/sys/fs/cgroup/cpu")
 
 
 @contextlib.contextmanager
@@ -78,6 +85,27 @@ def held_turn(path: Path) -> IO[str]:
     return handle
 
 
+def low_priority_group(name: str) -> Path | None:
+    """A cpu cgroup (v1) of weight LOW_PRIORITY_SHARES beside this process's own, for the lane
+    ``name``. A group, not ``nice``: under the kernel's autogroups a nice counts only within its
+    own session, and torchrun starts each rank in a session of its own. None where no v1 cpu
+    controller can be written (no root, a v2-only host): that lane then runs at the normal
+    priority."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "cpu" in controllers.split(","):
+            break
+    else:
+        return None
+    group = CPU_CGROUPS / path.lstrip("/") / f"gpuop-lane-{name}"
+    try:
+        group.mkdir(exist_ok=True)
+        (group / "cpu.shares").write_text(str(LOW_PRIORITY_SHARES))
+    except OSError:
+        return None
+    return group
+
+
 @dataclass
 class Lane:
     name: str
@@ -85,6 +113,8 @@ class Lane:
     log: Path
     echo: bool
     holds_turn: bool = False
+    after: str | None = None  # the lane whose end starts this one
+    group: Path | None = None  # the low-priority cpu cgroup it runs in
     process: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     ended: float | None = None
@@ -130,9 +160,11 @@ def _pump(lane: Lane, out: IO[bytes]) -> None:
 def start(lane: Lane, out: IO[bytes]) -> None:
     lane.log.parent.mkdir(parents=True, exist_ok=True)
     lane.started = time.monotonic()
+    # The shell joins the group before it runs the command: all it starts is born there.
+    command = lane.command if lane.group is None else f"echo $$ > {lane.group}/cgroup.procs && {lane.command}"
     # A session of its own: a signal reaches the whole lane (make, pytest and what they started).
     lane.process = subprocess.Popen(
-        ["bash", "-c", lane.command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        ["bash", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
     lane.pump = threading.Thread(target=_pump, args=(lane, out), name=f"lane-{lane.name}", daemon=True)
     lane.pump.start()
@@ -165,9 +197,10 @@ def run(lanes: list[Lane], out: IO[bytes]) -> int:
         for lane in lanes:  # every hold first: no lane's chain may take the turn before them
             if lane.holds_turn and turn:
                 lane.turn = held_turn(Path(turn))
-        for lane in lanes:
+        waiting = [lane for lane in lanes if lane.after is not None]
+        running = [lane for lane in lanes if lane.after is None]
+        for lane in running:
             start(lane, out)
-        running = list(lanes)
         while running:
             for lane in list(running):
                 assert lane.process is not None
@@ -179,6 +212,11 @@ def run(lanes: list[Lane], out: IO[bytes]) -> int:
                     lane.turn.close()  # the turn's lock goes with its file
                 running.remove(lane)
                 _say(out, f"lane {lane.name} {verdict(code)} in {clock(lane.took)}; its log: {lane.log}")
+                for later in [w for w in waiting if w.after == lane.name and not stopping]:
+                    waiting.remove(later)
+                    running.append(later)
+                    start(later, out)
+                    _say(out, f"lane {later.name} started, after {lane.name}")
             if stopping and time.monotonic() - stopping[0] > STOP_GRACE_S:
                 _signal_all(running, signal.SIGKILL)
             time.sleep(0.5)
@@ -188,16 +226,20 @@ def run(lanes: list[Lane], out: IO[bytes]) -> int:
         for lane in lanes:
             if lane.turn is not None:
                 lane.turn.close()
+            if lane.group is not None:
+                with contextlib.suppress(OSError):  # a process of the lane's still there keeps it
+                    lane.group.rmdir()
     for lane in lanes:
         if lane.pump is not None:
             lane.pump.join()
     for lane in lanes:
-        if not lane.echo:
+        if not lane.echo and lane.log.exists():
             out.write(f"\n{'=' * 30} lane {lane.name}: {lane.command} {'=' * 30}\n".encode())
             out.write(lane.log.read_bytes())
     out.write(b"\n")
     for lane in lanes:
-        out.write(f"[lanes] {lane.name:<10} {verdict(lane.returncode):<18} {clock(lane.took)}\n".encode())
+        took = clock(lane.took) if lane.process is not None else "not started"
+        out.write(f"[lanes] {lane.name:<10} {verdict(lane.returncode):<18} {took}\n".encode())
     out.flush()
     return 0 if all(lane.returncode == 0 for lane in lanes) else 1
 
@@ -207,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logs", type=Path, required=True, help="the folder each lane's log is written to")
     parser.add_argument("--holds-turn", action="append", default=[], metavar="NAME",
                         help=f"this lane holds the machine's turn while it runs (with ${TURN_LOCK_VARIABLE})")  # fmt: skip
+    parser.add_argument("--after", action="append", default=[], type=parse_lane, metavar="LANE=EARLIER",
+                        help="LANE starts when EARLIER ends, not at once")  # fmt: skip
+    parser.add_argument("--low-priority", action="append", default=[], metavar="NAME",
+                        help="this lane gets the CPU the others leave (a cpu cgroup of low weight)")  # fmt: skip
     parser.add_argument("lanes", nargs="+", type=parse_lane, metavar="NAME=COMMAND",
                         help="the first is echoed as it runs")  # fmt: skip
     args = parser.parse_args(argv)
@@ -215,12 +261,35 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"two lanes share a name: {names}")
     if unknown := sorted(set(args.holds_turn) - set(names)):
         parser.error(f"--holds-turn names no lane: {unknown}")
+    after = dict(args.after)
+    if unknown := sorted({*after, *after.values()} - set(names)):
+        parser.error(f"--after names no lane: {unknown}")
+    if unknown := sorted(set(args.low_priority) - set(names)):
+        parser.error(f"--low-priority names no lane: {unknown}")
+    if chained := sorted(set(after) & set(after.values())):
+        parser.error(f"a lane that starts --after another cannot be waited for in turn: {chained}")
+    if names[0] in after:
+        parser.error(f"the echoed lane {names[0]} cannot wait --after another")
+    if held_later := sorted(set(after) & set(args.holds_turn)):
+        # its hold would come after the chain may have taken the turn
+        parser.error(f"a lane that starts --after another cannot hold the turn: {held_later}")
     lanes = [
-        Lane(name, command, args.logs / f"{name}.log", echo=index == 0, holds_turn=name in args.holds_turn)
+        Lane(
+            name,
+            command,
+            args.logs / f"{name}.log",
+            echo=index == 0,
+            holds_turn=name in args.holds_turn,
+            after=after.get(name),
+        )
         for index, (name, command) in enumerate(args.lanes)
     ]
     for lane in lanes:
         print(f"[lanes] {lane.name}: {shlex.join(['bash', '-c', lane.command])} -> {lane.log}", flush=True)
+        if lane.name in args.low_priority:
+            lane.group = low_priority_group(lane.name)
+            where = f"in {lane.group}" if lane.group else "at the normal priority: no v1 cpu cgroup to write"
+            print(f"[lanes] {lane.name} runs {where}", flush=True)
     return run(lanes, sys.stdout.buffer)
 
 

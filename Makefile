@@ -51,8 +51,8 @@ test: $(STAMP) $(HELM)
 # it takes: so the checks and servers lanes run beside the real-node suite and the chain's setup
 # (its nodes and pulls), and the chain waits for both to be over (TURN_LOCK:
 # support.tools.lanes.machine_turn and --holds-turn). The chain alone keeps the machine about
-# half busy; the trainer suite takes the other half at a low priority (--low-priority: a cpu
-# cgroup of a tenth the weight), so the chain's processes come first whenever they want the CPU.
+# half busy; the trainer suite takes the other half at a low priority (--low-priority: an idle
+# cpu cgroup), so the chain's processes come first whenever they want the CPU.
 NODE_SUITES := tests/node tests/e2e_local tests/release
 TRAINER_SUITES := tests/trainer
 # Cold (no node binaries in the build cache: support.node.binaries' node-k8s entry), the nodes

@@ -51,9 +51,9 @@ STOP_GRACE_S: Final = 120.0
 # --holds-turn hold it shared; `make test` names it for every lane (unset, each suite runs as it
 # comes).
 TURN_LOCK_VARIABLE: Final = "GPUOP_TEST_TURN_LOCK"
-# A low-priority lane's weight against a nice-0 session's 1024: it gets what no one else wants
-# and, when contended, about a tenth, so that its own tests' timeouts still hold.
-LOW_PRIORITY_SHARES: Final = 102
+# A low-priority lane's group is an idle one (cpu.idle: its tasks run on what no one else wants,
+# and any other task that wakes takes the CPU from them at once), of the least weight.
+LOW_PRIORITY_SHARES: Final = 2
 CPU_CGROUPS: Final = Path("/sys/fs/cgroup/cpu")
 
 
@@ -86,11 +86,11 @@ def held_turn(path: Path) -> IO[str]:
 
 
 def low_priority_group(name: str) -> Path | None:
-    """A cpu cgroup (v1) of weight LOW_PRIORITY_SHARES beside this process's own, for the lane
-    ``name``. A group, not ``nice``: under the kernel's autogroups a nice counts only within its
-    own session, and torchrun starts each rank in a session of its own. None where no v1 cpu
-    controller can be written (no root, a v2-only host): that lane then runs at the normal
-    priority."""
+    """An idle cpu cgroup (v1) of weight LOW_PRIORITY_SHARES beside this process's own, for the
+    lane ``name`` (a kernel without cpu.idle: the weight alone). A group, not ``nice``: under the
+    kernel's autogroups a nice counts only within its own session, and torchrun starts each rank
+    in a session of its own. None where no v1 cpu controller can be written (no root, a v2-only
+    host): that lane then runs at the normal priority."""
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         if "cpu" in controllers.split(","):
@@ -103,6 +103,8 @@ def low_priority_group(name: str) -> Path | None:
         (group / "cpu.shares").write_text(str(LOW_PRIORITY_SHARES))
     except OSError:
         return None
+    with contextlib.suppress(FileNotFoundError):  # cpu.idle: Linux 5.15 and later
+        (group / "cpu.idle").write_text("1")
     return group
 
 

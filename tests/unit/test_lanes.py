@@ -236,14 +236,14 @@ def test_an_after_that_cannot_be_run_is_refused(tmp_path: Path, specs: list[str]
 def test_a_low_priority_lane_and_all_it_starts_run_in_a_cpu_group_of_low_weight(tmp_path: Path) -> None:
     """A group, not nice: a process that starts a session of its own (as torchrun's ranks do)
     stays in it. Where no v1 cpu controller can be written the lane runs as any other, and the
-    driver says so."""
+    driver says so (what it does then: the next test)."""
     grandchild = "setsid sh -c 'grep -E \"^[0-9]+:([^:]*,)?cpu(,[^:]*)?:\" /proc/self/cgroup'"
     driver = _driver(tmp_path, "--low-priority", "low", "first=true", f"low={grandchild}",
                      "normal=grep -E '^[0-9]+:([^:]*,)?cpu(,[^:]*)?:' /proc/self/cgroup")  # fmt: skip
     out, _ = driver.communicate(timeout=60)
     assert driver.returncode == 0, out
     low, normal = ((tmp_path / "logs" / f"{name}.log").read_text() for name in ("low", "normal"))
-    if "low runs at the normal priority" in out:
+    if "low: no v1 cpu cgroup to write" in out:
         assert low == normal, out
         return
     assert low.strip().endswith("/gpuop-lane-low"), out
@@ -251,3 +251,18 @@ def test_a_low_priority_lane_and_all_it_starts_run_in_a_cpu_group_of_low_weight(
     group = next(line for line in out.splitlines() if line.startswith("[lanes] low runs in "))
     shares = Path(group.removeprefix("[lanes] low runs in ")) / "cpu.shares"
     assert not shares.exists(), "the driver leaves no group behind"
+
+
+def test_a_low_priority_lane_with_no_cgroup_to_run_in_starts_at_once_and_holds_the_turn(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """At the normal priority beside the chain it would stretch the chain into false alarms."""
+    planned: list[lanes.Lane] = []
+    monkeypatch.setattr(lanes, "low_priority_group", lambda name: None)
+    monkeypatch.setattr(lanes, "run", lambda these, out: planned.extend(these) or 0)
+    argv = ["--logs", str(tmp_path), "--after", "low=first", "--low-priority", "low", "first=true", "low=true"]  # fmt: skip
+    assert lanes.main(argv) == 0
+    low = planned[1]
+    assert (low.name, low.after, low.holds_turn, low.group) == ("low", None, True, None)
+    said = "[lanes] low: no v1 cpu cgroup to write; it starts at once and the chain waits for it"
+    assert said in capsys.readouterr().out

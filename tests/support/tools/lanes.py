@@ -90,7 +90,8 @@ def low_priority_group(name: str) -> Path | None:
     lane ``name`` (a kernel without cpu.idle: the weight alone). A group, not ``nice``: under the
     kernel's autogroups a nice counts only within its own session, and torchrun starts each rank
     in a session of its own. None where no v1 cpu controller can be written (no root, a v2-only
-    host): that lane then runs at the normal priority."""
+    host): that lane then starts at once and holds the turn, as without ``--low-priority`` and
+    ``--after``."""
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         if "cpu" in controllers.split(","):
@@ -288,10 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for lane in lanes:
         print(f"[lanes] {lane.name}: {shlex.join(['bash', '-c', lane.command])} -> {lane.log}", flush=True)
-        if lane.name in args.low_priority:
-            lane.group = low_priority_group(lane.name)
-            where = f"in {lane.group}" if lane.group else "at the normal priority: no v1 cpu cgroup to write"
-            print(f"[lanes] {lane.name} runs {where}", flush=True)
+        if lane.name not in args.low_priority:
+            continue
+        lane.group = low_priority_group(lane.name)
+        if lane.group is not None:
+            print(f"[lanes] {lane.name} runs in {lane.group}", flush=True)
+            continue
+        # At the normal priority it would stretch the chain into false alarms: be waited for.
+        lane.after, lane.holds_turn = None, True
+        print(f"[lanes] {lane.name}: no v1 cpu cgroup to write; it starts at once and the chain waits for it",
+              flush=True)  # fmt: skip
     return run(lanes, sys.stdout.buffer)
 
 

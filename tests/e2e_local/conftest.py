@@ -105,11 +105,11 @@ LEFTOVER_KINDS: Final = (
 
 @pytest.fixture(scope="package", autouse=True)
 def machine_turn(nodes: Pool) -> Iterator[float]:
-    """Under `make test`, only once the lanes that hold the turn (the trainer suite's DDP runs,
-    the checks) are over: beside them the paced trainings here would miss their stall timeouts
-    (see support.tools.lanes). The nodes start, and pull the images, before the turn: nothing
-    of theirs is paced, and done beside the other lanes' last minutes they cost the chain's
-    first test none of its wait (about two minutes)."""
+    """Under `make test`, only once the lanes that hold the turn (the checks and servers lanes)
+    are over: beside them the paced trainings here would miss their stall timeouts (see
+    support.tools.lanes; the trainer lane runs beside the chain in an idle cpu cgroup instead).
+    The nodes start, and pull the images, before the turn: nothing of theirs is paced, and done
+    beside the other lanes' last minutes they cost the chain's first test none of its wait."""
     with lanes.machine_turn() as waited:
         yield waited
 

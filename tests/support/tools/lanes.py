@@ -3,9 +3,9 @@
 The suites that need the real nodes (root, two kubelets, the images), the trainer suite and the
 suites that need neither (lint, types, the unit and control-plane tests) share nothing but the
 machine, so they overlap: the run costs the longest lane, not the sum (which lane holds which
-suite, and why, is the Makefile's). Cold, each lane builds what it needs first, and the builds they share are
-built once (:mod:`support.buildcache` locks per entry): the unit tests run while the nodes'
-builds run.
+suite, and why, is the Makefile's). Cold, each lane builds what it needs first, and the builds
+they share are built once (:mod:`support.buildcache` locks per entry): the unit tests run while
+the nodes' builds run.
 
 One suite needs the machine to itself: the chain's paced trainings (tests/e2e_local) miss their
 stall timeouts and waits beside any other CPU-bound work (a false Stalled). It takes the machine's
@@ -13,7 +13,8 @@ turn (:func:`machine_turn`, exclusive); each lane named by ``--holds-turn`` hold
 shared, from its start to its end, so the chain waits for those lanes to be over. The driver
 takes their holds before it starts any lane: a chain cannot slip in first. A lane named by
 ``--after LANE=EARLIER`` starts when EARLIER ends (whatever its verdict): work that the chain
-need not wait for can run beside it instead, with ``--low-priority LANE`` (:func:`low_priority_group`).
+need not wait for can run beside it instead, with ``--low-priority LANE``
+(:func:`low_priority_group`).
 
 The first lane is echoed as it runs; every lane is written to ``<logs>/<name>.log``. A lane that
 ends says so in one line at once, its log is printed whole at the end (so CI's log holds all of
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--after", action="append", default=[], type=parse_lane, metavar="LANE=EARLIER",
                         help="LANE starts when EARLIER ends, not at once")  # fmt: skip
     parser.add_argument("--low-priority", action="append", default=[], metavar="NAME",
-                        help="this lane gets the CPU the others leave (a cpu cgroup of low weight)")  # fmt: skip
+                        help="this lane gets the CPU the others leave (an idle cpu cgroup)")  # fmt: skip
     parser.add_argument("lanes", nargs="+", type=parse_lane, metavar="NAME=COMMAND",
                         help="the first is echoed as it runs")  # fmt: skip
     args = parser.parse_args(argv)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -237,20 +238,24 @@ def test_a_low_priority_lane_and_all_it_starts_run_in_a_cpu_group_of_low_weight(
     """A group, not nice: a process that starts a session of its own (as torchrun's ranks do)
     stays in it. Where no v1 cpu controller can be written the lane runs as any other, and the
     driver says so (what it does then: the next test)."""
-    grandchild = "setsid sh -c 'grep -E \"^[0-9]+:([^:]*,)?cpu(,[^:]*)?:\" /proc/self/cgroup'"
-    driver = _driver(tmp_path, "--low-priority", "low", "first=true", f"low={grandchild}",
-                     "normal=grep -E '^[0-9]+:([^:]*,)?cpu(,[^:]*)?:' /proc/self/cgroup")  # fmt: skip
+    in_group = "grep -E '^[0-9]+:([^:]*,)?cpu(,[^:]*)?:' /proc/self/cgroup"
+    # setsid, as the lane's process group leader, forks: the lane's shell is over at once while
+    # the grandchild still runs, writes, then lingers in the group with its output closed.
+    grandchild = f"setsid sh -c {shlex.quote(f'sleep 1; {in_group}; exec >&- 2>&-; sleep 2')}"
+    driver = _driver(
+        tmp_path, "--low-priority", "low", "first=true", f"low={grandchild}", f"normal={in_group}"
+    )
     out, _ = driver.communicate(timeout=60)
     assert driver.returncode == 0, out
     low, normal = ((tmp_path / "logs" / f"{name}.log").read_text() for name in ("low", "normal"))
     if "low: no v1 cpu cgroup to write" in out:
         assert low == normal, out
         return
-    assert low.strip().endswith("/gpuop-lane-low"), out
-    assert not normal.strip().endswith("/gpuop-lane-low"), out
-    group = next(line for line in out.splitlines() if line.startswith("[lanes] low runs in "))
-    shares = Path(group.removeprefix("[lanes] low runs in ")) / "cpu.shares"
-    assert not shares.exists(), "the driver leaves no group behind"
+    group = Path(next(line for line in out.splitlines() if line.startswith("[lanes] low runs in "))
+                 .removeprefix("[lanes] low runs in "))  # fmt: skip
+    assert low.strip().endswith(f"/{group.name}"), out
+    assert not normal.strip().endswith(f"/{group.name}"), out
+    assert not group.exists(), f"the driver leaves no group behind: {out}"
 
 
 def test_a_low_priority_lane_with_no_cgroup_to_run_in_starts_at_once_and_holds_the_turn(

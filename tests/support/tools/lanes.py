@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import os
 import shlex
@@ -56,6 +57,10 @@ TURN_LOCK_VARIABLE: Final = "GPUOP_TEST_TURN_LOCK"
 # and any other task that wakes takes the CPU from them at once), of the least weight.
 LOW_PRIORITY_SHARES: Final = 2
 CPU_CGROUPS: Final = Path("/sys/fs/cgroup/cpu")
+# How long a low-priority lane's group may take to empty once the lane is over: a process that
+# left the lane's session (setsid) can outlive its shell by a moment, and the kernel counts an
+# exiting task in the group a little after its output closes.
+GROUP_EMPTY_WAIT_S: Final = 10.0
 
 
 @contextlib.contextmanager
@@ -99,7 +104,9 @@ def low_priority_group(name: str) -> Path | None:
             break
     else:
         return None
-    group = CPU_CGROUPS / path.lstrip("/") / f"gpuop-lane-{name}"
+    # The driver's pid in the name: two drivers (a `make check` beside a `make test`) never share
+    # a group, so neither one's leftovers keep the other's from going.
+    group = CPU_CGROUPS / path.lstrip("/") / f"gpuop-lane-{name}-{os.getpid()}"
     try:
         group.mkdir(exist_ok=True)
         (group / "cpu.shares").write_text(str(LOW_PRIORITY_SHARES))
@@ -108,6 +115,25 @@ def low_priority_group(name: str) -> Path | None:
     with contextlib.suppress(FileNotFoundError):  # cpu.idle: Linux 5.15 and later
         (group / "cpu.idle").write_text("1")
     return group
+
+
+def remove_group(group: Path) -> list[int]:
+    """Remove a lane's group once its processes are gone, waiting up to GROUP_EMPTY_WAIT_S for
+    them; returns the pids still in it then (the group is left), else []."""
+    deadline = time.monotonic() + GROUP_EMPTY_WAIT_S
+    while True:
+        try:
+            group.rmdir()
+            return []
+        except FileNotFoundError:
+            return []
+        except OSError as error:
+            if error.errno == errno.EBUSY and time.monotonic() < deadline:
+                time.sleep(0.1)
+                continue
+        with contextlib.suppress(OSError):
+            return [int(pid) for pid in (group / "cgroup.procs").read_text().split()]
+        return []
 
 
 @dataclass
@@ -230,12 +256,12 @@ def run(lanes: list[Lane], out: IO[bytes]) -> int:
         for lane in lanes:
             if lane.turn is not None:
                 lane.turn.close()
-            if lane.group is not None:
-                with contextlib.suppress(OSError):  # a process of the lane's still there keeps it
-                    lane.group.rmdir()
-    for lane in lanes:
-        if lane.pump is not None:
-            lane.pump.join()
+        for lane in lanes:
+            if lane.pump is not None:  # its output's end: what the lane started is over, or nearly
+                lane.pump.join()
+        for lane in lanes:
+            if lane.group is not None and (left := remove_group(lane.group)):
+                _say(out, f"{lane.name}'s group {lane.group} still holds {left} and is left in place")
     for lane in lanes:
         if not lane.echo and lane.log.exists():
             out.write(f"\n{'=' * 30} lane {lane.name}: {lane.command} {'=' * 30}\n".encode())

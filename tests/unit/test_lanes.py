@@ -258,6 +258,16 @@ def test_a_low_priority_lane_and_all_it_starts_run_in_a_cpu_group_of_low_weight(
     assert not group.exists(), f"the driver leaves no group behind: {out}"
 
 
+@pytest.mark.parametrize(("procs", "why"), [("", "could not be removed (Directory not empty)"),
+                                            ("4242\n", "still holds [4242]")])  # fmt: skip
+def test_a_group_that_cannot_be_removed_says_why(tmp_path: Path, procs: str, why: str) -> None:
+    """Any error, not only a busy group's, is said in the driver's line. A directory with a file
+    in it stands in for the group: its rmdir fails at once with ENOTEMPTY, not EBUSY."""
+    (tmp_path / "cgroup.procs").write_text(procs)
+    assert lanes.remove_group(tmp_path) == why
+    assert lanes.remove_group(tmp_path / "gone") is None
+
+
 def test_a_low_priority_lane_with_no_cgroup_to_run_in_starts_at_once_and_holds_the_turn(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -117,23 +117,26 @@ def low_priority_group(name: str) -> Path | None:
     return group
 
 
-def remove_group(group: Path) -> list[int]:
+def remove_group(group: Path) -> str | None:
     """Remove a lane's group once its processes are gone, waiting up to GROUP_EMPTY_WAIT_S for
-    them; returns the pids still in it then (the group is left), else []."""
+    them. None once it is gone; else why it is left in place: the pids still in it, or the error
+    that kept it (any error is said: a group left in silence would be found by no one)."""
     deadline = time.monotonic() + GROUP_EMPTY_WAIT_S
     while True:
         try:
             group.rmdir()
-            return []
+            return None
         except FileNotFoundError:
-            return []
+            return None
         except OSError as error:
             if error.errno == errno.EBUSY and time.monotonic() < deadline:
                 time.sleep(0.1)
                 continue
+            failure = error
         with contextlib.suppress(OSError):
-            return [int(pid) for pid in (group / "cgroup.procs").read_text().split()]
-        return []
+            if pids := [int(pid) for pid in (group / "cgroup.procs").read_text().split()]:
+                return f"still holds {pids}"
+        return f"could not be removed ({failure.strerror})"
 
 
 @dataclass
@@ -260,8 +263,8 @@ def run(lanes: list[Lane], out: IO[bytes]) -> int:
             if lane.pump is not None:  # its output's end: what the lane started is over, or nearly
                 lane.pump.join()
         for lane in lanes:
-            if lane.group is not None and (left := remove_group(lane.group)):
-                _say(out, f"{lane.name}'s group {lane.group} still holds {left} and is left in place")
+            if lane.group is not None and (why := remove_group(lane.group)):
+                _say(out, f"{lane.name}'s group {lane.group} {why} and is left in place")
     for lane in lanes:
         if not lane.echo and lane.log.exists():
             out.write(f"\n{'=' * 30} lane {lane.name}: {lane.command} {'=' * 30}\n".encode())

@@ -29,14 +29,14 @@ CONTROLPLANE := PYTHONPATH=tests $(BIN)/python -m support.plane.controlplane
 ## nodes lane (the Go-built node, registry and images, then the real-node suite, the end-to-end
 ## chain and the release, root), the checks lane (lint, strict types, the layers, the CRD is
 ## current, the unit tests at the lowest versions we declare, then the unit, chart and emulated
-## suites), the servers lane (the monitoring and real control-plane suites) and, once the checks
-## lane is over, the trainer lane (the trainer suite, at a low priority; on a machine that has
-## not built the node yet, the nodes lane runs it after the real-node suite instead). The chain
-## starts once the checks and servers lanes are over. Each lane's log is in .test-logs/
+## suites), the servers lane (the monitoring and real control-plane suites) and the trainer lane
+## (the trainer suite, at a low priority from the start; on a machine that has not built the
+## node yet, the nodes lane runs it after the real-node suite instead). The chain starts once
+## the checks and servers lanes are over. Each lane's log is in .test-logs/
 test: $(STAMP) $(HELM)
 	$(TURN_LOCK) PYTHONPATH=tests $(BIN)/python -m support.tools.lanes --logs .test-logs \
 	  --holds-turn checks --holds-turn servers \
-	  $(if $(TRAINER_LANE_SUITES),--after trainer=checks --low-priority trainer) \
+	  $(if $(TRAINER_LANE_SUITES),--low-priority trainer) \
 	  nodes="$(MAKE) --no-print-directory test-nodes TRAINER_LANE=$(TRAINER_LANE)" \
 	  checks="$(MAKE) --no-print-directory test-checks" \
 	  servers="$(MAKE) --no-print-directory test-servers" \
@@ -50,9 +50,10 @@ test: $(STAMP) $(HELM)
 # other CPU-bound suite at its own priority, and such a suite stretches the chain by as much as
 # it takes: so the checks and servers lanes run beside the real-node suite and the chain's setup
 # (its nodes and pulls), and the chain waits for both to be over (TURN_LOCK:
-# support.tools.lanes.machine_turn and --holds-turn). The chain alone keeps the machine about
-# half busy; the trainer suite takes the other half at a low priority (--low-priority: an idle
-# cpu cgroup), so the chain's processes come first whenever they want the CPU.
+# support.tools.lanes.machine_turn and --holds-turn). The trainer suite runs from the start at
+# a low priority (--low-priority: an idle cpu cgroup), on what the others leave (0.3 of this
+# machine's 2 cores, as much before the chain as beside it), so that the chain's processes come
+# first whenever they want the CPU.
 NODE_SUITES := tests/node tests/e2e_local tests/release
 TRAINER_SUITES := tests/trainer
 # Cold (no node binaries in the build cache: support.node.binaries' node-k8s entry), the nodes

@@ -23,8 +23,7 @@ SIGINT or SIGTERM is passed on to every lane's process group (pytest then tears 
 down: the nodes' mounts and processes), and a lane still there two minutes later is killed.
 
     GPUOP_TEST_TURN_LOCK=.test-logs/machine-turn.lock PYTHONPATH=tests \\
-        python3 -m support.tools.lanes --logs .test-logs --holds-turn checks \\
-        --after trainer=checks --low-priority trainer \\
+        python3 -m support.tools.lanes --logs .test-logs --holds-turn checks --low-priority trainer \\
         nodes="make test-nodes" checks="make test-checks" trainer="make test-trainer"
 """
 

@@ -1,7 +1,7 @@
 """`make controlplane` and `make controlplane-down` (``python -m support.plane.controlplane``) keep
 their promises: up, usable with the kubectl they put beside the kubeconfig, down leaving no
-process and no state; a killed supervisor takes its children along; a port taken between
-choosing it and binding it makes it pick others."""
+process and no state; a killed supervisor takes its children along; a start told to stop stops
+where it is; a port taken between choosing it and binding it makes it pick others."""
 
 from __future__ import annotations
 
@@ -67,6 +67,29 @@ def test_a_killed_supervisor_takes_its_children_along(tmp_path: Path) -> None:
     wait_for("no etcd or apiserver left", lambda: _processes_under(state) == [], timeout=10)
     assert _launcher("down", "--dir", str(state)).returncode == 0
     assert not state.exists()
+
+
+def test_a_stop_while_it_starts_unwinds_the_start_and_up_fails_saying_so(tmp_path: Path) -> None:
+    """SIGTERM to the supervisor mid-start (what `down`, the launcher's Ctrl-C or a torn-down
+    test sends): the start stops where it is, in reverse, instead of running on to an "ok" that
+    nobody may be left to stop."""
+    state = tmp_path / "plane"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "support.plane.controlplane", "up", "--dir", str(state)], cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "tests")}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        # etcd runs: the supervisor's handlers are in place and its start is under way (the
+        # kube-apiserver's own start, seconds, is still to come).
+        wait_for("etcd to start", lambda: _processes_under(state) != [], timeout=60, every=0.05)
+        os.kill(int((state / "supervisor.pid").read_text()), signal.SIGTERM)
+        out, err = up.communicate(timeout=60)
+    finally:
+        up.kill()
+    assert up.returncode == 1, out
+    assert err.strip() == "error: stopped by SIGTERM while starting", err
+    wait_for("nothing of it left", lambda: _processes_under(state) == [], timeout=10)
 
 
 def test_a_port_taken_meanwhile_makes_it_pick_another(

@@ -25,6 +25,7 @@ import yaml
 from support import registry, specs
 from support.cluster import left_on_machine
 from support.paths import ROOT
+from support.plane import controlplane
 from support.training import put_hooks
 from support.waiting import wait_for
 
@@ -78,6 +79,9 @@ def state() -> Iterator[Path]:
     too deep for them)."""
     directory = Path(tempfile.mkdtemp(prefix="gpuop-cluster-", dir="/tmp"))
     yield directory / "state"
+    # A test stopped mid-way (Ctrl-C, the lanes' SIGINT) leaves the detached supervisor running,
+    # its start perhaps under way: it goes first, or removing its state kills its pieces under it.
+    controlplane.stop_supervisor(directory / "state", timeout=300)
     shutil.rmtree(directory, ignore_errors=True)
 
 

@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shutil
-import signal
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 from typing import IO, Final
@@ -69,63 +67,61 @@ def _operator_state(api: Api) -> str:
 
 def _supervise(state: Path, node_binaries: binaries.NodeBinaries, ready: IO[str]) -> int:
     """The supervisor's life: start every piece, report, stay until SIGTERM, stop in reverse."""
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, lambda *_: stop.set())
+    signals = controlplane.StopSignals()
     with contextlib.ExitStack() as pieces:
         try:
-            plane = controlplane.ControlPlane(state / "plane", node_binaries.controlplane, say=_say)
-            pieces.callback(plane.stop)
-            plane.start()
-            # Kubeflow's CRDs and JobSet's, for the controllers below (the chart brings ours and
-            # Kopf's); before the chart, so that the operator finds both backends at its start.
-            install_crds(plane, [KUBEFLOW_CRD, *TRAINER_CRDS, trainerv2.JOBSET_CRD])
-            api = Api(plane)
-            local = pieces.enter_context(registry.running_registry(state / "registry-server"))
-            shutil.copy(local.ca, state / registry.CA_FILE)
-            (state / registry.ADDRESS_FILE).write_text(local.address + "\n")
-            # A working tree's release: no CHANGELOG section asked of a version in progress.
-            described = release.release(
-                local.address, release.pyproject_version(), state / "dist", local.ca, _say, with_notes=False
-            )
-            version = str(described["version"])
+            with signals.starting():
+                plane = controlplane.ControlPlane(state / "plane", node_binaries.controlplane, say=_say)
+                pieces.callback(plane.stop)
+                plane.start()
+                # Kubeflow's CRDs and JobSet's, for the controllers below (the chart brings ours and
+                # Kopf's); before the chart, so that the operator finds both backends at its start.
+                install_crds(plane, [KUBEFLOW_CRD, *TRAINER_CRDS, trainerv2.JOBSET_CRD])
+                api = Api(plane)
+                local = pieces.enter_context(registry.running_registry(state / "registry-server"))
+                shutil.copy(local.ca, state / registry.CA_FILE)
+                (state / registry.ADDRESS_FILE).write_text(local.address + "\n")
+                # A working tree's release: no CHANGELOG section asked of a version in progress.
+                described = release.release(local.address, release.pyproject_version(), state / "dist",
+                                            local.ca, _say, with_notes=False)  # fmt: skip
+                version = str(described["version"])
 
-            def trust(node: Node) -> None:
-                node.containerd.trust(local.address, local.ca)
+                def trust(node: Node) -> None:
+                    node.containerd.trust(local.address, local.ca)
 
-            pool = pieces.enter_context(running_pool(plane, api, node_binaries, state, trust))
-            nodes = pool.nodes
-            controllers = [
-                trainingoperator.training_operator(plane, api, plane.advertise_address, state),
-                *trainerv2.trainer_and_jobset(plane, api, plane.advertise_address, state),
-            ]
-            for controller in controllers:
-                pieces.callback(controller.retire)
-                controller.start()
-            config = ["--kubeconfig", str(plane.kubeconfig)]
-            chart = f"oci://{local.address}/charts/{CHART.name}"
-            helm("upgrade", "--install", RELEASE, chart, "--version", version, "--ca-file", str(local.ca),
-                 "-n", RELEASE_NAMESPACE, "--create-namespace", *config)  # fmt: skip
-            deadline = time.monotonic() + 180
-            while ready_operator_pod(api) is None:
-                if stop.is_set():
-                    raise RuntimeError("stopped while starting")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"the operator's pod was not Ready after 180 s: {_operator_state(api)}"
-                    )
-                time.sleep(1)
-            shutil.copy(plane.kubeconfig, state / "kubeconfig")
-            (state / "nodes").write_text(
-                "".join(f"{n.name} {n.ident} {n.containerd.socket}\n" for n in nodes)
-            )
-        except Exception as exc:  # reported to the parent, which prints it and exits 1
-            ready.write(f"error: {exc}\n")
-            ready.close()
+                pool = pieces.enter_context(running_pool(plane, api, node_binaries, state, trust))
+                nodes = pool.nodes
+                controllers = [
+                    trainingoperator.training_operator(plane, api, plane.advertise_address, state),
+                    *trainerv2.trainer_and_jobset(plane, api, plane.advertise_address, state),
+                ]
+                for controller in controllers:
+                    pieces.callback(controller.retire)
+                    controller.start()
+                config = ["--kubeconfig", str(plane.kubeconfig)]
+                chart = f"oci://{local.address}/charts/{CHART.name}"
+                helm("upgrade", "--install", RELEASE, chart, "--version", version, "--ca-file", str(local.ca),
+                     "-n", RELEASE_NAMESPACE, "--create-namespace", *config)  # fmt: skip
+                deadline = time.monotonic() + 180
+                while ready_operator_pod(api) is None:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"the operator's pod was not Ready after 180 s: {_operator_state(api)}"
+                        )
+                    time.sleep(1)
+                shutil.copy(plane.kubeconfig, state / "kubeconfig")
+                (state / "nodes").write_text(
+                    "".join(f"{n.name} {n.ident} {n.containerd.socket}\n" for n in nodes)
+                )
+        except (Exception, controlplane.StopRequested) as exc:  # to the parent, which prints it, exits 1
+            with contextlib.suppress(OSError):  # a parent gone already
+                ready.write(f"error: {exc}\n")
+                ready.close()
             return 1
         ready.write("ok\n")
         ready.close()
-        while not stop.wait(1.0):
+        while not signals.stopped:
+            time.sleep(1.0)
             try:
                 plane.check_alive()
             except RuntimeError as exc:

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import traceback
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -464,27 +465,56 @@ def running(workdir: Path, say: Say = _say, *, oldest: bool = False) -> Iterator
 # -- `make controlplane` / `make controlplane-down` ----------------------------------------
 
 
+class StopRequested(BaseException):
+    """A stop signal while a supervisor starts. A BaseException, as KeyboardInterrupt is: no
+    ``except Exception`` in a start's retry loop may swallow it."""
+
+
+class StopSignals:
+    """A detached supervisor's stop signals (SIGTERM, SIGINT, SIGHUP). Within ``starting()``, the
+    first one raises StopRequested wherever the start is, even in a blocking call, so what it
+    started so far stops in reverse: a start never outlives whoever asked it to stop (a Ctrl-C, a
+    `down`, a test torn down) and never reports "ok" after. Outside it, they only set ``stopped``:
+    nothing raises into a stop, nor into the loop that watches ``stopped``."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+        self._starting = False
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        first = not self.stopped
+        self.stopped = True
+        if self._starting and first:
+            raise StopRequested(f"stopped by {signal.Signals(signum).name} while starting")
+
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        self._starting = not self.stopped  # a signal before: the start stops at its first step
+        try:
+            if self.stopped:
+                raise StopRequested("stopped while starting")
+            yield
+        finally:
+            self._starting = False
+
+
 def _supervise(plane: ControlPlane, ready: IO[str]) -> int:
     """The detached supervisor's life: start, report to the waiting parent, stay until told."""
-    stop = False
-
-    def on_signal(_signum: int, _frame: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)
+    signals = StopSignals()
     try:
-        plane.start()
-    except Exception as exc:  # reported to the parent, which prints it and exits 1
-        ready.write(f"error: {exc}\n")
-        ready.close()
+        with signals.starting():
+            plane.start()
+    except (Exception, StopRequested) as exc:  # reported to the parent, which prints it and exits 1
         plane.stop()
+        with contextlib.suppress(OSError):  # a parent gone already
+            ready.write(f"error: {exc}\n")
+            ready.close()
         return 1
     ready.write("ok\n")
     ready.close()
-    while not stop:
+    while not signals.stopped:
         time.sleep(0.5)
         try:
             plane.check_alive()
@@ -513,10 +543,15 @@ def detach(state: Path, body: Callable[[IO[str]], int]) -> tuple[int, str]:
         os.dup2(log, 1)
         os.dup2(log, 2)
         pid_file.write_text(f"{os.getpid()}\n")
-        with os.fdopen(write_end, "w") as ready:
-            code = body(ready)
-        pid_file.unlink(missing_ok=True)
-        os._exit(code)
+        code = 1
+        try:
+            with os.fdopen(write_end, "w") as ready:
+                code = body(ready)
+        except BaseException:  # (a parent gone before the verdict: a broken pipe) to the log
+            traceback.print_exc()
+        finally:  # never back into the parent's code: this is the fork
+            pid_file.unlink(missing_ok=True)
+            os._exit(code)
     os.close(write_end)
     try:
         with os.fdopen(read_end) as ready:

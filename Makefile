@@ -51,9 +51,9 @@ test: $(STAMP) $(HELM)
 # it takes: so the checks and servers lanes run beside the real-node suite and the chain's setup
 # (its nodes and pulls), and the chain waits for both to be over (TURN_LOCK:
 # support.tools.lanes.machine_turn and --holds-turn). The trainer suite runs from the start at
-# a low priority (--low-priority: an idle cpu cgroup), on what the others leave (0.3 of this
-# machine's 2 cores, as much before the chain as beside it), so that the chain's processes come
-# first whenever they want the CPU.
+# a low priority (--low-priority: an idle cpu cgroup), on what the others leave: the CPU the
+# checks and servers lanes leave idle at first, then what the chain leaves while it waits on its
+# trainings, whose processes come first whenever they want the CPU.
 NODE_SUITES := tests/node tests/e2e_local tests/release
 TRAINER_SUITES := tests/trainer
 # Cold (no node binaries in the build cache: support.node.binaries' node-k8s entry), the nodes

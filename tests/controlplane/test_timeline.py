@@ -10,25 +10,13 @@ from pathlib import Path
 import pytest
 
 from support import chain
+from support.node.process import processes_naming
 from support.plane.controlplane import ControlPlane
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.controlplane
 
 PHASES = ["Pending", "Running", "Restarting", "Running", "Succeeded"]
-
-
-def _watches(name: str) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                command = (proc / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if f"metadata.name={name}".encode() in command:
-                found.append(int(proc.name))
-    return found
 
 
 def test_the_timeline_sees_every_status_in_order_and_leaves_no_watch(
@@ -46,8 +34,8 @@ def test_the_timeline_sees_every_status_in_order_and_leaves_no_watch(
             plane.kubectl("patch", "gtr", name, "-n", chain.NAMESPACE, "--subresource=status", "--type=merge",
                           "-p", json.dumps({"status": {"phase": phase}}))  # fmt: skip
         assert timeline.caught_up("Succeeded") == PHASES
-        assert _watches(name) != []
+        assert processes_naming(f"metadata.name={name}") != {}
     finally:
         timeline.close()
         plane.kubectl("delete", "gtr", name, "-n", chain.NAMESPACE, "--ignore-not-found")
-    assert _watches(name) == []
+    assert processes_naming(f"metadata.name={name}") == {}

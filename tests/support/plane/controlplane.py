@@ -491,9 +491,9 @@ class StopSignals:
 
     @contextlib.contextmanager
     def starting(self) -> Iterator[None]:
-        self._starting = not self.stopped  # a signal before: the start stops at its first step
+        self._starting = True  # before the check below: a signal between the two still raises
         try:
-            if self.stopped:
+            if self.stopped:  # a signal came before the start: it stops at its first step
                 raise StopRequested("stopped while starting")
             yield
         finally:

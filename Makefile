@@ -30,17 +30,15 @@ CONTROLPLANE := PYTHONPATH=tests $(BIN)/python -m support.plane.controlplane
 ## chain and the release, root), the checks lane (lint, strict types, the layers, the CRD is
 ## current, the unit tests at the lowest versions we declare, then the unit, chart and emulated
 ## suites), the servers lane (the monitoring and real control-plane suites) and the trainer lane
-## (the trainer suite, at a low priority from the start; on a machine that has not built the
-## node yet, the nodes lane runs it after the real-node suite instead). The chain starts once
-## the checks and servers lanes are over. Each lane's log is in .test-logs/
+## (the trainer suite, at a low priority once the nodes lane's builds are done). The chain
+## starts once the checks and servers lanes are over. Each lane's log is in .test-logs/
 test: $(STAMP) $(HELM)
 	$(TURN_LOCK) PYTHONPATH=tests $(BIN)/python -m support.tools.lanes --logs .test-logs \
-	  --holds-turn checks --holds-turn servers \
-	  $(if $(TRAINER_LANE_SUITES),--low-priority trainer) \
-	  nodes="$(MAKE) --no-print-directory test-nodes TRAINER_LANE=$(TRAINER_LANE)" \
+	  --holds-turn checks --holds-turn servers --low-priority trainer --after trainer=nodes:built \
+	  nodes="$(MAKE) --no-print-directory test-nodes" \
 	  checks="$(MAKE) --no-print-directory test-checks" \
 	  servers="$(MAKE) --no-print-directory test-servers" \
-	  $(if $(TRAINER_LANE_SUITES),trainer="$(MAKE) --no-print-directory test-trainer")
+	  trainer="$(MAKE) --no-print-directory test-trainer"
 
 # The suites of each lane; tests/unit/test_lanes.py checks that every suite is in exactly one,
 # but the kind suite (tests/e2e), which is `make e2e`'s alone: on a machine with Docker it would
@@ -50,22 +48,15 @@ test: $(STAMP) $(HELM)
 # other CPU-bound suite at its own priority, and such a suite stretches the chain by as much as
 # it takes: so the checks and servers lanes run beside the real-node suite and the chain's setup
 # (its nodes and pulls), and the chain waits for both to be over (TURN_LOCK:
-# support.tools.lanes.machine_turn and --holds-turn). The trainer suite runs from the start at
-# a low priority (--low-priority: an idle cpu cgroup), on what the others leave: the CPU the
-# checks and servers lanes leave idle at first, then what the chain leaves while it waits on its
-# trainings, whose processes come first whenever they want the CPU.
+# support.tools.lanes.machine_turn and --holds-turn). The trainer suite runs at a low priority
+# (--low-priority: an idle cpu cgroup), on what the others leave: the CPU the checks and servers
+# lanes leave idle at first, then what the chain leaves while it waits on its trainings, whose
+# processes come first whenever they want the CPU. It starts once the nodes lane says its builds
+# are done (--after trainer=nodes:built), not at once: on a machine without them, a build of the
+# nodes lane's that it started itself (SeaweedFS, which it needs too) would crawl at its priority
+# while the nodes lane waited on that build's lock. Warm, the nodes lane says so within a minute.
 NODE_SUITES := tests/node tests/e2e_local tests/release
 TRAINER_SUITES := tests/trainer
-# Cold (no node binaries in the build cache: support.node.binaries' node-k8s entry), the nodes
-# lane builds for half an hour before its first test, and the trainer suite's 14 CPU-minutes
-# beside those builds stretch them (97 min in all, against 71 with the trainer suite in the
-# nodes lane after the real-node suite, where it goes then). `make test` decides for both lanes.
-# BUILD_CACHE is support.plane.gobuild.cache_root(), read the same way.
-BUILD_CACHE := $(or $(GPUOP_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/gpuop)
-TRAINER_LANE ?= $(if $(wildcard $(BUILD_CACHE)/node-k8s/*),trainer,nodes)
-NODES_LANE_SUITES := $(firstword $(NODE_SUITES)) $(if $(filter nodes,$(TRAINER_LANE)),$(TRAINER_SUITES)) \
-  $(wordlist 2,$(words $(NODE_SUITES)),$(NODE_SUITES))
-TRAINER_LANE_SUITES := $(if $(filter trainer,$(TRAINER_LANE)),$(TRAINER_SUITES))
 # Those that need no Go-built server, and those that start Go-built servers.
 CHECK_SUITES := tests/unit tests/chart tests/emulated
 SERVER_SUITES := tests/monitoring tests/controlplane
@@ -74,7 +65,8 @@ TURN_LOCK := GPUOP_TEST_TURN_LOCK=$(abspath .test-logs)/machine-turn.lock
 
 ## test-nodes: the nodes lane of `make test` alone (root)
 test-nodes: $(STAMP) $(HELM) node-binaries images registry-binaries cosign-binaries objectstore-binaries monitoring-binaries controlplane-binaries
-	$(PYTEST_LANE) $(NODES_LANE_SUITES)
+	@[ -z "$$GPUOP_LANE_MARKS" ] || touch "$$GPUOP_LANE_MARKS/built"  # the trainer lane's start
+	$(PYTEST_LANE) $(NODE_SUITES)
 
 ## test-trainer: the trainer lane of `make test` alone (it needs SeaweedFS: objectstore-binaries)
 test-trainer: $(STAMP) $(HELM) objectstore-binaries

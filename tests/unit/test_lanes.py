@@ -41,29 +41,23 @@ def test_every_suite_runs_in_exactly_one_lane() -> None:
     assert set(listed) == suites - NOT_IN_MAKE_TEST
 
 
-def _make_lanes(cache: Path) -> tuple[str, str, str]:
-    """The trainer suite's lane and the suites each lane's pytest gets, as `make test` decides
-    them with ``cache`` as the machine's build cache (printed by make; nothing runs)."""
-    show = "show: ; @echo '$(TRAINER_LANE)|$(NODES_LANE_SUITES)|$(TRAINER_LANE_SUITES)'"
-    # Under `make test` this runs in a sub-make whose MAKEFLAGS carry the lane `make test`
-    # chose (TRAINER_LANE=...); a make started with them would echo that choice, not its own.
-    inherited = {"MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "TRAINER_LANE"}
-    env = {k: v for k, v in os.environ.items() if k not in inherited}
-    done = subprocess.run(
-        ["make", "-s", "--no-print-directory", "--eval", show, "show"],
-        cwd=ROOT, env={**env, "GPUOP_CACHE": str(cache)}, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    lane, nodes, trainer = done.stdout.strip().split("|")
-    return lane, " ".join(nodes.split()), trainer
+def _recipe(target: str) -> list[str]:
+    """The Makefile's recipe of ``target``, a line per command (read, not run: `make -n` would
+    run the lines that name $(MAKE), `make test`'s lanes among them)."""
+    found = re.search(rf"^{target}:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert found, f"the Makefile has no recipe for {target}"
+    return [" ".join(line.split()) for line in found.group(1).replace("\\\n", " ").splitlines()]
 
 
-def test_cold_the_trainer_suite_runs_in_the_nodes_lane_after_the_real_node_suite(tmp_path: Path) -> None:
-    """Beside the nodes lane's half hour of cold builds its CPU would stretch them; warm, it
-    runs beside the real-node suite in a lane of its own."""
-    nodes_first = "tests/node tests/trainer tests/e2e_local tests/release"
-    assert _make_lanes(tmp_path) == ("nodes", nodes_first, "")
-    (tmp_path / "node-k8s" / "k8s-v1.35.4-0123456789ab").mkdir(parents=True)
-    assert _make_lanes(tmp_path) == ("trainer", "tests/node tests/e2e_local tests/release", "tests/trainer")
+def test_the_trainer_lane_starts_once_the_nodes_lane_says_its_builds_are_done() -> None:
+    """Not at once: on a machine without the builds, one that the trainer lane started at its low
+    priority (SeaweedFS, which both lanes need) would hold up the nodes lane on its lock. The
+    nodes lane's builds are its prerequisites, so its recipe's first line comes after them."""
+    (test,) = _recipe("test")
+    assert "--low-priority trainer --after trainer=nodes:built" in test, test
+    mark, suites = _recipe("test-nodes")
+    assert mark.startswith('@[ -z "$$GPUOP_LANE_MARKS" ] || touch "$$GPUOP_LANE_MARKS/built"'), mark
+    assert suites == "$(PYTEST_LANE) $(NODE_SUITES)", suites
 
 
 def _driver(tmp_path: Path, *specs: str) -> subprocess.Popen[str]:
@@ -218,10 +212,28 @@ def test_a_lane_after_another_starts_when_that_one_ends_whatever_its_verdict(tmp
     assert "lane later started, after earlier" in out, out
 
 
+def test_a_lane_after_a_mark_starts_when_the_earlier_lane_says_it_or_when_it_ends(tmp_path: Path) -> None:
+    """A mark of an earlier run's is no mark of this one: the driver empties each lane's folder."""
+    stale = tmp_path / "logs" / "marks" / "earlier" / "built"
+    stale.parent.mkdir(parents=True)
+    stale.touch()
+    ended = tmp_path / "earlier-ended"
+    says = f'sleep 1; touch "$GPUOP_LANE_MARKS/built"; sleep 2; touch {ended}'
+    driver = _driver(tmp_path, "--after", "later=earlier:built", "--after", "never=earlier:other",
+                     "first=true", f"earlier={says}", f"later=test ! -e {ended} && test -e {stale}",
+                     f"never=test -e {ended}")  # fmt: skip
+    out, _ = driver.communicate(timeout=60)
+    assert driver.returncode == 0, out
+    assert "lane later started, after earlier said built" in out, out
+    assert "lane never started, after earlier (which ended without saying other)" in out, out
+
+
 @pytest.mark.parametrize(
     ("specs", "refusal"),
     [
         (["--after", "later=gone"], "--after names no lane: ['gone']"),
+        (["--after", "later=gone:built"], "--after names no lane: ['gone']"),
+        (["--after", "later=middle:"], "--after is LANE=EARLIER or LANE=EARLIER:MARK"),
         (["--after", "first=later"], "the echoed lane first cannot wait --after another"),
         (["--after", "later=middle", "--after", "middle=later"], "cannot be waited for in turn"),
         (["--after", "later=middle", "--holds-turn", "later"], "cannot hold the turn: ['later']"),

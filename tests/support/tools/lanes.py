@@ -11,10 +11,15 @@ One suite needs the machine to itself: the chain's paced trainings (tests/e2e_lo
 stall timeouts and waits beside any other CPU-bound work (a false Stalled). It takes the machine's
 turn (:func:`machine_turn`, exclusive); each lane named by ``--holds-turn`` holds that turn,
 shared, from its start to its end, so the chain waits for those lanes to be over. The driver
-takes their holds before it starts any lane: a chain cannot slip in first. A lane named by
-``--after LANE=EARLIER`` starts when EARLIER ends (whatever its verdict): work that the chain
+takes their holds before it starts any lane: a chain cannot slip in first. Work that the chain
 need not wait for can run beside it instead, with ``--low-priority LANE``
 (:func:`low_priority_group`).
+
+A lane named by ``--after LANE=EARLIER`` starts when EARLIER ends (whatever its verdict); by
+``--after LANE=EARLIER:MARK``, as soon as EARLIER says MARK, or when it ends without saying it.
+A lane says a mark by making a file of that name in the folder ``$GPUOP_LANE_MARKS`` names (its
+own, emptied when the driver starts): `make test`'s nodes lane says ``built`` once its builds
+are done, and its trainer lane starts then (the Makefile says why).
 
 The first lane is echoed as it runs; every lane is written to ``<logs>/<name>.log``. A lane that
 ends says so in one line at once, its log is printed whole at the end (so CI's log holds all of
@@ -24,7 +29,8 @@ down: the nodes' mounts and processes), and a lane still there two minutes later
 
     GPUOP_TEST_TURN_LOCK=.test-logs/machine-turn.lock PYTHONPATH=tests \\
         python3 -m support.tools.lanes --logs .test-logs --holds-turn checks --low-priority trainer \\
-        nodes="make test-nodes" checks="make test-checks" trainer="make test-trainer"
+        --after trainer=nodes:built nodes="make test-nodes" checks="make test-checks" \\
+        trainer="make test-trainer"
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import errno
 import fcntl
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,6 +59,8 @@ STOP_GRACE_S: Final = 120.0
 # --holds-turn hold it shared; `make test` names it for every lane (unset, each suite runs as it
 # comes).
 TURN_LOCK_VARIABLE: Final = "GPUOP_TEST_TURN_LOCK"
+# The folder each lane is given to say its marks in (a file a mark), the lane's own: see --after.
+MARKS_VARIABLE: Final = "GPUOP_LANE_MARKS"
 # A low-priority lane's group is an idle one (cpu.idle: its tasks run on what no one else wants,
 # and any other task that wakes takes the CPU from them at once), of the least weight.
 LOW_PRIORITY_SHARES: Final = 2
@@ -145,7 +154,8 @@ class Lane:
     log: Path
     echo: bool
     holds_turn: bool = False
-    after: str | None = None  # the lane whose end starts this one
+    after: str | None = None  # the lane whose end (or mark) starts this one
+    mark: str | None = None  # that lane's mark that starts this one; None: only its end
     group: Path | None = None  # the low-priority cpu cgroup it runs in
     process: subprocess.Popen[bytes] | None = None
     started: float = 0.0
@@ -158,12 +168,26 @@ class Lane:
     def took(self) -> float:
         return (self.ended if self.ended is not None else time.monotonic()) - self.started
 
+    @property
+    def marks(self) -> Path:
+        """The folder this lane says its marks in."""
+        return self.log.parent / "marks" / self.name
+
 
 def parse_lane(text: str) -> tuple[str, str]:
     name, sep, command = text.partition("=")
     if not sep or not name.isidentifier() or not command.strip():
         raise argparse.ArgumentTypeError(f"a lane is NAME=COMMAND, got {text!r}")
     return name, command
+
+
+def parse_after(text: str) -> tuple[str, str, str | None]:
+    """``LANE=EARLIER`` or ``LANE=EARLIER:MARK``: the lane, the one it waits for, and the mark."""
+    name, sep, rest = text.partition("=")
+    earlier, colon, mark = rest.partition(":")
+    if not (sep and name.isidentifier() and earlier.isidentifier() and (mark.isidentifier() or not colon)):
+        raise argparse.ArgumentTypeError(f"--after is LANE=EARLIER or LANE=EARLIER:MARK, got {text!r}")
+    return name, earlier, mark or None
 
 
 def verdict(returncode: int | None) -> str:
@@ -192,12 +216,12 @@ def _pump(lane: Lane, out: IO[bytes]) -> None:
 def start(lane: Lane, out: IO[bytes]) -> None:
     lane.log.parent.mkdir(parents=True, exist_ok=True)
     lane.started = time.monotonic()
+    env = {**os.environ, MARKS_VARIABLE: str(lane.marks)}
     # The shell joins the group before it runs the command: all it starts is born there.
     command = lane.command if lane.group is None else f"echo $$ > {lane.group}/cgroup.procs && {lane.command}"
     # A session of its own: a signal reaches the whole lane (make, pytest and what they started).
-    lane.process = subprocess.Popen(
-        ["bash", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    lane.process = subprocess.Popen(["bash", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env=env)  # fmt: skip
     lane.pump = threading.Thread(target=_pump, args=(lane, out), name=f"lane-{lane.name}", daemon=True)
     lane.pump.start()
 
@@ -214,8 +238,23 @@ def _signal_all(lanes: list[Lane], signum: int) -> None:
                 os.killpg(lane.process.pid, signum)
 
 
+def _due(later: Lane, lanes: dict[str, Lane]) -> str | None:
+    """Why the waiting lane ``later`` may start now (the words after "started, "), or None."""
+    assert later.after is not None
+    earlier = lanes[later.after]
+    if later.mark is not None and (earlier.marks / later.mark).exists():
+        return f"after {earlier.name} said {later.mark}"
+    if earlier.ended is not None:
+        return f"after {earlier.name}" + (f" (which ended without saying {later.mark})" if later.mark else "")
+    return None
+
+
 def run(lanes: list[Lane], out: IO[bytes]) -> int:
     stopping: list[float] = []
+    by_name = {lane.name: lane for lane in lanes}
+    for lane in lanes:  # no mark of an earlier run may start a lane of this one
+        shutil.rmtree(lane.marks, ignore_errors=True)
+        lane.marks.mkdir(parents=True)
 
     def stop(signum: int, _frame: object) -> None:
         if not stopping:
@@ -244,11 +283,13 @@ def run(lanes: list[Lane], out: IO[bytes]) -> int:
                     lane.turn.close()  # the turn's lock goes with its file
                 running.remove(lane)
                 _say(out, f"lane {lane.name} {verdict(code)} in {clock(lane.took)}; its log: {lane.log}")
-                for later in [w for w in waiting if w.after == lane.name and not stopping]:
-                    waiting.remove(later)
-                    running.append(later)
-                    start(later, out)
-                    _say(out, f"lane {later.name} started, after {lane.name}")
+            for later in list(waiting):
+                if stopping or (why := _due(later, by_name)) is None:
+                    continue
+                waiting.remove(later)
+                running.append(later)
+                start(later, out)
+                _say(out, f"lane {later.name} started, {why}")
             if stopping and time.monotonic() - stopping[0] > STOP_GRACE_S:
                 _signal_all(running, signal.SIGKILL)
             time.sleep(0.5)
@@ -281,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logs", type=Path, required=True, help="the folder each lane's log is written to")
     parser.add_argument("--holds-turn", action="append", default=[], metavar="NAME",
                         help=f"this lane holds the machine's turn while it runs (with ${TURN_LOCK_VARIABLE})")  # fmt: skip
-    parser.add_argument("--after", action="append", default=[], type=parse_lane, metavar="LANE=EARLIER",
-                        help="LANE starts when EARLIER ends, not at once")  # fmt: skip
+    parser.add_argument("--after", action="append", default=[], type=parse_after, metavar="LANE=EARLIER[:MARK]",
+                        help="LANE starts when EARLIER ends (or says MARK), not at once")  # fmt: skip
     parser.add_argument("--low-priority", action="append", default=[], metavar="NAME",
                         help="this lane gets the CPU the others leave (an idle cpu cgroup)")  # fmt: skip
     parser.add_argument("lanes", nargs="+", type=parse_lane, metavar="NAME=COMMAND",
@@ -293,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"two lanes share a name: {names}")
     if unknown := sorted(set(args.holds_turn) - set(names)):
         parser.error(f"--holds-turn names no lane: {unknown}")
-    after = dict(args.after)
+    after = {name: earlier for name, earlier, _ in args.after}
+    marks = {name: mark for name, _, mark in args.after}
     if unknown := sorted({*after, *after.values()} - set(names)):
         parser.error(f"--after names no lane: {unknown}")
     if unknown := sorted(set(args.low_priority) - set(names)):
@@ -313,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             echo=index == 0,
             holds_turn=name in args.holds_turn,
             after=after.get(name),
+            mark=marks.get(name),
         )
         for index, (name, command) in enumerate(args.lanes)
     ]
@@ -325,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[lanes] {lane.name} runs in {lane.group}", flush=True)
             continue
         # At the normal priority it would stretch the chain into false alarms: be waited for.
-        lane.after, lane.holds_turn = None, True
+        lane.after, lane.mark, lane.holds_turn = None, None, True
         print(f"[lanes] {lane.name}: no v1 cpu cgroup to write; it starts at once and the chain waits for it",
               flush=True)  # fmt: skip
     return run(lanes, sys.stdout.buffer)

@@ -213,15 +213,23 @@ def test_a_lane_after_another_starts_when_that_one_ends_whatever_its_verdict(tmp
 
 
 def test_a_lane_after_a_mark_starts_when_the_earlier_lane_says_it_or_when_it_ends(tmp_path: Path) -> None:
-    """A mark of an earlier run's is no mark of this one: the driver empties each lane's folder."""
+    """The earlier lane goes on only once the later one has run, so the later one must start on
+    the mark, not at the earlier one's end; and it must not start on a mark an earlier run left
+    (the driver empties each lane's folder), or it would find the earlier lane had said nothing
+    yet. The folder is named absolute whatever --logs is: a lane's processes run anywhere."""
     stale = tmp_path / "logs" / "marks" / "earlier" / "built"
     stale.parent.mkdir(parents=True)
     stale.touch()
-    ended = tmp_path / "earlier-ended"
-    says = f'sleep 1; touch "$GPUOP_LANE_MARKS/built"; sleep 2; touch {ended}'
-    driver = _driver(tmp_path, "--after", "later=earlier:built", "--after", "never=earlier:other",
-                     "first=true", f"earlier={says}", f"later=test ! -e {ended} && test -e {stale}",
-                     f"never=test -e {ended}")  # fmt: skip
+    said, ran, ended = (tmp_path / name for name in ("said", "later-ran", "earlier-ended"))
+    says = (f'sleep 1; touch {said}; cd /; touch "$GPUOP_LANE_MARKS/built"; '
+            f"for i in $(seq 300); do [ -e {ran} ] && break; sleep 0.1; done; touch {ended}")  # fmt: skip
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "support.tools.lanes", "--logs", "logs", "--after", "later=earlier:built",
+         "--after", "never=earlier:other", "first=true", f"earlier={says}", f"later=test -e {said} && touch {ran}",
+         f"never=test -e {ended}"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
     out, _ = driver.communicate(timeout=60)
     assert driver.returncode == 0, out
     assert "lane later started, after earlier said built" in out, out
@@ -287,9 +295,9 @@ def test_a_low_priority_lane_with_no_cgroup_to_run_in_starts_at_once_and_holds_t
     planned: list[lanes.Lane] = []
     monkeypatch.setattr(lanes, "low_priority_group", lambda name: None)
     monkeypatch.setattr(lanes, "run", lambda these, out: planned.extend(these) or 0)
-    argv = ["--logs", str(tmp_path), "--after", "low=first", "--low-priority", "low", "first=true", "low=true"]  # fmt: skip
+    argv = ["--logs", str(tmp_path), "--after", "low=first:built", "--low-priority", "low", "first=true", "low=true"]  # fmt: skip
     assert lanes.main(argv) == 0
     low = planned[1]
-    assert (low.name, low.after, low.holds_turn, low.group) == ("low", None, True, None)
+    assert (low.name, low.after, low.mark, low.holds_turn, low.group) == ("low", None, None, True, None)
     said = "[lanes] low: no v1 cpu cgroup to write; it starts at once and the chain waits for it"
     assert said in capsys.readouterr().out

@@ -216,7 +216,7 @@ def _pump(lane: Lane, out: IO[bytes]) -> None:
 def start(lane: Lane, out: IO[bytes]) -> None:
     lane.log.parent.mkdir(parents=True, exist_ok=True)
     lane.started = time.monotonic()
-    env = {**os.environ, MARKS_VARIABLE: str(lane.marks)}
+    env = {**os.environ, MARKS_VARIABLE: str(lane.marks.absolute())}  # its processes may run anywhere
     # The shell joins the group before it runs the command: all it starts is born there.
     command = lane.command if lane.group is None else f"echo $$ > {lane.group}/cgroup.procs && {lane.command}"
     # A session of its own: a signal reaches the whole lane (make, pytest and what they started).
@@ -290,6 +290,8 @@ def run(lanes: list[Lane], out: IO[bytes]) -> int:
                 running.append(later)
                 start(later, out)
                 _say(out, f"lane {later.name} started, {why}")
+                if stopping:  # the stop came between the check and the start: it stops this one too
+                    _signal_all([later], signal.SIGINT)
             if stopping and time.monotonic() - stopping[0] > STOP_GRACE_S:
                 _signal_all(running, signal.SIGKILL)
             time.sleep(0.5)

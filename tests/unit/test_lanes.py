@@ -61,9 +61,10 @@ def test_the_trainer_lane_starts_once_the_nodes_lane_says_its_builds_are_done() 
 
 
 def _driver(tmp_path: Path, *specs: str) -> subprocess.Popen[str]:
+    """The driver with its logs in ``tmp_path / "logs"``, named relative as `make test` names them."""
     return subprocess.Popen(
-        [sys.executable, "-m", "support.tools.lanes", "--logs", str(tmp_path / "logs"), *specs],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
+        [sys.executable, "-m", "support.tools.lanes", "--logs", "logs", *specs],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 
@@ -223,13 +224,8 @@ def test_a_lane_after_a_mark_starts_when_the_earlier_lane_says_it_or_when_it_end
     said, ran, ended = (tmp_path / name for name in ("said", "later-ran", "earlier-ended"))
     says = (f'sleep 1; touch {said}; cd /; touch "$GPUOP_LANE_MARKS/built"; '
             f"for i in $(seq 300); do [ -e {ran} ] && break; sleep 0.1; done; touch {ended}")  # fmt: skip
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "support.tools.lanes", "--logs", "logs", "--after", "later=earlier:built",
-         "--after", "never=earlier:other", "first=true", f"earlier={says}", f"later=test -e {said} && touch {ran}",
-         f"never=test -e {ended}"],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    driver = _driver(tmp_path, "--after", "later=earlier:built", "--after", "never=earlier:other", "first=true",
+                     f"earlier={says}", f"later=test -e {said} && touch {ran}", f"never=test -e {ended}")  # fmt: skip
     out, _ = driver.communicate(timeout=60)
     assert driver.returncode == 0, out
     assert "lane later started, after earlier said built" in out, out
